@@ -1,0 +1,45 @@
+"""Saving and loading checkpoints."""
+
+from typing import Literal, Optional
+
+from neox.config.base import ConfigGroup
+
+
+class CheckpointConfig(ConfigGroup):
+    """Where checkpoints go, when they are written and what they hold."""
+
+    save: Optional[str] = None
+    """Directory checkpoints are saved to (None: never save)."""
+
+    load: Optional[str] = None
+    """Directory to resume from; one with no checkpoint starts from scratch (save = load is usual)."""
+
+    checkpoint_factor: Optional[int] = None
+    """Save every N iterations (linear scale) or at powers of N (log scale); gpt-neox's save-interval."""
+
+    checkpoint_scale: Literal["linear", "log"] = "linear"
+    """Spacing of checkpoints."""
+
+    extra_save_iters: Optional[list[int]] = None
+    """Iterations saved in addition to the regular ones."""
+
+    keep_last_n_checkpoints: Optional[int] = None
+    """Delete older checkpoints, keeping this many."""
+
+    no_save_optim: bool = False
+    """Leave optimizer state out of checkpoints."""
+
+    no_save_rng: bool = False
+    """Leave RNG state out of checkpoints."""
+
+    no_load_optim: bool = False
+    """Do not restore optimizer state."""
+
+    no_load_rng: bool = False
+    """Do not restore RNG state."""
+
+    checkpoint_validation_with_forward_pass: bool = False
+    """After loading, check the loss of one batch against the one recorded at save time."""
+
+    save_iters: Optional[list[int]] = None
+    """gpt-neox runtime key (derived from checkpoint_factor; accepted, recomputed)."""

@@ -1,0 +1,141 @@
+"""Training data and tokenizer."""
+
+from typing import Literal, Optional
+
+from pydantic import field_validator, model_validator
+
+from neox.config.base import ConfigGroup
+
+TokenizerType = Literal[
+    "GPT2BPETokenizer",
+    "HFTokenizer",
+    "HFGPT2Tokenizer",
+    "SPMTokenizer",
+    "CharLevelTokenizer",
+    "TiktokenTokenizer",
+]
+
+
+class TokenizerConfig(ConfigGroup):
+    """Which tokenizer turns text into ids, and the vocabulary the model is built for."""
+
+    tokenizer_type: TokenizerType = "GPT2BPETokenizer"
+    """Tokenizer class (gpt-neox names)."""
+
+    vocab_file: Optional[str] = None
+    """vocab.json (GPT2BPE), tokenizers JSON (HFTokenizer), or SentencePiece model (SPM)."""
+
+    merge_file: Optional[str] = None
+    """merges.txt for GPT2BPETokenizer."""
+
+    padded_vocab_size: Optional[int] = None
+    """Model vocabulary; derived from the tokenizer when unset (rounded up to
+    make_vocab_size_divisible_by x model_parallel_size). Set it to pin the size a checkpoint has."""
+
+
+class DataConfig(ConfigGroup):
+    """Where the tokenized (.bin/.idx) data lives and how samples are drawn."""
+
+    data_path: Optional[str] = None
+    """Prefix of one dataset (path without .bin/.idx), split by `split`."""
+
+    train_data_paths: Optional[list[str]] = None
+    """Prefixes of training datasets, blended by train_data_weights."""
+
+    valid_data_paths: Optional[list[str]] = None
+    """Prefixes of validation datasets."""
+
+    test_data_paths: Optional[list[str]] = None
+    """Prefixes of test datasets."""
+
+    train_data_weights: Optional[list[float]] = None
+    """Blending weights of train_data_paths (default: equal)."""
+
+    valid_data_weights: Optional[list[float]] = None
+    """Blending weights of valid_data_paths."""
+
+    test_data_weights: Optional[list[float]] = None
+    """Blending weights of test_data_paths."""
+
+    weight_by_num_documents: bool = False
+    """Weight datasets by document count, flattened by weighted_sampler_alpha (overrides weights)."""
+
+    weighted_sampler_alpha: float = 1.0
+    """Exponent of the document-count weighting (1: proportional, 0: uniform)."""
+
+    split: str = "969,30,1"
+    """Train/valid/test proportions of data_path's documents, e.g. "949,50,1"."""
+
+    data_impl: Literal["mmap", "infer", "cached"] = "mmap"
+    """Dataset format (only the mmap .bin/.idx format is read; others are accepted as mmap)."""
+
+    dataset_impl: Literal["gpt2"] = "gpt2"
+    """Dataset kind (gpt-neox key; only gpt2 language modelling)."""
+
+    pack_impl: Literal["packed"] = "packed"
+    """Sample packing (gpt-neox key; documents are packed into full sequences)."""
+
+    allow_chopped: bool = True
+    """gpt-neox key for unpacked data (accepted; no effect with packed samples)."""
+
+    eod_mask_loss: bool = False
+    """Exclude end-of-document tokens from the loss."""
+
+    reset_position_ids: bool = False
+    """Restart position ids at each document inside a sample."""
+
+    reset_attention_mask: bool = False
+    """Stop attention across documents inside a sample."""
+
+    num_workers: int = 2
+    """DataLoader worker processes per rank."""
+
+    data_cache_dir: Optional[str] = None
+    """Where sample indices are cached (default: beside the data)."""
+
+    mmap_warmup: bool = False
+    """gpt-neox key (accepted; no effect)."""
+
+    use_shared_fs: bool = True
+    """All nodes see the same data directory (index files are then built once, by global rank 0)."""
+
+    short_seq_prob: float = 0.0
+    """gpt-neox key (accepted; no effect)."""
+
+    @field_validator("split")
+    @classmethod
+    def _split_form(cls, v: str) -> str:
+        parts = v.replace("/", ",").split(",")
+        try:
+            weights = [float(p) for p in parts]
+        except ValueError:
+            raise ValueError(
+                f'split={v!r} must be numbers separated by commas, e.g. "949,50,1"'
+            ) from None
+        if len(weights) > 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
+            raise ValueError(f"split={v!r} needs up to 3 non-negative numbers with a positive sum")
+        return v
+
+    @model_validator(mode="after")
+    def _weights_match(self) -> "DataConfig":
+        for name in ("train", "valid", "test"):
+            paths = getattr(self, f"{name}_data_paths")
+            weights = getattr(self, f"{name}_data_weights")
+            if weights is not None and (paths is None or len(weights) != len(paths)):
+                raise ValueError(
+                    f"{name}_data_weights has {len(weights)} entries but {name}_data_paths has "
+                    f"{0 if paths is None else len(paths)}; give one weight per path"
+                )
+        if self.train_data_paths and self.data_path:
+            raise ValueError(
+                "data_path and train_data_paths are both set; use data_path (with split) or "
+                "train/valid/test_data_paths, not both"
+            )
+        return self
+
+    @property
+    def split_weights(self) -> list[float]:
+        parts = [float(p) for p in self.split.replace("/", ",").split(",")]
+        parts += [0.0] * (3 - len(parts))
+        total = sum(parts)
+        return [p / total for p in parts]

@@ -1,0 +1,181 @@
+"""Values computed from the config, never read from YAML: layout, batch triple, vocab, schedule."""
+
+import logging
+import math
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+from neox.config.errors import ConfigError
+from neox.config.schema import NeoXConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Derived:
+    """What a run computes once from its config and world size."""
+
+    world_size: int
+    tensor_parallel: int
+    pipe_parallel: int
+    data_parallel: int
+    micro_batch: int
+    grad_accum: int
+    global_batch: int
+    precision: str  # "fp32" | "fp16" | "bf16"
+    lr_decay_iters: int
+    warmup_iters: int
+    padded_vocab_size: Optional[int]
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def pad_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel: int) -> int:
+    """Round the vocabulary up so each tensor-parallel shard is a multiple of divisible_by."""
+    multiple = divisible_by * tensor_parallel
+    return multiple * math.ceil(vocab_size / multiple)
+
+
+def data_parallel_size(cfg: NeoXConfig, world_size: int) -> int:
+    """world / (tensor x pipeline), with every degree named when it does not divide."""
+    tp, pp = cfg.parallel.model_parallel_size, cfg.parallel.pp
+    if world_size % (tp * pp):
+        raise ConfigError(
+            f"world size {world_size} is not divisible by model_parallel_size={tp} x "
+            f"pipe_parallel_size={pp} = {tp * pp}; use a number of ranks that is a multiple of "
+            f"{tp * pp}, or change the parallel sizes"
+        )
+    return world_size // (tp * pp)
+
+
+def batch_triple(cfg: NeoXConfig, dp: int) -> tuple[int, int, int]:
+    """(micro batch, accumulation steps, global batch): any two give the third."""
+    t = cfg.training
+    micro = t.train_micro_batch_size_per_gpu or t.batch_size
+    gas, glob = t.gradient_accumulation_steps, t.train_batch_size
+    if micro is not None and gas is not None and glob is not None:
+        if micro * gas * dp != glob:
+            raise ConfigError(
+                f"train_batch_size={glob} != train_micro_batch_size_per_gpu={micro} x "
+                f"gradient_accumulation_steps={gas} x data-parallel size {dp} = {micro * gas * dp}; "
+                "set any two of the three and neox derives the third"
+            )
+    elif micro is not None and gas is not None:
+        glob = micro * gas * dp
+    elif micro is not None and glob is not None:
+        gas = _exact_div(glob, micro * dp, "train_batch_size", "micro batch x data-parallel size")
+    elif gas is not None and glob is not None:
+        micro = _exact_div(glob, gas * dp, "train_batch_size", "accumulation x data-parallel size")
+    elif micro is not None:
+        gas, glob = 1, micro * dp
+    elif glob is not None:
+        gas = 1
+        micro = _exact_div(glob, dp, "train_batch_size", "data-parallel size")
+    else:
+        micro, gas = 1, gas or 1
+        glob = micro * gas * dp
+    for name, v in (("micro batch", micro), ("gradient_accumulation_steps", gas)):
+        if v < 1:
+            raise ConfigError(f"{name}={v} must be >= 1")
+    return micro, gas, glob
+
+
+def _exact_div(total: int, part: int, total_name: str, part_name: str) -> int:
+    if part == 0 or total % part:
+        raise ConfigError(
+            f"{total_name}={total} is not divisible by {part_name} = {part}; adjust the batch sizes"
+        )
+    return total // part
+
+
+def precision_of(cfg: NeoXConfig) -> str:
+    """fp16, bf16 or fp32, from the DeepSpeed sections or gpt-neox's `precision`."""
+    p = cfg.precision
+    fp16 = bool(p.fp16 and p.fp16.get("enabled", True))
+    bf16 = bool(p.bf16 and p.bf16.get("enabled", True))
+    if fp16 and bf16:
+        raise ConfigError("fp16 and bf16 are both enabled; enable one of them")
+    from_sections = "fp16" if fp16 else "bf16" if bf16 else None
+    named = {"bfloat16": "bf16"}.get(p.precision or "", p.precision)
+    if named and from_sections and named != from_sections:
+        raise ConfigError(
+            f"precision={p.precision!r} contradicts the enabled {from_sections} section; "
+            "keep them consistent or drop `precision`"
+        )
+    return from_sections or named or "fp32"
+
+
+def schedule_iters(cfg: NeoXConfig) -> tuple[int, int]:
+    """(decay iterations, warmup iterations)."""
+    o, iters = cfg.optimizer, cfg.training.train_iters
+    if o.lr_decay_fraction is not None:
+        decay = int(o.lr_decay_fraction * iters)
+    else:
+        decay = o.lr_decay_iters if o.lr_decay_iters is not None else iters
+    return decay, int(o.warmup * decay)
+
+
+def derive(cfg: NeoXConfig, world_size: int, vocab_size: Optional[int] = None) -> Derived:
+    """Compute layout, batch, precision, schedule and padded vocab; raise ConfigError when off."""
+    check_layout(cfg, world_size)
+    dp = data_parallel_size(cfg, world_size)
+    micro, gas, glob = batch_triple(cfg, dp)
+    decay, warmup = schedule_iters(cfg)
+    padded = cfg.tokenizer.padded_vocab_size
+    tp = cfg.parallel.model_parallel_size
+    if vocab_size is not None:
+        if padded is None:
+            padded = pad_vocab_size(vocab_size, cfg.model.make_vocab_size_divisible_by, tp)
+        elif padded < vocab_size:
+            raise ConfigError(
+                f"padded_vocab_size={padded} is smaller than the tokenizer's vocabulary "
+                f"({vocab_size}); remove padded_vocab_size or raise it"
+            )
+    if padded is not None and padded % tp:
+        raise ConfigError(
+            f"padded_vocab_size={padded} is not divisible by model_parallel_size={tp}; "
+            "remove padded_vocab_size to derive it"
+        )
+    return Derived(
+        world_size=world_size,
+        tensor_parallel=tp,
+        pipe_parallel=cfg.parallel.pp,
+        data_parallel=dp,
+        micro_batch=micro,
+        grad_accum=gas,
+        global_batch=glob,
+        precision=precision_of(cfg),
+        lr_decay_iters=decay,
+        warmup_iters=warmup,
+        padded_vocab_size=padded,
+    )
+
+
+def check_layout(cfg: NeoXConfig, world_size: int) -> None:
+    """Heads, kv heads and layers against the parallel sizes; every degree named."""
+    m, tp, pp = cfg.model, cfg.parallel.model_parallel_size, cfg.parallel.pp
+    problems = []
+    if m.num_attention_heads % tp:
+        ok = [d for d in range(1, m.num_attention_heads + 1) if m.num_attention_heads % d == 0]
+        problems.append(
+            f"num_attention_heads={m.num_attention_heads} is not divisible by "
+            f"model_parallel_size={tp}; use model_parallel_size in {ok}"
+        )
+    if m.kv_heads % tp:
+        problems.append(
+            f"num_kv_heads={m.kv_heads} is not divisible by model_parallel_size={tp}; "
+            "use fewer tensor-parallel ranks or more kv heads"
+        )
+    if m.num_layers < pp:
+        problems.append(
+            f"num_layers={m.num_layers} is fewer than pipe_parallel_size={pp}; "
+            "use at most one stage per layer"
+        )
+    if world_size < tp * pp:
+        problems.append(
+            f"world size {world_size} is smaller than model_parallel_size={tp} x "
+            f"pipe_parallel_size={pp}; launch at least {tp * pp} ranks (num_gpus / hostfile)"
+        )
+    if problems:
+        raise ConfigError("\n".join(problems))

@@ -1,0 +1,100 @@
+"""The DeepSpeed config dict, built from the validated config and its derived values."""
+
+from typing import Any
+
+from neox.config.derived import Derived
+from neox.config.schema import NeoXConfig
+
+
+def zero_section(cfg: NeoXConfig) -> dict[str, Any]:
+    """zero_optimization, with gpt-neox's zero_* shorthands filled in where the section is silent."""
+    ds = cfg.deepspeed
+    zero = dict(ds.zero_optimization or {})
+    for short, key in (
+        ("zero_stage", "stage"),
+        ("zero_reduce_scatter", "reduce_scatter"),
+        ("zero_contiguous_gradients", "contiguous_gradients"),
+        ("zero_reduce_bucket_size", "reduce_bucket_size"),
+        ("zero_allgather_bucket_size", "allgather_bucket_size"),
+    ):
+        value = getattr(ds, short)
+        if value is not None:
+            zero.setdefault(key, value)
+    # gpt-neox configs still say `cpu_offload`; DeepSpeed now wants offload_optimizer.
+    if zero.pop("cpu_offload", False):
+        zero.setdefault("offload_optimizer", {"device": "cpu"})
+    zero.setdefault("stage", 0)
+    return zero
+
+
+def precision_sections(cfg: NeoXConfig, d: Derived) -> dict[str, Any]:
+    p = cfg.precision
+    if d.precision == "fp16":
+        fp16 = {k: v for k, v in (p.fp16 or {}).items() if k != "fp16"}  # gpt-neox repeats a flag
+        fp16["enabled"] = True
+        if p.loss_scale is not None:
+            fp16.setdefault("loss_scale", p.loss_scale)
+        fp16.setdefault("loss_scale_window", p.loss_scale_window)
+        fp16.setdefault("hysteresis", p.hysteresis)
+        fp16.setdefault("min_loss_scale", p.min_scale)
+        return {"fp16": fp16}
+    if d.precision == "bf16":
+        return {"bf16": {**(p.bf16 or {}), "enabled": True}}
+    return {}
+
+
+def activation_checkpointing_section(cfg: NeoXConfig) -> dict[str, Any]:
+    t = cfg.training
+    section = {
+        "partition_activations": t.partition_activations,
+        "contiguous_memory_optimization": t.contiguous_checkpointing,
+        "cpu_checkpointing": t.checkpoint_in_cpu,
+        "number_checkpoints": t.checkpoint_num_layers,
+        "synchronize_checkpoint_boundary": t.synchronize_each_layer,
+        "profile": t.profile_backward,
+    }
+    section.update(cfg.deepspeed.activation_checkpointing or {})
+    return section
+
+
+def build_ds_config(cfg: NeoXConfig, d: Derived) -> dict[str, Any]:
+    """DeepSpeed config for deepspeed.initialize; the optimizer and LR schedule are neox's own."""
+    t, ds, lg = cfg.training, cfg.deepspeed, cfg.logging
+    clip = t.clip_grad if t.clip_grad is not None else t.gradient_clipping
+    out: dict[str, Any] = {
+        "train_batch_size": d.global_batch,
+        "train_micro_batch_size_per_gpu": d.micro_batch,
+        "gradient_accumulation_steps": d.grad_accum,
+        "gradient_clipping": clip,
+        "steps_per_print": lg.steps_per_print,
+        "wall_clock_breakdown": lg.wall_clock_breakdown,
+        "zero_optimization": zero_section(cfg),
+        # neox hands DeepSpeed its own optimizer object, which ZeRO must accept.
+        "zero_allow_untested_optimizer": True,
+        "prescale_gradients": ds.prescale_gradients,
+        "gradient_predivide_factor": ds.gradient_predivide_factor,
+        "sparse_gradients": ds.sparse_gradients,
+        "dump_state": ds.dump_state,
+        "activation_checkpointing": activation_checkpointing_section(cfg),
+        **precision_sections(cfg, d),
+    }
+    if cfg.precision.fp32_allreduce:
+        out["fp32_allreduce"] = True
+    if cfg.precision.communication_data_type:
+        out["communication_data_type"] = cfg.precision.communication_data_type
+    if cfg.precision.amp:
+        out["amp"] = cfg.precision.amp
+    for name in (
+        "flops_profiler",
+        "comms_logger",
+        "autotuning",
+        "elasticity",
+        "csv_monitor",
+        "checkpoint",
+        "data_types",
+    ):
+        section = getattr(ds, name)
+        if section is not None:
+            out[name] = section
+    out.update(ds.deepspeed_extra_args or {})
+    return out

@@ -1,0 +1,193 @@
+"""Read YAML/JSON config files, merge them in order, and validate the result into a NeoXConfig."""
+
+import difflib
+import json
+import logging
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+from pydantic import ValidationError
+
+from neox.config.errors import ConfigError
+from neox.config.schema import KEY_OWNER, NeoXConfig
+from neox.config.unsupported import RUNTIME_KEYS, is_inert, unsupported_feature
+
+log = logging.getLogger(__name__)
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that also reads `1e-5` as a float (YAML 1.1 wants `1.0e-5`)."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(
+        r"""^[-+]?(?:[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+        |[0-9][0-9_]*[eE][-+]?[0-9]+
+        |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+        |\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$""",
+        re.X,
+    ),
+    list("-+0123456789."),
+)
+
+
+@dataclass
+class Override:
+    """A key set by an earlier file and changed by a later one."""
+
+    key: str
+    old: Any
+    old_source: str
+    new: Any
+    new_source: str
+
+    def __str__(self) -> str:
+        return f"{self.key}: {self.old!r} ({self.old_source}) -> {self.new!r} ({self.new_source})"
+
+
+@dataclass
+class LoadedConfig:
+    """The validated config, where each key came from, and what later files overrode."""
+
+    config: NeoXConfig
+    sources: dict[str, str] = field(default_factory=dict)
+    overrides: list[Override] = field(default_factory=list)
+    files: list[str] = field(default_factory=list)
+
+    def source_of(self, key: str) -> str:
+        return self.sources.get(key, "default")
+
+
+def normalize_key(key: str) -> str:
+    """gpt-neox treats `tensorboard-dir` and `tensorboard_dir` as one key."""
+    return key.strip().replace("-", "_")
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    """Parse one YAML or JSON config file into a dict with normalised top-level keys."""
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist; check the path (or -d/--conf_dir)")
+    text = path.read_text()
+    try:
+        data = json.loads(text) if path.suffix == ".json" else yaml.load(text, Loader=_Loader)
+    except (yaml.YAMLError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{path}: not valid YAML/JSON: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"{path}: the top level must be a mapping of keys, got {type(data).__name__}"
+        )
+    out: dict[str, Any] = {}
+    for raw_key, value in data.items():
+        key = normalize_key(str(raw_key))
+        if key in out:
+            raise ConfigError(
+                f"{path}: key {key!r} appears twice (dashes and underscores are the same)"
+            )
+        out[key] = value
+    return out
+
+
+def resolve_paths(names: Iterable[str], conf_dir: Optional[str] = None) -> list[Path]:
+    """Config names, prefixed by conf_dir when given (gpt-neox's -d/--conf_dir)."""
+    return [Path(conf_dir) / n if conf_dir else Path(n) for n in names]
+
+
+def merge_files(paths: list[Path]) -> tuple[dict[str, Any], dict[str, str], list[Override]]:
+    """Merge files in order: later keys replace earlier ones, and every replacement is recorded."""
+    merged: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    overrides: list[Override] = []
+    for path in paths:
+        for key, value in read_config_file(path).items():
+            if key in merged and merged[key] != value:
+                overrides.append(Override(key, merged[key], sources[key], value, str(path)))
+            merged[key] = value
+            sources[key] = str(path)
+    return merged, sources, overrides
+
+
+def check_keys(flat: dict[str, Any], sources: dict[str, str]) -> dict[str, Any]:
+    """Reject unknown and unimplemented keys by name; drop gpt-neox runtime keys."""
+    known: dict[str, Any] = {}
+    problems: list[str] = []
+    for key, value in flat.items():
+        where = sources.get(key, "override")
+        if key in KEY_OWNER:
+            known[key] = value
+        elif key in RUNTIME_KEYS:
+            log.debug("ignoring gpt-neox runtime key %s from %s", key, where)
+        elif (feature := unsupported_feature(key)) is not None:
+            if is_inert(value):
+                log.debug("ignoring %s=%r (%s is off) from %s", key, value, feature, where)
+            else:
+                problems.append(
+                    f"{where}: {key}={value!r} asks for {feature}, which neox does not implement; "
+                    f"remove the key"
+                )
+        else:
+            close = difflib.get_close_matches(key, KEY_OWNER, n=3, cutoff=0.7)
+            hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+            problems.append(f"{where}: unknown config key {key!r}{hint}")
+    if problems:
+        raise ConfigError("\n".join(problems))
+    return known
+
+
+def validate(flat: dict[str, Any], sources: dict[str, str]) -> NeoXConfig:
+    """Build the typed config, turning pydantic's errors into messages that name the file."""
+    try:
+        return NeoXConfig.from_flat(flat)
+    except ValidationError as e:
+        raise ConfigError(_explain(e, flat, sources)) from None
+
+
+def _explain(error: ValidationError, flat: dict[str, Any], sources: dict[str, str]) -> str:
+    lines = []
+    for err in error.errors():
+        loc = [str(p) for p in err["loc"]]
+        key = loc[1] if len(loc) > 1 else loc[0]
+        msg = err["msg"].removeprefix("Value error, ")
+        if key in flat:
+            path = ".".join(loc[1:])
+            lines.append(f"{sources.get(key, 'override')}: {path}={flat[key]!r}: {msg}")
+        else:
+            # A check across several keys (e.g. hidden_size vs heads): name the files involved.
+            group = loc[0]
+            involved = sorted(
+                {sources[k] for k in flat if KEY_OWNER.get(k) == group and k in sources}
+            )
+            lines.append(f"{', '.join(involved) or 'defaults'}: {msg}")
+    return "\n".join(lines)
+
+
+def load_config(
+    names: Iterable[str],
+    conf_dir: Optional[str] = None,
+    overrides: Optional[dict[str, Any]] = None,
+) -> LoadedConfig:
+    """Load, merge and validate config files (later files win), plus command-line overrides."""
+    paths = resolve_paths(names, conf_dir)
+    flat, sources, changed = merge_files(paths)
+    for key, value in (overrides or {}).items():
+        key = normalize_key(key)
+        if key in flat and flat[key] != value:
+            changed.append(Override(key, flat[key], sources[key], value, "command line"))
+        flat[key] = value
+        sources[key] = "command line"
+    flat = check_keys(flat, sources)
+    cfg = validate(flat, sources)
+    return LoadedConfig(cfg, sources, changed, [str(p) for p in paths])
+
+
+def load_dict(flat: dict[str, Any], source: str = "dict") -> NeoXConfig:
+    """Validate an in-memory flat config (tests, the Python API, configs shipped in checkpoints)."""
+    flat = {normalize_key(k): v for k, v in flat.items()}
+    sources = {k: source for k in flat}
+    return validate(check_keys(flat, sources), sources)

@@ -1,0 +1,73 @@
+"""Optimizer and learning-rate schedule."""
+
+from typing import Any, Literal, Optional
+
+from pydantic import field_validator
+
+from neox.config.base import ConfigGroup
+
+
+class OptimizerSpec(ConfigGroup):
+    """gpt-neox's `optimizer` section: {"type": "Adam", "params": {"lr": ..., "betas": [...]}}."""
+
+    type: str = "Adam"
+    """Adam/AdamW (fused on GPU), CPU_Adam, SGD, Lion (case-insensitive)."""
+
+    params: dict[str, Any] = {"lr": 6.0e-4, "betas": [0.9, 0.95], "eps": 1.0e-8}
+    """Keyword arguments of the optimizer; `lr` is the peak learning rate."""
+
+    @field_validator("type")
+    @classmethod
+    def _known(cls, v: str) -> str:
+        known = {"adam", "adamw", "cpu_adam", "cpu_torch_adam", "sgd", "lion"}
+        if v.lower() not in known:
+            raise ValueError(f"optimizer type {v!r} is not available; use one of {sorted(known)}")
+        return v
+
+    @property
+    def lr(self) -> float:
+        return float(self.params.get("lr", 6.0e-4))
+
+
+class OptimizerConfig(ConfigGroup):
+    """What updates the weights, and how the learning rate moves."""
+
+    optimizer: OptimizerSpec = OptimizerSpec()
+    """Optimizer type and parameters (gpt-neox layout)."""
+
+    weight_decay: float = 0.01
+    """Decoupled weight decay; biases and norm weights are exempt."""
+
+    lr_decay_style: Literal["constant", "linear", "cosine", "exponential"] = "linear"
+    """Shape of the decay after warmup."""
+
+    lr_decay_iters: Optional[int] = None
+    """Iterations over which the learning rate decays (None: train_iters)."""
+
+    lr_decay_fraction: Optional[float] = None
+    """Decay over this fraction of train_iters instead of lr_decay_iters."""
+
+    min_lr: float = 0.0
+    """Floor of the decayed learning rate."""
+
+    warmup: float = 0.01
+    """Warmup length as a fraction of the decay iterations."""
+
+    override_lr_scheduler: bool = False
+    """On resume, take the schedule from the config rather than the checkpoint."""
+
+    use_checkpoint_lr_scheduler: bool = False
+    """On resume, take the schedule from the checkpoint."""
+
+    optimizer_type: Optional[str] = None
+    """gpt-neox's older spelling of optimizer.type (accepted; optimizer.type wins when both)."""
+
+    lr: Optional[float] = None
+    """gpt-neox's top-level peak learning rate (accepted; overrides optimizer.params.lr)."""
+
+    @field_validator("warmup")
+    @classmethod
+    def _warmup_fraction(cls, v: float) -> float:
+        if not 0.0 <= v <= 1.0:
+            raise ValueError(f"warmup={v} is a fraction of the decay iterations; use 0..1")
+        return v

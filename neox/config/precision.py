@@ -1,0 +1,42 @@
+"""Numeric precision: fp32, fp16 with dynamic loss scaling, or bf16 (DeepSpeed sections)."""
+
+from typing import Any, Literal, Optional
+
+from neox.config.base import ConfigGroup
+
+
+class PrecisionConfig(ConfigGroup):
+    """DeepSpeed's fp16/bf16 sections, passed through, and gpt-neox's precision keys."""
+
+    fp16: Optional[dict[str, Any]] = None
+    """DeepSpeed fp16 section, e.g. {"enabled": true, "loss_scale": 0, "initial_scale_power": 12}."""
+
+    bf16: Optional[dict[str, Any]] = None
+    """DeepSpeed bf16 section, e.g. {"enabled": true}."""
+
+    precision: Optional[Literal["fp16", "fp32", "bfloat16", "bf16"]] = None
+    """gpt-neox's precision key; derived from fp16/bf16 when unset."""
+
+    amp: Optional[dict[str, Any]] = None
+    """DeepSpeed amp section (passed through)."""
+
+    fp32_allreduce: bool = False
+    """All-reduce gradients in fp32."""
+
+    communication_data_type: Optional[str] = None
+    """DeepSpeed communication data type (passed through)."""
+
+    dynamic_loss_scale: Optional[bool] = None
+    """gpt-neox key; set through fp16.loss_scale = 0 instead (accepted)."""
+
+    loss_scale: Optional[float] = None
+    """gpt-neox key: static loss scale (accepted; fp16.loss_scale wins)."""
+
+    loss_scale_window: float = 1000.0
+    """gpt-neox key: iterations between loss-scale raises (fp16.loss_scale_window wins)."""
+
+    hysteresis: int = 2
+    """gpt-neox key: overflow tolerance before lowering the scale (fp16.hysteresis wins)."""
+
+    min_scale: float = 1.0
+    """gpt-neox key: lowest loss scale (fp16.min_loss_scale wins)."""

@@ -1,0 +1,83 @@
+"""The whole run config: one typed group per concern, addressed by flat gpt-neox keys."""
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from neox.config.base import ConfigGroup
+from neox.config.checkpoint import CheckpointConfig
+from neox.config.data import DataConfig, TokenizerConfig
+from neox.config.deepspeed import DeepSpeedConfig
+from neox.config.generation import GenerationConfig
+from neox.config.launcher import LauncherConfig
+from neox.config.log import LoggingConfig
+from neox.config.model import ModelConfig
+from neox.config.optimizer import OptimizerConfig
+from neox.config.parallel import ParallelConfig
+from neox.config.precision import PrecisionConfig
+from neox.config.training import TrainingConfig
+
+# Attribute name of each group on NeoXConfig, in the order the docs list them.
+GROUPS: dict[str, type[ConfigGroup]] = {
+    "model": ModelConfig,
+    "parallel": ParallelConfig,
+    "optimizer": OptimizerConfig,
+    "precision": PrecisionConfig,
+    "tokenizer": TokenizerConfig,
+    "data": DataConfig,
+    "training": TrainingConfig,
+    "checkpoint": CheckpointConfig,
+    "logging": LoggingConfig,
+    "launcher": LauncherConfig,
+    "generation": GenerationConfig,
+    "deepspeed": DeepSpeedConfig,
+}
+
+
+def _key_owners() -> dict[str, str]:
+    owners: dict[str, str] = {}
+    for group, cls in GROUPS.items():
+        for key in cls.model_fields:
+            if key in owners:
+                raise RuntimeError(f"config key {key!r} is claimed by {owners[key]} and {group}")
+            owners[key] = group
+    return owners
+
+
+# Flat key -> group. Every user-facing key lives in exactly one group.
+KEY_OWNER: dict[str, str] = _key_owners()
+
+
+class NeoXConfig(BaseModel):
+    """A validated run config. Users write flat keys; code reads `cfg.model.hidden_size`."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    model: ModelConfig = ModelConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
+    precision: PrecisionConfig = PrecisionConfig()
+    tokenizer: TokenizerConfig = TokenizerConfig()
+    data: DataConfig = DataConfig()
+    training: TrainingConfig = TrainingConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    logging: LoggingConfig = LoggingConfig()
+    launcher: LauncherConfig = LauncherConfig()
+    generation: GenerationConfig = GenerationConfig()
+    deepspeed: DeepSpeedConfig = DeepSpeedConfig()
+
+    @classmethod
+    def from_flat(cls, flat: dict[str, Any]) -> "NeoXConfig":
+        """Build from flat, already-normalised keys (the loader checks unknown keys first)."""
+        grouped: dict[str, dict[str, Any]] = {g: {} for g in GROUPS}
+        for key, value in flat.items():
+            grouped[KEY_OWNER[key]][key] = value
+        return cls(**grouped)
+
+    def to_flat(self, *, explicit_only: bool = False) -> dict[str, Any]:
+        """Flat key -> value, as a user would write it (all fields, or only those set)."""
+        flat: dict[str, Any] = {}
+        for group in GROUPS:
+            section: BaseModel = getattr(self, group)
+            flat.update(section.model_dump(mode="json", exclude_unset=explicit_only))
+        return flat

@@ -1,0 +1,103 @@
+"""The training loop: batch sizes, iterations, evaluation, memory savers."""
+
+from typing import Optional
+
+from pydantic import field_validator
+
+from neox.config.base import ConfigGroup
+
+
+class TrainingConfig(ConfigGroup):
+    """How long to train, on what batch, and what to trade for memory."""
+
+    train_micro_batch_size_per_gpu: Optional[int] = None
+    """Sequences per rank per forward pass (DeepSpeed key)."""
+
+    gradient_accumulation_steps: Optional[int] = None
+    """Micro batches per optimizer step (DeepSpeed key)."""
+
+    train_batch_size: Optional[int] = None
+    """Sequences per optimizer step over all data-parallel ranks (DeepSpeed key)."""
+
+    batch_size: Optional[int] = None
+    """gpt-neox alias of train_micro_batch_size_per_gpu."""
+
+    train_iters: int = 100
+    """Optimizer steps to train for."""
+
+    train_epochs: Optional[int] = None
+    """gpt-neox key: train for this many epochs instead (not implemented: leave unset)."""
+
+    seed: int = 1234
+    """Seed of weights, data order and dropout."""
+
+    eval_interval: int = 1000
+    """Evaluate on the validation set every N iterations."""
+
+    eval_iters: int = 10
+    """Validation batches per evaluation."""
+
+    exit_interval: Optional[int] = None
+    """Stop (after saving) once the iteration is a multiple of this."""
+
+    do_train: bool = True
+    """Run training (gpt-neox key)."""
+
+    do_valid: bool = True
+    """Run validation (gpt-neox key)."""
+
+    do_test: bool = True
+    """Evaluate on the test set at the end (gpt-neox key)."""
+
+    gradient_clipping: float = 1.0
+    """Clip the global gradient norm to this (0: off; DeepSpeed key)."""
+
+    clip_grad: Optional[float] = None
+    """gpt-neox alias of gradient_clipping."""
+
+    checkpoint_activations: bool = False
+    """Recompute activations in the backward pass to save memory."""
+
+    checkpoint_num_layers: int = 1
+    """Blocks per activation checkpoint."""
+
+    partition_activations: bool = False
+    """Split checkpointed activations across tensor-parallel ranks (DeepSpeed)."""
+
+    contiguous_checkpointing: bool = False
+    """Copy checkpointed activations to a contiguous buffer (DeepSpeed)."""
+
+    checkpoint_in_cpu: bool = False
+    """Offload checkpointed activations to CPU (DeepSpeed)."""
+
+    synchronize_each_layer: bool = False
+    """Synchronize the device after each checkpointed layer (DeepSpeed)."""
+
+    profile_backward: bool = False
+    """Time the backward pass of checkpointed layers (DeepSpeed)."""
+
+    deepspeed_activation_checkpointing: bool = True
+    """Use DeepSpeed's activation checkpointing (rather than torch.utils.checkpoint)."""
+
+    finetune: bool = False
+    """Load weights only and restart the iteration count at 0."""
+
+    char_level_ppl: bool = False
+    """Also report character-level perplexity (gpt-neox key)."""
+
+    iteration: Optional[int] = None
+    """gpt-neox runtime key (set by resumption; accepted, ignored when given)."""
+
+    @field_validator("train_iters")
+    @classmethod
+    def _iters_positive(cls, v: int) -> int:
+        if v < 0:
+            raise ValueError(f"train_iters={v} must be >= 0")
+        return v
+
+    @field_validator("train_epochs")
+    @classmethod
+    def _no_epochs(cls, v: Optional[int]) -> Optional[int]:
+        if v:
+            raise ValueError("train_epochs is not implemented in neox; set train_iters instead")
+        return v
