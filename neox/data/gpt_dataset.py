@@ -1,0 +1,210 @@
+"""GPT pretraining dataset: fixed-length token windows over shuffled documents, index cached on disk."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+
+import numpy as np
+import torch
+
+from neox.data.indexed import IndexedDataset
+from neox.data.sample_index import SampleIndex, build_sample_index
+
+logger = logging.getLogger(__name__)
+
+# Bump when the index layout or the way it is drawn from the seed changes, so old files are not reused.
+INDEX_VERSION = 1
+_KINDS = ("doc_idx", "sample_idx", "shuffle_idx")
+
+
+def index_cache_paths(
+    data_prefix: str,
+    name: str,
+    documents: np.ndarray,
+    sizes: np.ndarray,
+    num_samples: int,
+    seq_length: int,
+    seed: int,
+    cache_dir: str | None = None,
+) -> dict[str, str]:
+    """Paths of the three index files for these parameters (a hash of all of them in the name)."""
+    documents = np.ascontiguousarray(documents, dtype=np.int64)
+    key = {
+        "version": INDEX_VERSION,
+        "name": name,
+        "prefix": os.path.basename(data_prefix),
+        # The dataset's shape and the chosen documents: a rebuilt dataset or new split gets new files.
+        "num_sequences": int(len(sizes)),
+        "num_tokens": int(np.asarray(sizes).sum(dtype=np.int64)),
+        "documents": hashlib.sha1(documents.tobytes()).hexdigest(),
+        "num_samples": int(num_samples),
+        "seq_length": int(seq_length),
+        "seed": int(seed),
+    }
+    digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    folder = cache_dir if cache_dir is not None else os.path.dirname(os.path.abspath(data_prefix))
+    stem = os.path.join(folder, f"{os.path.basename(data_prefix)}_{name}_{digest}")
+    return {kind: f"{stem}_{kind}.npy" for kind in _KINDS}
+
+
+def _save_atomic(path: str, array: np.ndarray) -> None:
+    # A reader never sees a half-written file: the name appears only once the data is complete.
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        np.save(f, array, allow_pickle=False)
+    os.replace(tmp, path)
+
+
+def _is_builder(use_shared_fs: bool) -> bool:
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        return True
+    if use_shared_fs:
+        return dist.get_rank() == 0
+    # Each node has its own disk: its first local process builds for the node.
+    return int(os.environ.get("LOCAL_RANK", dist.get_rank())) == 0
+
+
+def _barrier() -> None:
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def load_or_build_index(
+    paths: dict[str, str],
+    sizes: np.ndarray,
+    documents: np.ndarray,
+    num_samples: int,
+    seq_length: int,
+    seed: int,
+    use_shared_fs: bool = True,
+) -> tuple[SampleIndex, bool]:
+    """Load the cached index at `paths`, building it first (one process) when missing.
+
+    Every rank must call this when torch.distributed is initialised (it holds a barrier).
+    Returns the memory-mapped index and whether this process built it.
+    """
+    built = False
+    if _is_builder(use_shared_fs) and not all(os.path.isfile(p) for p in paths.values()):
+        folder = os.path.dirname(paths["doc_idx"])
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except OSError as err:
+            raise OSError(
+                f"cannot create the index cache folder {folder} ({err}); "
+                "pass a writable cache_dir (data cache_dir in the config)"
+            ) from err
+        start = time.perf_counter()
+        index = build_sample_index(sizes, documents, num_samples, seq_length, seed)
+        # shuffle_idx is written last; the loader below requires all three.
+        for kind in _KINDS:
+            _save_atomic(paths[kind], getattr(index, kind))
+        built = True
+        logger.info(
+            "built sample index %s (%d samples, %d documents in stream) in %.2fs",
+            paths["shuffle_idx"],
+            len(index.shuffle_idx),
+            len(index.doc_idx),
+            time.perf_counter() - start,
+        )
+    _barrier()
+    missing = [p for p in paths.values() if not os.path.isfile(p)]
+    if missing:
+        raise FileNotFoundError(
+            f"sample index files {missing} are missing after the building rank finished; if the "
+            "cache folder is not shared by all nodes, set use_shared_fs false"
+        )
+    loaded = SampleIndex(*(np.load(paths[kind], mmap_mode="r") for kind in _KINDS))
+    return loaded, built
+
+
+class GPTDataset(torch.utils.data.Dataset):
+    """Samples of `seq_length + 1` tokens over `documents` of an indexed dataset.
+
+    Its length is every sample of the indexed epochs, at least `num_samples`.
+    Each item is {"text": np.int64 array of seq_length + 1 tokens}.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        indexed: IndexedDataset,
+        documents: np.ndarray,
+        num_samples: int,
+        seq_length: int,
+        seed: int,
+        cache_dir: str | None = None,
+        use_shared_fs: bool = True,
+    ):
+        documents = np.asarray(documents)
+        if documents.size == 0:
+            raise ValueError(f"{name} dataset from {indexed.prefix} has no documents")
+        if documents.min() < 0 or documents.max() >= len(indexed.sizes):
+            raise ValueError(
+                f"{name} documents must lie in [0, {len(indexed.sizes)}) for {indexed.prefix}"
+            )
+        if int(indexed.sizes[documents].sum(dtype=np.int64)) < 2:
+            raise ValueError(
+                f"{name} dataset from {indexed.prefix} holds fewer than 2 tokens in its "
+                f"{documents.size} documents; a sample needs at least an input and a label"
+            )
+        self.name = name
+        self.indexed = indexed
+        self.seq_length = seq_length
+        self.paths = index_cache_paths(
+            indexed.prefix,
+            name,
+            documents,
+            indexed.sizes,
+            num_samples,
+            seq_length,
+            seed,
+            cache_dir,
+        )
+        index, self.index_built = load_or_build_index(
+            self.paths,
+            indexed.sizes,
+            documents,
+            num_samples,
+            seq_length,
+            seed,
+            use_shared_fs,
+        )
+        self.doc_idx, self.sample_idx, self.shuffle_idx = index
+        if len(self.shuffle_idx) < num_samples:
+            raise RuntimeError(
+                f"{name} index {self.paths['shuffle_idx']} has {len(self.shuffle_idx)} samples, "
+                f"fewer than the {num_samples} requested; delete the file to rebuild it"
+            )
+
+    def __len__(self) -> int:
+        return len(self.shuffle_idx)
+
+    def tokens(self, sample: int) -> np.ndarray:
+        """Tokens of sample `sample` in stream order (before shuffling)."""
+        first_doc, first_offset = (int(v) for v in self.sample_idx[sample])
+        last_doc, last_offset = (int(v) for v in self.sample_idx[sample + 1])
+        get = self.indexed.get
+        if first_doc == last_doc:
+            return get(int(self.doc_idx[first_doc]), first_offset, last_offset - first_offset + 1)
+        parts = [get(int(self.doc_idx[first_doc]), first_offset)]
+        parts += [get(int(self.doc_idx[d])) for d in range(first_doc + 1, last_doc)]
+        parts.append(get(int(self.doc_idx[last_doc]), 0, last_offset + 1))
+        return np.concatenate(parts)
+
+    def __getitem__(self, idx: int) -> dict[str, np.ndarray]:
+        if not 0 <= idx < len(self):
+            raise IndexError(f"sample {idx} out of range for {self.name} with {len(self)} samples")
+        text = self.tokens(int(self.shuffle_idx[idx])).astype(np.int64)
+        # Holds by construction of sample_idx; a mismatch means a stale or foreign index file.
+        if len(text) != self.seq_length + 1:
+            raise RuntimeError(
+                f"{self.name} sample {idx} has {len(text)} tokens, expected {self.seq_length + 1}; "
+                f"the index {self.paths['sample_idx']} does not match the data, delete it to rebuild"
+            )
+        return {"text": text}
