@@ -1,0 +1,214 @@
+"""Causal self-attention with fused grouped QKV, rotary/ALiBi, sliding window and three kernels."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from neox.config.model import ModelConfig
+from neox.model.norms import build_norm
+from neox.model.positional import alibi_bias, alibi_slopes
+from neox.model.rotary import RotaryEmbedding
+
+ATTENTION_IMPLS = ("flash", "triton", "torch")
+
+
+def select_attention_impl(cfg: ModelConfig, layer_type: str, device: torch.device | str) -> str:
+    """Kernel for one layer: cfg.attention_impl unless "auto", else by layer type and device.
+
+    Auto picks SDPA ("flash") everywhere except CUDA `global` layers whose gpt-neox fusion flags
+    ask for the fused softmax, which get the Triton kernel ("triton").
+    """
+    fused = cfg.scaled_upper_triang_masked_softmax_fusion or cfg.scaled_masked_softmax_fusion
+    return _choose_impl(cfg.attention_impl, layer_type, fused, torch.device(device))
+
+
+def _choose_impl(impl: str, layer_type: str, fused: bool, device: torch.device) -> str:
+    if impl != "auto":
+        return impl
+    if device.type == "cuda" and layer_type == "global" and fused:
+        return "triton"
+    return "flash"
+
+
+def layer_window(cfg: ModelConfig, layer_type: str) -> Optional[int]:
+    """Sliding-window width of a layer, or None for full causal attention.
+
+    When attention_config names `local` layers, only those are windowed; otherwise
+    sliding_window_width applies to every layer (Mistral-style).
+    """
+    types = cfg.layer_attention_types()
+    if "local" in types:
+        if layer_type != "local":
+            return None
+        if cfg.sliding_window_width is None:
+            raise ValueError(
+                "attention_config has `local` layers but sliding_window_width is unset; "
+                "set sliding_window_width (e.g. 4096) or use `global`/`flash` layers"
+            )
+    return cfg.sliding_window_width
+
+
+def allowed_mask(
+    sq: int,
+    sk: int,
+    device: torch.device,
+    window: Optional[int] = None,
+    padding_mask: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Bool mask, True where query i may attend key j: causal, within the window, not padding.
+
+    Shape (sq, sk), or (B, 1, sq, sk) with a padding mask (B, sk) whose 1/True marks real tokens.
+    """
+    q_pos = torch.arange(sk - sq, sk, device=device).unsqueeze(1)
+    k_pos = torch.arange(sk, device=device).unsqueeze(0)
+    allowed = k_pos <= q_pos  # (sq, sk)
+    if window is not None:
+        # gpt-neox passes flash-attn window_size=(width, -1): keys at distance <= width are seen.
+        allowed = allowed & (q_pos - k_pos <= window)
+    if padding_mask is not None:
+        keep = padding_mask.to(device=device, dtype=torch.bool)[:, None, None, :]  # (B, 1, 1, sk)
+        # A query always sees itself, so rows of padding tokens never go all -inf (NaN).
+        allowed = allowed & (keep | (k_pos == q_pos))  # (B, 1, sq, sk)
+    return allowed
+
+
+class Attention(nn.Module):
+    """Multi-head / grouped-query causal self-attention.
+
+    query_key_value holds, per kv group, its nh/nkv query heads, then its key, then its value;
+    for MHA that is HF GPTNeoX's per-head [q, k, v] interleave. num_heads, num_kv_heads,
+    head_dim and alibi_slopes are plain attributes that tensor parallelism overwrites with
+    per-rank values, so forward reads them and never the config.
+    """
+
+    def __init__(self, cfg: ModelConfig, layer_type: str = "global") -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.kv_heads
+        self.head_dim = cfg.head_dim
+        self.layer_type = layer_type
+        self.impl = cfg.attention_impl
+        self.fused_softmax = (
+            cfg.scaled_upper_triang_masked_softmax_fusion or cfg.scaled_masked_softmax_fusion
+        )
+        self.window = layer_window(cfg, layer_type)
+        self.dropout = cfg.attention_dropout
+        self.softmax_in_fp32 = cfg.attention_softmax_in_fp32
+        self.scale = 1.0 / math.sqrt(cfg.head_dim)
+        qkv_size = (cfg.num_attention_heads + 2 * cfg.kv_heads) * cfg.head_dim
+        bias = cfg.use_bias_in_attn_linear
+        self.query_key_value = nn.Linear(cfg.hidden_size, qkv_size, bias=bias)
+        self.dense = nn.Linear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, bias=bias)
+        self.q_layernorm = build_norm(cfg, cfg.head_dim) if cfg.use_qk_layernorm else None
+        self.k_layernorm = build_norm(cfg, cfg.head_dim) if cfg.use_qk_layernorm else None
+        self.rotary = None
+        if cfg.pos_emb == "rotary":
+            self.rotary = RotaryEmbedding(int(cfg.head_dim * cfg.rotary_pct), cfg.rotary_emb_base)
+        self.alibi_slopes = (
+            alibi_slopes(cfg.num_attention_heads) if cfg.pos_emb == "alibi" else None
+        )
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        position_ids: Optional[torch.Tensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """x (B, T, C) -> (B, T, C); attention_mask (B, T) marks real tokens with 1."""
+        B, T, _ = x.shape
+        nh, nkv, hs = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.query_key_value(x).view(B, T, nkv, nh // nkv + 2, hs)  # (B, T, nkv, grp+2, hs)
+        q = qkv[:, :, :, :-2].reshape(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
+        k = qkv[:, :, :, -2].transpose(1, 2)  # (B, nkv, T, hs)
+        v = qkv[:, :, :, -1].transpose(1, 2)  # (B, nkv, T, hs)
+        if self.q_layernorm is not None:
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
+        if self.rotary is not None:
+            q, k = self.rotary(q, k, position_ids)
+        if nkv != nh:
+            # Query head h reads kv head h // (nh / nkv): the grouping of the fused layout.
+            k = k.repeat_interleave(nh // nkv, dim=1)  # (B, nh, T, hs)
+            v = v.repeat_interleave(nh // nkv, dim=1)
+        impl = _choose_impl(self.impl, self.layer_type, self.fused_softmax, x.device)
+        if impl == "flash":
+            y = self._attend_sdpa(q, k, v, attention_mask)
+        else:
+            y = self._attend_scores(q, k, v, attention_mask, fused=impl == "triton")
+        y = y.transpose(1, 2).reshape(B, T, nh * hs)  # (B, T, nh*hs)
+        return self.dense(y)
+
+    def _bias(
+        self, q: torch.Tensor, attention_mask: Optional[torch.Tensor]
+    ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """(allowed mask or None when plain causal suffices, ALiBi bias (nh, T, T) or None)."""
+        T = q.shape[-2]
+        plain = self.window is None and attention_mask is None
+        allowed = None if plain else allowed_mask(T, T, q.device, self.window, attention_mask)
+        bias = None
+        if self.alibi_slopes is not None:
+            bias = alibi_bias(self.alibi_slopes, T, T, q.device, torch.float32)
+        return allowed, bias
+
+    def _attend_sdpa(self, q, k, v, attention_mask):
+        """torch SDPA: causal flag alone when possible, else an explicit additive mask."""
+        dropout = self.dropout if self.training else 0.0
+        allowed, bias = self._bias(q, attention_mask)
+        if allowed is None and bias is None:
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
+        T = q.shape[-2]
+        if allowed is None:
+            allowed = allowed_mask(T, T, q.device)
+        mask = torch.zeros(allowed.shape, device=q.device, dtype=q.dtype)
+        if bias is not None:
+            mask = mask + bias.to(q.dtype)  # (nh, T, T) or (B, nh, T, T)
+        mask = mask.masked_fill(~allowed, float("-inf"))
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=dropout, scale=self.scale
+        )
+
+    def _attend_scores(self, q, k, v, attention_mask, fused: bool):
+        """Materialised scores, then the Triton fused softmax (fused) or the torch reference."""
+        allowed, bias = self._bias(q, attention_mask)
+        scores = q @ k.transpose(-2, -1)  # (B, nh, T, T)
+        scale = self.scale
+        if bias is not None:
+            # ALiBi adds after scaling; fold the scale in so the softmax gets scale 1.
+            scores = scores.float() * scale + bias
+            scale = 1.0
+        if fused:
+            pad = None if allowed is None else ~allowed
+            probs = _fused_softmax()(scores, scale, causal=True, padding_mask=pad)
+        else:
+            dtype = torch.float32 if self.softmax_in_fp32 else scores.dtype
+            scores = scores.to(dtype) * scale
+            if allowed is None:
+                allowed = allowed_mask(*scores.shape[-2:], scores.device)
+            scores = scores.masked_fill(~allowed, float("-inf"))
+            probs = torch.softmax(scores, dim=-1)
+        probs = F.dropout(probs.to(v.dtype), self.dropout, self.training)
+        return probs @ v  # (B, nh, T, hs)
+
+
+def _fused_softmax():
+    """The Triton scale-mask-softmax when neox.kernels provides it, else its torch reference."""
+    try:
+        from neox.kernels.fused_softmax import scaled_masked_softmax
+    except ImportError:
+        from neox.kernels.softmax_reference import scaled_masked_softmax_reference
+
+        return scaled_masked_softmax_reference
+
+    def softmax(scores, scale, causal, padding_mask=None):
+        if not scores.is_cuda:
+            # Triton needs a GPU; the reference computes the same numbers on CPU.
+            from neox.kernels.softmax_reference import scaled_masked_softmax_reference
+
+            return scaled_masked_softmax_reference(scores, scale, causal, padding_mask)
+        return scaled_masked_softmax(scores, scale, causal=causal, padding_mask=padding_mask)
+
+    return softmax

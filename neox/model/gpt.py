@@ -1,0 +1,70 @@
+"""The GPT-NeoX decoder: token (and learned position) embedding, blocks, final norm, output head."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from neox.config.model import ModelConfig
+from neox.model.block import Block
+from neox.model.init import init_parameter
+from neox.model.norms import build_norm
+
+
+class GPTNeoX(nn.Module):
+    """Decoder-only language model; vocab_size is the padded vocabulary."""
+
+    def __init__(self, cfg: ModelConfig, vocab_size: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.vocab_size = vocab_size
+        hidden = cfg.hidden_size
+        self.embed_in = nn.Embedding(vocab_size, hidden)
+        self.embed_pos = None
+        if cfg.pos_emb == "learned":
+            # OPT shifts position ids by opt_pos_emb_offset, so the table is that much longer.
+            self.embed_pos = nn.Embedding(cfg.max_positions + cfg.opt_pos_emb_offset, hidden)
+        self.emb_dropout = nn.Dropout(cfg.hidden_dropout)
+        self.layers = nn.ModuleList(Block(cfg, kind) for kind in cfg.layer_attention_types())
+        self.final_layer_norm = build_norm(cfg)
+        # Tied (the gpt-neox default): logits use embed_in.weight, no second matrix.
+        tied = not cfg.no_weight_tying
+        self.embed_out = None if tied else nn.Linear(hidden, vocab_size, bias=False)
+
+    def embed(
+        self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        """input_ids (B, T) -> hidden states (B, T, C)."""
+        x = self.embed_in(input_ids)
+        if self.embed_pos is not None:
+            if position_ids is None:
+                position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)
+            x = x + self.embed_pos(position_ids + self.cfg.opt_pos_emb_offset)
+        return self.emb_dropout(x)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Final norm and output projection: (B, T, C) -> logits (B, T, V)."""
+        x = self.final_layer_norm(x)
+        weight = self.embed_in.weight if self.embed_out is None else self.embed_out.weight
+        return F.linear(x, weight)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: Optional[torch.Tensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """Logits (B, T, V) for input_ids (B, T); attention_mask (B, T) marks real tokens."""
+        x = self.embed(input_ids, position_ids)
+        for block in self.layers:
+            x = block(x, position_ids, attention_mask)
+        return self.head(x)
+
+    @torch.no_grad()
+    def reset_parameters(self, seed: int = 1234) -> None:
+        """Initialise every parameter from init_parameter(its name), independent of layout."""
+        for name, param in self.named_parameters():
+            param.copy_(init_parameter(name, param.shape, self.cfg, seed))

@@ -1,0 +1,49 @@
+"""Feed-forward block: plain (gelu/relu/silu) or gated (swiglu/geglu) MLP."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from neox.config.model import ModelConfig
+
+
+def activation_name(cfg: ModelConfig) -> str:
+    """The elementwise function the MLP applies: gelu, gelu_tanh, relu or silu.
+
+    gpt-neox's fused bias-GELU kernel is the tanh approximation, so `gelu` with
+    bias_gelu_fusion=true means gelu_tanh here too: a gpt-neox config gives gpt-neox's numbers.
+    """
+    act = cfg.activation
+    if act == "gelu" and cfg.bias_gelu_fusion:
+        return "gelu_tanh"
+    return {"swish": "silu", "swiglu": "silu", "geglu": "gelu"}.get(act, act)
+
+
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "gelu": F.gelu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+    "silu": F.silu,
+}
+
+
+class MLP(nn.Module):
+    """h -> act(dense_h_to_4h(x)) -> h, or for gated MLPs act(gate(x)) * dense_h_to_4h(x) -> h."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        bias = cfg.use_bias_in_mlp
+        self.act = _ACTIVATIONS[activation_name(cfg)]
+        self.dense_h_to_4h = nn.Linear(cfg.hidden_size, cfg.ffn_size, bias=bias)
+        self.gate = nn.Linear(cfg.hidden_size, cfg.ffn_size, bias=bias) if cfg.gated_mlp else None
+        self.dense_4h_to_h = nn.Linear(cfg.ffn_size, cfg.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (B, T, C) -> (B, T, C)."""
+        if self.gate is not None:
+            return self.dense_4h_to_h(self.act(self.gate(x)) * self.dense_h_to_4h(x))
+        return self.dense_4h_to_h(self.act(self.dense_h_to_4h(x)))
