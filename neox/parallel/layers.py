@@ -1,0 +1,243 @@
+"""Tensor-parallel layers: Megatron's column/row-split linears, vocab-split embedding and loss.
+
+Every layer takes its process group explicitly and holds only its own shard. `load_full_` copies
+this rank's slice out of the full (tp=1) tensor, so a sharded model starts from exactly the
+weights of the dense one.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from neox.parallel.mappings import (
+    copy_to_tensor_parallel,
+    gather_from_tensor_parallel,
+    reduce_from_tensor_parallel,
+    scatter_to_tensor_parallel,
+)
+
+
+def mark_tensor_parallel(param: nn.Parameter, dim: int) -> nn.Parameter:
+    """Tag a sharded parameter: DeepSpeed counts it on every tp rank in gradient norms."""
+    param.tensor_model_parallel = True
+    param.model_parallel = True  # the older DeepSpeed/Megatron spelling, read by some paths
+    param.partition_dim = dim
+    return param
+
+
+def shard(full: torch.Tensor, dim: int, rank: int, world: int) -> torch.Tensor:
+    """The rank-th of `world` equal contiguous slices of `full` along `dim`."""
+    if full.shape[dim] % world:
+        raise ValueError(f"dim {dim} of shape {tuple(full.shape)} is not divisible by tp={world}")
+    return full.chunk(world, dim=dim)[rank]
+
+
+def _rank_world(group: Any) -> tuple[int, int]:
+    return dist.get_rank(group=group), dist.get_world_size(group=group)
+
+
+def _param(shape: tuple[int, ...], device: Any, dtype: Any) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y = XA + b with A split by columns, A = [A_1 ... A_p]: rank i computes Y_i = X A_i + b_i.
+
+    The input is replicated; the output stays split along its last dim unless gather_output.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        group: Any,
+        bias: bool = True,
+        gather_output: bool = False,
+        device: Any = None,
+        dtype: Optional[torch.dtype] = None,
+    ) -> None:
+        super().__init__()
+        self.group = group
+        self.rank, self.world = _rank_world(group)
+        if out_features % self.world:
+            raise ValueError(f"out_features={out_features} is not divisible by tp={self.world}")
+        self.in_features, self.out_features = in_features, out_features
+        self.out_per_rank = out_features // self.world
+        self.gather_output = gather_output
+        self.weight = mark_tensor_parallel(
+            _param((self.out_per_rank, in_features), device, dtype), 0
+        )
+        self.bias = (
+            mark_tensor_parallel(_param((self.out_per_rank,), device, dtype), 0) if bias else None
+        )
+
+    @torch.no_grad()
+    def load_full_(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> None:
+        """Copy this rank's rows of the full (out, in) weight and its slice of the bias."""
+        self.weight.copy_(shard(weight, 0, self.rank, self.world))
+        if self.bias is not None and bias is not None:
+            self.bias.copy_(shard(bias, 0, self.rank, self.world))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(copy_to_tensor_parallel(x, self.group), self.weight, self.bias)
+        return gather_from_tensor_parallel(y, self.group) if self.gather_output else y
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features} ({self.out_per_rank}/rank)"
+
+
+class RowParallelLinear(nn.Module):
+    """Y = XA + b with A split by rows, A = [A_1; ...; A_p], X = [X_1 ... X_p]: Y = sum_i X_i A_i + b.
+
+    Rank i holds A_i and (when input_is_parallel) receives X_i from a column-parallel layer; the
+    partial products are all-reduced and the replicated bias is added once, after the sum.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        group: Any,
+        bias: bool = True,
+        input_is_parallel: bool = True,
+        device: Any = None,
+        dtype: Optional[torch.dtype] = None,
+    ) -> None:
+        super().__init__()
+        self.group = group
+        self.rank, self.world = _rank_world(group)
+        if in_features % self.world:
+            raise ValueError(f"in_features={in_features} is not divisible by tp={self.world}")
+        self.in_features, self.out_features = in_features, out_features
+        self.in_per_rank = in_features // self.world
+        self.input_is_parallel = input_is_parallel
+        self.weight = mark_tensor_parallel(
+            _param((out_features, self.in_per_rank), device, dtype), 1
+        )
+        self.bias = _param((out_features,), device, dtype) if bias else None
+
+    @torch.no_grad()
+    def load_full_(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> None:
+        """Copy this rank's columns of the full (out, in) weight; the bias is replicated."""
+        self.weight.copy_(shard(weight, 1, self.rank, self.world))
+        if self.bias is not None and bias is not None:
+            self.bias.copy_(bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = scatter_to_tensor_parallel(x, self.group)
+        y = reduce_from_tensor_parallel(F.linear(x, self.weight), self.group)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features} ({self.in_per_rank}/rank), out={self.out_features}"
+
+
+class VocabParallelEmbedding(nn.Module):
+    """E[ids] with the table split by vocab rows: rank i looks up ids in [iV/p, (i+1)V/p), zeros
+    elsewhere, and the all-reduce sums the one non-zero row per token."""
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        group: Any,
+        device: Any = None,
+        dtype: Optional[torch.dtype] = None,
+    ) -> None:
+        super().__init__()
+        self.group = group
+        self.rank, self.world = _rank_world(group)
+        if num_embeddings % self.world:
+            raise ValueError(
+                f"vocabulary {num_embeddings} is not divisible by tp={self.world}; pad it with "
+                f"make_vocab_size_divisible_by"
+            )
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.per_rank = num_embeddings // self.world
+        self.vocab_start = self.rank * self.per_rank
+        self.weight = mark_tensor_parallel(_param((self.per_rank, embedding_dim), device, dtype), 0)
+
+    @torch.no_grad()
+    def load_full_(self, weight: torch.Tensor) -> None:
+        """Copy this rank's rows of the full (vocab, hidden) table."""
+        self.weight.copy_(shard(weight, 0, self.rank, self.world))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.world == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.per_rank)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tensor_parallel(out, self.group)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings} ({self.per_rank}/rank), {self.embedding_dim}"
+
+
+def vocab_parallel_logits(
+    hidden: torch.Tensor, weight_shard: torch.Tensor, group: Any
+) -> torch.Tensor:
+    """Logits shard Z_i = H W_i^T for a vocab-split table W (tied head): H enters every rank."""
+    return F.linear(copy_to_tensor_parallel(hidden, group), weight_shard)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """loss = log sum_v exp(z_v) - z_target, with z split over ranks by vocab; logits never gathered.
+
+    Three all-reduces of (B, T) tensors: the max (for stability), the target logit (held by one
+    rank), the sum of exponentials. dL/dz_i = softmax(z)_i - onehot(target)_i, computed locally.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, group: Any) -> torch.Tensor:
+        rank, world = _rank_world(group)
+        per_rank = logits.shape[-1]
+        start = rank * per_rank
+        z = logits.float()
+        z_max = z.max(dim=-1).values
+        dist.all_reduce(z_max, op=dist.ReduceOp.MAX, group=group)
+        z = z - z_max.unsqueeze(-1)
+
+        local = target - start
+        outside = (local < 0) | (local >= per_rank)
+        local = local.masked_fill(outside, 0)
+        z_target = z.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        dist.all_reduce(z_target, group=group)
+
+        exp = z.exp()
+        sum_exp = exp.sum(dim=-1)
+        dist.all_reduce(sum_exp, group=group)
+
+        softmax = exp / sum_exp.unsqueeze(-1)
+        ctx.save_for_backward(softmax, local, outside)
+        ctx.in_dtype = logits.dtype
+        return sum_exp.log() - z_target
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        softmax, local, outside = ctx.saved_tensors
+        g = softmax.clone()
+        # Subtract the one-hot only on the rank that holds the target column.
+        g.scatter_add_(-1, local.unsqueeze(-1), -(~outside).to(g.dtype).unsqueeze(-1))
+        return (g * grad.unsqueeze(-1)).to(ctx.in_dtype), None, None
+
+
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor, target: torch.Tensor, group: Any
+) -> torch.Tensor:
+    """Per-token cross entropy -log softmax(z)[target] from this rank's vocab shard of z (B, T, V/p).
+
+    Equals F.cross_entropy(full logits, target, reduction="none") on every rank.
+    """
+    if dist.get_world_size(group=group) == 1:
+        return F.cross_entropy(
+            logits.float().flatten(0, -2), target.flatten(), reduction="none"
+        ).view_as(target)
+    return _VocabParallelCrossEntropy.apply(logits, target, group)

@@ -1,0 +1,109 @@
+"""Tensor-parallel communication: one collective per autograd function, forward beside backward.
+
+Each function's backward is the adjoint of its forward: the gradient of an identity that feeds
+tp ranks is the sum of their gradients (all-reduce), the gradient of a sum is a copy, the
+gradient of taking a slice is gathering the slices, and the other way round.
+With a group of one rank every wrapper is the identity.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def _world(group: Any) -> int:
+    return dist.get_world_size(group=group)
+
+
+def _all_reduce(x: torch.Tensor, group: Any) -> torch.Tensor:
+    x = x.contiguous().clone()  # collectives write in place; never into autograd's saved input
+    dist.all_reduce(x, group=group)
+    return x
+
+
+def _split_last(x: torch.Tensor, group: Any) -> torch.Tensor:
+    world = _world(group)
+    if x.shape[-1] % world:
+        raise ValueError(f"last dim {x.shape[-1]} is not divisible by tensor-parallel size {world}")
+    rank = dist.get_rank(group=group)
+    return x.chunk(world, dim=-1)[rank].contiguous()
+
+
+def _gather_last(x: torch.Tensor, group: Any) -> torch.Tensor:
+    parts = [torch.empty_like(x) for _ in range(_world(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=-1)
+
+
+class _CopyToTensorParallel(torch.autograd.Function):
+    """Forward: identity (x enters every rank's shard). Backward: all-reduce dL/dx."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _all_reduce(grad, ctx.group), None
+
+
+class _ReduceFromTensorParallel(torch.autograd.Function):
+    """Forward: all-reduce (sum the ranks' partial results). Backward: identity."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+class _ScatterToTensorParallel(torch.autograd.Function):
+    """Forward: keep this rank's slice of the last dim. Backward: all-gather the slices."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return _split_last(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _gather_last(grad, ctx.group), None
+
+
+class _GatherFromTensorParallel(torch.autograd.Function):
+    """Forward: all-gather slices along the last dim. Backward: keep this rank's slice."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return _gather_last(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _split_last(grad, ctx.group), None
+
+
+def copy_to_tensor_parallel(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """y = x on every rank; dL/dx = sum over ranks of dL/dy."""
+    return x if _world(group) == 1 else _CopyToTensorParallel.apply(x, group)
+
+
+def reduce_from_tensor_parallel(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """y = sum over ranks of x; dL/dx = dL/dy."""
+    return x if _world(group) == 1 else _ReduceFromTensorParallel.apply(x, group)
+
+
+def scatter_to_tensor_parallel(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """y = x[..., rank-th of tp equal slices]; dL/dx = concat of the ranks' dL/dy."""
+    return x if _world(group) == 1 else _ScatterToTensorParallel.apply(x, group)
+
+
+def gather_from_tensor_parallel(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """y = concat over ranks of x along the last dim; dL/dx = this rank's slice of dL/dy."""
+    return x if _world(group) == 1 else _GatherFromTensorParallel.apply(x, group)

@@ -1,0 +1,272 @@
+"""The tp x pp x dp layout of ranks: validated before launch, process groups after.
+
+Ranks are laid out as DeepSpeed's `PipeModelDataParallelTopology` lays them out, axes
+(pipe, data, model) row-major, so tensor-parallel peers are adjacent ranks (same node) and
+pipeline stages are furthest apart:  rank = (pipe * dp + data) * tp + model.
+
+`Topology` is plain arithmetic and imports neither torch nor DeepSpeed, so config validation
+can call `Topology.validate` before anything is launched. `ProcessGroups` is the runtime side:
+the torch.distributed groups of one rank, and the `mpu` object DeepSpeed's engine expects.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional
+
+if TYPE_CHECKING:
+    from neox.config.model import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+
+class Coord(NamedTuple):
+    """Where one rank sits: pipeline stage, data-parallel replica, tensor-parallel shard."""
+
+    pipe: int
+    data: int
+    model: int
+
+
+def _divisors(n: int) -> str:
+    ds = [str(d) for d in range(1, n + 1) if n % d == 0]
+    return ", ".join(ds[:-1]) + " or " + ds[-1] if len(ds) > 1 else ds[0]
+
+
+@dataclass(frozen=True)
+class Topology:
+    """tp (model_parallel_size) x pp (pipe_parallel_size) x dp ranks; world = tp * pp * dp."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "dp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"Topology {name}={value!r} must be a positive integer")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @classmethod
+    def from_world(cls, world_size: int, tp: int = 1, pp: int = 1) -> Topology:
+        """dp = world_size / (tp * pp); raises when the ranks do not divide evenly."""
+        pp = max(1, pp)  # gpt-neox reads pipe_parallel_size=0 as "no pipeline"
+        if tp < 1:
+            raise ValueError(f"model_parallel_size={tp} must be >= 1")
+        if world_size < 1 or world_size % (tp * pp):
+            raise ValueError(
+                f"world size {world_size} is not divisible by model_parallel_size={tp} x "
+                f"pipe_parallel_size={pp} = {tp * pp}; use a world size that is a multiple of "
+                f"{tp * pp}, or choose model_parallel_size x pipe_parallel_size among the divisors "
+                f"of {world_size} ({_divisors(world_size)})"
+            )
+        return cls(tp=tp, pp=pp, dp=world_size // (tp * pp))
+
+    @classmethod
+    def validate(
+        cls,
+        model: ModelConfig,
+        world_size: int,
+        model_parallel_size: int = 1,
+        pipe_parallel_size: int = 1,
+        source: str = "",
+    ) -> Topology:
+        """Check a layout against the model before launch; returns the Topology or raises ValueError.
+
+        Args:
+            source: where the values came from (a config path), quoted in the messages.
+        """
+        topo = cls.from_world(world_size, model_parallel_size, pipe_parallel_size)
+        topo.check_model(model, source)
+        return topo
+
+    def check_model(self, model: ModelConfig, source: str = "") -> None:
+        """Raise ValueError, naming the key and the fix, when the model cannot be split this way."""
+        where = f" ({source})" if source else ""
+        tp, pp = self.tp, self.pp
+        heads = model.num_attention_heads
+        if heads % tp:
+            raise ValueError(
+                f"num_attention_heads={heads} is not divisible by model_parallel_size={tp}{where}; "
+                f"use model_parallel_size {_divisors(heads)}"
+            )
+        kv = model.kv_heads
+        if kv % tp:
+            raise ValueError(
+                f"num_kv_heads={kv} is not divisible by model_parallel_size={tp}{where}; each "
+                f"tensor-parallel rank needs whole key/value heads: use model_parallel_size "
+                f"{_divisors(kv)}, or raise num_kv_heads"
+            )
+        ffn = model.ffn_size
+        if ffn % tp:
+            raise ValueError(
+                f"the MLP width {ffn} (intermediate_size/expansion_factor) is not divisible by "
+                f"model_parallel_size={tp}{where}; use model_parallel_size {_divisors(ffn)} or "
+                f"set mlp_multiple_of to a multiple of {tp}"
+            )
+        if model.num_layers < pp:
+            raise ValueError(
+                f"num_layers={model.num_layers} is smaller than pipe_parallel_size={pp}{where}; "
+                f"every stage needs a block: use pipe_parallel_size <= {model.num_layers}"
+            )
+
+    # ---- rank arithmetic (same layout as DeepSpeed's PipeModelDataParallelTopology) ----
+
+    def coord(self, rank: int) -> Coord:
+        """(pipe, data, model) of a global rank."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} outside world size {self.world_size} of {self}")
+        model = rank % self.tp
+        data = (rank // self.tp) % self.dp
+        pipe = rank // (self.tp * self.dp)
+        return Coord(pipe, data, model)
+
+    def rank(self, pipe: int, data: int, model: int) -> int:
+        """Global rank at (pipe, data, model)."""
+        return (pipe * self.dp + data) * self.tp + model
+
+    def tensor_group_ranks(self) -> list[list[int]]:
+        """Ranks that share one layer's shards (same stage, same replica)."""
+        return [
+            [self.rank(p, d, m) for m in range(self.tp)]
+            for p in range(self.pp)
+            for d in range(self.dp)
+        ]
+
+    def data_group_ranks(self) -> list[list[int]]:
+        """Ranks that hold the same weights and all-reduce gradients."""
+        return [
+            [self.rank(p, d, m) for d in range(self.dp)]
+            for p in range(self.pp)
+            for m in range(self.tp)
+        ]
+
+    def pipe_group_ranks(self) -> list[list[int]]:
+        """Ranks that form one pipeline, stage 0 first."""
+        return [
+            [self.rank(p, d, m) for p in range(self.pp)]
+            for d in range(self.dp)
+            for m in range(self.tp)
+        ]
+
+    def model_group_ranks(self) -> list[list[int]]:
+        """Ranks that together hold one replica (pipe x tensor), DeepSpeed's 'model parallel'."""
+        return [
+            [self.rank(p, d, m) for p in range(self.pp) for m in range(self.tp)]
+            for d in range(self.dp)
+        ]
+
+    def ds_topology(self) -> Any:
+        """The equivalent deepspeed.runtime.pipe.topology.PipeModelDataParallelTopology."""
+        from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+        return PipeModelDataParallelTopology(num_pp=self.pp, num_mp=self.tp, num_dp=self.dp)
+
+    def build_groups(self, rank: Optional[int] = None) -> ProcessGroups:
+        """Create this layout's process groups (collective: every rank must call it)."""
+        return ProcessGroups(self, rank)
+
+
+class ProcessGroups:
+    """One rank's tensor, data, pipeline and model process groups; DeepSpeed's `mpu` interface.
+
+    'model parallel' follows DeepSpeed's meaning (all ranks of one replica, pipe x tensor), which
+    is what its engine reduces gradient norms and overflow flags over; Megatron's meaning is the
+    `tensor` group. Pass it explicitly: layers take `groups.tensor`, the engine takes the object.
+    """
+
+    def __init__(self, topo: Topology, rank: Optional[int] = None) -> None:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "torch.distributed is not initialised; call deepspeed.init_distributed() "
+                "(or torch.distributed.init_process_group) before building process groups"
+            )
+        world = dist.get_world_size()
+        if world != topo.world_size:
+            raise ValueError(
+                f"world size {world} != model_parallel_size={topo.tp} x pipe_parallel_size="
+                f"{topo.pp} x data_parallel_size={topo.dp} = {topo.world_size}"
+            )
+        self.topo = topo
+        self.global_rank = dist.get_rank() if rank is None else rank
+        self.coord = topo.coord(self.global_rank)
+
+        def make(all_ranks: list[list[int]]) -> tuple[Any, list[int]]:
+            # new_group is collective over the world: every rank creates every group, in order.
+            mine = None
+            for ranks in all_ranks:
+                group = dist.new_group(ranks=ranks)
+                if self.global_rank in ranks:
+                    mine = (group, ranks)
+            assert mine is not None
+            return mine
+
+        self.tensor, self.tensor_ranks = make(topo.tensor_group_ranks())
+        self.data, self.data_ranks = make(topo.data_group_ranks())
+        self.pipe, self.pipe_ranks = make(topo.pipe_group_ranks())
+        self.model, self.model_ranks = make(topo.model_group_ranks())
+        logger.debug("rank %d: %s, groups built", self.global_rank, self.coord)
+
+    def __repr__(self) -> str:
+        return f"ProcessGroups({self.topo}, rank={self.global_rank}, {self.coord})"
+
+    # Tensor (Megatron "model") parallel.
+    def get_tensor_model_parallel_rank(self) -> int:
+        return self.coord.model
+
+    def get_tensor_model_parallel_world_size(self) -> int:
+        return self.topo.tp
+
+    def get_tensor_model_parallel_group(self) -> Any:
+        return self.tensor
+
+    def get_tensor_model_parallel_src_rank(self) -> int:
+        return self.tensor_ranks[0]
+
+    get_slice_parallel_rank = get_tensor_model_parallel_rank
+    get_slice_parallel_world_size = get_tensor_model_parallel_world_size
+    get_slice_parallel_group = get_tensor_model_parallel_group
+
+    # Model parallel in DeepSpeed's sense: pipe x tensor.
+    def get_model_parallel_rank(self) -> int:
+        return self.model_ranks.index(self.global_rank)
+
+    def get_model_parallel_world_size(self) -> int:
+        return self.topo.tp * self.topo.pp
+
+    def get_model_parallel_group(self) -> Any:
+        return self.model
+
+    # Data parallel.
+    def get_data_parallel_rank(self) -> int:
+        return self.coord.data
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.topo.dp
+
+    def get_data_parallel_group(self) -> Any:
+        return self.data
+
+    def get_data_parallel_group_ranks(self) -> list[int]:
+        return list(self.data_ranks)
+
+    # Pipeline parallel.
+    def get_pipe_parallel_rank(self) -> int:
+        return self.coord.pipe
+
+    def get_pipe_parallel_world_size(self) -> int:
+        return self.topo.pp
+
+    def get_pipe_parallel_group(self) -> Any:
+        return self.pipe
+
+    get_pipeline_model_parallel_rank = get_pipe_parallel_rank
+    get_pipeline_model_parallel_world_size = get_pipe_parallel_world_size
+    get_pipeline_model_parallel_group = get_pipe_parallel_group
