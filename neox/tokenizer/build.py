@@ -1,0 +1,56 @@
+"""Build a tokenizer from gpt-neox's `tokenizer_type`, `vocab_file` and `merge_file` keys."""
+
+from __future__ import annotations
+
+import logging
+
+from neox.tokenizer.base import Tokenizer, require_file
+
+logger = logging.getLogger(__name__)
+
+TOKENIZER_TYPES = (
+    "GPT2BPETokenizer",
+    "HFTokenizer",
+    "HFGPT2Tokenizer",
+    "SPMTokenizer",
+    "CharLevelTokenizer",
+    "TiktokenTokenizer",
+)
+
+
+def build_tokenizer(
+    tokenizer_type: str, vocab_file: str | None = None, merge_file: str | None = None
+) -> Tokenizer:
+    """Build the tokenizer named by `tokenizer_type` (gpt-neox names, any letter case)."""
+    by_lower = {name.lower(): name for name in TOKENIZER_TYPES}
+    kind = by_lower.get(str(tokenizer_type).lower())
+    if kind is None:
+        raise ValueError(
+            f"unknown tokenizer_type={tokenizer_type!r}; use one of: {', '.join(TOKENIZER_TYPES)}"
+        )
+    logger.info("building %s tokenizer", kind)
+    if kind == "GPT2BPETokenizer":
+        from neox.tokenizer.gpt2 import GPT2BPETokenizer
+
+        require_file(vocab_file, "vocab_file", kind)
+        require_file(merge_file, "merge_file", kind)
+        return GPT2BPETokenizer(vocab_file, merge_file)
+    if kind == "HFTokenizer":
+        from neox.tokenizer.hf import HFTokenizer
+
+        return HFTokenizer(require_file(vocab_file, "vocab_file", kind))
+    if kind == "HFGPT2Tokenizer":
+        from neox.tokenizer.hf import HFGPT2Tokenizer
+
+        return HFGPT2Tokenizer(vocab_file, merge_file)
+    if kind == "SPMTokenizer":
+        from neox.tokenizer.spm import SPMTokenizer
+
+        return SPMTokenizer(require_file(vocab_file, "vocab_file", kind))
+    if kind == "CharLevelTokenizer":
+        from neox.tokenizer.char import CharLevelTokenizer
+
+        return CharLevelTokenizer()
+    from neox.tokenizer.named_tiktoken import TiktokenTokenizer
+
+    return TiktokenTokenizer(vocab_file)

@@ -1,0 +1,129 @@
+"""Tokenizers from Hugging Face files: a tokenizers JSON, or transformers' GPT-2 tokenizer.
+
+Threads: `encode_batch` runs on the tokenizers library's own thread pool, which uses every core
+unless TOKENIZERS_PARALLELISM=false. We leave that variable to the caller: one process gets all
+cores; a tool that forks N encoding workers should set TOKENIZERS_PARALLELISM=false before it
+forks, so the N workers use N cores rather than N x cores threads (and tokenizers does not warn
+about, then disable, a pool the parent used before the fork).
+"""
+
+from __future__ import annotations
+
+import os
+
+from neox.tokenizer.base import Tokenizer, require_file
+
+END_OF_TEXT = "<|endoftext|>"
+PADDING = "<|padding|>"
+
+
+class HFTokenizer(Tokenizer):
+    """A tokenizers-library JSON file (e.g. GPT-NeoX-20B's); eod is its "<|endoftext|>" token.
+
+    Special tokens written in the text are encoded as their ids and kept by `decode`, so
+    decode(encode(text)) gives the text back.
+    """
+
+    name = "HFTokenizer"
+
+    def __init__(self, vocab_file: str) -> None:
+        from tokenizers import Tokenizer as Backend
+
+        require_file(vocab_file, "vocab_file", self.name)
+        try:
+            self._tok = Backend.from_file(vocab_file)
+        except Exception as err:  # tokenizers raises a bare Exception on malformed JSON
+            raise ValueError(
+                f"HFTokenizer: vocab_file={vocab_file!r} is not a tokenizers JSON file ({err}); "
+                "set `vocab_file` to a tokenizer.json (tools/train_tokenizer.py writes one)"
+            ) from err
+        eod = self._tok.token_to_id(END_OF_TEXT)
+        if eod is None:
+            raise ValueError(
+                f"HFTokenizer: vocab_file={vocab_file!r} has no {END_OF_TEXT!r} token to use as "
+                "eod; train the tokenizer with it as a special token "
+                "(tools/train_tokenizer.py does by default)"
+            )
+        self._eod = eod
+        self.pad = self._tok.token_to_id(PADDING)
+        # encode_batch_fast skips offset tracking (tokenizers >= 0.20); ids are identical.
+        self._encode_batch = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def eod(self) -> int:
+        return self._eod
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self._encode_batch(texts)]
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=False)
+
+
+class HFGPT2Tokenizer(Tokenizer):
+    """transformers' GPT2TokenizerFast plus a "<|padding|>" token, as gpt-neox builds it.
+
+    `vocab_file` is a hub name or a local directory (default "gpt2", which downloads), or a
+    vocab.json used with `merge_file`. The added pad token makes vocab_size 50258 for GPT-2.
+    """
+
+    name = "HFGPT2Tokenizer"
+
+    def __init__(self, vocab_file: str | None = None, merge_file: str | None = None) -> None:
+        try:
+            from transformers import GPT2TokenizerFast
+        except ImportError as err:
+            raise ImportError(
+                "HFGPT2Tokenizer needs transformers: pip install transformers "
+                "(or use GPT2BPETokenizer with vocab_file and merge_file)"
+            ) from err
+        source = vocab_file or "gpt2"
+        if os.path.isfile(source):
+            require_file(merge_file, "merge_file", self.name)
+            self._tok = _gpt2_from_files(GPT2TokenizerFast, source, merge_file)
+        else:
+            try:
+                self._tok = GPT2TokenizerFast.from_pretrained(source)
+            except OSError as err:
+                raise OSError(
+                    f"HFGPT2Tokenizer: cannot load {source!r} (vocab_file) with transformers "
+                    f"({err}); offline, set `vocab_file` to a local vocab.json and `merge_file` "
+                    "to its merges.txt, or to a directory holding both"
+                ) from err
+        self._tok.add_special_tokens({"pad_token": PADDING})
+        self.pad = self._tok.pad_token_id
+        self._eod = self._tok.eos_token_id
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._tok)
+
+    @property
+    def eod(self) -> int:
+        return self._eod
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text)
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return self._tok(texts)["input_ids"] if texts else []
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids)
+
+
+def _gpt2_from_files(cls, vocab_file: str, merge_file: str):
+    """Build GPT2TokenizerFast from a file pair; transformers 5 renamed the arguments."""
+    import inspect
+
+    params = inspect.signature(cls.__init__).parameters
+    if "vocab" in params:
+        return cls(vocab=vocab_file, merges=merge_file)
+    return cls(vocab_file=vocab_file, merges_file=merge_file)
