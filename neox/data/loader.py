@@ -1,0 +1,269 @@
+"""Build the train/valid/test sample streams: one split data path or blended per-split paths."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from neox.data.blendable import (
+    BlendableDataset,
+    normalize_weights,
+    samples_per_dataset,
+    weights_by_num_documents,
+)
+from neox.data.gpt_dataset import GPTDataset
+from neox.data.indexed import IndexedDataset
+from neox.data.samplers import PretrainingSampler
+
+logger = logging.getLogger(__name__)
+
+SPLIT_NAMES = ("train", "valid", "test")
+
+
+def parse_split(split: str) -> np.ndarray:
+    """Weights of train, valid and test from "949,50,1" (or "949/50/1"), normalised to sum to 1."""
+    parts = [p.strip() for p in split.replace("/", ",").split(",")]
+    try:
+        values = [float(p) for p in parts]
+    except ValueError:
+        raise ValueError(
+            f"split {split!r} must be up to three comma-separated numbers, e.g. '949,50,1'"
+        ) from None
+    if len(values) > 3:
+        raise ValueError(f"split {split!r} has {len(values)} parts; give train,valid,test")
+    values += [0.0] * (3 - len(values))
+    if any(v < 0 for v in values) or sum(values) <= 0:
+        raise ValueError(f"split {split!r} must be non-negative numbers that are not all zero")
+    return np.asarray(values) / sum(values)
+
+
+def split_documents(split: str, num_documents: int) -> list[np.ndarray]:
+    """Contiguous document ranges for train, valid and test, sized by the split weights."""
+    bounds = np.round(np.cumsum(parse_split(split)) * num_documents).astype(np.int64)
+    bounds = np.concatenate([[0], bounds])
+    bounds[-1] = num_documents  # rounding of the cumulative sum never drops the last document
+    return [np.arange(bounds[i], bounds[i + 1], dtype=np.int64) for i in range(3)]
+
+
+@dataclass
+class DataLoaders:
+    """Endless iterators of collated micro-batches ({"text": int64 [B, seq_length + 1]}) per split.
+
+    A split is None when no samples were requested for it.
+    """
+
+    train: Iterator[dict[str, torch.Tensor]] | None
+    valid: Iterator[dict[str, torch.Tensor]] | None
+    test: Iterator[dict[str, torch.Tensor]] | None
+    train_dataset: torch.utils.data.Dataset | None
+    valid_dataset: torch.utils.data.Dataset | None
+    test_dataset: torch.utils.data.Dataset | None
+
+
+def _iterate(loader: torch.utils.data.DataLoader) -> Iterator[dict[str, torch.Tensor]]:
+    # A generator starts workers on the first next(), not when the loaders are built.
+    yield from loader
+
+
+def build_split_datasets(
+    data_path: str,
+    split: str,
+    num_samples: Sequence[int],
+    seq_length: int,
+    seed: int,
+    cache_dir: str | None = None,
+    use_shared_fs: bool = True,
+) -> list[GPTDataset | None]:
+    """Train, valid and test datasets over document ranges of one indexed dataset."""
+    indexed = IndexedDataset(data_path)
+    ranges = split_documents(split, len(indexed.sizes))
+    for name, docs, n in zip(SPLIT_NAMES, ranges, num_samples):
+        if n > 0 and docs.size == 0:
+            raise ValueError(
+                f"split {split!r} of {data_path} ({len(indexed.sizes)} documents) gives the {name} "
+                f"split no documents, but {n} {name} samples are needed; use more data, raise the "
+                f"{name} part of split, or request no {name} samples (eval_iters: 0 for valid)"
+            )
+    for name, docs in zip(SPLIT_NAMES, ranges):
+        logger.info("%s split: %d documents of %s", name, docs.size, data_path)
+    return [
+        GPTDataset(name, indexed, docs, n, seq_length, seed, cache_dir, use_shared_fs)
+        if n > 0
+        else None
+        for name, docs, n in zip(SPLIT_NAMES, ranges, num_samples)
+    ]
+
+
+def build_blended_dataset(
+    name: str,
+    paths: Sequence[str],
+    weights: Sequence[float] | None,
+    num_samples: int,
+    seq_length: int,
+    seed: int,
+    weight_by_num_documents: bool = False,
+    weighted_sampler_alpha: float = 1.0,
+    cache_dir: str | None = None,
+    use_shared_fs: bool = True,
+) -> torch.utils.data.Dataset:
+    """One split's dataset: whole indexed datasets at `paths`, blended by `weights`."""
+    indexed = [IndexedDataset(p) for p in paths]
+    if weight_by_num_documents:
+        if weights is not None:
+            logger.warning(
+                "%s_data_weights %s are replaced by weight_by_num_documents", name, list(weights)
+            )
+        weights = weights_by_num_documents([len(d.sizes) for d in indexed], weighted_sampler_alpha)
+    elif weights is None:
+        weights = [1.0] * len(paths)
+    if len(weights) != len(paths):
+        raise ValueError(
+            f"{len(paths)} {name}_data_paths but {len(weights)} {name}_data_weights; give one "
+            "weight per path (or none, for equal weights)"
+        )
+    weights = normalize_weights(weights)
+    if len(paths) == 1:
+        docs = np.arange(len(indexed[0].sizes))
+        return GPTDataset(
+            name, indexed[0], docs, num_samples, seq_length, seed, cache_dir, use_shared_fs
+        )
+    datasets = [
+        GPTDataset(
+            f"{name}_{i}", d, np.arange(len(d.sizes)), n, seq_length, seed, cache_dir, use_shared_fs
+        )
+        for i, (d, n) in enumerate(zip(indexed, samples_per_dataset(weights, num_samples)))
+        if n > 0
+    ]
+    return BlendableDataset(datasets, weights[weights > 0], num_samples)
+
+
+def _check_sources(
+    data_path: str | None,
+    split_paths: dict[str, Sequence[str] | None],
+    num_samples: Sequence[int],
+    micro_batch_size: int,
+    data_parallel_rank: int,
+    data_parallel_size: int,
+) -> None:
+    # Every mistake in the arguments is reported before any index is built.
+    if len(num_samples) != 3 or any(n < 0 for n in num_samples):
+        raise ValueError(f"num_samples must be three non-negative counts, got {num_samples}")
+    if micro_batch_size <= 0:
+        raise ValueError(f"micro_batch_size must be positive, got {micro_batch_size}")
+    if not 0 <= data_parallel_rank < data_parallel_size:
+        raise ValueError(
+            f"data_parallel_rank={data_parallel_rank} must lie in [0, {data_parallel_size})"
+        )
+    given = {name: p for name, p in split_paths.items() if p}
+    if data_path and given:
+        raise ValueError(
+            "give either data_path (with split) or train/valid/test_data_paths, not both"
+        )
+    if not data_path:
+        if not given:
+            raise ValueError("no data: set data_path (with split) or train_data_paths")
+        for name, n in zip(SPLIT_NAMES, num_samples):
+            if n > 0 and name not in given:
+                raise ValueError(
+                    f"{n} {name} samples are needed but no {name}_data_paths are given; add them "
+                    f"or request no {name} samples (eval_iters: 0 for valid and test)"
+                )
+
+
+def build_train_valid_test_loaders(
+    *,
+    seq_length: int,
+    seed: int,
+    num_samples: Sequence[int],
+    micro_batch_size: int,
+    data_path: str | None = None,
+    split: str = "969,30,1",
+    train_data_paths: Sequence[str] | None = None,
+    valid_data_paths: Sequence[str] | None = None,
+    test_data_paths: Sequence[str] | None = None,
+    train_data_weights: Sequence[float] | None = None,
+    valid_data_weights: Sequence[float] | None = None,
+    test_data_weights: Sequence[float] | None = None,
+    weight_by_num_documents: bool = False,
+    weighted_sampler_alpha: float = 1.0,
+    data_parallel_rank: int = 0,
+    data_parallel_size: int = 1,
+    consumed_train_samples: int = 0,
+    consumed_valid_samples: int = 0,
+    num_workers: int = 2,
+    pin_memory: bool = False,
+    cache_dir: str | None = None,
+    use_shared_fs: bool = True,
+) -> DataLoaders:
+    """Datasets and endless micro-batch iterators for train, valid and test.
+
+    Args:
+        num_samples: global samples needed per split (train, valid, test), e.g.
+            train_iters * train_batch_size; 0 skips a split.
+        data_path: one indexed dataset prefix, cut into contiguous document ranges by `split`.
+        train_data_paths: per-split prefixes instead of data_path, blended by the *_weights
+            (equal when None), or by document counts when weight_by_num_documents.
+        consumed_train_samples: global samples already trained on; the train stream resumes there.
+        cache_dir: where sample index files go (default: beside each dataset).
+    """
+    split_paths = {"train": train_data_paths, "valid": valid_data_paths, "test": test_data_paths}
+    _check_sources(
+        data_path,
+        split_paths,
+        num_samples,
+        micro_batch_size,
+        data_parallel_rank,
+        data_parallel_size,
+    )
+    if data_path:
+        datasets = build_split_datasets(
+            data_path, split, num_samples, seq_length, seed, cache_dir, use_shared_fs
+        )
+    else:
+        weights = {
+            "train": train_data_weights,
+            "valid": valid_data_weights,
+            "test": test_data_weights,
+        }
+        datasets = [
+            build_blended_dataset(
+                name,
+                split_paths[name],
+                weights[name],
+                n,
+                seq_length,
+                seed,
+                weight_by_num_documents,
+                weighted_sampler_alpha,
+                cache_dir,
+                use_shared_fs,
+            )
+            if n > 0
+            else None
+            for name, n in zip(SPLIT_NAMES, num_samples)
+        ]
+
+    def stream(dataset: torch.utils.data.Dataset | None, consumed: int) -> Iterator | None:
+        if dataset is None:
+            return None
+        sampler = PretrainingSampler(
+            len(dataset), consumed, micro_batch_size, data_parallel_rank, data_parallel_size
+        )
+        loader = torch.utils.data.DataLoader(
+            dataset, batch_sampler=sampler, num_workers=num_workers, pin_memory=pin_memory
+        )
+        return _iterate(loader)
+
+    train, valid, test = datasets
+    return DataLoaders(
+        train=stream(train, consumed_train_samples),
+        valid=stream(valid, consumed_valid_samples),
+        test=stream(test, 0),
+        train_dataset=train,
+        valid_dataset=valid,
+        test_dataset=test,
+    )
