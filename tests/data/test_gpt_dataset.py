@@ -145,3 +145,17 @@ def test_rank_zero_builds_while_other_ranks_wait(tmp_path):
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert results[0]["built"] is True and results[1]["built"] is False
     assert results[0]["sample"] == results[1]["sample"]
+
+
+def test_samples_of_real_text_are_its_bytes_in_document_order(tmp_path, shared_data):
+    # Tiny Shakespeare as bytes, one document per speech (blank-line separated).
+    text = (shared_data / "tinyshakespeare.txt").read_bytes()
+    speeches = [s + b"\n\n" for s in text.split(b"\n\n")]
+    indexed = write_dataset(
+        tmp_path / "shakespeare", [np.frombuffer(s, np.uint8) for s in speeches]
+    )
+    ds = GPTDataset("train", indexed, np.arange(len(speeches)), 2000, 128, seed=0)
+    stream = b"".join(speeches[d] for d in ds.doc_idx)
+    for i in (0, 1, 999, 1999):
+        j = int(ds.shuffle_idx[i])
+        assert bytes(ds[i]["text"].astype(np.uint8)) == stream[j * 128 : j * 128 + 129]
