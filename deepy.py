@@ -63,17 +63,23 @@ def main(argv: list[str]) -> int:
         plan = build_launch(cfg.launcher, args.script, ["--neox_config", encode(cfg)])
         if args.dry_run:
             plan = plan_smallest_layout(cfg, plan, args.script)
+        problems = []
+        checks = [check_tokenizer_files, tokenizer_vocab_size]
+        if args.script.rsplit("/", 1)[-1] in NEEDS_DATA:
+            checks.insert(1, check_data)
         vocab_size = None
-        try:
-            check_tokenizer_files(loaded)
-            if args.script.rsplit("/", 1)[-1] in NEEDS_DATA:
-                check_data(loaded)
-            vocab_size = tokenizer_vocab_size(loaded)
-        except ConfigError as e:
-            if not args.dry_run:
-                raise
+        for check in checks:
+            try:
+                vocab_size = check(loaded) or vocab_size
+            except ConfigError as e:
+                problems.append(str(e))
+                if check is check_tokenizer_files:
+                    checks.remove(tokenizer_vocab_size)
+        if problems and not args.dry_run:
+            raise ConfigError("\n".join(problems))
+        if problems:
             # A dry run may plan for another machine: files missing here are reported, not fatal.
-            print(f"warning (the run itself would stop here):\n{e}", file=sys.stderr)
+            print("warning (a real launch would stop here):", *problems, sep="\n", file=sys.stderr)
         derived = derive(cfg, plan.world_size, vocab_size)
     except (ConfigError, HostfileError) as e:
         print(f"deepy: config error:\n{e}", file=sys.stderr)

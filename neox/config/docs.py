@@ -1,0 +1,45 @@
+"""Generate docs/config.md from the schema: `python -m neox.config.docs > docs/config.md`."""
+
+import json
+import typing
+
+from neox.config.schema import GROUPS
+
+HEADER = """# Configuration reference
+
+Generated from the schema in `neox/config/` by `python -m neox.config.docs > docs/config.md`;
+a test fails when this file is stale. Keys are flat, as in gpt-neox: write `hidden_size: 512`
+(or `hidden-size`) at the top level of any config file. Files given to `deepy.py` merge in order,
+later files overriding earlier ones.
+"""
+
+
+def _type_name(annotation) -> str:
+    text = repr(annotation) if not isinstance(annotation, type) else annotation.__name__
+    text = text.replace("typing.", "").replace("NoneType", "None")
+    if typing.get_origin(annotation) is typing.Literal:
+        text = " \\| ".join(repr(a) for a in typing.get_args(annotation))
+    return text.replace("|", "\\|") if "Literal" not in text else text
+
+
+def _default(field) -> str:
+    value = field.default
+    if hasattr(value, "model_dump"):
+        value = value.model_dump()
+    return "`" + json.dumps(value) + "`"
+
+
+def render() -> str:
+    """The whole markdown reference."""
+    out = [HEADER]
+    for name, cls in GROUPS.items():
+        out.append(f"\n## {name}: {cls.__name__}\n\n{(cls.__doc__ or '').strip()}\n")
+        out.append("| key | type | default | description |\n| --- | --- | --- | --- |")
+        for key, field in cls.model_fields.items():
+            doc = " ".join((field.description or "").split()).replace("|", "\\|")
+            out.append(f"| `{key}` | {_type_name(field.annotation)} | {_default(field)} | {doc} |")
+    return "\n".join(out) + "\n"
+
+
+if __name__ == "__main__":
+    print(render(), end="")

@@ -1,0 +1,51 @@
+"""Optimizer construction: decay only matrices, pick the fastest Adam for the device."""
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from neox.config.optimizer import OptimizerConfig
+
+log = logging.getLogger(__name__)
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Two groups: weights of linears/embeddings decay; biases and norm weights do not."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (no_decay if p.ndim < 2 or "norm" in name else decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}]
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    return groups
+
+
+def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
+    """The optimizer named by cfg.optimizer.type, with the peak learning rate set."""
+    kind = (cfg.optimizer.type or cfg.optimizer_type or "adam").lower()
+    params = dict(cfg.optimizer.params)
+    if cfg.lr is not None:
+        params["lr"] = cfg.lr
+    groups = param_groups(model, cfg.weight_decay)
+    on_gpu = any(p.is_cuda for g in groups for p in g["params"])
+    if kind in ("adam", "adamw"):
+        params.setdefault("betas", (0.9, 0.95))
+        params["betas"] = tuple(params["betas"])
+        params.pop("weight_decay", None)
+        # fused=True runs one kernel for all parameters on GPU (as apex/DeepSpeed FusedAdam).
+        return torch.optim.AdamW(groups, fused=on_gpu or None, **params)
+    if kind in ("cpu_adam", "cpu_torch_adam"):
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(groups, **params)
+    if kind == "sgd":
+        return torch.optim.SGD(groups, **params)
+    if kind == "lion":
+        from deepspeed.ops.lion import FusedLion
+
+        return FusedLion(groups, **params)
+    raise ValueError(f"optimizer type {kind!r} is not available")

@@ -1,0 +1,140 @@
+"""Everything a rank builds before the first step: process groups, tokenizer, model, engine, data."""
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from neox.config import Derived, NeoXConfig, build_ds_config, derive
+from neox.data.loader import DataLoaders, build_train_valid_test_loaders
+from neox.tokenizer import Tokenizer, build_tokenizer
+from neox.training.optim import build_optimizer
+from neox.training.schedule import LRSchedule
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Run:
+    """The live objects of one rank's training run."""
+
+    cfg: NeoXConfig
+    derived: Derived
+    tokenizer: Tokenizer
+    engine: Any  # deepspeed.DeepSpeedEngine or PipelineEngine
+    schedule: LRSchedule
+    device: torch.device
+    rank: int
+    dp_rank: int
+    is_pipeline: bool
+    loss_fn: Callable
+    parallel: Any  # neox.parallel runtime state (process groups, mpu)
+
+    @property
+    def is_logging_rank(self) -> bool:
+        # DeepSpeed's pipeline engine broadcasts the loss to every stage, so rank 0 knows it too.
+        return self.rank == 0
+
+
+def init_distributed(cfg: NeoXConfig) -> torch.device:
+    """torch.distributed through DeepSpeed: gloo on CPU ranks, the configured backend on GPUs."""
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    accel = get_accelerator()
+    on_cpu = accel.device_name() == "cpu"
+    backend = "gloo" if on_cpu else cfg.parallel.distributed_backend
+    if "RANK" not in os.environ:
+        # A plain `python train.py cfg.yml` is a one-rank job.
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(cfg.launcher.master_port))
+    deepspeed.init_distributed(dist_backend=backend)
+    if on_cpu:
+        return torch.device("cpu")
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    accel.set_device(local_rank)
+    return torch.device(accel.device_name(), local_rank)
+
+
+def build_run(cfg: NeoXConfig) -> Run:
+    """Tokenizer, derived values, the parallel model inside DeepSpeed, and the schedule."""
+    import deepspeed
+
+    from neox.parallel import parallelize
+
+    device = init_distributed(cfg)
+    world = torch.distributed.get_world_size()
+    t = cfg.tokenizer
+    tokenizer = build_tokenizer(t.tokenizer_type, t.vocab_file, t.merge_file)
+    derived = derive(cfg, world, tokenizer.vocab_size)
+    seed = cfg.training.seed
+    torch.manual_seed(seed)
+    par = parallelize(cfg, derived, device=device)
+    optimizer = build_optimizer(par.model, cfg.optimizer)
+    engine, _, _, _ = deepspeed.initialize(
+        model=par.model,
+        optimizer=optimizer,
+        config=build_ds_config(cfg, derived),
+        mpu=par.mpu,
+    )
+    o = cfg.optimizer
+    schedule = LRSchedule(
+        peak_lr=o.lr if o.lr is not None else o.optimizer.lr,
+        min_lr=o.min_lr,
+        warmup_iters=derived.warmup_iters,
+        decay_iters=derived.lr_decay_iters,
+        style=o.lr_decay_style,
+    )
+    return Run(
+        cfg=cfg,
+        derived=derived,
+        tokenizer=tokenizer,
+        engine=engine,
+        schedule=schedule,
+        device=device,
+        rank=torch.distributed.get_rank(),
+        dp_rank=par.dp_rank,
+        is_pipeline=par.is_pipeline,
+        loss_fn=par.loss_fn,
+        parallel=par,
+    )
+
+
+def build_data(run: Run, consumed_train_samples: int) -> DataLoaders:
+    """Sample streams sized for the whole run, starting where a resumed run left off."""
+    cfg, d = run.cfg, run.derived
+    t = cfg.training
+    evals = (t.train_iters // t.eval_interval + 1) * t.eval_iters if t.do_valid else 0
+    num_samples = (
+        t.train_iters * d.global_batch,
+        evals * d.global_batch,
+        (t.eval_iters * d.global_batch) if t.do_test else 0,
+    )
+    data = cfg.data
+    return build_train_valid_test_loaders(
+        seq_length=cfg.model.seq_length,
+        seed=t.seed,
+        num_samples=num_samples,
+        micro_batch_size=d.micro_batch,
+        data_path=data.data_path,
+        split=data.split,
+        train_data_paths=data.train_data_paths,
+        valid_data_paths=data.valid_data_paths,
+        test_data_paths=data.test_data_paths,
+        train_data_weights=data.train_data_weights,
+        valid_data_weights=data.valid_data_weights,
+        test_data_weights=data.test_data_weights,
+        weight_by_num_documents=data.weight_by_num_documents,
+        weighted_sampler_alpha=data.weighted_sampler_alpha,
+        data_parallel_rank=run.dp_rank,
+        data_parallel_size=d.data_parallel,
+        consumed_train_samples=consumed_train_samples,
+        num_workers=data.num_workers,
+        pin_memory=run.device.type == "cuda",
+        cache_dir=data.data_cache_dir,
+        use_shared_fs=data.use_shared_fs,
+    )

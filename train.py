@@ -1,0 +1,27 @@
+#!/usr/bin/env python
+"""Per-rank training entry: started by deepy.py on every rank, or run directly as one rank.
+
+python deepy.py train.py configs/tiny.yml      # through the launcher (any number of ranks)
+python train.py configs/tiny.yml               # one process, no launcher
+"""
+
+import logging
+import sys
+
+from neox.config import ConfigError, config_from_argv, load_config
+from neox.training import run_training
+
+
+def main(argv: list[str]) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    try:
+        cfg = config_from_argv(argv) or load_config(a for a in argv if not a.startswith("-")).config
+    except ConfigError as e:
+        print(f"train.py: config error:\n{e}", file=sys.stderr)
+        return 2
+    run_training(cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
