@@ -324,3 +324,75 @@ class IndexedDataset:
 
     def __setstate__(self, prefix: str) -> None:
         self._open(prefix)
+
+
+def find_datasets(inputs: str | Sequence[str]) -> list[str]:
+    """Dataset prefixes from a directory (every .bin/.idx pair, sorted) or a list of prefixes."""
+    if isinstance(inputs, str) and os.path.isdir(inputs):
+        names = sorted(os.listdir(inputs))
+        stems = {n[: -len(".idx")] for n in names if n.endswith(".idx")}
+        stems |= {n[: -len(".bin")] for n in names if n.endswith(".bin")}
+        prefixes = [os.path.join(inputs, s) for s in sorted(stems)]
+        if not prefixes:
+            raise FileNotFoundError(f"directory {inputs} holds no .bin/.idx datasets")
+    else:
+        specs = inputs.split(",") if isinstance(inputs, str) else list(inputs)
+        prefixes = [s.strip().removesuffix(".bin").removesuffix(".idx") for s in specs if s.strip()]
+    for p in prefixes:
+        for path in (index_path(p), data_path(p)):
+            if not os.path.isfile(path):
+                raise FileNotFoundError(
+                    f"{path} not found: dataset {p} needs both .bin and .idx; re-create the shard "
+                    "or leave it out"
+                )
+    return prefixes
+
+
+def merge_datasets(inputs: str | Sequence[str], output_prefix: str, overwrite: bool = False) -> str:
+    """Concatenate datasets into <output_prefix>.bin/.idx; all are checked before writing."""
+    prefixes = find_datasets(inputs)
+    if os.path.abspath(output_prefix) in {os.path.abspath(p) for p in prefixes}:
+        raise ValueError(f"output {output_prefix} is also an input; choose another --output-prefix")
+    if not overwrite and (
+        os.path.exists(data_path(output_prefix)) or os.path.exists(index_path(output_prefix))
+    ):
+        raise FileExistsError(
+            f"output dataset {output_prefix}.bin/.idx already exists; choose another "
+            "--output-prefix or pass --overwrite"
+        )
+    # Open (and so validate) every shard and compare dtypes before writing a byte.
+    dtypes = {}
+    for p in prefixes:
+        ds = IndexedDataset(p)
+        dtypes[p] = ds.dtype
+        ds.close()
+    if len(set(dtypes.values())) > 1:
+        listing = ", ".join(f"{p}: {d}" for p, d in dtypes.items())
+        raise IndexedDatasetError(
+            f"datasets have different token dtypes ({listing}); they were made with different "
+            "tokenizers and cannot be merged"
+        )
+    tmp = f".tmp{os.getpid()}"
+    builder = IndexedDatasetBuilder(data_path(output_prefix) + tmp, dtypes[prefixes[0]])
+    try:
+        for p in prefixes:
+            builder.merge_file_(p)
+        sequences = builder.num_sequences
+        builder.finalize(index_path(output_prefix) + tmp)
+    except BaseException:
+        builder.close()
+        for path in (data_path(output_prefix) + tmp, index_path(output_prefix) + tmp):
+            if os.path.exists(path):
+                os.remove(path)
+        raise
+    if os.path.exists(index_path(output_prefix)):
+        os.remove(index_path(output_prefix))  # never pair a new .bin with an old .idx
+    os.replace(data_path(output_prefix) + tmp, data_path(output_prefix))
+    os.replace(index_path(output_prefix) + tmp, index_path(output_prefix))
+    merged = IndexedDataset(output_prefix)
+    summary = (
+        f"merged {len(prefixes)} datasets into {output_prefix}: {sequences} sequences, "
+        f"{merged.num_documents} documents, {merged.num_tokens} tokens of {merged.dtype}"
+    )
+    merged.close()
+    return summary

@@ -1,0 +1,391 @@
+"""Tokenize documents into indexed datasets (<prefix>_<key>_document.bin/.idx), as gpt-neox does.
+
+One reader process streams and decompresses input into ~1 MiB batches of lines; `workers`
+processes parse JSON and tokenize whole batches (tokenizer built once per worker); the main
+process writes each batch's tokens in one chunk, in input order. At most a few batches per
+worker are in flight, so memory stays bounded whatever the corpus size.
+
+Output goes to temporary files beside the final ones and is renamed at the end (the .idx
+last), so an interrupted run never leaves a dataset that looks complete, and an existing
+dataset is replaced only by a complete one (and only with `overwrite=True`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import multiprocessing
+import os
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from neox.data.indexed import IndexedDatasetBuilder, best_dtype, data_path, index_path
+from neox.data.readers import Issues, RawBatch, expand_inputs, iter_raw_batches, parse_batch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PreprocessConfig:
+    """What to tokenize, how, and where to write it (gpt-neox preprocess_data.py flags)."""
+
+    inputs: str | Sequence[str]
+    output_prefix: str
+    tokenizer_type: str
+    vocab_file: str | None = None
+    merge_file: str | None = None
+    jsonl_keys: Sequence[str] = ("text",)
+    append_eod: bool = False
+    ftfy: bool = False
+    workers: int = 1
+    """Tokenizing processes; 0 tokenizes in the main process (no pool, for debugging)."""
+    strict: bool = False
+    """Stop at the first bad document instead of skipping and counting it."""
+    log_interval: int = 100
+    """Documents between progress log lines (the bar itself updates every batch)."""
+    num_docs: int | None = None
+    """Expected documents, if known: the progress bar then counts documents, not bytes."""
+    max_shard_tokens: int | None = None
+    """Start a new output shard (<name>_00000, _00001, ...) after this many tokens."""
+    overwrite: bool = False
+    """Replace existing output datasets (atomically) instead of refusing to start."""
+    batch_bytes: int = 1 << 20
+    max_examples: int = 10
+    progress: bool = True
+
+
+@dataclass
+class PreprocessReport:
+    """What one run read, wrote and skipped."""
+
+    files: int = 0
+    documents_read: int = 0
+    documents_written: dict[str, int] = field(default_factory=dict)
+    tokens_written: dict[str, int] = field(default_factory=dict)
+    input_bytes: int = 0  # decompressed bytes parsed
+    disk_bytes: int = 0  # bytes read from disk
+    elapsed_s: float = 0.0
+    issues: Issues = field(default_factory=Issues)
+    outputs: dict[str, list[str]] = field(default_factory=dict)
+
+    def format(self) -> str:
+        """Multi-line human summary."""
+        mb = self.input_bytes / 1e6
+        rate = mb / self.elapsed_s if self.elapsed_s else 0.0
+        lines = [
+            f"read {self.documents_read} documents from {self.files} files "
+            f"({mb:.1f} MB of text, {self.disk_bytes / 1e6:.1f} MB on disk) in "
+            f"{self.elapsed_s:.1f} s ({rate:.2f} MB/s)"
+        ]
+        for key, n in self.documents_written.items():
+            lines.append(
+                f"key {key!r}: wrote {n} documents, {self.tokens_written[key]} tokens to "
+                + ", ".join(self.outputs.get(key, []))
+            )
+        if self.issues.total:
+            lines.append(f"skipped {self.issues.total} (bad input, by reason):")
+            lines += [f"  {reason}: {n}" for reason, n in self.issues.counts.most_common()]
+            lines.append("first examples:")
+            lines += [f"  {e}" for e in self.issues.examples]
+        else:
+            lines.append("skipped nothing")
+        return "\n".join(lines)
+
+
+def output_prefix_for(output_prefix: str, key: str) -> str:
+    """gpt-neox's dataset name for one jsonl key: <output_prefix>_<key>_document."""
+    return f"{output_prefix}_{key}_document"
+
+
+@dataclass
+class EncodedBatch:
+    """Tokens of one RawBatch: per key, the concatenated ids and each document's size."""
+
+    tokens: dict[str, tuple[np.ndarray, np.ndarray]]
+    documents: int
+    issues: Issues
+    input_bytes: int
+    disk_bytes: int
+
+
+class _Encoder:
+    """Per-process state: the tokenizer is built once, then reused for every batch."""
+
+    def __init__(self, config: PreprocessConfig, dtype: np.dtype):
+        from neox.tokenizer import build_tokenizer
+
+        self.config = config
+        self.dtype = dtype
+        self.tokenizer = build_tokenizer(
+            config.tokenizer_type, config.vocab_file, config.merge_file
+        )
+        if config.ftfy:
+            import ftfy
+
+            self.fix = ftfy.fix_text
+
+    def encode(self, batch: RawBatch) -> EncodedBatch:
+        cfg = self.config
+        parsed = parse_batch(batch, cfg.jsonl_keys, cfg.strict, cfg.max_examples)
+        eod = [self.tokenizer.eod]
+        tokens = {}
+        for key, texts in parsed.texts.items():
+            if cfg.ftfy:
+                texts = [self.fix(t) for t in texts]
+            ids = self.tokenizer.encode_batch(texts) if texts else []
+            if any(not x for x in ids):
+                ids = self._drop_empty(ids, key, batch, parsed.issues)
+            sizes = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+            if cfg.append_eod:
+                sizes += 1
+                pairs = itertools.chain.from_iterable(zip(ids, itertools.repeat(eod)))
+                flat = itertools.chain.from_iterable(pairs)
+            else:
+                flat = itertools.chain.from_iterable(ids)
+            total = int(sizes.sum())
+            tokens[key] = (np.fromiter(flat, dtype=self.dtype, count=total), sizes)
+        return EncodedBatch(
+            tokens, parsed.documents, parsed.issues, parsed.input_bytes, parsed.disk_bytes
+        )
+
+    def _drop_empty(self, ids, key, batch, issues):
+        # A document that yields no tokens would be an empty sequence (gpt-neox fails on it).
+        for _ in range(sum(1 for x in ids if not x)):
+            if self.config.strict:
+                from neox.data.readers import InputError
+
+                raise InputError(f"{batch.source}: a document of key {key!r} yields no tokens")
+            where = f"key {key!r}, in the batch from this line on"
+            issues.add("no tokens", batch.source, batch.first_line, where)
+        return [x for x in ids if x]
+
+
+_WORKER: _Encoder | None = None
+
+
+def _init_worker(config: PreprocessConfig, dtype: np.dtype) -> None:
+    # Each worker tokenizes on one core; the pool provides the parallelism.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    os.environ["RAYON_NUM_THREADS"] = "1"
+    global _WORKER
+    _WORKER = _Encoder(config, dtype)
+
+
+def _encode_in_worker(batch: RawBatch) -> EncodedBatch:
+    return _WORKER.encode(batch)
+
+
+class _ShardedWriter:
+    """Writes one key's dataset (optionally in shards) to temp files; `commit` renames them."""
+
+    def __init__(self, prefix: str, dtype: np.dtype, max_shard_tokens: int | None):
+        self.prefix, self.dtype, self.max_tokens = prefix, dtype, max_shard_tokens
+        self.done: list[str] = []  # final prefixes of finished shards
+        self.tmp_suffix = f".tmp{os.getpid()}"
+        self.documents = self.tokens = self._shard_tokens = 0
+        self._builder: IndexedDatasetBuilder | None = None
+
+    def _final_prefix(self, n: int) -> str:
+        return self.prefix if self.max_tokens is None else f"{self.prefix}_{n:05d}"
+
+    def _open(self) -> None:
+        final = self._final_prefix(len(self.done))
+        self._builder = IndexedDatasetBuilder(data_path(final) + self.tmp_suffix, self.dtype)
+        self._shard_tokens = 0
+
+    def write(self, tokens: np.ndarray, sizes: np.ndarray) -> None:
+        if self._builder is None:
+            self._open()
+        if self.max_tokens is None or self._shard_tokens + tokens.size <= self.max_tokens:
+            self._append(tokens, sizes)
+            return
+        # Split at document boundaries: fill this shard, then start the next one.
+        ends = np.cumsum(sizes)
+        start_doc = start_tok = 0
+        while start_doc < len(sizes):
+            room = self.max_tokens - self._shard_tokens
+            take = int(np.searchsorted(ends - start_tok, room, side="right")) - start_doc
+            if take <= 0 and self._shard_tokens == 0:
+                take = 1  # a document bigger than a shard gets a shard of its own
+            if take <= 0:
+                self._finish_shard()
+                self._open()
+                continue
+            stop_tok = int(ends[start_doc + take - 1])
+            self._append(tokens[start_tok:stop_tok], sizes[start_doc : start_doc + take])
+            start_doc, start_tok = start_doc + take, stop_tok
+
+    def _append(self, tokens: np.ndarray, sizes: np.ndarray) -> None:
+        self._builder.add_documents(tokens, sizes)
+        self._shard_tokens += tokens.size
+        self.tokens += tokens.size
+        self.documents += len(sizes)
+
+    def _finish_shard(self) -> None:
+        final = self._final_prefix(len(self.done))
+        self._builder.finalize(index_path(final) + self.tmp_suffix)
+        self._builder = None
+        self.done.append(final)
+
+    def commit(self) -> list[str]:
+        """Finish the last shard and move every shard to its final name (.bin, then .idx)."""
+        if self._builder is None and not self.done:
+            self._open()  # no documents: still write an empty, valid dataset
+        if self._builder is not None:
+            self._finish_shard()
+        for final in self.done:
+            if os.path.exists(index_path(final)):
+                os.remove(index_path(final))  # never pair a new .bin with an old .idx
+            os.replace(data_path(final) + self.tmp_suffix, data_path(final))
+            os.replace(index_path(final) + self.tmp_suffix, index_path(final))
+        return self.done
+
+    def abort(self) -> None:
+        """Delete this run's temp files; existing datasets are untouched."""
+        if self._builder is not None:
+            self._builder.close()
+        names = [self._final_prefix(i) for i in range(len(self.done) + 1)]
+        for final in names:
+            for path in (data_path(final), index_path(final)):
+                for tmp in (path + self.tmp_suffix, path + self.tmp_suffix + ".tmp"):
+                    if os.path.exists(tmp):
+                        os.remove(tmp)
+
+
+def check_outputs(config: PreprocessConfig) -> list[str]:
+    """Refuse, before any work, outputs that exist (unless overwrite) or cannot be written."""
+    directory = os.path.dirname(os.path.abspath(config.output_prefix))
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(
+            f"output directory {directory} does not exist (from --output-prefix "
+            f"{config.output_prefix}); create it first"
+        )
+    if not os.access(directory, os.W_OK):
+        raise PermissionError(f"output directory {directory} is not writable")
+    prefixes = [output_prefix_for(config.output_prefix, k) for k in config.jsonl_keys]
+    if not config.overwrite:
+        for prefix in prefixes:
+            pattern = [prefix] if config.max_shard_tokens is None else [f"{prefix}_00000"]
+            for p in pattern:
+                if os.path.exists(data_path(p)) or os.path.exists(index_path(p)):
+                    raise FileExistsError(
+                        f"output dataset {p}.bin/.idx already exists; choose another "
+                        "--output-prefix or pass --overwrite to replace it when the run succeeds"
+                    )
+    return prefixes
+
+
+def _validate(config: PreprocessConfig) -> None:
+    if config.workers < 0:
+        raise ValueError(f"workers={config.workers} must be >= 0")
+    if not config.jsonl_keys or len(set(config.jsonl_keys)) != len(config.jsonl_keys):
+        raise ValueError(f"jsonl_keys={list(config.jsonl_keys)} must be non-empty and distinct")
+    if config.max_shard_tokens is not None and config.max_shard_tokens <= 0:
+        raise ValueError(f"max_shard_tokens={config.max_shard_tokens} must be positive")
+    if config.ftfy:
+        import ftfy  # noqa: F401  (fail now, not inside a worker)
+
+
+def preprocess(config: PreprocessConfig) -> PreprocessReport:
+    """Tokenize `config.inputs` into one indexed dataset per jsonl key; returns the report."""
+    _validate(config)
+    files = expand_inputs(config.inputs)
+    prefixes = check_outputs(config)
+    # Build the tokenizer here too: a bad vocab file fails now, and dtype needs vocab_size.
+    from neox.tokenizer import build_tokenizer
+
+    tokenizer = build_tokenizer(config.tokenizer_type, config.vocab_file, config.merge_file)
+    dtype = best_dtype(tokenizer.vocab_size)
+    logger.info(
+        "tokenizing %d files with %s (vocab %d, %s) on %d workers into %s",
+        len(files),
+        type(tokenizer).__name__,
+        tokenizer.vocab_size,
+        dtype,
+        config.workers,
+        ", ".join(prefixes),
+    )
+    report = PreprocessReport(files=len(files), issues=Issues(config.max_examples))
+    writers = {
+        k: _ShardedWriter(p, dtype, config.max_shard_tokens)
+        for k, p in zip(config.jsonl_keys, prefixes)
+    }
+    start = time.perf_counter()
+    pool = None
+    try:
+        batches = iter_raw_batches(files, config.batch_bytes)
+        if config.workers == 0:
+            encoder = _Encoder(config, dtype)
+            results = (encoder.encode(b) for b in batches)
+        else:
+            pool = multiprocessing.get_context("fork").Pool(
+                config.workers, initializer=_init_worker, initargs=(config, dtype)
+            )
+            results = _ordered(pool, batches, window=2 * config.workers + 2)
+        _consume(results, writers, report, config, files, start)
+        for key, w in writers.items():
+            report.outputs[key] = w.commit()
+    except BaseException:
+        for w in writers.values():
+            w.abort()
+        raise
+    finally:
+        if pool is not None:
+            pool.terminate()
+            pool.join()
+    report.elapsed_s = time.perf_counter() - start
+    return report
+
+
+def _ordered(pool, batches, window: int):
+    """Results of the pool in input order, with at most `window` batches in flight."""
+    pending: deque = deque()
+    for batch in batches:
+        pending.append(pool.apply_async(_encode_in_worker, (batch,)))
+        if len(pending) >= window:
+            yield pending.popleft().get()
+    while pending:
+        yield pending.popleft().get()
+
+
+def _consume(results, writers, report: PreprocessReport, config, files, start) -> None:
+    from tqdm import tqdm
+
+    by_docs = config.num_docs is not None
+    total = config.num_docs if by_docs else sum(os.path.getsize(f) for f in files)
+    bar = tqdm(
+        total=total,
+        unit="doc" if by_docs else "B",
+        unit_scale=True,
+        disable=not config.progress,
+        desc="preprocess",
+        dynamic_ncols=True,
+    )
+    next_log = config.log_interval
+    with bar:
+        for enc in results:
+            for key, (tokens, sizes) in enc.tokens.items():
+                writers[key].write(tokens, sizes)
+            report.documents_read += enc.documents
+            report.input_bytes += enc.input_bytes
+            report.disk_bytes += enc.disk_bytes
+            report.issues.merge(enc.issues)
+            bar.update(enc.documents if by_docs else enc.disk_bytes)
+            elapsed = max(time.perf_counter() - start, 1e-9)
+            docs_s, mb_s = report.documents_read / elapsed, report.input_bytes / elapsed / 1e6
+            bar.set_postfix_str(f"{docs_s:.0f} docs/s, {mb_s:.2f} MB/s", refresh=False)
+            if not config.progress and report.documents_read >= next_log:
+                logger.info(
+                    "processed %d documents (%.0f docs/s, %.2f MB/s)",
+                    report.documents_read,
+                    docs_s,
+                    mb_s,
+                )
+                next_log = (report.documents_read // config.log_interval + 1) * config.log_interval
+    for key, w in writers.items():
+        report.documents_written[key] = w.documents
+        report.tokens_written[key] = w.tokens
