@@ -1,0 +1,56 @@
+from neox.config import build_ds_config, derive, load_dict
+
+
+def build(flat, world=1):
+    cfg = load_dict(flat)
+    return build_ds_config(cfg, derive(cfg, world))
+
+
+def test_batch_and_clipping_reach_deepspeed():
+    ds = build(
+        {
+            "train_micro_batch_size_per_gpu": 2,
+            "gradient_accumulation_steps": 4,
+            "gradient_clipping": 0.5,
+        },
+        world=2,
+    )
+    assert (
+        ds["train_micro_batch_size_per_gpu"],
+        ds["gradient_accumulation_steps"],
+        ds["train_batch_size"],
+    ) == (2, 4, 16)
+    assert ds["gradient_clipping"] == 0.5
+    assert "optimizer" not in ds and "scheduler" not in ds  # neox builds both itself
+
+
+def test_zero_shorthands_and_gpt_neox_cpu_offload():
+    ds = build({"zero_stage": 2, "zero_optimization": {"overlap_comm": True, "cpu_offload": True}})
+    zero = ds["zero_optimization"]
+    assert zero["stage"] == 2 and zero["overlap_comm"] is True
+    assert zero["offload_optimizer"] == {"device": "cpu"} and "cpu_offload" not in zero
+
+
+def test_fp16_section_drops_gpt_neox_duplicate_flag():
+    ds = build(
+        {"fp16": {"fp16": True, "enabled": True, "loss_scale": 0, "initial_scale_power": 12}}
+    )
+    assert ds["fp16"]["enabled"] is True and "fp16" not in ds["fp16"]
+    assert ds["fp16"]["initial_scale_power"] == 12
+    assert "bf16" not in ds
+
+
+def test_passthrough_sections_and_extra_args():
+    ds = build(
+        {"flops_profiler": {"enabled": True}, "deepspeed_extra_args": {"memory_breakdown": True}}
+    )
+    assert ds["flops_profiler"] == {"enabled": True}
+    assert ds["memory_breakdown"] is True
+
+
+def test_activation_checkpointing_from_neox_keys():
+    ds = build(
+        {"checkpoint_activations": True, "partition_activations": True, "checkpoint_num_layers": 2}
+    )
+    ac = ds["activation_checkpointing"]
+    assert ac["partition_activations"] is True and ac["number_checkpoints"] == 2
