@@ -1,0 +1,94 @@
+"""The Triton softmax compiled on a CUDA GPU against a float64 reference, up to 8192 keys."""
+
+import pytest
+import torch
+
+from neox.kernels.fused_softmax import (
+    MAX_BLOCK_SIZE,
+    fused_scaled_masked_softmax,
+    scaled_masked_softmax,
+    triton_available,
+)
+from neox.kernels.softmax_reference import scaled_masked_softmax_reference
+
+try:
+    import triton  # noqa: F401
+
+    HAVE_TRITON = True
+except ImportError:
+    HAVE_TRITON = False
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed"),
+]
+
+# (probs rtol, probs atol, grad error / max |grad|): the stored probs are rounded to the dtype.
+TOLERANCES = {
+    torch.float32: (1e-5, 1e-7, 1e-5),
+    torch.float16: (2e-3, 2e-5, 4e-3),
+    torch.bfloat16: (1.6e-2, 2e-4, 3e-2),
+}
+
+
+def key_padding(b: int, sk: int) -> torch.Tensor:
+    """[B, 1, 1, Sk] mask where batch 0 is right-padded to half length."""
+    mask = torch.zeros(b, 1, 1, sk, dtype=torch.bool, device="cuda")
+    mask[0, ..., sk // 2 :] = True
+    return mask
+
+
+def check_against_float64(scores, scale, causal, padding_mask, block_size=None):
+    """Forward and backward of the Triton path vs the float64 reference on the same inputs."""
+    rtol, atol, grad_tol = TOLERANCES[scores.dtype]
+    x = scores.detach().requires_grad_()
+    probs = fused_scaled_masked_softmax(x, scale, causal, padding_mask, block_size)
+    grad_out = torch.randn(probs.shape, device="cuda").to(scores.dtype)
+    probs.backward(grad_out)
+
+    x64 = scores.detach().double().requires_grad_()
+    want = scaled_masked_softmax_reference(x64, scale, causal, padding_mask)
+    want.backward(grad_out.double())
+
+    assert probs.dtype == scores.dtype and x.grad.dtype == scores.dtype
+    torch.testing.assert_close(probs.double(), want.detach(), rtol=rtol, atol=atol)
+    grad_err = (x.grad.double() - x64.grad).abs().max()
+    assert grad_err <= grad_tol * x64.grad.abs().max(), f"grad error {grad_err:.3g}"
+    return probs
+
+
+# (B, H, Sq, Sk, causal, padding, block_size)
+CASES = [
+    (2, 4, 128, 128, True, False, None),
+    (2, 3, 100, 1000, True, True, None),  # odd sizes
+    (2, 2, 33, 1000, False, True, 256),  # forced two-pass loop
+    (1, 2, 64, 8192, True, True, None),  # decoding-style Sq < Sk at 8192 keys
+    (1, 2, 16, MAX_BLOCK_SIZE + 4097, False, True, None),  # longer than one block
+    (1, 1, 40, 24, True, True, None),  # Sq > Sk: fully masked leading rows
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("b,h,sq,sk,causal,padding,block_size", CASES)
+def test_matches_float64_reference(dtype, b, h, sq, sk, causal, padding, block_size):
+    torch.manual_seed(sq + sk)
+    scores = (3 * torch.randn(b, h, sq, sk, device="cuda")).to(dtype)
+    mask = key_padding(b, sk) if padding else None
+    probs = check_against_float64(scores, 0.125, causal, mask, block_size)
+    assert not torch.isnan(probs).any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_full_causal_square_at_8192(dtype):
+    torch.manual_seed(0)
+    scores = (3 * torch.randn(1, 1, 8192, 8192, device="cuda")).to(dtype)
+    check_against_float64(scores, 0.0884, True, None)
+
+
+def test_wrapper_takes_triton_path_on_cuda():
+    scores = torch.randn(2, 2, 16, 16, device="cuda", dtype=torch.bfloat16)
+    assert triton_available(scores)
+    assert not triton_available(scores.double())
+    want = fused_scaled_masked_softmax(scores, 0.5)
+    assert torch.equal(scaled_masked_softmax(scores, 0.5), want)
