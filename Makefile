@@ -1,0 +1,37 @@
+# Two commands for a newcomer:  `make demo` (the main job on the embedded default) and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# torch first, pinned to a build that exists for this Python: an unpinned torch may pull
+# gigabytes of CUDA packages. On a GPU machine, override: make demo TORCH="torch==2.13.0".
+TORCH ?= torch==2.13.0
+DEMO := data/pystdlib
+
+.PHONY: install demo test lint clean-demo
+
+$(BIN)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	touch $@
+
+install: $(BIN)/.installed
+
+# Real text that needs no download (this Python's own standard library), a BPE tokenizer trained
+# on it, the .bin/.idx dataset, then a tiny GPT-NeoX trained on 2 CPU ranks (or the local GPUs).
+demo: install
+	$(BIN)/python tools/prepare_data.py pystdlib
+	$(BIN)/python tools/train_tokenizer.py $(DEMO)/pystdlib.jsonl.zst --vocab-size 2048 --output $(DEMO)/tokenizer.json
+	$(BIN)/python tools/preprocess_data.py --input $(DEMO)/pystdlib.jsonl.zst --output-prefix $(DEMO)/pystdlib --tokenizer-type HFTokenizer --vocab-file $(DEMO)/tokenizer.json --append-eod --workers 2
+	$(BIN)/python deepy.py train.py configs/tiny.yml $$($(BIN)/python -c "import torch; print('' if torch.cuda.is_available() else 'configs/cpu.yml')")
+
+test: install
+	$(BIN)/python -m pytest -q
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+clean-demo:
+	rm -rf $(DEMO) checkpoints/tiny logs/tiny tensorboard/tiny

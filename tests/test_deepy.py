@@ -1,0 +1,102 @@
+"""deepy.py end to end: dry runs, config errors before launch, real CPU ranks, rank death."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def deepy(*args, timeout=240, cwd=ROOT):
+    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=str(ROOT))
+    return subprocess.run(
+        [sys.executable, str(ROOT / "deepy.py"), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd,
+        env=env,
+    )
+
+
+def test_dry_run_of_20b_with_local_setup():
+    r = deepy("train.py", "configs/20B.yml", "configs/local_setup.yml", "--dry-run")
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "# deepspeed config" in out and "# launch command" in out
+    assert "num_layers: 44" in out and "hidden_size: 6144" in out
+    ds = json.loads(out.split("# deepspeed config\n", 1)[1].split("# launch command", 1)[0])
+    assert ds["zero_optimization"]["stage"] == 1
+    assert ds["fp16"]["enabled"] is True
+    # tp 2 x pp 4 needs 8 ranks; the dry run plans them even on this machine.
+    assert "--num_gpus=8" in out and "data_parallel: 1" in out
+
+
+def test_dry_run_plans_a_bigger_layout_from_num_gpus(tmp_path):
+    cfg = tmp_path / "layout.yml"
+    cfg.write_text("num_gpus: 16\nmodel_parallel_size: 2\ntrain_micro_batch_size_per_gpu: 4\n")
+    r = deepy("eval.py", "configs/tiny.yml", cfg, "--dry-run")
+    assert r.returncode == 0, r.stderr
+    assert "world_size: 16" in r.stdout and "data_parallel: 8" in r.stdout
+    assert "global_batch: 32" in r.stdout
+
+
+def test_bad_config_fails_before_launch_naming_file_and_key(tmp_path):
+    cfg = tmp_path / "bad.yml"
+    cfg.write_text("num_attention_heads: 5\n")
+    r = deepy("train.py", "configs/tiny.yml", cfg, "--dry-run")
+    assert r.returncode != 0
+    assert "hidden_size=64 is not divisible by num_attention_heads=5" in r.stderr
+    assert "# launch command" not in r.stdout
+
+
+def test_missing_data_is_an_error_for_a_real_launch(tmp_path):
+    cfg = tmp_path / "paths.yml"
+    cfg.write_text(f"data_path: {tmp_path}/nothing\ntokenizer_type: CharLevelTokenizer\n")
+    r = deepy("train.py", "configs/tiny.yml", cfg)
+    assert r.returncode != 0
+    assert "nothing.bin" in r.stderr and "preprocess_data.py" in r.stderr
+
+
+def probe_config(tmp_path, **extra):
+    lines = {
+        "num_gpus": 2,
+        "tokenizer_type": "CharLevelTokenizer",
+        "hidden_size": 96,
+        "num_attention_heads": 4,
+        "save": str(tmp_path / "dir with space"),
+        "log_dir": str(tmp_path),
+        "master_port": 29611,
+        **extra,
+    }
+    path = tmp_path / "probe.yml"
+    path.write_text("\n".join(f"{k}: {json.dumps(v)}" for k, v in lines.items()))
+    return path
+
+
+@pytest.mark.slow
+def test_two_cpu_ranks_get_the_merged_config_and_all_reduce(tmp_path):
+    override = tmp_path / "override.yml"
+    override.write_text("seed: 4321\n")
+    r = deepy("tests/deepy_probe.py", probe_config(tmp_path), override, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    results = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(2)]
+    assert sorted(x["rank"] for x in results) == [0, 1]
+    for x in results:
+        assert x["world_size"] == 2
+        assert x["sum"] == 1.0 + 2.0
+        assert (x["hidden_size"], x["seed"]) == (96, 4321)
+        assert x["save"] == str(tmp_path / "dir with space")
+
+
+@pytest.mark.slow
+def test_a_dying_rank_makes_deepy_exit_nonzero_quickly(tmp_path):
+    start = time.monotonic()
+    r = deepy("tests/deepy_probe.py", probe_config(tmp_path, exit_interval=1, master_port=29612))
+    assert r.returncode != 0
+    assert time.monotonic() - start < 60
