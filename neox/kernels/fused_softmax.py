@@ -9,6 +9,7 @@ run, ``scaled_masked_softmax`` falls back to the torch reference, which gives th
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -114,6 +115,11 @@ def _num_warps(block: int) -> int:
     return 4
 
 
+def _on_device(tensor: torch.Tensor):
+    # Triton launches on the current CUDA device, which need not be the tensor's.
+    return torch.cuda.device(tensor.device) if tensor.is_cuda else contextlib.nullcontext()
+
+
 def _launch_forward(
     scores: torch.Tensor,
     scale: float,
@@ -134,21 +140,22 @@ def _launch_forward(
         mask_strides = mask.stride()
     else:
         mask, mask_strides = x, (0, 0, 0, 0)  # never read: HAS_MASK is False
-    forward_kernel[(b * h * sq,)](
-        x,
-        y,
-        mask,
-        float(scale),
-        h,
-        sq,
-        sk,
-        *mask_strides,
-        CAUSAL=causal,
-        HAS_MASK=padding_mask is not None,
-        BLOCK=block,
-        SINGLE_BLOCK=sk <= block,
-        num_warps=_num_warps(block),
-    )
+    with _on_device(x):
+        forward_kernel[(b * h * sq,)](
+            x,
+            y,
+            mask,
+            float(scale),
+            h,
+            sq,
+            sk,
+            *mask_strides,
+            CAUSAL=causal,
+            HAS_MASK=padding_mask is not None,
+            BLOCK=block,
+            SINGLE_BLOCK=sk <= block,
+            num_warps=_num_warps(block),
+        )
     return y
 
 
@@ -166,18 +173,19 @@ def _launch_backward(
     dx = torch.empty_like(probs)
     b, h, sq, sk = probs.shape
     block = _block_size(sk, block_size)
-    backward_kernel[(b * h * sq,)](
-        probs,
-        dy,
-        dx,
-        float(scale),
-        sq,
-        sk,
-        CAUSAL=causal,
-        BLOCK=block,
-        SINGLE_BLOCK=sk <= block,
-        num_warps=_num_warps(block),
-    )
+    with _on_device(probs):
+        backward_kernel[(b * h * sq,)](
+            probs,
+            dy,
+            dx,
+            float(scale),
+            sq,
+            sk,
+            CAUSAL=causal,
+            BLOCK=block,
+            SINGLE_BLOCK=sk <= block,
+            num_warps=_num_warps(block),
+        )
     return dx
 
 

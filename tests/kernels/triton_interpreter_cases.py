@@ -110,11 +110,12 @@ def test_fully_masked_rows_are_zero(block_size):
     torch.testing.assert_close(probs[0, 0, [3, 4]].sum(-1), torch.ones(2))
 
 
-def test_non_contiguous_scores():
+def test_non_contiguous_scores_and_mask():
     torch.manual_seed(3)
     scores = torch.randn(2, 5, 3, 5).transpose(1, 3)  # [2, 5, 3, 5] viewed as strided
-    assert not scores.is_contiguous()
-    check_against_float64(scores, 0.8, True, None)
+    mask = (torch.rand(5, 3) < 0.4).t()  # [Sq, Sk] with a key stride of 3
+    assert not scores.is_contiguous() and mask.stride(-1) != 1
+    check_against_float64(scores, 0.8, True, mask)
 
 
 def test_wrapper_runs_triton_under_interpreter(monkeypatch):
