@@ -195,20 +195,11 @@ class Attention(nn.Module):
 
 
 def _fused_softmax():
-    """The Triton scale-mask-softmax when neox.kernels provides it, else its torch reference."""
+    """neox.kernels' Triton scale-mask-softmax (it falls back to its torch reference off GPU)."""
     try:
         from neox.kernels.fused_softmax import scaled_masked_softmax
     except ImportError:
-        from neox.kernels.softmax_reference import scaled_masked_softmax_reference
-
-        return scaled_masked_softmax_reference
-
-    def softmax(scores, scale, causal, padding_mask=None):
-        if not scores.is_cuda:
-            # Triton needs a GPU; the reference computes the same numbers on CPU.
-            from neox.kernels.softmax_reference import scaled_masked_softmax_reference
-
-            return scaled_masked_softmax_reference(scores, scale, causal, padding_mask)
-        return scaled_masked_softmax(scores, scale, causal=causal, padding_mask=padding_mask)
-
-    return softmax
+        from neox.kernels.softmax_reference import (
+            scaled_masked_softmax_reference as scaled_masked_softmax,
+        )
+    return scaled_masked_softmax

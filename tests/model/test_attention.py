@@ -1,0 +1,133 @@
+"""The three attention kernels agree; masks (causal, window, padding) and ALiBi behave."""
+
+import math
+
+import pytest
+import torch
+
+from neox.config.model import ModelConfig
+from neox.model.attention import Attention, allowed_mask, select_attention_impl
+from neox.model.positional import alibi_slopes
+from neox.model.rotary import RotaryEmbedding
+
+TINY = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16)
+
+CASES = {
+    "causal_rotary": dict(pos_emb="rotary", rotary_pct=0.5),
+    "gqa": dict(pos_emb="rotary", num_kv_heads=2),
+    "alibi": dict(pos_emb="alibi"),
+    "window": dict(pos_emb="rotary", sliding_window_width=3),
+    "alibi_window_qknorm": dict(pos_emb="alibi", sliding_window_width=5, use_qk_layernorm=True),
+}
+
+
+def make_attention(overrides: dict, impl: str) -> Attention:
+    torch.manual_seed(0)
+    attn = Attention(ModelConfig(**{**TINY, **overrides, "attention_impl": impl}))
+    return attn.eval()
+
+
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("case", CASES)
+def test_flash_torch_triton_agree(case, padded):
+    x = torch.randn(2, 9, 32)
+    mask = None
+    if padded:
+        mask = torch.ones(2, 9, dtype=torch.long)
+        mask[0, :3] = 0
+    outs = {}
+    for impl in ("flash", "torch", "triton"):
+        attn = make_attention(CASES[case], impl)
+        outs[impl] = attn(x, attention_mask=mask)
+    torch.testing.assert_close(outs["flash"], outs["torch"], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(outs["triton"], outs["torch"], atol=1e-5, rtol=1e-5)
+    assert torch.isfinite(outs["torch"]).all()
+
+
+def first_influenced(attn: Attention, T: int = 12) -> list[int]:
+    """For each query i, the oldest key position whose token changes query i's output."""
+    x = torch.randn(1, T, 32)
+    poked = x.repeat(T, 1, 1)  # row j has token j changed
+    poked[torch.arange(T), torch.arange(T)] += 1.0
+    with torch.no_grad():
+        changed = ~torch.isclose(attn(poked), attn(x)).all(-1)  # (j, i): poking j moved query i
+    oldest = []
+    for i in range(T):
+        seen = changed[:, i].nonzero().flatten().tolist()
+        assert max(seen) == i  # causal: nothing after the query; the query itself counts
+        oldest.append(min(seen))
+    return oldest
+
+
+@pytest.mark.parametrize("impl", ["flash", "torch", "triton"])
+def test_sliding_window_hides_old_keys(impl):
+    attn = make_attention(dict(pos_emb="rotary", sliding_window_width=3), impl)
+    # gpt-neox's flash-attn window (3, -1): query i sees keys i-3 .. i.
+    assert first_influenced(attn) == [max(0, i - 3) for i in range(12)]
+
+
+@pytest.mark.parametrize("impl", ["flash", "torch"])
+def test_full_causal_sees_all_past_keys(impl):
+    attn = make_attention(dict(pos_emb="alibi"), impl)
+    assert first_influenced(attn) == [0] * 12
+
+
+def test_alibi_slopes_and_bias():
+    assert alibi_slopes(8) == [2 ** -(i + 1) for i in range(8)]
+    # Non-power of two: the 4-head slopes, then every other slope of the 8-head set.
+    assert alibi_slopes(6) == alibi_slopes(4) + alibi_slopes(8)[0::2][:2]
+    # With identical keys and values growing with position, ALiBi pulls attention to recent keys.
+    assert alibi_slopes(4) == [2**-2, 2**-4, 2**-6, 2**-8]  # 2^(-8k/n)
+    attn = make_attention(dict(pos_emb="alibi"), "torch")
+    q = torch.zeros(1, 4, 6, 8)
+    v = torch.arange(6.0).view(1, 1, 6, 1).expand(1, 4, 6, 8)
+    y = attn._attend_scores(q, q, v, None, fused=False)  # (B, nh, T, hs)
+    # Query 5's weights are softmax(-slope * distance): closed form for head 0 (slope 1/4).
+    w = torch.softmax(-0.25 * torch.arange(5.0, -1.0, -1.0), dim=0)
+    torch.testing.assert_close(y[0, 0, 5, 0], (w * torch.arange(6.0)).sum())
+
+
+def test_padding_mask_hides_padded_keys():
+    mask = allowed_mask(4, 4, torch.device("cpu"), padding_mask=torch.tensor([[0, 1, 1, 1]]))
+    expected = torch.tensor(
+        [[1, 0, 0, 0], [0, 1, 0, 0], [0, 1, 1, 0], [0, 1, 1, 1]], dtype=torch.bool
+    )  # the padded query still sees itself, so no row is empty
+    assert torch.equal(mask[0, 0], expected)
+
+
+def test_select_attention_impl():
+    cfg = ModelConfig(**TINY)
+    assert select_attention_impl(cfg, "global", "cpu") == "flash"
+    assert select_attention_impl(cfg, "global", "cuda") == "flash"
+    fused = ModelConfig(**TINY, scaled_upper_triang_masked_softmax_fusion=True)
+    assert select_attention_impl(fused, "global", "cuda") == "triton"
+    assert select_attention_impl(fused, "flash", "cuda") == "flash"
+    assert select_attention_impl(fused, "global", "cpu") == "flash"
+    masked = ModelConfig(**TINY, scaled_masked_softmax_fusion=True)
+    assert select_attention_impl(masked, "global", "cuda") == "triton"
+    forced = ModelConfig(**TINY, attention_impl="torch", scaled_masked_softmax_fusion=True)
+    assert select_attention_impl(forced, "global", "cuda") == "torch"
+
+
+def test_local_layers_need_a_window():
+    cfg = ModelConfig(**TINY, attention_config=[[["global", "local"], 1]])
+    with pytest.raises(ValueError, match="sliding_window_width"):
+        Attention(cfg, "local")
+
+
+def test_rotary_partial_dims_and_positions():
+    rope = RotaryEmbedding(dim=4, base=10000)
+    q = torch.randn(1, 2, 5, 8)
+    q_rot, _ = rope(q, q)
+    torch.testing.assert_close(q_rot[..., 4:], q[..., 4:])  # features past rotary_pct pass
+    torch.testing.assert_close(q_rot[:, :, 0], q[:, :, 0])  # position 0 is not rotated
+    # Position 1 of the first pair is rotated by angle 1 (inv_freq[0] = 1).
+    a, b = q[0, 0, 1, 0], q[0, 0, 1, 2]
+    torch.testing.assert_close(q_rot[0, 0, 1, 0], a * math.cos(1) - b * math.sin(1))
+    # Explicit position ids reproduce the default ones, and the cache serves a longer call.
+    pos = torch.arange(5).unsqueeze(0)
+    torch.testing.assert_close(rope(q, q, pos)[0], q_rot)
+    long = torch.randn(1, 2, 9, 8)
+    torch.testing.assert_close(
+        rope(long, long)[0][:, :, :5], rope(long[:, :, :5], long[:, :, :5])[0]
+    )
