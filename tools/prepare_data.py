@@ -71,7 +71,7 @@ def next_commands(prepared: PreparedCorpus, args: argparse.Namespace) -> list[st
     tokenizer = ["--tokenizer-type", args.tokenizer_type or "HFTokenizer"]
     if args.tokenizer_type is None:
         vocab = str(prepared.path.parent / "tokenizer.json")
-        train = ["python", "tools/train_tokenizer.py", corpus, "--vocab-size", "8192"]
+        train = ["python", "tools/train_tokenizer.py", corpus, "--vocab-size", "2048"]
         commands.append(shlex.join(train + ["--output", vocab]))
         tokenizer += ["--vocab-file", vocab]
     else:

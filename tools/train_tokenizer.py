@@ -1,7 +1,7 @@
 """Train a byte-level BPE tokenizer (tokenizers JSON, for tokenizer_type HFTokenizer).
 
 Example:
-    python tools/train_tokenizer.py data/pystdlib/pystdlib.jsonl.zst --vocab-size 8192 \\
+    python tools/train_tokenizer.py data/pystdlib/pystdlib.jsonl.zst --vocab-size 2048 \\
         --output data/pystdlib/tokenizer.json
 Inputs are jsonl (plain or .zst/.gz/.xz), text files (one document each), directories or globs.
 """
