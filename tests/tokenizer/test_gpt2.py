@@ -2,7 +2,6 @@
 
 import json
 import shutil
-import time
 
 import pytest
 
@@ -92,27 +91,11 @@ def test_auto_backend_falls_back_when_ranks_do_not_follow_merges(gpt2_files, tmp
         GPT2BPETokenizer(gpt2_files[0], str(tmp_path / "merges.txt"), backend="tiktoken")
 
 
+# Speed is measured by benchmarks/preprocess.py (docs/benchmarks.md), never by a timed test.
+
+
 def test_bad_merges_line_is_named(gpt2_files, tmp_path):
     bad = tmp_path / "merges.txt"
     bad.write_text("#version: 0.2\nĠ t\nthree parts here\n")
     with pytest.raises(ValueError, match=r"line 3.*merge_file"):
         GPT2BPETokenizer(gpt2_files[0], str(bad))
-
-
-def test_encode_batch_is_at_least_1_4x_bare_tokenizers(shared_data, gpt2_files):
-    """The speed preprocessing relies on: best of 3 wall times on the same real documents."""
-    texts = real_texts(shared_data)
-    fast = GPT2BPETokenizer(*gpt2_files)
-    bare = GPT2BPETokenizer(*gpt2_files, backend="tokenizers")._tokenizers
-
-    def best_time(fn) -> float:
-        times = []
-        for _ in range(3):
-            start = time.perf_counter()
-            fn(texts)
-            times.append(time.perf_counter() - start)
-        return min(times)
-
-    ours = best_time(fast.encode_batch)
-    reference = best_time(bare.encode_batch)
-    assert reference / ours >= 1.4, f"encode_batch {ours:.3f}s vs tokenizers {reference:.3f}s"
