@@ -1,6 +1,7 @@
 """GPTNeoX against transformers' GPTNeoX and Llama, parameter counts, causality, backward."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -8,6 +9,7 @@ from safetensors.torch import save_file
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from neox.checkpoint.hf_map import hf_config_for, to_hf_state_dict
+from neox.config import load_config
 from neox.config.model import ModelConfig
 from neox.model import build_model, count_parameters, lm_loss
 
@@ -199,3 +201,15 @@ def test_tied_model_has_no_output_matrix():
     torch.testing.assert_close(
         tied.head(x), tied.final_layer_norm(x) @ tied.embed_in.weight.T, atol=1e-6, rtol=1e-6
     )
+
+
+SHIPPED = sorted(str(p) for p in (Path(__file__).parents[2] / "configs").rglob("*.yml"))
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.split("configs/")[-1])
+def test_shipped_configs_build_on_meta(path):
+    cfg = load_config([path]).config.model
+    model = build_model(cfg, 50304, device="meta")
+    assert sum(p.numel() for p in model.parameters()) == count_parameters(cfg, 50304)
+    if path.endswith("pythia/160M.yml"):
+        assert count_parameters(cfg, 50304) == 162_322_944  # HF pythia-160m num_parameters()
