@@ -30,6 +30,18 @@ def mark_tensor_parallel(param: nn.Parameter, dim: int) -> nn.Parameter:
     return param
 
 
+def remark_tensor_parallel(model: nn.Module) -> None:
+    """Re-tag sharded parameters from their layers' PARTITION_DIMS.
+
+    Module.to_empty (meta -> cpu/cuda) replaces Parameter objects and drops their attributes.
+    """
+    for module in model.modules():
+        for name, dim in getattr(module, "PARTITION_DIMS", {}).items():
+            param = getattr(module, name, None)
+            if param is not None:
+                mark_tensor_parallel(param, dim)
+
+
 def shard(full: torch.Tensor, dim: int, rank: int, world: int) -> torch.Tensor:
     """The rank-th of `world` equal contiguous slices of `full` along `dim`."""
     if full.shape[dim] % world:
@@ -50,6 +62,8 @@ class ColumnParallelLinear(nn.Module):
 
     The input is replicated; the output stays split along its last dim unless gather_output.
     """
+
+    PARTITION_DIMS = {"weight": 0, "bias": 0}
 
     def __init__(
         self,
@@ -98,6 +112,8 @@ class RowParallelLinear(nn.Module):
     partial products are all-reduced and the replicated bias is added once, after the sum.
     """
 
+    PARTITION_DIMS = {"weight": 1}
+
     def __init__(
         self,
         in_features: int,
@@ -141,6 +157,8 @@ class RowParallelLinear(nn.Module):
 class VocabParallelEmbedding(nn.Module):
     """E[ids] with the table split by vocab rows: rank i looks up ids in [iV/p, (i+1)V/p), zeros
     elsewhere, and the all-reduce sums the one non-zero row per token."""
+
+    PARTITION_DIMS = {"weight": 0}
 
     def __init__(
         self,

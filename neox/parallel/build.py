@@ -1,0 +1,105 @@
+"""One entry for the training loop: build the model for a layout, and the pieces DeepSpeed needs."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from neox.config.model import ModelConfig
+from neox.model import build_model
+from neox.parallel.checkpointing import checkpoint_blocks, configure_checkpointing
+from neox.parallel.pipeline import to_pipeline
+from neox.parallel.tensor import (
+    apply_tensor_parallel,
+    init_tensor_parallel,
+    lm_loss_parallel,
+    seed_parallel_rng,
+    use_tensor_parallel_rng,
+)
+from neox.parallel.topology import ProcessGroups
+
+logger = logging.getLogger(__name__)
+
+
+def parallelize(
+    model_cfg: ModelConfig,
+    vocab_size: int,
+    groups: ProcessGroups,
+    seed: int = 1234,
+    *,
+    checkpoint_activations: bool = False,
+    checkpoint_num_layers: int = 1,
+    partition_activations: bool = False,
+    pipe_partition_method: str = "type:Block",
+    device: Any = "cpu",
+) -> nn.Module:
+    """The GPTNeoX for this rank: plain with tp applied when pp = 1, else a PipelineModule.
+
+    Seeds the RNG streams (seed_parallel_rng). Weights equal the tp=1, pp=1 model's for the
+    same seed, whatever the layout; no rank materialises more than its own shard.
+    """
+    groups.topo.check_model(model_cfg)
+    seed_parallel_rng(seed, groups)
+    if checkpoint_activations:
+        configure_checkpointing(groups, partition_activations)
+    if groups.topo.pp > 1:
+        return to_pipeline(
+            model_cfg,
+            vocab_size,
+            groups,
+            seed,
+            partition_method=pipe_partition_method,
+            checkpoint_activations=checkpoint_activations,
+            checkpoint_num_layers=checkpoint_num_layers,
+            device=device,
+        )
+    model = build_model(model_cfg, vocab_size, seed, device="meta")
+    apply_tensor_parallel(model, groups, model_cfg, copy_weights=False)
+    init_tensor_parallel(model, model_cfg, seed, groups, device=device)
+    if groups.get_tensor_model_parallel_world_size() > 1:
+        use_tensor_parallel_rng(model)
+    if checkpoint_activations:
+        checkpoint_blocks(model.layers, checkpoint_num_layers)
+    _register_head_weight(model)
+    return model
+
+
+def _register_head_weight(model: nn.Module) -> None:
+    """Tell ZeRO-3 that the model's own forward reads the head weight (F.linear in `head`), which
+    lives in embed_in/embed_out whose forward never runs for it; a no-op without ZeRO-3."""
+    from deepspeed.runtime.zero.partition_parameters import register_external_parameter
+
+    owner = model.embed_in if model.embed_out is None else model.embed_out
+    register_external_parameter(model, owner.weight)
+
+
+def loss_function(
+    groups: ProcessGroups,
+) -> Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor]], torch.Tensor]:
+    """loss(logits, labels, loss_mask) for the plain model's (possibly vocab-split) logits."""
+    group = groups.tensor
+
+    def loss(
+        logits: torch.Tensor, labels: torch.Tensor, loss_mask: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        return lm_loss_parallel(logits, labels, loss_mask, group)
+
+    return loss
+
+
+def engine_mpu(model: nn.Module, groups: ProcessGroups) -> Optional[ProcessGroups]:
+    """The mpu for deepspeed.initialize: None for a PipelineModule (it brings its own grid)."""
+    from deepspeed.pipe import PipelineModule
+
+    return None if isinstance(model, PipelineModule) else groups
+
+
+def pipeline_batch(
+    input_ids: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """One micro-batch as PipelineEngine.train_batch's iterator yields it: (inputs, labels)."""
+    return input_ids, (labels, loss_mask)

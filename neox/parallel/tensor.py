@@ -1,0 +1,219 @@
+"""Tensor parallelism applied from outside the plain GPTNeoX: swap named modules, shard weights.
+
+`apply_tensor_parallel` walks the model and replaces the modules named in TENSOR_PARALLEL_PLAN
+with Megatron's column/row/vocab-parallel layers, sets each attention's per-rank head counts,
+and makes the tied (or column-split) output head produce vocab-sharded logits. Initialising
+with `init_tensor_parallel` slices every sharded parameter out of the full init_parameter
+tensor of the same name, so a tp=2 model starts from exactly the tp=1 weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from neox.config.model import ModelConfig
+from neox.model.init import init_parameter
+from neox.parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    remark_tensor_parallel,
+    shard,
+    vocab_parallel_cross_entropy,
+)
+from neox.parallel.mappings import copy_to_tensor_parallel
+from neox.parallel.topology import ProcessGroups
+
+logger = logging.getLogger(__name__)
+
+# Module name suffix -> how it is split. Column: output features split (heads, MLP width);
+# row: input features split, partial sums all-reduced; vocab: embedding rows split.
+TENSOR_PARALLEL_PLAN: dict[str, str] = {
+    "attention.query_key_value": "column",
+    "attention.dense": "row",
+    "mlp.dense_h_to_4h": "column",
+    "mlp.gate": "column",
+    "mlp.dense_4h_to_h": "row",
+    "embed_in": "vocab",
+    "embed_out": "column",
+}
+
+# The DeepSpeed tracker's name for the per-tp-rank stream (its activation checkpointing saves
+# and restores exactly this tracker, so recomputed dropout masks match the forward ones).
+MODEL_PARALLEL_RNG = "model-parallel-rng"
+
+
+def _parallel_module(kind: str, module: nn.Module, group: Any) -> nn.Module:
+    """The tp counterpart of one plain module, with the same shapes, on the same device."""
+    if kind == "vocab":
+        w = module.weight
+        return VocabParallelEmbedding(*w.shape, group, device=w.device, dtype=w.dtype)
+    assert isinstance(module, nn.Linear), f"{kind}-parallel needs nn.Linear, got {module!r}"
+    cls = ColumnParallelLinear if kind == "column" else RowParallelLinear
+    w = module.weight
+    return cls(
+        module.in_features,
+        module.out_features,
+        group,
+        bias=module.bias is not None,
+        device=w.device,
+        dtype=w.dtype,
+    )
+
+
+def _plan_kind(name: str) -> Optional[str]:
+    for suffix, kind in TENSOR_PARALLEL_PLAN.items():
+        if name == suffix or name.endswith("." + suffix):
+            return kind
+    return None
+
+
+def apply_tensor_parallel(
+    model: nn.Module,
+    groups: ProcessGroups,
+    cfg: Optional[ModelConfig] = None,
+    copy_weights: bool = True,
+) -> nn.Module:
+    """Shard `model` (a GPTNeoX, a Block or any part of one) over groups.tensor, in place.
+
+    Args:
+        copy_weights: slice the current full weights into the shards (off for meta models,
+            which are initialised afterwards with init_tensor_parallel).
+    """
+    tp = groups.get_tensor_model_parallel_world_size()
+    if tp == 1:
+        return model
+    group = groups.tensor
+    rank = groups.get_tensor_model_parallel_rank()
+    cfg = cfg if cfg is not None else getattr(model, "cfg", None)
+    if cfg is not None and cfg.output_layer_parallelism != "column":
+        raise ValueError(
+            f"output_layer_parallelism={cfg.output_layer_parallelism!r} is not supported with "
+            f"model_parallel_size={tp}; use 'column' (logits stay split by vocabulary)"
+        )
+    targets = [(n, m) for n, m in model.named_modules() if n and _plan_kind(n)]
+    for name, module in targets:
+        if module is None:
+            continue
+        new = _parallel_module(_plan_kind(name), module, group)
+        if copy_weights and module.weight.device.type != "meta":
+            if isinstance(new, VocabParallelEmbedding):
+                new.load_full_(module.weight)
+            else:
+                new.load_full_(module.weight, module.bias)
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+
+    for _, module in model.named_modules():
+        if hasattr(module, "query_key_value") and hasattr(module, "num_kv_heads"):
+            _shard_attention(module, rank, tp)
+
+    # The head reads embed_in.weight (tied) or embed_out.weight as F.linear(norm(x), W): with
+    # W split by vocab rows the hidden state enters every rank, so its gradient is the sum
+    # over ranks; the copy on the final norm's output supplies that all-reduce.
+    norm = getattr(model, "final_layer_norm", None)
+    if norm is not None:
+        _wrap_forward(norm, lambda fwd, *a, **k: copy_to_tensor_parallel(fwd(*a, **k), group))
+    return model
+
+
+def _shard_attention(attn: nn.Module, rank: int, tp: int) -> None:
+    """Per-rank head counts: the qkv column split gave this rank whole kv groups."""
+    attn.num_heads //= tp
+    attn.num_kv_heads //= tp
+    slopes = getattr(attn, "alibi_slopes", None)
+    if slopes is not None:
+        n = attn.num_heads
+        attn.alibi_slopes = list(slopes)[rank * n : (rank + 1) * n]
+
+
+def _wrap_forward(module: nn.Module, wrapper: Callable[..., Any]) -> None:
+    """module.forward = wrapper(original forward, ...), on this instance only (names unchanged)."""
+    original = module.forward
+    module.forward = functools.partial(wrapper, original)
+
+
+@torch.no_grad()
+def init_tensor_parallel(
+    module: nn.Module,
+    cfg: ModelConfig,
+    seed: int,
+    groups: Optional[ProcessGroups] = None,
+    prefix: str = "",
+    device: Any = "cpu",
+) -> nn.Module:
+    """Materialise a (meta) module on `device`, each parameter = its shard of init_parameter(name).
+
+    Args:
+        prefix: the module's name inside the plain GPTNeoX ("layers.3."), so init is by full name.
+    """
+    if any(p.is_meta for p in module.parameters()):
+        module.to_empty(device=device)
+        remark_tensor_parallel(module)
+    tp = 1 if groups is None else groups.get_tensor_model_parallel_world_size()
+    rank = 0 if groups is None else groups.get_tensor_model_parallel_rank()
+    for name, param in module.named_parameters():
+        dim = getattr(param, "partition_dim", None)
+        if getattr(param, "tensor_model_parallel", False) and tp > 1:
+            full_shape = list(param.shape)
+            full_shape[dim] *= tp
+            full = init_parameter(prefix + name, full_shape, cfg, seed)
+            param.copy_(shard(full, dim, rank, tp))
+        else:
+            param.copy_(init_parameter(prefix + name, param.shape, cfg, seed))
+    return module
+
+
+def seed_parallel_rng(seed: int, groups: ProcessGroups) -> None:
+    """Default generator: seed + 100 * stage (equal over tp and dp ranks); the tracker's
+    model-parallel stream: seed + 2718 + tp_rank (differs over tp ranks, for dropout on shards)."""
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.runtime.activation_checkpointing.checkpointing import get_cuda_rng_tracker
+
+    base = seed + 100 * groups.get_pipe_parallel_rank()
+    torch.manual_seed(base)
+    get_accelerator().manual_seed(base)
+    tracker = get_cuda_rng_tracker()
+    tracker.reset()
+    tracker.add(MODEL_PARALLEL_RNG, base + 2718 + groups.get_tensor_model_parallel_rank())
+
+
+def fork_tensor_parallel_rng() -> contextlib.AbstractContextManager:
+    """Context in which random ops draw from this tp rank's own stream."""
+    from deepspeed.runtime.activation_checkpointing.checkpointing import get_cuda_rng_tracker
+
+    return get_cuda_rng_tracker().fork(MODEL_PARALLEL_RNG)
+
+
+def use_tensor_parallel_rng(model: nn.Module) -> None:
+    """Run every attention forward (whose only randomness, attention dropout, acts on this
+    rank's heads) under the tp rank's own RNG stream; hidden dropout outside stays shared."""
+    for _, module in model.named_modules():
+        if hasattr(module, "query_key_value") and hasattr(module, "num_kv_heads"):
+            _wrap_forward(module, _forward_in_tp_rng)
+
+
+def _forward_in_tp_rng(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    with fork_tensor_parallel_rng():
+        return forward(*args, **kwargs)
+
+
+def lm_loss_parallel(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    loss_mask: Optional[torch.Tensor],
+    group: Any,
+) -> torch.Tensor:
+    """Masked mean over tokens of -log softmax(z)[label], z split over `group` by vocabulary."""
+    losses = vocab_parallel_cross_entropy(logits, labels, group).flatten()
+    if loss_mask is None:
+        return losses.mean()
+    mask = loss_mask.flatten().float()
+    return (losses * mask).sum() / mask.sum().clamp(min=1.0)
