@@ -74,8 +74,8 @@ def save_checkpoint(engine, cfg: NeoXConfig, iteration: int, client_state: dict[
         write_config(cfg, save_dir / tag / "config.yml")
         write_config(cfg, save_dir / "config.yml")
         prune_checkpoints(save_dir, c.keep_last_n_checkpoints)
+        log.info("saved checkpoint %s", save_dir / tag)
     torch.distributed.barrier()
-    log.info("saved checkpoint %s", save_dir / tag)
     return save_dir / tag
 
 

@@ -2,6 +2,8 @@
 
 from typing import Any, Optional
 
+from pydantic import field_validator
+
 from neox.config.base import ConfigGroup
 
 
@@ -57,7 +59,17 @@ class DeepSpeedConfig(ConfigGroup):
     """Divide gradients by this before the all-reduce."""
 
     sparse_gradients: bool = False
-    """DeepSpeed sparse gradients for embeddings."""
+    """gpt-neox key for DeepSpeed's sparse embedding gradients, which DeepSpeed has removed;
+    must stay false."""
+
+    @field_validator("sparse_gradients")
+    @classmethod
+    def _no_sparse_gradients(cls, v: bool) -> bool:
+        if v:
+            raise ValueError(
+                "sparse_gradients: DeepSpeed no longer compresses embedding gradients; set it false"
+            )
+        return v
 
     dump_state: bool = False
     """Print DeepSpeed's state after initialisation."""

@@ -73,7 +73,6 @@ def build_ds_config(cfg: NeoXConfig, d: Derived) -> dict[str, Any]:
         "zero_allow_untested_optimizer": True,
         "prescale_gradients": ds.prescale_gradients,
         "gradient_predivide_factor": ds.gradient_predivide_factor,
-        "sparse_gradients": ds.sparse_gradients,
         "dump_state": ds.dump_state,
         "activation_checkpointing": activation_checkpointing_section(cfg),
         **precision_sections(cfg, d),

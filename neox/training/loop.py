@@ -10,6 +10,7 @@ import torch
 from neox.checkpoint.io import load_checkpoint, save_checkpoint, should_save
 from neox.config import write_config
 from neox.data.batch import Batch, build_batch
+from neox.parallel import pipeline_batch
 from neox.training.metrics import MetricsWriter, format_line
 from neox.training.setup import Run, build_data, build_run
 
@@ -29,7 +30,7 @@ def pipeline_stream(run: Run, stream: Iterator) -> Iterator:
     """Micro-batches in the (inputs, labels) form DeepSpeed's pipeline engine consumes."""
     while True:
         b = next_batch(run, stream)
-        yield (b.tokens, b.position_ids), (b.labels, b.loss_mask)
+        yield pipeline_batch(b.tokens, b.labels, b.loss_mask)
 
 
 def forward_loss(run: Run, batch: Batch) -> torch.Tensor:
@@ -63,7 +64,7 @@ def train_step(run: Run, stream: Iterator, iteration: int) -> dict[str, float]:
 def reduce_mean(run: Run, loss: torch.Tensor) -> float:
     """Mean of a loss over the data-parallel ranks."""
     loss = loss.detach().float().clone()
-    group = run.parallel.mpu.get_data_parallel_group()
+    group = run.groups.get_data_parallel_group()
     torch.distributed.all_reduce(loss, group=group)
     return loss.item() / torch.distributed.get_world_size(group=group)
 

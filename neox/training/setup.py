@@ -31,7 +31,7 @@ class Run:
     dp_rank: int
     is_pipeline: bool
     loss_fn: Callable
-    parallel: Any  # neox.parallel runtime state (process groups, mpu)
+    groups: Any  # neox.parallel.ProcessGroups
 
     @property
     def is_logging_rank(self) -> bool:
@@ -64,22 +64,33 @@ def build_run(cfg: NeoXConfig) -> Run:
     """Tokenizer, derived values, the parallel model inside DeepSpeed, and the schedule."""
     import deepspeed
 
-    from neox.parallel import parallelize
+    from neox.parallel import ProcessGroups, Topology, engine_mpu, loss_function, parallelize
 
     device = init_distributed(cfg)
     world = torch.distributed.get_world_size()
     t = cfg.tokenizer
     tokenizer = build_tokenizer(t.tokenizer_type, t.vocab_file, t.merge_file)
     derived = derive(cfg, world, tokenizer.vocab_size)
-    seed = cfg.training.seed
-    torch.manual_seed(seed)
-    par = parallelize(cfg, derived, device=device)
-    optimizer = build_optimizer(par.model, cfg.optimizer)
+    groups = ProcessGroups(
+        Topology(derived.tensor_parallel, derived.pipe_parallel, derived.data_parallel)
+    )
+    tr = cfg.training
+    model = parallelize(
+        cfg.model,
+        derived.padded_vocab_size,
+        groups,
+        tr.seed,
+        checkpoint_activations=tr.checkpoint_activations,
+        checkpoint_num_layers=tr.checkpoint_num_layers,
+        partition_activations=tr.partition_activations,
+        pipe_partition_method=cfg.parallel.pipe_partition_method,
+        device=device,
+    )
     engine, _, _, _ = deepspeed.initialize(
-        model=par.model,
-        optimizer=optimizer,
+        model=model,
+        optimizer=build_optimizer(model, cfg.optimizer),
         config=build_ds_config(cfg, derived),
-        mpu=par.mpu,
+        mpu=engine_mpu(model, groups),
     )
     o = cfg.optimizer
     schedule = LRSchedule(
@@ -97,10 +108,10 @@ def build_run(cfg: NeoXConfig) -> Run:
         schedule=schedule,
         device=device,
         rank=torch.distributed.get_rank(),
-        dp_rank=par.dp_rank,
-        is_pipeline=par.is_pipeline,
-        loss_fn=par.loss_fn,
-        parallel=par,
+        dp_rank=groups.get_data_parallel_rank(),
+        is_pipeline=derived.pipe_parallel > 1,
+        loss_fn=loss_function(groups),
+        groups=groups,
     )
 
 
