@@ -1,0 +1,15 @@
+"""Start the ranks: hostfile and include/exclude parsing, the DeepSpeed runner command, env export."""
+
+from neox.launcher.hostfile import HostfileError, parse_hostfile, read_hostfile, select_resources
+from neox.launcher.plan import LaunchPlan, build_launch
+from neox.launcher.run import run_launch
+
+__all__ = [
+    "HostfileError",
+    "LaunchPlan",
+    "build_launch",
+    "parse_hostfile",
+    "read_hostfile",
+    "run_launch",
+    "select_resources",
+]

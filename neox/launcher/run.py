@@ -1,0 +1,169 @@
+"""Run a LaunchPlan through DeepSpeed's runner, and stop every node when one of them fails."""
+
+import logging
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import IO, Optional
+
+import psutil
+
+from neox.launcher import reap
+from neox.launcher.plan import LAUNCH_ID_ENV, LaunchPlan
+
+log = logging.getLogger(__name__)
+
+# pdsh reports each node's ssh as it ends: "pdsh@me: worker-1: ssh exited with exit code 1".
+_NODE_FAILED = re.compile(rb"^pdsh@[^:]*: (?P<host>[^:]+): ssh exited with exit code (?P<code>\d+)")
+
+
+class _NodeWatch:
+    """Relays pdsh's stderr and notes the first node whose command exited non-zero."""
+
+    def __init__(self, stream: IO[bytes]) -> None:
+        self.failed: Optional[tuple[str, int]] = None
+        self.failed_at: Optional[float] = None
+        self._stream = stream
+        self.thread = threading.Thread(target=self._relay, name="neox-pdsh-watch", daemon=True)
+        self.thread.start()
+
+    def _relay(self) -> None:
+        out = getattr(sys.stderr, "buffer", None)
+        for line in iter(self._stream.readline, b""):
+            if out is not None:
+                out.write(line)
+                out.flush()
+            else:
+                sys.stderr.write(line.decode(errors="replace"))
+            match = _NODE_FAILED.match(line)
+            if match and self.failed is None:
+                self.failed = (match["host"].decode(), int(match["code"]))
+                self.failed_at = time.monotonic()
+
+
+def run_launch(plan: LaunchPlan, *, grace_s: float = 5.0) -> int:
+    """Start the plan and wait; returns the launch's exit status (non-zero if any rank failed).
+
+    DeepSpeed's launch.py already ends a node's other ranks when one of them fails, but nothing
+    tells the other nodes: with pdsh they would wait in a collective until its timeout. So when
+    pdsh reports a failed node, the remaining nodes get grace_s seconds to fail on their own,
+    then every process of this launch is ended on every node.
+    """
+    env = dict(plan.env)
+    with tempfile.TemporaryDirectory(prefix="neox-launch-") as tmp:
+        if plan.multi_node:
+            # DeepSpeed joins DS_ENV_FILE to ~ and to ., so an absolute path is read as is and the
+            # user's own .deepspeed_env (merged into env_file_text by the plan) stays untouched.
+            env_file = Path(tmp, "deepspeed_env")
+            env_file.write_text(plan.env_file_text)
+            env["DS_ENV_FILE"] = str(env_file)
+        log.info(
+            "launching %d rank(s) on %s: %s", plan.world_size, ", ".join(plan.hosts), plan.command
+        )
+        watched = plan.launcher == "pdsh"
+        # Its own session, so the runner and everything under it can be ended by process group.
+        proc = subprocess.Popen(
+            plan.argv,
+            env=env,
+            cwd=plan.cwd,
+            start_new_session=True,
+            stderr=subprocess.PIPE if watched else None,
+        )
+        watch = _NodeWatch(proc.stderr) if watched else None
+        try:
+            code = _wait(proc, watch, grace_s)
+        except BaseException:
+            log.error("launch interrupted; stopping all ranks")
+            _stop(plan, proc)
+            raise
+        if proc.poll() is None:
+            _stop(plan, proc)
+        if watch is not None:
+            watch.thread.join(timeout=5)
+        return code
+
+
+def _wait(proc: subprocess.Popen, watch: Optional[_NodeWatch], grace_s: float) -> int:
+    while True:
+        try:
+            code = proc.wait(timeout=0.2)
+            break
+        except subprocess.TimeoutExpired:
+            pass
+        if watch is not None and watch.failed_at is not None:
+            if time.monotonic() - watch.failed_at > grace_s:
+                host, failed_code = watch.failed
+                log.error(
+                    "node %s exited with code %d and the other nodes are still running "
+                    "after %.0f s; stopping them",
+                    host,
+                    failed_code,
+                    grace_s,
+                )
+                return failed_code or 1
+    if watch is not None and watch.failed is not None and code == 0:
+        code = watch.failed[1]
+    # A runner killed by a signal reports -N; shells say 128+N, and 0 must never mean failure.
+    return 128 - code if code < 0 else code
+
+
+def _stop(plan: LaunchPlan, proc: subprocess.Popen) -> None:
+    """End the runner's process group here and, over pdsh, this launch's ranks on every node."""
+    if plan.launcher == "pdsh":
+        # SIGKILL, because the runner's SIGTERM handler runs `pkill -f` on DeepSpeed's launcher
+        # name on every node, which would also end unrelated jobs there. pdsh puts its ssh
+        # clients in sessions of their own, so they are found by parentage, not process group.
+        try:
+            local = psutil.Process(proc.pid).children(recursive=True)
+        except psutil.Error:
+            local = []
+        _signal_group(proc, signal.SIGKILL)
+        for child in local:
+            try:
+                child.kill()
+            except psutil.Error:
+                pass
+        _reap_nodes(plan)
+    else:
+        _signal_group(proc, signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            _signal_group(proc, signal.SIGKILL)
+    proc.wait()
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _reap_nodes(plan: LaunchPlan) -> None:
+    env = dict(plan.env, PDSH_RCMD_TYPE="ssh")
+    env.pop(LAUNCH_ID_ENV, None)  # else the reaper on this machine would end its own pdsh
+    if plan.ssh_port is not None:
+        env["PDSH_SSH_ARGS_APPEND"] = f"{env.get('PDSH_SSH_ARGS_APPEND', '')} -p {plan.ssh_port}"
+    # pdsh joins its arguments into one remote shell command, hence the quoting.
+    remote = [sys.executable, "-c", Path(reap.__file__).read_text(), plan.launch_id]
+    cmd = ["pdsh", "-S", "-w", ",".join(plan.hosts), " ".join(shlex.quote(a) for a in remote)]
+    try:
+        result = subprocess.run(cmd, env=env, capture_output=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        log.error("could not confirm the ranks on %s ended (pdsh timed out)", ", ".join(plan.hosts))
+        return
+    if result.returncode != 0:
+        log.error(
+            "ending the ranks on %s failed (pdsh exit code %d): %s",
+            ", ".join(plan.hosts),
+            result.returncode,
+            (result.stdout + result.stderr).decode(errors="replace").strip(),
+        )
