@@ -1,0 +1,92 @@
+"""Real launches through DeepSpeed's runner: local CPU ranks, two nodes over pdsh/sshd, rank death."""
+
+import base64
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from neox.config.launcher import LauncherConfig
+from neox.launcher import build_launch, run_launch
+from neox.launcher.reap import tagged_pids
+from tests.launcher.conftest import free_port
+
+PROBE = str(Path(__file__).with_name("probe.py"))
+TRICKY = "a \"b\" $(echo injected) 'c' `id` \\ end"
+
+pytestmark = pytest.mark.slow
+
+
+def results(out: Path) -> dict[int, dict]:
+    return {r["rank"]: r for r in (json.loads(p.read_text()) for p in out.glob("rank*.json"))}
+
+
+def test_two_local_cpu_ranks_all_reduce_and_get_the_config(tmp_path):
+    config = {"hidden_size": 32, "note": "spaces and $(echo x)"}
+    encoded = base64.urlsafe_b64encode(json.dumps(config).encode()).decode()
+    cfg = LauncherConfig(num_gpus=2, master_port=free_port())
+    args = ["--out", str(tmp_path), "--neox_config", encoded, "--echo", TRICKY]
+    plan = build_launch(cfg, PROBE, args, cpu=True)
+    assert run_launch(plan) == 0
+    ranks = results(tmp_path)
+    assert set(ranks) == {0, 1}
+    for rank, r in ranks.items():
+        assert (r["world_size"], r["comm_world_size"], r["comm_rank"]) == (2, 2, rank)
+        assert r["local_rank"] == r["arg_local_rank"] == rank
+        assert r["all_reduce"] == 0 + 1
+        assert r["config"] == config and r["echo"] == TRICKY
+        assert r["ds_accelerator"] == "cpu"
+
+
+def test_local_rank_death_ends_the_launch(tmp_path):
+    cfg = LauncherConfig(num_gpus=2, master_port=free_port())
+    plan = build_launch(cfg, PROBE, ["--out", str(tmp_path), "--die_rank", "1"], cpu=True)
+    start = time.monotonic()
+    code = run_launch(plan)
+    assert code != 0 and time.monotonic() - start < 30
+    assert tagged_pids(plan.launch_id) == []  # the sleeping rank 0 is gone too
+
+
+@pytest.fixture
+def two_nodes(sshd, tmp_path, monkeypatch):
+    """A hostfile of two names for this machine, both reached through the private sshd."""
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("localhost slots=1\n127.0.0.1 slots=2\n")
+    monkeypatch.setenv("PDSH_SSH_ARGS_APPEND", sshd.ssh_args)
+    monkeypatch.setenv("NEOX_TEST_EXPORT", TRICKY)
+    return LauncherConfig(
+        hostfile=str(hostfile),
+        launcher="pdsh",
+        master_addr="127.0.0.1",
+        master_port=free_port(),
+        ssh_port=sshd.port,
+        no_ssh_check=True,
+        export_env=["NEOX_TEST_EXPORT"],
+    )
+
+
+def test_two_nodes_over_pdsh_all_reduce(two_nodes, tmp_path, monkeypatch):
+    # The ranks' only way to learn DS_ACCELERATOR is the environment exported to the nodes.
+    monkeypatch.delenv("DS_ACCELERATOR")
+    out = tmp_path / "out"
+    plan = build_launch(two_nodes, PROBE, ["--out", str(out), "--echo", TRICKY], cpu=True)
+    assert plan.launcher == "pdsh" and plan.world_size == 3
+    assert run_launch(plan) == 0
+    ranks = results(out)
+    assert set(ranks) == {0, 1, 2}
+    assert [ranks[r]["node_rank"] for r in (0, 1, 2)] == [0, 1, 1]
+    assert {ranks[1]["local_rank"], ranks[2]["local_rank"]} == {0, 1}
+    for r in ranks.values():
+        assert (r["world_size"], r["comm_world_size"], r["all_reduce"]) == (3, 3, 0 + 1 + 2)
+        assert r["ds_accelerator"] == "cpu"
+        assert r["export_probe"] == TRICKY and r["echo"] == TRICKY
+
+
+def test_rank_death_on_one_node_stops_the_other_node(two_nodes, tmp_path):
+    # Rank 2 (node 1) fails; rank 0 (node 0) sleeps and would hold pdsh open for ever.
+    plan = build_launch(two_nodes, PROBE, ["--out", str(tmp_path), "--die_rank", "2"], cpu=True)
+    start = time.monotonic()
+    code = run_launch(plan, grace_s=2)
+    assert code != 0 and time.monotonic() - start < 30
+    assert tagged_pids(plan.launch_id) == []
