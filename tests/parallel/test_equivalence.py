@@ -1,7 +1,7 @@
 """Tensor, pipeline and data parallel training (ZeRO 1-3) reproduce the dense single-process run.
 
 Real gloo ranks, the real DeepSpeed engine, 5 Adam steps with gradient clipping on fixed batches,
-fp32: every step's loss must match the dense run to rel 1e-4.
+fp32: every step's loss must match the dense run to rel 1e-5.
 """
 
 import json
@@ -10,7 +10,8 @@ import pytest
 from equivalence_worker import CASES, reference_losses, run_cases
 from parallel_harness import run_ranks
 
-REL = 1e-4
+# Observed: <= 2e-7 (fp32 sums in another order); a wrong clip norm shows as >= 4e-5.
+REL = 1e-5
 
 
 def _check(out_dir, names):

@@ -120,6 +120,19 @@ def _check_vocab(rank: int, world: int, group) -> None:
     torch.testing.assert_close(w_tp.grad, w_ref.grad[rows], **TOL)
 
 
+def _check_rng(groups) -> None:
+    from neox.parallel.tensor import fork_tensor_parallel_rng, seed_parallel_rng
+
+    seed_parallel_rng(1234, groups)
+    with fork_tensor_parallel_rng():
+        inside = torch.rand(8)  # e.g. attention dropout on this rank's heads
+    outside = torch.rand(8)  # e.g. hidden dropout on the replicated residual stream
+    both = [torch.empty(2, 8) for _ in range(2)]
+    dist.all_gather(both, torch.stack([inside, outside]), group=groups.tensor)
+    assert not torch.equal(both[0][0], both[1][0]), "tp ranks must draw different masks"
+    assert torch.equal(both[0][1], both[1][1]), "outside the tp region masks must agree"
+
+
 def check_all_ranks(rank: int, world: int) -> None:
     groups = Topology(tp=world).build_groups()
     assert groups.get_tensor_model_parallel_rank() == rank
@@ -127,3 +140,4 @@ def check_all_ranks(rank: int, world: int) -> None:
     _check_mappings(rank, world, groups.tensor)
     _check_linears(rank, world, groups.tensor)
     _check_vocab(rank, world, groups.tensor)
+    _check_rng(groups)
