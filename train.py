@@ -20,6 +20,12 @@ def main(argv: list[str]) -> int:
         print(f"train.py: config error:\n{e}", file=sys.stderr)
         return 2
     run_training(cfg)
+    import torch.distributed as dist
+
+    # Leave together: a process group torn down at interpreter exit can abort the process.
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
     return 0
 
 

@@ -27,7 +27,9 @@ import zstandard  # noqa: E402
 
 from neox.data.preprocess import PreprocessConfig, preprocess  # noqa: E402
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+DATA = Path(
+    os.environ.get("NEOX_DATA_DIR", Path(__file__).resolve().parents[2] / "shared" / "data")
+)
 
 
 def build_corpus(target_mb: float, out: Path) -> tuple[list[str], int]:

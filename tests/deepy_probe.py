@@ -39,6 +39,9 @@ def main() -> None:
             }
         )
     )
+    # Leave together: a process group torn down at interpreter exit can abort the process.
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

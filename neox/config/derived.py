@@ -7,6 +7,7 @@ from typing import Optional
 
 from neox.config.errors import ConfigError
 from neox.config.schema import NeoXConfig
+from neox.parallel.topology import Topology
 
 log = logging.getLogger(__name__)
 
@@ -35,18 +36,6 @@ def pad_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel: int) -> 
     """Round the vocabulary up so each tensor-parallel shard is a multiple of divisible_by."""
     multiple = divisible_by * tensor_parallel
     return multiple * math.ceil(vocab_size / multiple)
-
-
-def data_parallel_size(cfg: NeoXConfig, world_size: int) -> int:
-    """world / (tensor x pipeline), with every degree named when it does not divide."""
-    tp, pp = cfg.parallel.model_parallel_size, cfg.parallel.pp
-    if world_size % (tp * pp):
-        raise ConfigError(
-            f"world size {world_size} is not divisible by model_parallel_size={tp} x "
-            f"pipe_parallel_size={pp} = {tp * pp}; use a number of ranks that is a multiple of "
-            f"{tp * pp}, or change the parallel sizes"
-        )
-    return world_size // (tp * pp)
 
 
 def batch_triple(cfg: NeoXConfig, dp: int) -> tuple[int, int, int]:
@@ -118,8 +107,7 @@ def schedule_iters(cfg: NeoXConfig) -> tuple[int, int]:
 
 def derive(cfg: NeoXConfig, world_size: int, vocab_size: Optional[int] = None) -> Derived:
     """Compute layout, batch, precision, schedule and padded vocab; raise ConfigError when off."""
-    check_layout(cfg, world_size)
-    dp = data_parallel_size(cfg, world_size)
+    dp = check_layout(cfg, world_size).dp
     micro, gas, glob = batch_triple(cfg, dp)
     decay, warmup = schedule_iters(cfg)
     padded = cfg.tokenizer.padded_vocab_size
@@ -152,30 +140,11 @@ def derive(cfg: NeoXConfig, world_size: int, vocab_size: Optional[int] = None) -
     )
 
 
-def check_layout(cfg: NeoXConfig, world_size: int) -> None:
-    """Heads, kv heads and layers against the parallel sizes; every degree named."""
-    m, tp, pp = cfg.model, cfg.parallel.model_parallel_size, cfg.parallel.pp
-    problems = []
-    if m.num_attention_heads % tp:
-        ok = [d for d in range(1, m.num_attention_heads + 1) if m.num_attention_heads % d == 0]
-        problems.append(
-            f"num_attention_heads={m.num_attention_heads} is not divisible by "
-            f"model_parallel_size={tp}; use model_parallel_size in {ok}"
+def check_layout(cfg: NeoXConfig, world_size: int) -> Topology:
+    """World, heads, kv heads, MLP width and layers against the parallel sizes, every degree named."""
+    try:
+        return Topology.validate(
+            cfg.model, world_size, cfg.parallel.model_parallel_size, cfg.parallel.pp
         )
-    if m.kv_heads % tp:
-        problems.append(
-            f"num_kv_heads={m.kv_heads} is not divisible by model_parallel_size={tp}; "
-            "use fewer tensor-parallel ranks or more kv heads"
-        )
-    if m.num_layers < pp:
-        problems.append(
-            f"num_layers={m.num_layers} is fewer than pipe_parallel_size={pp}; "
-            "use at most one stage per layer"
-        )
-    if world_size < tp * pp:
-        problems.append(
-            f"world size {world_size} is smaller than model_parallel_size={tp} x "
-            f"pipe_parallel_size={pp}; launch at least {tp * pp} ranks (num_gpus / hostfile)"
-        )
-    if problems:
-        raise ConfigError("\n".join(problems))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
