@@ -125,6 +125,7 @@ def derive(cfg: NeoXConfig, world_size: int, vocab_size: Optional[int] = None) -
             f"padded_vocab_size={padded} is not divisible by model_parallel_size={tp}; "
             "remove padded_vocab_size to derive it"
         )
+    check_pipeline_clipping(cfg, precision_of(cfg))
     return Derived(
         world_size=world_size,
         tensor_parallel=tp,
@@ -148,3 +149,17 @@ def check_layout(cfg: NeoXConfig, world_size: int) -> Topology:
         )
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def check_pipeline_clipping(cfg: NeoXConfig, precision: str) -> None:
+    """DeepSpeed 0.19's fp32 pipeline path without ZeRO clips with a wrong global norm."""
+    ds = cfg.deepspeed
+    stage = (ds.zero_optimization or {}).get("stage", ds.zero_stage or 0)
+    t = cfg.training
+    clip = t.clip_grad if t.clip_grad is not None else t.gradient_clipping
+    if cfg.parallel.pp > 1 and precision == "fp32" and not stage and clip:
+        raise ConfigError(
+            f"pipe_parallel_size={cfg.parallel.pp} with fp32, ZeRO stage 0 and gradient_clipping="
+            f"{clip}: DeepSpeed computes the clipping norm from stage 0's parameters only in this "
+            "mode; use zero_optimization.stage 1 (or fp16/bf16), or gradient_clipping 0"
+        )

@@ -107,3 +107,11 @@ def test_schedule_iterations():
     assert (d.lr_decay_iters, d.warmup_iters) == (1000, 100)
     d = derive(load_dict({"train_iters": 1000, "lr_decay_iters": 500, "warmup": 0.01}), 1)
     assert (d.lr_decay_iters, d.warmup_iters) == (500, 5)
+
+
+def test_fp32_pipeline_clipping_without_zero_is_refused():
+    flat = {"pipe_parallel_size": 2, "num_layers": 2, "gradient_clipping": 1.0}
+    with pytest.raises(ConfigError, match="use zero_optimization.stage 1"):
+        derive(load_dict(flat), 2)
+    derive(load_dict({**flat, "zero_optimization": {"stage": 1}}), 2)
+    derive(load_dict({**flat, "gradient_clipping": 0.0}), 2)

@@ -1,86 +1,12 @@
 """train.py through deepy.py on 2 CPU ranks: metrics, tensorboard, checkpoints, exact resume."""
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 import yaml
 
-from neox.data.indexed import IndexedDatasetBuilder
+from tests.train_helpers import losses, make_dataset, train, write_config
 
-ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
-
-
-def make_dataset(prefix: Path, docs: int = 60, seed: int = 0) -> None:
-    rng = np.random.default_rng(seed)
-    builder = IndexedDatasetBuilder(str(prefix) + ".bin", np.uint16)
-    for _ in range(docs):
-        # Char-level ids; 0 is the end-of-document token.
-        builder.add_item(np.append(rng.integers(1, 256, rng.integers(20, 80)), 0))
-        builder.end_document()
-    builder.finalize(str(prefix) + ".idx")
-
-
-def write_config(tmp_path: Path, name: str, **overrides) -> Path:
-    cfg = {
-        "num_gpus": 2,
-        "num_layers": 2,
-        "hidden_size": 32,
-        "num_attention_heads": 4,
-        "seq_length": 32,
-        "max_position_embeddings": 32,
-        "pos_emb": "rotary",
-        "rotary_pct": 0.25,
-        "gpt_j_residual": True,
-        "tokenizer_type": "CharLevelTokenizer",
-        "data_path": str(tmp_path / "data" / "chars"),
-        "split": "8,1,1",
-        "train_micro_batch_size_per_gpu": 2,
-        "gradient_accumulation_steps": 2,
-        "train_iters": 6,
-        "optimizer": {"type": "Adam", "params": {"lr": 1.0e-3}},
-        "lr_decay_style": "cosine",
-        "warmup": 0.2,
-        "eval_interval": 3,
-        "eval_iters": 1,
-        "log_interval": 1,
-        "checkpoint_factor": 3,
-        "num_workers": 0,
-        "zero_optimization": {"stage": 1},
-        "master_port": 29640,
-        "save": str(tmp_path / name / "ckpt"),
-        "load": str(tmp_path / name / "ckpt"),
-        "log_dir": str(tmp_path / name / "logs"),
-        "tensorboard_dir": str(tmp_path / name / "tb"),
-        **overrides,
-    }
-    path = tmp_path / f"{name}.yml"
-    path.write_text(yaml.safe_dump(cfg))
-    return path
-
-
-def train(*configs: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=str(ROOT))
-    r = subprocess.run(
-        [sys.executable, str(ROOT / "deepy.py"), "train.py", *map(str, configs)],
-        capture_output=True,
-        text=True,
-        timeout=400,
-        cwd=ROOT,
-        env=env,
-    )
-    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
-    return r
-
-
-def losses(log_dir: Path, split: str = "train") -> dict[int, float]:
-    records = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in records if r["split"] == split}
 
 
 def test_train_checkpoint_and_exact_resume(tmp_path):
