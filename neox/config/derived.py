@@ -126,6 +126,7 @@ def derive(cfg: NeoXConfig, world_size: int, vocab_size: Optional[int] = None) -
             "remove padded_vocab_size to derive it"
         )
     check_pipeline_clipping(cfg, precision_of(cfg))
+    check_pipeline_inputs(cfg)
     return Derived(
         world_size=world_size,
         tensor_parallel=tp,
@@ -162,4 +163,15 @@ def check_pipeline_clipping(cfg: NeoXConfig, precision: str) -> None:
             f"pipe_parallel_size={cfg.parallel.pp} with fp32, ZeRO stage 0 and gradient_clipping="
             f"{clip}: DeepSpeed computes the clipping norm from stage 0's parameters only in this "
             "mode; use zero_optimization.stage 1 (or fp16/bf16), or gradient_clipping 0"
+        )
+
+
+def check_pipeline_inputs(cfg: NeoXConfig) -> None:
+    """Pipeline stages pass hidden states only: no per-document positions or masks."""
+    d = cfg.data
+    asked = [k for k in ("reset_position_ids", "reset_attention_mask") if getattr(d, k)]
+    if cfg.parallel.pp > 1 and asked:
+        raise ConfigError(
+            f"{' and '.join(asked)} cannot be used with pipe_parallel_size={cfg.parallel.pp} "
+            "(pipeline stages pass hidden states only); turn them off or use pipe_parallel_size 1"
         )

@@ -62,7 +62,8 @@ def allowed_mask(
 ) -> torch.Tensor:
     """Bool mask, True where query i may attend key j: causal, within the window, not padding.
 
-    Shape (sq, sk), or (B, 1, sq, sk) with a padding mask (B, sk) whose 1/True marks real tokens.
+    Shape (sq, sk), or (B, 1, sq, sk) with a padding mask (B, sk) whose 1/True marks real tokens,
+    or with a (B, 1, sq, sk) mask of allowed pairs (documents packed in one sample).
     """
     q_pos = torch.arange(sk - sq, sk, device=device).unsqueeze(1)
     k_pos = torch.arange(sk, device=device).unsqueeze(0)
@@ -70,6 +71,8 @@ def allowed_mask(
     if window is not None:
         # gpt-neox passes flash-attn window_size=(width, -1): keys at distance <= width are seen.
         allowed = allowed & (q_pos - k_pos <= window)
+    if padding_mask is not None and padding_mask.dim() == 4:
+        return allowed & padding_mask.to(device=device, dtype=torch.bool)  # (B, 1, sq, sk)
     if padding_mask is not None:
         keep = padding_mask.to(device=device, dtype=torch.bool)[:, None, None, :]  # (B, 1, 1, sk)
         # A query always sees itself, so rows of padding tokens never go all -inf (NaN).
@@ -119,7 +122,8 @@ class Attention(nn.Module):
         position_ids: Optional[torch.Tensor] = None,
         attention_mask: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        """x (B, T, C) -> (B, T, C); attention_mask (B, T) marks real tokens with 1."""
+        """x (B, T, C) -> (B, T, C); attention_mask (B, T) marks real tokens with 1, or
+        (B, 1, T, T) marks the allowed query/key pairs (reset_attention_mask)."""
         B, T, _ = x.shape
         nh, nkv, hs = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.query_key_value(x).view(B, T, nkv, nh // nkv + 2, hs)  # (B, T, nkv, grp+2, hs)

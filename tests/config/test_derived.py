@@ -115,3 +115,9 @@ def test_fp32_pipeline_clipping_without_zero_is_refused():
         derive(load_dict(flat), 2)
     derive(load_dict({**flat, "zero_optimization": {"stage": 1}}), 2)
     derive(load_dict({**flat, "gradient_clipping": 0.0}), 2)
+
+
+def test_pipeline_refuses_per_document_masks():
+    flat = {"pipe_parallel_size": 2, "num_layers": 2, "reset_attention_mask": True}
+    with pytest.raises(ConfigError, match="reset_attention_mask cannot be used with pipe"):
+        derive(load_dict(flat), 2)

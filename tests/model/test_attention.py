@@ -131,3 +131,30 @@ def test_rotary_partial_dims_and_positions():
     torch.testing.assert_close(
         rope(long, long)[0][:, :, :5], rope(long[:, :, :5], long[:, :, :5])[0]
     )
+
+
+def test_document_mask_isolates_packed_documents():
+    """With reset_attention_mask's (B, 1, T, T) mask and reset positions, the second document of a
+    packed sample gets the logits it gets alone."""
+    from neox.config import load_dict
+    from neox.data.batch import build_batch
+    from neox.model import build_model
+
+    cfg = load_dict(
+        {
+            "num_layers": 2,
+            "hidden_size": 32,
+            "num_attention_heads": 4,
+            "pos_emb": "rotary",
+            "seq_length": 16,
+        }
+    ).model
+    model = build_model(cfg, 64, seed=3).eval()
+    first, second = torch.tensor([5, 6, 7, 0]), torch.tensor([9, 10, 11, 12, 13, 14])
+    text = torch.cat([first, second, torch.tensor([0])]).unsqueeze(0)  # [1, T + 1]
+    b = build_batch(text, eod_token=0, reset_position_ids=True, reset_attention_mask=True)
+    packed = model(b.tokens, b.position_ids, b.attention_mask)
+    alone = model(second.unsqueeze(0))
+    torch.testing.assert_close(packed[:, len(first) :], alone, rtol=1e-5, atol=1e-5)
+    unmasked = model(b.tokens, b.position_ids)
+    assert not torch.allclose(unmasked[:, len(first) :], alone, atol=1e-3)
