@@ -118,6 +118,6 @@ def test_fp32_pipeline_clipping_without_zero_is_refused():
 
 
 def test_pipeline_refuses_per_document_masks():
-    flat = {"pipe_parallel_size": 2, "num_layers": 2, "reset_attention_mask": True}
+    flat = {"pipe_parallel_size": 2, "num_layers": 2, "reset_attention_mask": True, "zero_stage": 1}
     with pytest.raises(ConfigError, match="reset_attention_mask cannot be used with pipe"):
         derive(load_dict(flat), 2)
