@@ -36,6 +36,8 @@ def main() -> None:
                 "hidden_size": cfg.model.hidden_size,
                 "save": cfg.checkpoint.save,
                 "seed": cfg.training.seed,
+                "node_rank": int(os.environ.get("CROSS_RANK", 0)),
+                "ds_accelerator": os.environ.get("DS_ACCELERATOR"),
             }
         )
     )
