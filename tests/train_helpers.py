@@ -63,8 +63,12 @@ def write_config(tmp_path: Path, name: str, **overrides) -> Path:
     return path
 
 
-def train(*configs: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=str(ROOT))
+def train(*configs: Path, cpu: bool = True) -> subprocess.CompletedProcess:
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    )
+    if cpu:
+        env["DS_ACCELERATOR"] = "cpu"
     r = subprocess.run(
         [sys.executable, str(ROOT / "deepy.py"), "train.py", *map(str, configs)],
         capture_output=True,

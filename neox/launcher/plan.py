@@ -191,7 +191,8 @@ def _local_gpu_count(environ: Mapping[str, str]) -> int:
     gpus = Path("/proc/driver/nvidia/gpus")
     if gpus.is_dir():
         return len(list(gpus.iterdir()))
-    return 0
+    # Containers may hide /proc/driver but still expose the device nodes.
+    return len([p for p in Path("/dev").glob("nvidia[0-9]*") if p.name[6:].isdigit()])
 
 
 def _local_resources(
