@@ -115,12 +115,12 @@ class EncodedBatch:
 class _Encoder:
     """Per-process state: the tokenizer is built once, then reused for every batch."""
 
-    def __init__(self, config: PreprocessConfig, dtype: np.dtype):
+    def __init__(self, config: PreprocessConfig, dtype: np.dtype, tokenizer=None):
         from neox.tokenizer import build_tokenizer
 
         self.config = config
         self.dtype = dtype
-        self.tokenizer = build_tokenizer(
+        self.tokenizer = tokenizer or build_tokenizer(
             config.tokenizer_type, config.vocab_file, config.merge_file
         )
         if config.ftfy:
@@ -167,12 +167,10 @@ class _Encoder:
 _WORKER: _Encoder | None = None
 
 
-def _init_worker(config: PreprocessConfig, dtype: np.dtype) -> None:
+def _init_worker() -> None:
     # Each worker tokenizes on one core; the pool provides the parallelism.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     os.environ["RAYON_NUM_THREADS"] = "1"
-    global _WORKER
-    _WORKER = _Encoder(config, dtype)
 
 
 def _encode_in_worker(batch: RawBatch) -> EncodedBatch:
@@ -319,11 +317,14 @@ def preprocess(config: PreprocessConfig) -> PreprocessReport:
     try:
         batches = iter_raw_batches(files, config.batch_bytes)
         if config.workers == 0:
-            encoder = _Encoder(config, dtype)
+            encoder = _Encoder(config, dtype, tokenizer)
             results = (encoder.encode(b) for b in batches)
         else:
+            # Forked workers inherit the encoder built here: no tokenizer is loaded twice.
+            global _WORKER
+            _WORKER = _Encoder(config, dtype, tokenizer)
             pool = multiprocessing.get_context("fork").Pool(
-                config.workers, initializer=_init_worker, initargs=(config, dtype)
+                config.workers, initializer=_init_worker
             )
             results = _ordered(pool, batches, window=2 * config.workers + 2)
         _consume(results, writers, report, config, files, start)
