@@ -13,6 +13,17 @@ from neox.data.indexed import IndexedDatasetBuilder
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# A 5-step run that neither saves nor evaluates: for comparing losses across layouts.
+SHORT_RUN = dict(
+    train_iters=5,
+    checkpoint_factor=None,
+    save=None,
+    load=None,
+    eval_interval=100,
+    do_test=False,
+    gradient_clipping=0.5,
+)
+
 
 def make_dataset(prefix: Path, docs: int = 60, seed: int = 0) -> None:
     rng = np.random.default_rng(seed)

@@ -5,6 +5,7 @@ from typing import Literal, Optional
 from pydantic import field_validator, model_validator
 
 from neox.config.base import ConfigGroup
+from neox.data.split import parse_split
 
 TokenizerType = Literal[
     "GPT2BPETokenizer",
@@ -105,15 +106,7 @@ class DataConfig(ConfigGroup):
     @field_validator("split")
     @classmethod
     def _split_form(cls, v: str) -> str:
-        parts = v.replace("/", ",").split(",")
-        try:
-            weights = [float(p) for p in parts]
-        except ValueError:
-            raise ValueError(
-                f'split={v!r} must be numbers separated by commas, e.g. "949,50,1"'
-            ) from None
-        if len(weights) > 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
-            raise ValueError(f"split={v!r} needs up to 3 non-negative numbers with a positive sum")
+        parse_split(v)
         return v
 
     @model_validator(mode="after")
@@ -135,7 +128,4 @@ class DataConfig(ConfigGroup):
 
     @property
     def split_weights(self) -> list[float]:
-        parts = [float(p) for p in self.split.replace("/", ",").split(",")]
-        parts += [0.0] * (3 - len(parts))
-        total = sum(parts)
-        return [p / total for p in parts]
+        return parse_split(self.split)

@@ -18,32 +18,16 @@ from neox.data.blendable import (
 from neox.data.gpt_dataset import GPTDataset
 from neox.data.indexed import IndexedDataset
 from neox.data.samplers import PretrainingSampler
+from neox.data.split import parse_split
 
 logger = logging.getLogger(__name__)
 
 SPLIT_NAMES = ("train", "valid", "test")
 
 
-def parse_split(split: str) -> np.ndarray:
-    """Weights of train, valid and test from "949,50,1" (or "949/50/1"), normalised to sum to 1."""
-    parts = [p.strip() for p in split.replace("/", ",").split(",")]
-    try:
-        values = [float(p) for p in parts]
-    except ValueError:
-        raise ValueError(
-            f"split {split!r} must be up to three comma-separated numbers, e.g. '949,50,1'"
-        ) from None
-    if len(values) > 3:
-        raise ValueError(f"split {split!r} has {len(values)} parts; give train,valid,test")
-    values += [0.0] * (3 - len(values))
-    if any(v < 0 for v in values) or sum(values) <= 0:
-        raise ValueError(f"split {split!r} must be non-negative numbers that are not all zero")
-    return np.asarray(values) / sum(values)
-
-
 def split_documents(split: str, num_documents: int) -> list[np.ndarray]:
     """Contiguous document ranges for train, valid and test, sized by the split weights."""
-    bounds = np.round(np.cumsum(parse_split(split)) * num_documents).astype(np.int64)
+    bounds = np.round(np.cumsum(np.asarray(parse_split(split))) * num_documents).astype(np.int64)
     bounds = np.concatenate([[0], bounds])
     bounds[-1] = num_documents  # rounding of the cumulative sum never drops the last document
     return [np.arange(bounds[i], bounds[i + 1], dtype=np.int64) for i in range(3)]

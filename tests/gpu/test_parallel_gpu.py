@@ -5,21 +5,12 @@ import math
 import pytest
 import torch
 
-from tests.train_helpers import losses, make_dataset, train, write_config
+from tests.train_helpers import SHORT_RUN, losses, make_dataset, train, write_config
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 
-COMMON = dict(
-    train_iters=5,
-    checkpoint_factor=None,
-    save=None,
-    load=None,
-    eval_interval=100,
-    do_test=False,
-    gradient_clipping=0.5,
-    distributed_backend="nccl",
-)
+COMMON = dict(SHORT_RUN, distributed_backend="nccl")
 
 
 @pytest.fixture

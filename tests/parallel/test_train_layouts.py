@@ -2,7 +2,7 @@
 
 import pytest
 
-from tests.train_helpers import losses, make_dataset, train, write_config
+from tests.train_helpers import SHORT_RUN, losses, make_dataset, train, write_config
 
 pytestmark = pytest.mark.slow
 
@@ -10,16 +10,7 @@ pytestmark = pytest.mark.slow
 def test_parallel_layouts_match_one_rank(tmp_path):
     (tmp_path / "data").mkdir()
     make_dataset(tmp_path / "data" / "chars")
-    # ZeRO-1 everywhere: DeepSpeed 0.19.8 clips fp32 pipeline gradients wrongly without ZeRO.
-    common = dict(
-        train_iters=5,
-        checkpoint_factor=None,
-        save=None,
-        load=None,
-        eval_interval=100,
-        do_test=False,
-        gradient_clipping=0.5,
-    )
+    # ZeRO-1 where unset: DeepSpeed 0.19.8 clips fp32 pipeline gradients wrongly without ZeRO.
     # The dense run accumulates 2 micro-batches of 2; DP=2 runs one micro-batch of 2 per rank:
     # the same 4 samples per step, averaged the same way.
     dp2 = dict(num_gpus=2, gradient_accumulation_steps=1)
@@ -34,7 +25,7 @@ def test_parallel_layouts_match_one_rank(tmp_path):
     }
     result = {}
     for name, layout in runs.items():
-        train(write_config(tmp_path, name, **common, **layout))
+        train(write_config(tmp_path, name, **SHORT_RUN, **layout))
         result[name] = losses(tmp_path / name / "logs")
     assert sorted(result["dense"]) == [1, 2, 3, 4, 5]
     for name in runs:
