@@ -20,10 +20,17 @@ install: $(BIN)/.installed
 
 # Real text that needs no download (this Python's own standard library), a BPE tokenizer trained
 # on it, the .bin/.idx dataset, then a tiny GPT-NeoX trained on 2 CPU ranks (or the local GPUs).
-demo: install
+# Each step runs once; a second `make demo` resumes training from the last checkpoint.
+$(DEMO)/pystdlib.jsonl.zst: | $(BIN)/.installed
 	$(BIN)/python tools/prepare_data.py pystdlib
-	$(BIN)/python tools/train_tokenizer.py $(DEMO)/pystdlib.jsonl.zst --vocab-size 2048 --output $(DEMO)/tokenizer.json
-	$(BIN)/python tools/preprocess_data.py --input $(DEMO)/pystdlib.jsonl.zst --output-prefix $(DEMO)/pystdlib --tokenizer-type HFTokenizer --vocab-file $(DEMO)/tokenizer.json --append-eod --workers 2
+
+$(DEMO)/tokenizer.json: $(DEMO)/pystdlib.jsonl.zst
+	$(BIN)/python tools/train_tokenizer.py $< --vocab-size 2048 --output $@
+
+$(DEMO)/pystdlib_text_document.idx: $(DEMO)/tokenizer.json
+	$(BIN)/python tools/preprocess_data.py --input $(DEMO)/pystdlib.jsonl.zst --output-prefix $(DEMO)/pystdlib --tokenizer-type HFTokenizer --vocab-file $< --append-eod --workers 2 --overwrite
+
+demo: install $(DEMO)/pystdlib_text_document.idx
 	$(BIN)/python deepy.py train.py configs/tiny.yml $$($(BIN)/python -c "import torch; print('' if torch.cuda.is_available() else 'configs/cpu.yml')")
 
 test: install
