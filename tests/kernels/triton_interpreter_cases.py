@@ -24,19 +24,14 @@ import triton  # noqa: E402, F401
 
 from neox.kernels import fused_softmax  # noqa: E402
 from neox.kernels.fused_softmax import (  # noqa: E402
-    fused_scaled_masked_softmax,
     scaled_masked_softmax,
     triton_available,
 )
-from neox.kernels.softmax_reference import scaled_masked_softmax_reference  # noqa: E402
+from neox.kernels.softmax_reference import scaled_masked_softmax_reference
+from tests.kernels.softmax_checks import check_against_float64  # noqa: E402
 
 # Max error allowed, per input dtype: (probs rtol, probs atol, grad error / max |grad|).
 # fp32 is limited by float32 rounding; fp16/bf16 by rounding the stored probs to 11/8 bits.
-TOLERANCES = {
-    torch.float32: (1e-5, 1e-7, 1e-5),
-    torch.float16: (2e-3, 2e-5, 4e-3),
-    torch.bfloat16: (1.6e-2, 2e-4, 3e-2),
-}
 
 
 def make_padding_mask(kind: str, b: int, h: int, sq: int, sk: int):
@@ -48,26 +43,6 @@ def make_padding_mask(kind: str, b: int, h: int, sq: int, sk: int):
         mask[0, ..., sk // 2 :] = True  # batch 0 is a shorter, right-padded sequence
         return mask
     return torch.rand(b, h, sq, sk) < 0.3
-
-
-def check_against_float64(scores, scale, causal, padding_mask, block_size=None):
-    """Forward and backward of the Triton path vs the float64 reference on the same inputs."""
-    torch.manual_seed(123)
-    rtol, atol, grad_tol = TOLERANCES[scores.dtype]
-    x = scores.detach().requires_grad_()
-    probs = fused_scaled_masked_softmax(x, scale, causal, padding_mask, block_size)
-    grad_out = torch.randn(probs.shape).to(scores.dtype)
-    probs.backward(grad_out)
-
-    x64 = scores.detach().double().requires_grad_()
-    want = scaled_masked_softmax_reference(x64, scale, causal, padding_mask)
-    want.backward(grad_out.double())
-
-    assert probs.dtype == scores.dtype and x.grad.dtype == scores.dtype
-    torch.testing.assert_close(probs.double(), want.detach(), rtol=rtol, atol=atol)
-    grad_err = (x.grad.double() - x64.grad).abs().max()
-    assert grad_err <= grad_tol * x64.grad.abs().max(), f"grad error {grad_err:.3g}"
-    return probs
 
 
 # (B, H, Sq, Sk, causal, padding, block_size): odd sizes, Sq < Sk (decoding with a cache),
