@@ -10,6 +10,7 @@ import numpy as np
 import yaml
 
 from neox.data.indexed import IndexedDatasetBuilder
+from tests.parallel.parallel_harness import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -62,7 +63,8 @@ def write_config(tmp_path: Path, name: str, **overrides) -> Path:
         "checkpoint_factor": 3,
         "num_workers": 0,
         "zero_optimization": {"stage": 1},
-        "master_port": 29640,
+        # A free port each: test runs in parallel on one machine must not collide.
+        "master_port": free_port(),
         "save": str(tmp_path / name / "ckpt"),
         "load": str(tmp_path / name / "ckpt"),
         "log_dir": str(tmp_path / name / "logs"),

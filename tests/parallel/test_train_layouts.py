@@ -16,12 +16,12 @@ def test_parallel_layouts_match_one_rank(tmp_path):
     dp2 = dict(num_gpus=2, gradient_accumulation_steps=1)
     runs = {
         "dense": dict(num_gpus=1),
-        "tp2": dict(num_gpus=2, model_parallel_size=2, master_port=29651),
-        "pp2": dict(num_gpus=2, pipe_parallel_size=2, master_port=29652),
-        "dp2_zero1": dict(dp2, master_port=29653),
-        "dp2_zero2": dict(dp2, zero_optimization={"stage": 2}, master_port=29654),
-        "dp2_zero3": dict(dp2, zero_optimization={"stage": 3}, master_port=29655),
-        "tp2_pp2": dict(num_gpus=4, model_parallel_size=2, pipe_parallel_size=2, master_port=29656),
+        "tp2": dict(num_gpus=2, model_parallel_size=2),
+        "pp2": dict(num_gpus=2, pipe_parallel_size=2),
+        "dp2_zero1": dict(dp2),
+        "dp2_zero2": dict(dp2, zero_optimization={"stage": 2}),
+        "dp2_zero3": dict(dp2, zero_optimization={"stage": 3}),
+        "tp2_pp2": dict(num_gpus=4, model_parallel_size=2, pipe_parallel_size=2),
     }
     result = {}
     for name, layout in runs.items():
