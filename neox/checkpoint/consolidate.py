@@ -63,7 +63,9 @@ def _is_tag_dir(path: Path) -> bool:
     return any(path.glob("*model_states.pt"))
 
 
-def resolve_checkpoint(path: str | Path, iteration: Optional[int] = None) -> Path:
+def resolve_checkpoint(
+    path: str | Path, iteration: Optional[int] = None, require_config: bool = True
+) -> Path:
     """The `global_stepN` directory for `path`: a save directory (its `latest`, or
     global_step{iteration}) or one global_stepN directory itself."""
     path = Path(path)
@@ -113,7 +115,7 @@ def resolve_checkpoint(path: str | Path, iteration: Optional[int] = None) -> Pat
                 f"{tag_dir} holds no DeepSpeed *model_states.pt files; the save did not "
                 "finish or this is not a checkpoint directory: pass another iteration"
             )
-    if not (tag_dir / "config.yml").is_file():
+    if require_config and not (tag_dir / "config.yml").is_file():
         raise CheckpointError(
             f"{tag_dir} has no config.yml, so the model it holds is unknown; pass a "
             "checkpoint written by neox's train.py (it saves config.yml in every global_stepN)"
@@ -126,7 +128,8 @@ def load_file(path: Path) -> Any:
     import numpy as np
 
     # train.py's client state holds numpy's RNG state; these rebuild exactly that array.
-    numpy_rng = [np._core.multiarray._reconstruct, np.ndarray, np.dtype, np.dtypes.UInt32DType]
+    core = getattr(np, "_core", None) or np.core  # numpy 2 renamed np.core
+    numpy_rng = [core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
     try:
         with torch.serialization.safe_globals(numpy_rng):
             return torch.load(path, map_location="cpu", weights_only=True)

@@ -72,17 +72,22 @@ def _layout(cfg: NeoXConfig) -> tuple[int, int]:
 def checkpoint_for_run(load_dir: str, cfg: NeoXConfig, zero3: bool) -> Iterator[str]:
     """The directory this run's engine.load_checkpoint should read: `load_dir` itself, or for a
     finetune run at another TP/PP (or ZeRO-3 files for a ZeRO 0-2 run) a re-laid-out copy that
-    rank 0 writes beside it and removes after the load."""
+    rank 0 writes (in the run's save directory, else beside load_dir) and removes after the load."""
     import torch.distributed as dist
 
-    tag_dir = resolve_checkpoint(load_dir)
     if not cfg.training.finetune:
+        latest = Path(load_dir) / "latest"
+        tag_dir = Path(load_dir) / (latest.read_text().strip() if latest.is_file() else "")
         if (tag_dir / WEIGHTS_ONLY).exists():
             raise CheckpointError(
                 f"{tag_dir} holds weights only (written by a conversion tool), nothing to resume "
                 "training from; set `finetune: true` to start a run from these weights"
             )
         yield load_dir
+        return
+    tag_dir = resolve_checkpoint(load_dir, require_config=False)
+    if not (tag_dir / "config.yml").is_file():
+        yield load_dir  # not written by train.py: its layout is unknown, DeepSpeed loads it as is
         return
     saved = read_checkpoint_config(tag_dir)
     saved_zero3 = any(ZERO3_FILE.match(p.name) for p in tag_dir.iterdir())
@@ -96,7 +101,9 @@ def checkpoint_for_run(load_dir: str, cfg: NeoXConfig, zero3: bool) -> Iterator[
             "finetunes from its own layout: finetune at ZeRO stage 0-2, or train it at that layout"
         )
     tp, pp = _layout(cfg)
-    relaid = Path(load_dir).resolve().parent / f".{Path(load_dir).name}.tp{tp}-pp{pp}"
+    # Inside this run's save directory (it writes there anyway), else beside the checkpoint.
+    base = Path(cfg.checkpoint.save) if cfg.checkpoint.save else Path(load_dir).resolve().parent
+    relaid = base / f".{Path(load_dir).name}.tp{tp}-pp{pp}"
     error = [None]
     if dist.get_rank() == 0:
         try:
