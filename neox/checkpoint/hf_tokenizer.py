@@ -12,6 +12,7 @@ from typing import Optional
 
 from neox.config.data import TokenizerConfig
 from neox.tokenizer import Tokenizer, build_tokenizer
+from neox.tokenizer.hf import PADDING, _gpt2_from_files
 
 log = logging.getLogger(__name__)
 
@@ -64,16 +65,14 @@ def save_hf_tokenizer(t: TokenizerConfig, tokenizer: Tokenizer, out: Path, max_l
             pad_token=backend.id_to_token(pad) if pad is not None else None,
             model_max_length=max_length,
         )
-    elif kind == "hfgpt2tokenizer" and not t.merge_file:
-        hf = GPT2TokenizerFast.from_pretrained(t.vocab_file or "gpt2", model_max_length=max_length)
-    else:  # GPT-2 BPE from vocab.json + merges.txt
-        hf = GPT2TokenizerFast(
-            vocab_file=t.vocab_file,
-            merges_file=t.merge_file,
-            bos_token="<|endoftext|>",
-            eos_token="<|endoftext|>",
-            unk_token="<|endoftext|>",
-            model_max_length=max_length,
-        )
+    else:
+        # GPT-2 BPE, built as HFGPT2Tokenizer builds it (with its padding token, if it adds one).
+        if t.merge_file:
+            hf = _gpt2_from_files(GPT2TokenizerFast, t.vocab_file, t.merge_file)
+        else:
+            hf = GPT2TokenizerFast.from_pretrained(t.vocab_file or "gpt2")
+        if kind == "hfgpt2tokenizer":
+            hf.add_special_tokens({"pad_token": PADDING})
+        hf.model_max_length = max_length
     hf.save_pretrained(str(out))
     log.info("wrote %s tokenizer files to %s", t.tokenizer_type, out)

@@ -12,6 +12,7 @@ from safetensors import safe_open
 
 from neox.checkpoint.consolidate import load_model
 from neox.checkpoint.export import export_to_hf
+from neox.tokenizer import HFTokenizer
 from tests.train_helpers import ROOT
 
 pytestmark = pytest.mark.slow
@@ -28,7 +29,7 @@ def greedy(forward, ids: torch.Tensor, steps: int = 8) -> list[int]:
 
 
 @pytest.mark.parametrize("layout", ["dense", "tp2", "pp2", "zero2"])
-def test_transformers_loads_the_export_with_neox_logits(trained, layout, tmp_path):
+def test_transformers_loads_the_export_with_neox_logits(trained, bpe_tokenizer, layout, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out = tmp_path / "hf"
@@ -37,6 +38,7 @@ def test_transformers_loads_the_export_with_neox_logits(trained, layout, tmp_pat
     tok = AutoTokenizer.from_pretrained(out)
     ours, cfg = load_model(trained[layout])
 
+    assert tok(TEXT)["input_ids"] == HFTokenizer(str(bpe_tokenizer)).encode(TEXT)
     ids = torch.tensor([tok(TEXT)["input_ids"]])
     assert ids.shape[1] > 5 and tok.eos_token == "<|endoftext|>" and tok.eos_token_id == 0
     assert hf.config.vocab_size == 320 and type(hf).__name__ == "GPTNeoXForCausalLM"
@@ -98,3 +100,33 @@ def test_cli_refuses_before_writing(trained, tmp_path):
     assert r.returncode == 0, r.stderr
     assert not (out / "keep.txt").exists() and (out / "model.safetensors").is_file()
     assert [p.name for p in tmp_path.iterdir() if ".partial-" in p.name or ".old-" in p.name] == []
+
+
+def test_gpt2_bpe_run_exports_gpt2_tokenizer_files(shared_data, tmp_path):
+    """A GPT2BPETokenizer run (weights written directly, no training): AutoTokenizer encodes as
+    neox's tokenizer does and the end-of-document token is eos."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from neox.checkpoint.writer import write_checkpoint
+    from neox.config import load_dict
+    from neox.model import build_model
+    from neox.tokenizer import build_tokenizer
+
+    vocab, merges = shared_data / "gpt2-vocab.json", shared_data / "gpt2-merges.txt"
+    keys = dict(num_layers=1, hidden_size=16, num_attention_heads=2, pos_emb="rotary")
+    cfg = load_dict(
+        dict(keys, tokenizer_type="GPT2BPETokenizer", vocab_file=str(vocab), merge_file=str(merges))
+    )
+    model = build_model(cfg.model, 50304, seed=5)
+    write_checkpoint(model.state_dict(), cfg, tmp_path / "ckpt")
+    assert export_to_hf(tmp_path / "ckpt", tmp_path / "hf") is None
+
+    ours = build_tokenizer("GPT2BPETokenizer", str(vocab), str(merges))
+    tok = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    text = "Hello world, it's a GPT-2 tokenizer.<|endoftext|> Again"
+    assert tok(text)["input_ids"] == ours.encode(text)
+    assert tok.eos_token_id == ours.eod == 50256
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    ids = torch.tensor([ours.encode(text)])
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, model(ids)[..., :50257], rtol=0, atol=1e-5)

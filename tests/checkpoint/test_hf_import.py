@@ -79,11 +79,18 @@ def test_hf_to_neox_to_hf_is_byte_exact(case, bpe_tokenizer, tmp_path):
     for name, tensor in original.items():
         assert back[name].dtype == tensor.dtype and torch.equal(back[name], tensor), name
 
-    # The neox model of the checkpoint computes the HF model's logits.
+    # The neox model of the checkpoint and the exported HF model compute the HF model's logits.
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     ours, _ = load_model(tmp_path / "neox")
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
+    assert type(exported) is type(hf)
+    assert AutoTokenizer.from_pretrained(tmp_path / "back").eos_token == "<|endoftext|>"
     ids = torch.randint(0, 320, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        torch.testing.assert_close(ours(ids)[..., :320], hf(ids).logits, rtol=0, atol=1e-5)
+        expected = hf(ids).logits
+        torch.testing.assert_close(ours(ids)[..., :320], expected, rtol=0, atol=1e-5)
+        torch.testing.assert_close(exported(ids).logits, expected, rtol=0, atol=0)
 
 
 def test_unsupported_hf_models_are_refused_before_writing(bpe_tokenizer, tmp_path):
