@@ -152,11 +152,16 @@ def _ranked(files: list[tuple[int, Any]], tp: int, what: str, directory: Path) -
     """Per-rank items for ranks 0..tp-1 (tp from the saved config), all present."""
     by_rank = dict(files)
     missing = [r for r in range(tp) if r not in by_rank]
-    if missing or len(by_rank) != tp:
+    extra = sorted(r for r in by_rank if r >= tp)
+    if missing:
         raise CheckpointError(
-            f"{directory} lacks the {what} of tensor-parallel rank(s) {missing} or has more "
-            f"than its config's model_parallel_size={tp} ({sorted(by_rank)} found): the save "
-            "is incomplete or mixed; pass another iteration"
+            f"{directory} lacks the {what} of tensor-parallel rank(s) {missing}: the save is "
+            "incomplete; pass another iteration"
+        )
+    if extra:
+        raise CheckpointError(
+            f"{directory} has {what} for tensor-parallel rank(s) {extra}, beyond its config's "
+            f"model_parallel_size={tp}: was config.yml edited? Pass the config it trained with"
         )
     return [by_rank[r] for r in range(tp)]
 

@@ -11,7 +11,8 @@ import yaml
 from safetensors import safe_open
 
 from neox.checkpoint.consolidate import load_model
-from neox.checkpoint.export import export_to_hf
+from neox.checkpoint.export import ExportError, export_to_hf
+from neox.checkpoint.staging import OutputDirError
 from neox.tokenizer import HFTokenizer
 from tests.train_helpers import ROOT
 
@@ -82,18 +83,17 @@ def test_cli_refuses_before_writing(trained, tmp_path):
     assert "does not exist; pass the directory a run saved to" in r.stderr
 
     # A layernorm GPT-NeoX has no Llama form: every reason is listed, nothing is written.
-    r = convert(
-        "--input_dir", trained["dense"], "--output_dir", tmp_path / "out", "--architecture", "llama"
-    )
-    assert r.returncode != 0 and "Traceback" not in r.stderr
-    assert "norm='layernorm' (Llama needs rmsnorm)" in r.stderr and "rotary_pct=0.25" in r.stderr
+    with pytest.raises(ExportError) as err:
+        export_to_hf(trained["dense"], tmp_path / "out", architecture="llama")
+    assert "norm='layernorm' (Llama needs rmsnorm)" in str(err.value)
+    assert "rotary_pct=0.25" in str(err.value)
     assert not (tmp_path / "out").exists()
 
     out = tmp_path / "busy"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    r = convert("--input_dir", trained["dense"], "--output_dir", out)
-    assert r.returncode != 0 and "exists and is not empty; pass --overwrite" in r.stderr
+    with pytest.raises(OutputDirError, match="exists and is not empty; pass --overwrite"):
+        export_to_hf(trained["dense"], out)
     assert (out / "keep.txt").read_text() == "mine"
 
     r = convert("--input_dir", trained["dense"], "--output_dir", out, "--overwrite")
