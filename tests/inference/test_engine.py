@@ -1,11 +1,13 @@
 """Greedy generation equals transformers' greedy generate; the KV cache equals recompute."""
 
 import pytest
+import torch
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from neox.checkpoint.hf_map import hf_config_for, to_hf_state_dict
 from neox.config.model import ModelConfig
 from neox.inference.engine import Generator, left_pad
+from neox.inference.sampling import SamplingParams
 from neox.model import build_model
 
 VOCAB, PADDED = 97, 128
@@ -64,3 +66,69 @@ def test_greedy_matches_transformers_generate(case):
     assert got == expected
     recomputed = Generator(model, VOCAB, eod=PADDED - 1, use_cache=False).generate(PROMPTS, new)
     assert [c.tokens for c in recomputed] == expected
+
+
+def test_end_of_document_ends_a_row_and_matches_transformers_eos():
+    model, hf = tiny_pair("gpt_neox")
+    free = Generator(model, VOCAB, eod=PADDED - 1).generate(PROMPTS, 12)
+    # Make the third token of row 0 the end-of-document id: row 0 must stop right before it.
+    eod = free[0].tokens[2]
+    done = Generator(model, VOCAB, eod=eod).generate(PROMPTS, 12)
+    first = free[0].tokens.index(eod)
+    assert done[0].tokens == free[0].tokens[:first] and done[0].finished
+    for row, c in zip(free, done):
+        end = row.tokens.index(eod) if eod in row.tokens else len(row.tokens)
+        assert c.tokens == row.tokens[:end] and c.finished == (end < 12)
+    ids, mask = left_pad(PROMPTS, eod, "cpu")
+    out = hf.generate(
+        input_ids=ids,
+        attention_mask=mask.long(),
+        max_new_tokens=12,
+        do_sample=False,
+        pad_token_id=eod,
+        eos_token_id=eod,
+    )[:, ids.shape[1] :].tolist()
+    assert [c.tokens for c in done] == [r[: r.index(eod)] if eod in r else r for r in out]
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [dict(pos_emb="learned"), dict(pos_emb="none", num_kv_heads=2)],
+    ids=["learned", "nope_gqa"],
+)
+def test_kv_cache_equals_recompute_for_other_position_schemes(overrides):
+    cfg = ModelConfig(**{**TINY, **overrides})
+    model = build_model(cfg, PADDED, seed=5).eval()
+    cached = Generator(model, VOCAB, eod=PADDED - 1).generate(PROMPTS, 10, return_logits=True)
+    full = Generator(model, VOCAB, eod=PADDED - 1, use_cache=False).generate(
+        PROMPTS, 10, return_logits=True
+    )
+    assert [c.tokens for c in cached] == [c.tokens for c in full]
+    for a, b in zip(cached, full):
+        torch.testing.assert_close(a.logits, b.logits, rtol=1e-4, atol=1e-5)
+
+
+def test_alibi_needs_recompute_and_recompute_generates():
+    cfg = ModelConfig(**{**TINY, "pos_emb": "alibi"})
+    model = build_model(cfg, PADDED, seed=5).eval()
+    with pytest.raises(ValueError, match="recompute: true"):
+        Generator(model, VOCAB, eod=0)
+    out = Generator(model, VOCAB, eod=PADDED - 1, use_cache=False).generate(PROMPTS, 4)
+    assert all(len(c.tokens) == 4 and max(c.tokens) < VOCAB for c in out)
+
+
+def test_sampling_is_seed_reproducible():
+    model, _ = tiny_pair("llama_gqa")
+    gen = Generator(model, VOCAB, eod=PADDED - 1)
+    params = SamplingParams(temperature=1.5, top_k=40, top_p=0.95)
+
+    def draw(seed):
+        rng = torch.Generator().manual_seed(seed)
+        return [c.tokens for c in gen.generate(PROMPTS, 16, params, rng)]
+
+    assert draw(7) == draw(7)
+    assert draw(7) != draw(8)
+    greedy = [c.tokens for c in gen.generate(PROMPTS, 16)]
+    assert draw(7) != greedy  # it does sample
+    top1 = SamplingParams(temperature=1.0, top_k=1)
+    assert [c.tokens for c in gen.generate(PROMPTS, 16, top1, torch.Generator())] == greedy
