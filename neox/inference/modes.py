@@ -16,6 +16,7 @@ from neox.config import ConfigError, NeoXConfig, derive
 from neox.inference.engine import Completion, Generator
 from neox.inference.loading import build_generation_model, generation_dtype
 from neox.inference.sampling import SamplingParams
+from neox.parallel.topology import ProcessGroups
 from neox.tokenizer import Tokenizer, build_tokenizer
 
 log = logging.getLogger(__name__)
@@ -27,7 +28,12 @@ class TextGenerator:
     """Text in, rows out: tokenises prompts, batches them and decodes the continuations."""
 
     def __init__(
-        self, cfg: NeoXConfig, generator: Generator, tokenizer: Tokenizer, batch_size: int
+        self,
+        cfg: NeoXConfig,
+        generator: Generator,
+        tokenizer: Tokenizer,
+        batch_size: int,
+        replica: int = 0,
     ) -> None:
         g = cfg.generation
         self.cfg = cfg
@@ -35,7 +41,9 @@ class TextGenerator:
         self.tokenizer = tokenizer
         self.batch_size = batch_size
         self.params = SamplingParams(g.temperature, g.top_k, g.top_p)
-        self.rng = torch.Generator(device=generator.device).manual_seed(cfg.training.seed)
+        # Data-parallel replicas sample different prompts' continuations from their own streams.
+        seed = cfg.training.seed + replica
+        self.rng = torch.Generator(device=generator.device).manual_seed(seed)
         self.max_positions = cfg.model.max_positions
 
     def rows(self, contexts: list[str]) -> Iterator[dict[str, Any]]:
@@ -137,7 +145,7 @@ def run_generation(cfg: NeoXConfig) -> None:
     """generate.py on one rank: load the trained model, then generate per text_gen_type."""
     import torch.distributed as dist
 
-    from neox.parallel import ProcessGroups, Topology
+    from neox.parallel import Topology
     from neox.training.setup import init_distributed
 
     g = cfg.generation
@@ -149,14 +157,15 @@ def run_generation(cfg: NeoXConfig) -> None:
     tokenizer = build_tokenizer(t.tokenizer_type, t.vocab_file, t.merge_file)
     derived = derive(cfg, world, tokenizer.vocab_size)
     tp = derived.tensor_parallel
-    # Pipeline stages run as one model here; every tp group generates the same rows.
+    # Pipeline stages run as one model here; data-parallel replicas split the prompts.
     groups = ProcessGroups(Topology(tp, 1, world // tp))
     dtype = generation_dtype(derived.precision, device)
     model, gather = build_generation_model(cfg, derived.padded_vocab_size, groups, device, dtype)
     generator = Generator(
         model, tokenizer.vocab_size, tokenizer.eod, not g.recompute, gather_logits=gather
     )
-    text_gen = TextGenerator(cfg, generator, tokenizer, derived.micro_batch)
+    replica = groups.get_data_parallel_rank()
+    text_gen = TextGenerator(cfg, generator, tokenizer, derived.micro_batch, replica)
     is_writer = dist.get_rank() == 0
     log.info(
         "generating (%s) on %s in %s, tp=%d, %s",
@@ -173,7 +182,7 @@ def run_generation(cfg: NeoXConfig) -> None:
         contexts = [""] * g.num_samples
     else:
         contexts = read_prompts(g.sample_input_file, g.prompt_end)
-    rows = text_gen.rows(contexts)
+    rows = generate_shared(text_gen, contexts, groups)
     if is_writer:
         n = write_rows(rows, g.sample_output_file)
         log.info("wrote %d samples to %s", n, g.sample_output_file or "stdout")
@@ -181,3 +190,25 @@ def run_generation(cfg: NeoXConfig) -> None:
         for _ in rows:  # the other ranks take part in every forward
             pass
     sys.stdout.flush()
+
+
+def generate_shared(
+    text_gen: TextGenerator, contexts: list[str], groups: ProcessGroups
+) -> Iterator[dict[str, Any]]:
+    """Rows for all contexts, in order, on global rank 0; data-parallel replicas take every
+    dp-th context and rank 0 gathers their rows at the end."""
+    import torch.distributed as dist
+
+    dp, dp_rank = groups.get_data_parallel_world_size(), groups.get_data_parallel_rank()
+    if dp == 1:
+        yield from text_gen.rows(contexts)
+        return
+    mine = list(text_gen.rows(contexts[dp_rank::dp]))
+    gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(mine, gathered, dst=0)
+    if gathered is None:
+        return
+    # Every tp rank of a replica holds the same rows: take the replica's tp rank 0.
+    replicas = [gathered[groups.topo.rank(0, d, 0)] for d in range(dp)]
+    for i in range(len(contexts)):
+        yield replicas[i % dp][i // dp]
