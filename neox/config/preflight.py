@@ -94,7 +94,7 @@ def checkpoint_problem(load: Optional[str], iteration: Optional[int] = None) -> 
             f"load={load!r} has no checkpoint for iteration={iteration} (it has "
             f"{', '.join(have) or 'none'}); set `iteration` to one of them or remove it"
         )
-    if not has_checkpoint(load):
+    if not (root / "latest").is_file():
         return f"load={load!r} holds no checkpoint (no `latest` file); {fix}"
     return None
 
