@@ -132,3 +132,19 @@ def test_sampling_is_seed_reproducible():
     assert draw(7) != greedy  # it does sample
     top1 = SamplingParams(temperature=1.0, top_k=1)
     assert [c.tokens for c in gen.generate(PROMPTS, 16, top1, torch.Generator())] == greedy
+
+
+def test_long_prompts_keep_their_end_and_the_budget_fits_max_positions():
+    from neox.config import load_dict
+    from neox.inference.modes import TextGenerator
+    from neox.tokenizer.char import CharLevelTokenizer
+
+    # Learned positions: a continuation past max_positions would index outside the table.
+    cfg = load_dict({**TINY, "pos_emb": "learned", "seq_length": 16, "maximum_tokens": 8})
+    model = build_model(cfg.model, 512, seed=1).eval()
+    tok = CharLevelTokenizer()
+    text_gen = TextGenerator(cfg, Generator(model, 256, tok.eod), tok, batch_size=2)
+    # 12 characters leave 4 of the 16 positions; 40 keep their last 15 and leave 1.
+    short, long = text_gen.rows(["x" * 12, "y" * 39 + "z"])
+    assert short["length"] <= 4 and long["length"] <= 1
+    assert text_gen._encode("y" * 39 + "z") == tok.encode("y" * 14 + "z")
