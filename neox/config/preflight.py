@@ -104,7 +104,13 @@ def check_generation(loaded: LoadedConfig) -> None:
     cfg = loaded.config
     problem = checkpoint_problem(cfg.checkpoint.load, cfg.training.iteration)
     problems = [problem] if problem else []
-    g = cfg.generation
+    g, m = cfg.generation, cfg.model
+    if not g.recompute and (m.pos_emb == "alibi" or m.sliding_window_width is not None):
+        what = "pos_emb=alibi" if m.pos_emb == "alibi" else "sliding_window_width"
+        problems.append(
+            f"generate.py's KV cache does not support {what}; set `recompute: true` (the whole "
+            "sequence is recomputed each token)"
+        )
     if g.text_gen_type == "input-file":
         if g.sample_input_file is None:
             problems.append("text_gen_type=input-file needs sample_input_file (the prompts)")

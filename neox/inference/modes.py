@@ -161,9 +161,12 @@ def run_generation(cfg: NeoXConfig) -> None:
     groups = ProcessGroups(Topology(tp, 1, world // tp))
     dtype = generation_dtype(derived.precision, device)
     model, gather = build_generation_model(cfg, derived.padded_vocab_size, groups, device, dtype)
-    generator = Generator(
-        model, tokenizer.vocab_size, tokenizer.eod, not g.recompute, gather_logits=gather
-    )
+    try:
+        generator = Generator(
+            model, tokenizer.vocab_size, tokenizer.eod, not g.recompute, gather_logits=gather
+        )
+    except ValueError as e:  # a model the KV cache cannot run
+        raise ConfigError(str(e)) from None
     replica = groups.get_data_parallel_rank()
     text_gen = TextGenerator(cfg, generator, tokenizer, derived.micro_batch, replica)
     is_writer = dist.get_rank() == 0

@@ -11,7 +11,7 @@ from neox.model import build_model
 from tests.train_helpers import run_deepy
 
 
-def test_deepy_refuses_missing_checkpoint_iteration_and_prompt_file(tmp_path):
+def test_deepy_refuses_missing_checkpoint_iteration_prompt_file_and_cached_alibi(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
     cfg = tmp_path / "gen.yml"
@@ -30,6 +30,7 @@ def test_deepy_refuses_missing_checkpoint_iteration_and_prompt_file(tmp_path):
                 "iteration": 5,
                 "text_gen_type": "input-file",
                 "sample_input_file": str(tmp_path / "nope.txt"),
+                "pos_emb": "alibi",
             }
         )
     )
@@ -37,6 +38,7 @@ def test_deepy_refuses_missing_checkpoint_iteration_and_prompt_file(tmp_path):
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "no checkpoint for iteration=5 (it has global_step3)" in r.stderr
     assert "sample_input_file=" in r.stderr and "nope.txt' does not exist" in r.stderr
+    assert "does not support pos_emb=alibi; set `recompute: true`" in r.stderr
 
 
 def test_a_checkpoint_of_another_shape_is_named(tmp_path):
