@@ -177,7 +177,7 @@ class Attention(nn.Module):
             allowed = allowed_mask(q.shape[-2], k.shape[-2], q.device)
         mask = torch.zeros(allowed.shape, device=q.device, dtype=q.dtype)
         if bias is not None:
-            mask = mask + bias.to(q.dtype)  # (nh, T, T) or (B, nh, T, T)
+            mask = mask + bias.to(q.dtype)  # (nh, T, S) or (B, nh, T, S)
         mask = mask.masked_fill(~allowed, float("-inf"))
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=dropout, scale=self.scale
