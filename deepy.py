@@ -14,14 +14,16 @@ import yaml
 from neox.config import ConfigError, build_ds_config, derive, encode, load_config
 from neox.config.preflight import (
     check_data,
+    check_generation,
     check_tokenizer_files,
     describe_resume,
     tokenizer_vocab_size,
 )
 from neox.launcher import HostfileError, build_launch, run_launch
 
-# Entry scripts that read training data, and those that need a tokenizer.
+# Entry scripts that read training data, and those that read a trained checkpoint.
 NEEDS_DATA = {"train.py"}
+NEEDS_CHECKPOINT = {"generate.py"}
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -65,8 +67,11 @@ def main(argv: list[str]) -> int:
             plan = plan_smallest_layout(cfg, plan, args.script)
         problems = []
         checks = [check_tokenizer_files, tokenizer_vocab_size]
-        if args.script.rsplit("/", 1)[-1] in NEEDS_DATA:
+        script = args.script.rsplit("/", 1)[-1]
+        if script in NEEDS_DATA:
             checks.insert(1, check_data)
+        if script in NEEDS_CHECKPOINT:
+            checks.insert(1, check_generation)
         vocab_size = None
         for check in checks:
             try:
@@ -84,7 +89,8 @@ def main(argv: list[str]) -> int:
     except (ConfigError, HostfileError) as e:
         print(f"deepy: config error:\n{e}", file=sys.stderr)
         return 2
-    print(describe_resume(loaded))
+    if script not in NEEDS_CHECKPOINT:
+        print(describe_resume(loaded))
     if args.dry_run:
         print("# merged config")
         print(yaml.safe_dump(cfg.to_flat(), sort_keys=False), end="")

@@ -77,6 +77,52 @@ def has_checkpoint(directory: Optional[str]) -> bool:
     return directory is not None and (Path(directory) / "latest").is_file()
 
 
+def checkpoint_problem(load: Optional[str], iteration: Optional[int] = None) -> Optional[str]:
+    """Why `load` (and `iteration`) name no checkpoint to read, or None (a quick look before
+    launch; neox.checkpoint.consolidate reads and checks the files)."""
+    fix = "set `load` to the `save` directory of a training run (or one global_stepN in it)"
+    if load is None:
+        return f"no trained weights: {fix}"
+    root = Path(load)
+    if any(root.glob("*model_states.pt")):
+        return None  # one global_stepN directory itself
+    if iteration is not None:
+        if (root / f"global_step{iteration}").is_dir():
+            return None
+        have = sorted(p.name for p in root.glob("global_step*") if p.is_dir())
+        return (
+            f"load={load!r} has no checkpoint for iteration={iteration} (it has "
+            f"{', '.join(have) or 'none'}); set `iteration` to one of them or remove it"
+        )
+    if not (root / "latest").is_file():
+        return f"load={load!r} holds no checkpoint (no `latest` file); {fix}"
+    return None
+
+
+def check_generation(loaded: LoadedConfig) -> None:
+    """generate.py: the checkpoint to read exists, and so does the prompt file it needs."""
+    cfg = loaded.config
+    problem = checkpoint_problem(cfg.checkpoint.load, cfg.training.iteration)
+    problems = [problem] if problem else []
+    g, m = cfg.generation, cfg.model
+    if not g.recompute and (m.pos_emb == "alibi" or m.sliding_window_width is not None):
+        what = "pos_emb=alibi" if m.pos_emb == "alibi" else "sliding_window_width"
+        problems.append(
+            f"generate.py's KV cache does not support {what}; set `recompute: true` (the whole "
+            "sequence is recomputed each token)"
+        )
+    if g.text_gen_type == "input-file":
+        if g.sample_input_file is None:
+            problems.append("text_gen_type=input-file needs sample_input_file (the prompts)")
+        elif not Path(g.sample_input_file).is_file():
+            problems.append(
+                f"{loaded.source_of('sample_input_file')}: sample_input_file="
+                f"{g.sample_input_file!r} does not exist; fix the path"
+            )
+    if problems:
+        raise ConfigError("\n".join(problems))
+
+
 def describe_resume(loaded: LoadedConfig) -> str:
     c = loaded.config.checkpoint
     if c.load is None:
