@@ -7,44 +7,12 @@ import math
 import pytest
 import torch
 
-from neox.config.model import ModelConfig
 from neox.data.readers import iter_documents
 from neox.inference.lambada import lambada_metrics, score_lambada, split_last_word
 from neox.inference.scoring import encode_pair
-from neox.model import build_model, lm_loss
+from neox.model import build_model
 from neox.tokenizer import build_tokenizer
-
-CFG = ModelConfig(
-    num_layers=2,
-    hidden_size=32,
-    num_attention_heads=4,
-    seq_length=48,
-    max_position_embeddings=48,
-    pos_emb="rotary",
-)
-KNOWN = ["the quick brown fox jumps over the lazy dog", "a stitch in time saves nine"]
-
-
-@pytest.fixture(scope="module")
-def chars():
-    return build_tokenizer("CharLevelTokenizer", None, None)
-
-
-@pytest.fixture(scope="module")
-def memorised(chars):
-    """A tiny model trained until it reproduces KNOWN (a few seconds on CPU)."""
-    torch.manual_seed(0)
-    model = build_model(CFG, 512, seed=1)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    # No EOD in front: LAMBADA contexts start with the passage, as the harness feeds them.
-    batch = torch.tensor([chars.encode(t.ljust(44)) for t in KNOWN])
-    for _ in range(160):
-        loss = lm_loss(model(batch[:, :-1]), batch[:, 1:])
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    assert loss.item() < 0.05
-    return model.eval()
+from tests.inference.conftest import KNOWN, MEMORISED_CFG
 
 
 def test_split_last_word():
@@ -105,7 +73,7 @@ def test_real_lambada_with_the_gpt2_tokenizer(shared_data):
     ctx, cont = encode_pair(tok, *split_last_word(texts[0]))
     assert tok.decode(ctx + cont) == texts[0] and tok.decode(cont) == " signs"
     model = build_model(
-        CFG.model_copy(update={"seq_length": 128, "max_position_embeddings": 128}), 50304
+        MEMORISED_CFG.model_copy(update={"seq_length": 128, "max_position_embeddings": 128}), 50304
     ).eval()
     m = lambada_metrics(
         score_lambada(model, tok, texts[:20], max_len=128, batch_size=8, device="cpu")

@@ -15,7 +15,6 @@ from neox.inference.scoring import (
     score_windows,
 )
 from neox.model import build_model, lm_loss
-from neox.tokenizer import build_tokenizer
 
 MAX_LEN = 16
 CFG = ModelConfig(
@@ -35,11 +34,6 @@ VOCAB = 512  # the char-level tokenizer's, already a multiple of 128: no padded 
 @pytest.fixture(scope="module")
 def model():
     return build_model(CFG, VOCAB, seed=5).eval()
-
-
-@pytest.fixture(scope="module")
-def chars():
-    return build_tokenizer("CharLevelTokenizer", None, None)
 
 
 def full_context_nll(model, seq: list[int]) -> float:
