@@ -14,6 +14,7 @@ import yaml
 from neox.config import ConfigError, build_ds_config, derive, encode, load_config
 from neox.config.preflight import (
     check_data,
+    check_eval,
     check_tokenizer_files,
     describe_resume,
     tokenizer_vocab_size,
@@ -22,6 +23,8 @@ from neox.launcher import HostfileError, build_launch, run_launch
 
 # Entry scripts that read training data, and those that need a tokenizer.
 NEEDS_DATA = {"train.py"}
+# Entry scripts with their own checks before launch.
+SCRIPT_CHECKS = {"eval.py": check_eval}
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -65,8 +68,11 @@ def main(argv: list[str]) -> int:
             plan = plan_smallest_layout(cfg, plan, args.script)
         problems = []
         checks = [check_tokenizer_files, tokenizer_vocab_size]
-        if args.script.rsplit("/", 1)[-1] in NEEDS_DATA:
+        script = args.script.rsplit("/", 1)[-1]
+        if script in NEEDS_DATA:
             checks.insert(1, check_data)
+        if script in SCRIPT_CHECKS:
+            checks.append(SCRIPT_CHECKS[script])
         vocab_size = None
         for check in checks:
             try:

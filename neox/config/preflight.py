@@ -1,5 +1,6 @@
 """Checks against the filesystem before launch: data, vocab files, the checkpoint to resume."""
 
+import importlib.util
 import logging
 from pathlib import Path
 from typing import Optional
@@ -70,6 +71,48 @@ def tokenizer_vocab_size(loaded: LoadedConfig) -> Optional[int]:
 
     t = loaded.config.tokenizer
     return build_tokenizer(t.tokenizer_type, t.vocab_file, t.merge_file).vocab_size
+
+
+def check_eval(loaded: LoadedConfig) -> None:
+    """eval.py has a checkpoint to read, something to evaluate, and the files it names."""
+    cfg = loaded.config
+    e, load = cfg.eval, cfg.checkpoint.load
+    problems = []
+    if not e.has_work:
+        problems.append(
+            "eval.py has nothing to evaluate: set eval_input_file, eval_split, eval_lambada_file "
+            "or eval_tasks"
+        )
+    if load is None:
+        problems.append("eval.py needs a checkpoint: set `load` to a training run's save directory")
+    elif not has_checkpoint(load):
+        problems.append(
+            f"{loaded.source_of('load')}: load={load!r} holds no checkpoint (no `latest` file); "
+            "point it at the save directory of a training run"
+        )
+    if e.eval_input_file:
+        from neox.data.readers import InputError, expand_inputs
+
+        try:
+            expand_inputs(e.eval_input_file)
+        except InputError as err:
+            problems.append(f"{loaded.source_of('eval_input_file')}: eval_input_file: {err}")
+    if e.eval_lambada_file and not Path(e.eval_lambada_file).is_file():
+        problems.append(
+            f"{loaded.source_of('eval_lambada_file')}: eval_lambada_file="
+            f"{e.eval_lambada_file!r} does not exist; fix the path"
+        )
+    if e.eval_tasks and importlib.util.find_spec("lm_eval") is None:
+        problems.append(
+            f"eval_tasks={e.eval_tasks} needs lm-evaluation-harness: pip install 'neox[eval]'"
+        )
+    if e.eval_split:
+        try:
+            check_data(loaded)
+        except ConfigError as err:
+            problems.append(f"eval_split={e.eval_split!r} reads the config's data: {err}")
+    if problems:
+        raise ConfigError("\n".join(problems))
 
 
 def has_checkpoint(directory: Optional[str]) -> bool:
