@@ -1,0 +1,288 @@
+"""Read any checkpoint train.py wrote back into the full plain-GPTNeoX state dict.
+
+The files DeepSpeed writes in a `global_stepN` directory depend on the layout that trained it:
+- pp = 1: `mp_rank_{t:02d}_model_states.pt`, tp rank t's module state dict under "module";
+- pp > 1: `layer_{i:02d}-model_{t:02d}-model_states.pt`, one per pipeline layer and tp rank
+  (layer 0 the embedding, 1..L the blocks, L+1 the final norm, L+2 an untied head; a tied head
+  reuses layer 0 and has no file);
+- ZeRO-3: `zero_pp_rank_{d}_mp_rank_{t:02d}_model_states.pt` whose module holds only empty
+  placeholders: the weights are rebuilt from the fp32 optimizer partitions by DeepSpeed's
+  zero_to_fp32.
+Tensor-parallel shards are joined along the dimension the training layer split them
+(TENSOR_PARALLEL_PLAN and the layers' PARTITION_DIMS). The padded vocabulary is read from the
+embedding's shape, so neither the tokenizer nor the training world size is needed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import pickle
+import re
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from neox.checkpoint.io import TAG_PREFIX, tag_for
+from neox.config import ConfigError, NeoXConfig, read_saved_config
+from neox.model import GPTNeoX, build_model
+from neox.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from neox.parallel.tensor import TENSOR_PARALLEL_PLAN
+
+log = logging.getLogger(__name__)
+
+StateDict = dict[str, torch.Tensor]
+
+MP_FILE = re.compile(r"mp_rank_(\d+)_model_states\.pt$")
+LAYER_FILE = re.compile(r"layer_(\d+)-model_(\d+)-model_states\.pt$")
+ZERO3_FILE = re.compile(r"zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
+
+PLAN_LAYERS = {
+    "column": ColumnParallelLinear,
+    "row": RowParallelLinear,
+    "vocab": VocabParallelEmbedding,
+}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint path or its files are not what neox wrote; the message says what to pass."""
+
+
+def _tags(directory: Path) -> list[str]:
+    steps = sorted(
+        int(p.name[len(TAG_PREFIX) :])
+        for p in directory.glob(f"{TAG_PREFIX}*")
+        if p.is_dir() and p.name[len(TAG_PREFIX) :].isdigit()
+    )
+    return [tag_for(s) for s in steps]
+
+
+def _is_tag_dir(path: Path) -> bool:
+    return any(path.glob("*model_states.pt"))
+
+
+def resolve_checkpoint(path: str | Path, iteration: Optional[int] = None) -> Path:
+    """The `global_stepN` directory for `path`: a save directory (its `latest`, or
+    global_step{iteration}) or one global_stepN directory itself."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(
+            f"checkpoint path {path} does not exist; pass the directory a run saved to (its "
+            "`save` key) or one of its global_stepN directories"
+        )
+    if not path.is_dir():
+        raise CheckpointError(
+            f"checkpoint path {path} is a file; pass the directory a run saved to (its `save` "
+            "key) or one of its global_stepN directories"
+        )
+    if _is_tag_dir(path):
+        if iteration is not None and path.name != tag_for(iteration):
+            raise CheckpointError(
+                f"{path} is the checkpoint {path.name}, not iteration {iteration}; pass its "
+                f"parent directory with iteration={iteration}, or leave iteration out"
+            )
+        tag_dir = path
+    else:
+        tags = _tags(path)
+        found = f"found: {', '.join(tags)}" if tags else "it holds no global_stepN directories"
+        if iteration is not None:
+            tag_dir = path / tag_for(iteration)
+            if not tag_dir.is_dir():
+                raise CheckpointError(
+                    f"{path} has no checkpoint for iteration {iteration} ({found}); "
+                    "pass one of those iterations"
+                )
+        else:
+            latest = path / "latest"
+            if not latest.is_file():
+                raise CheckpointError(
+                    f"{path} has no `latest` file ({found}); pass an iteration or one "
+                    "global_stepN directory"
+                )
+            tag = latest.read_text().strip()
+            tag_dir = path / tag
+            if not tag_dir.is_dir():
+                raise CheckpointError(
+                    f"{latest} names {tag!r}, which is not a directory in {path} ({found}); "
+                    "pass an iteration or one global_stepN directory"
+                )
+        if not _is_tag_dir(tag_dir):
+            raise CheckpointError(
+                f"{tag_dir} holds no DeepSpeed *model_states.pt files; the save did not "
+                "finish or this is not a checkpoint directory: pass another iteration"
+            )
+    if not (tag_dir / "config.yml").is_file():
+        raise CheckpointError(
+            f"{tag_dir} has no config.yml, so the model it holds is unknown; pass a "
+            "checkpoint written by neox's train.py (it saves config.yml in every global_stepN)"
+        )
+    return tag_dir
+
+
+def load_file(path: Path) -> Any:
+    """torch.load on CPU, weights-only where the file allows it."""
+    import numpy as np
+
+    # train.py's client state holds numpy's RNG state; these rebuild exactly that array.
+    numpy_rng = [np._core.multiarray._reconstruct, np.ndarray, np.dtype, np.dtypes.UInt32DType]
+    try:
+        with torch.serialization.safe_globals(numpy_rng):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        # Client state from other code may hold other objects; the file is the user's own run.
+        log.warning("%s is not weights-only loadable (%s); loading it fully", path, e)
+        return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def partition_dim(name: str) -> Optional[int]:
+    """The dim along which tensor parallelism splits parameter `name`, or None (replicated)."""
+    module, _, param = name.rpartition(".")
+    for suffix, kind in TENSOR_PARALLEL_PLAN.items():
+        if module == suffix or module.endswith("." + suffix):
+            return PLAN_LAYERS[kind].PARTITION_DIMS.get(param)
+    return None
+
+
+def _ranked(files: list[tuple[int, Any]], tp: int, what: str, directory: Path) -> list[Any]:
+    """Per-rank items for ranks 0..tp-1 (tp from the saved config), all present."""
+    by_rank = dict(files)
+    missing = [r for r in range(tp) if r not in by_rank]
+    if missing or len(by_rank) != tp:
+        raise CheckpointError(
+            f"{directory} lacks the {what} of tensor-parallel rank(s) {missing} or has more "
+            f"than its config's model_parallel_size={tp} ({sorted(by_rank)} found): the save "
+            "is incomplete or mixed; pass another iteration"
+        )
+    return [by_rank[r] for r in range(tp)]
+
+
+def _mp_shards(tag_dir: Path, tp: int) -> list[StateDict]:
+    files = [(int(m.group(1)), p) for p in tag_dir.iterdir() if (m := MP_FILE.match(p.name))]
+    shards = []
+    for path in _ranked(files, tp, "mp_rank_XX_model_states.pt", tag_dir):
+        module = load_file(path).get("module")
+        if module is None:
+            raise CheckpointError(f"{path} holds no module weights; it is not a pp=1 checkpoint")
+        shards.append(dict(module))
+    return shards
+
+
+def _pipeline_shards(tag_dir: Path, tp: int, num_layers: int) -> list[StateDict]:
+    by_tp: dict[int, StateDict] = {}
+    for path in sorted(tag_dir.iterdir()):
+        m = LAYER_FILE.match(path.name)
+        if not m:
+            continue
+        layer, tp_rank = int(m.group(1)), int(m.group(2))
+        # Blocks are layers 1..L; the embedding, final norm and head keep their plain names.
+        prefix = f"layers.{layer - 1}." if 1 <= layer <= num_layers else ""
+        shard = by_tp.setdefault(tp_rank, {})
+        shard.update({prefix + k: v for k, v in load_file(path).items()})
+    return _ranked(list(by_tp.items()), tp, "layer_XX-model_YY-model_states.pt files", tag_dir)
+
+
+def _zero3_shards(tag_dir: Path, tp: int) -> list[StateDict]:
+    """Each tp rank's fp32 weights, gathered from its ZeRO-3 optimizer partitions."""
+    from deepspeed.utils.zero_to_fp32 import (
+        _get_fp32_state_dict_from_zero3_checkpoint,
+        parse_model_states,
+        parse_optim_states,
+        to_torch_tensor,
+    )
+
+    files = [(int(m.group(2)), p) for p in tag_dir.iterdir() if (m := ZERO3_FILE.match(p.name))]
+    shards = []
+    _ranked(files, tp, "zero_pp_rank_X_mp_rank_YY_model_states.pt", tag_dir)
+    for tp_rank in range(tp):
+        model_files = sorted(str(p) for r, p in files if r == tp_rank)
+        optim_files = sorted(str(p).replace("model_states", "optim_states") for p in model_files)
+        # DeepSpeed's helpers print progress; keep it out of the caller's output.
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            states = parse_model_states(model_files)
+            _, world, flat_groups, _ = parse_optim_states(optim_files, str(tag_dir))
+            sd = _get_fp32_state_dict_from_zero3_checkpoint(world, flat_groups, states, False)
+        log.info("gathered tp rank %d's weights from %d ZeRO-3 partitions", tp_rank, world)
+        shards.append(to_torch_tensor(sd))
+    return shards
+
+
+def read_shards(tag_dir: Path, tp: int, num_layers: int) -> list[StateDict]:
+    """One plain-named state dict per tensor-parallel rank (tp of them), whatever the layout."""
+    names = [p.name for p in tag_dir.iterdir()]
+    if any(LAYER_FILE.match(n) for n in names):
+        return _pipeline_shards(tag_dir, tp, num_layers)
+    if any(MP_FILE.match(n) for n in names):
+        return _mp_shards(tag_dir, tp)
+    if any(ZERO3_FILE.match(n) for n in names):
+        return _zero3_shards(tag_dir, tp)
+    raise CheckpointError(
+        f"{tag_dir} holds no model state files DeepSpeed writes (mp_rank_XX_model_states.pt, "
+        f"layer_XX-model_YY-model_states.pt or zero_pp_rank_X_mp_rank_YY_model_states.pt); "
+        "pass a checkpoint directory train.py saved"
+    )
+
+
+def merge_tensor_parallel(shards: list[StateDict]) -> StateDict:
+    """Join tp shards along each parameter's partition dim; replicated ones come from rank 0."""
+    merged = {}
+    for name, first in shards[0].items():
+        dim = partition_dim(name)
+        if dim is None or len(shards) == 1:
+            merged[name] = first
+        else:
+            merged[name] = torch.cat([shard[name] for shard in shards], dim=dim)
+    return merged
+
+
+def check_state_dict(sd: StateDict, model: GPTNeoX, source: Path) -> None:
+    """Raise CheckpointError unless `sd` has exactly the names and shapes of `model`."""
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    got = {k: tuple(v.shape) for k, v in sd.items()}
+    missing = sorted(expected.keys() - got.keys())
+    extra = sorted(got.keys() - expected.keys())
+    wrong = sorted(
+        f"{k} {got[k]} != {expected[k]}"
+        for k in expected.keys() & got.keys()
+        if got[k] != expected[k]
+    )
+    if missing or extra or wrong:
+        raise CheckpointError(
+            f"the weights in {source} do not fit the model its config.yml describes: "
+            f"missing {missing[:5]}, unexpected {extra[:5]}, wrong shapes {wrong[:5]}; "
+            "was config.yml edited after training?"
+        )
+
+
+def load_model_state(
+    path: str | Path, iteration: Optional[int] = None
+) -> tuple[NeoXConfig, StateDict]:
+    """The checkpoint's saved config and its full plain-GPTNeoX state dict (padded vocabulary
+    rows included): tensors in the dtype training kept them (fp32 from ZeRO-3's partitions)."""
+    tag_dir = resolve_checkpoint(path, iteration)
+    try:
+        cfg = read_saved_config(tag_dir / "config.yml")
+    except ConfigError as e:
+        raise CheckpointError(f"{tag_dir / 'config.yml'} is not a valid neox config: {e}") from None
+    tp = cfg.parallel.model_parallel_size
+    sd = merge_tensor_parallel(read_shards(tag_dir, tp, cfg.model.num_layers))
+    if "embed_in.weight" not in sd:
+        raise CheckpointError(f"{tag_dir} holds no embed_in.weight; it is not a neox checkpoint")
+    padded_vocab = sd["embed_in.weight"].shape[0]
+    check_state_dict(sd, build_model(cfg.model, padded_vocab, device="meta"), tag_dir)
+    log.info("read %s: %d tensors, padded vocabulary %d", tag_dir, len(sd), padded_vocab)
+    return cfg, sd
+
+
+def load_model(
+    path: str | Path,
+    iteration: Optional[int] = None,
+    device: torch.device | str = "cpu",
+    dtype: Optional[torch.dtype] = None,
+) -> tuple[GPTNeoX, NeoXConfig]:
+    """The checkpoint's plain GPTNeoX in eval mode on `device` (in `dtype`, default as saved)."""
+    cfg, sd = load_model_state(path, iteration)
+    model = build_model(cfg.model, sd["embed_in.weight"].shape[0], device="meta")
+    model.load_state_dict(sd, strict=True, assign=True)
+    return model.to(device=device, dtype=dtype).eval(), cfg
