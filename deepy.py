@@ -15,16 +15,17 @@ from neox.config import ConfigError, build_ds_config, derive, encode, load_confi
 from neox.config.preflight import (
     check_data,
     check_eval,
+    check_generation,
     check_tokenizer_files,
     describe_resume,
     tokenizer_vocab_size,
 )
 from neox.launcher import HostfileError, build_launch, run_launch
 
-# Entry scripts that read training data, and those that need a tokenizer.
+# Entry scripts that read training data, and those that read a trained checkpoint (with the
+# check of what each one reads).
 NEEDS_DATA = {"train.py"}
-# Entry scripts with their own checks before launch.
-SCRIPT_CHECKS = {"eval.py": check_eval}
+NEEDS_CHECKPOINT = {"generate.py": check_generation, "eval.py": check_eval}
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -71,8 +72,8 @@ def main(argv: list[str]) -> int:
         script = args.script.rsplit("/", 1)[-1]
         if script in NEEDS_DATA:
             checks.insert(1, check_data)
-        if script in SCRIPT_CHECKS:
-            checks.append(SCRIPT_CHECKS[script])
+        if script in NEEDS_CHECKPOINT:
+            checks.insert(1, NEEDS_CHECKPOINT[script])
         vocab_size = None
         for check in checks:
             try:
@@ -90,7 +91,8 @@ def main(argv: list[str]) -> int:
     except (ConfigError, HostfileError) as e:
         print(f"deepy: config error:\n{e}", file=sys.stderr)
         return 2
-    print(describe_resume(loaded))
+    if script not in NEEDS_CHECKPOINT:
+        print(describe_resume(loaded))
     if args.dry_run:
         print("# merged config")
         print(yaml.safe_dump(cfg.to_flat(), sort_keys=False), end="")

@@ -2,6 +2,8 @@
 
 from typing import Literal, Optional
 
+from pydantic import Field
+
 from neox.config.base import ConfigGroup
 
 
@@ -9,34 +11,39 @@ class GenerationConfig(ConfigGroup):
     """Sampling settings of generate.py."""
 
     text_gen_type: Literal["unconditional", "input-file", "interactive"] = "unconditional"
-    """Where prompts come from."""
+    """Where generate.py's prompts come from: none (num_samples from a document boundary),
+    sample_input_file, or a prompt loop on rank 0's terminal (ends at end of input)."""
 
-    temperature: float = 0.0
-    """Sampling temperature (0: greedy)."""
+    temperature: float = Field(0.0, ge=0.0)
+    """Sampling temperature (0: greedy, the most likely token)."""
 
-    top_p: float = 0.0
-    """Nucleus sampling threshold (0: off)."""
+    top_p: float = Field(0.0, ge=0.0, le=1.0)
+    """Nucleus sampling: sample among the most likely tokens whose probability reaches top_p
+    (0: off). Needs temperature > 0."""
 
-    top_k: int = 0
-    """Sample among the k most likely tokens (0: off)."""
+    top_k: int = Field(0, ge=0)
+    """Sample among the k most likely tokens (0: off). Needs temperature > 0."""
 
     return_logits: bool = False
-    """Also return logits of generated tokens."""
+    """Add `logits` to each output row: the raw logit of each generated token."""
 
-    maximum_tokens: int = 64
-    """Tokens to generate per prompt."""
+    maximum_tokens: int = Field(64, ge=1)
+    """Tokens to generate per prompt (fewer when prompt + continuation would pass
+    max_position_embeddings)."""
 
-    prompt_end: str = "\n"
-    """Separator between prompts in an input file."""
+    prompt_end: str = Field("\n", min_length=1)
+    """Separator between prompts in sample_input_file."""
 
     sample_input_file: Optional[str] = None
-    """Prompts, for text_gen_type input-file."""
+    """Prompts, for text_gen_type input-file (blank prompts are skipped)."""
 
     sample_output_file: Optional[str] = "samples.txt"
-    """Where generated samples are written."""
+    """JSON lines written by generate.py, one row per sample: context, text, length, finished
+    (ended by the end-of-document token), tokens, duration_seconds (null: print them)."""
 
-    num_samples: int = 1
+    num_samples: int = Field(1, ge=1)
     """Unconditional samples to generate."""
 
     recompute: bool = False
-    """Recompute the whole sequence each step instead of using the KV cache."""
+    """Recompute the whole sequence each token instead of using the KV cache (slower, same
+    greedy text; needed for ALiBi and sliding-window models)."""

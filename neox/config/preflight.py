@@ -76,19 +76,16 @@ def tokenizer_vocab_size(loaded: LoadedConfig) -> Optional[int]:
 def check_eval(loaded: LoadedConfig) -> None:
     """eval.py has a checkpoint to read, something to evaluate, and the files it names."""
     cfg = loaded.config
-    e, load = cfg.eval, cfg.checkpoint.load
+    e = cfg.eval
     problems = []
+    try:
+        checkpoint_tag(cfg.checkpoint.load, cfg.training.iteration)
+    except ConfigError as err:
+        problems.append(str(err))
     if not e.has_work:
         problems.append(
             "eval.py has nothing to evaluate: set eval_input_file, eval_split, eval_lambada_file "
             "or eval_tasks"
-        )
-    if load is None:
-        problems.append("eval.py needs a checkpoint: set `load` to a training run's save directory")
-    elif not has_checkpoint(load):
-        problems.append(
-            f"{loaded.source_of('load')}: load={load!r} holds no checkpoint (no `latest` file); "
-            "point it at the save directory of a training run"
         )
     if e.eval_input_file:
         from neox.data.readers import InputError, expand_inputs
@@ -118,6 +115,52 @@ def check_eval(loaded: LoadedConfig) -> None:
 def has_checkpoint(directory: Optional[str]) -> bool:
     """A DeepSpeed checkpoint directory has a `latest` tag file."""
     return directory is not None and (Path(directory) / "latest").is_file()
+
+
+def checkpoint_tag(load: Optional[str], iteration: Optional[int] = None) -> str:
+    """The tag to read from `load`: global_step<iteration>, or the one `latest` names."""
+    if load is None:
+        raise ConfigError(
+            "no trained weights: set `load` to the `save` directory of a training run"
+        )
+    root = Path(load)
+    if iteration is not None:
+        tag = f"global_step{iteration}"
+        if not (root / tag).is_dir():
+            have = sorted(p.name for p in root.glob("global_step*") if p.is_dir())
+            raise ConfigError(
+                f"load={load!r} has no checkpoint for iteration={iteration} ({root / tag} is "
+                f"missing; it has {', '.join(have) or 'none'}); set `iteration` to one of them "
+                "or remove it to load the latest"
+            )
+        return tag
+    if not has_checkpoint(load):
+        raise ConfigError(
+            f"load={load!r} holds no checkpoint (no {root / 'latest'}); set `load` to the "
+            "`save` directory of a training run"
+        )
+    return (root / "latest").read_text().strip()
+
+
+def check_generation(loaded: LoadedConfig) -> None:
+    """generate.py: the checkpoint to read exists, and so does the prompt file it needs."""
+    cfg = loaded.config
+    problems = []
+    try:
+        checkpoint_tag(cfg.checkpoint.load, cfg.training.iteration)
+    except ConfigError as e:
+        problems.append(str(e))
+    g = cfg.generation
+    if g.text_gen_type == "input-file":
+        if g.sample_input_file is None:
+            problems.append("text_gen_type=input-file needs sample_input_file (the prompts)")
+        elif not Path(g.sample_input_file).is_file():
+            problems.append(
+                f"{loaded.source_of('sample_input_file')}: sample_input_file="
+                f"{g.sample_input_file!r} does not exist; fix the path"
+            )
+    if problems:
+        raise ConfigError("\n".join(problems))
 
 
 def describe_resume(loaded: LoadedConfig) -> str:

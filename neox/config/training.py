@@ -86,7 +86,8 @@ class TrainingConfig(ConfigGroup):
     """Also report character-level perplexity (gpt-neox key)."""
 
     iteration: Optional[int] = None
-    """gpt-neox runtime key (set by resumption; accepted, ignored when given)."""
+    """Checkpoint generate.py and eval.py load from `load`: global_step<iteration> (None: the one
+    `latest` names). Training ignores it."""
 
     @field_validator("train_iters")
     @classmethod

@@ -1,0 +1,1 @@
+"""Text generation: static KV cache, sampling, batched generation, the generate.py modes."""

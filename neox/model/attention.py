@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.nn.functional as F
@@ -13,6 +13,9 @@ from neox.config.model import ModelConfig
 from neox.model.norms import build_norm
 from neox.model.positional import alibi_bias, alibi_slopes
 from neox.model.rotary import RotaryEmbedding
+
+if TYPE_CHECKING:
+    from neox.inference.cache import LayerKVCache
 
 ATTENTION_IMPLS = ("flash", "triton", "torch")
 
@@ -121,9 +124,11 @@ class Attention(nn.Module):
         x: torch.Tensor,
         position_ids: Optional[torch.Tensor] = None,
         attention_mask: Optional[torch.Tensor] = None,
+        kv_cache: Optional[LayerKVCache] = None,
     ) -> torch.Tensor:
         """x (B, T, C) -> (B, T, C); attention_mask (B, T) marks real tokens with 1, or
-        (B, 1, T, T) marks the allowed query/key pairs (reset_attention_mask)."""
+        (B, 1, T, S) marks the allowed query/key pairs (reset_attention_mask, or the S cached
+        keys when decoding with kv_cache, which stores this step's k and v and returns all S)."""
         B, T, _ = x.shape
         nh, nkv, hs = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.query_key_value(x).view(B, T, nkv, nh // nkv + 2, hs)  # (B, T, nkv, grp+2, hs)
@@ -134,11 +139,15 @@ class Attention(nn.Module):
             q, k = self.q_layernorm(q), self.k_layernorm(k)
         if self.rotary is not None:
             q, k = self.rotary(q, k, position_ids)
+        if kv_cache is not None:
+            k, v = kv_cache.update(k, v)  # (B, nkv, S, hs)
         if nkv != nh:
             # Query head h reads kv head h // (nh / nkv): the grouping of the fused layout.
             k = k.repeat_interleave(nh // nkv, dim=1)  # (B, nh, T, hs)
             v = v.repeat_interleave(nh // nkv, dim=1)
         impl = _choose_impl(self.impl, self.layer_type, self.fused_softmax, x.device)
+        if kv_cache is not None:
+            impl = "flash"  # queries are not the last T keys: only SDPA's explicit mask fits
         if impl == "flash":
             y = self._attend_sdpa(q, k, v, attention_mask)
         else:
@@ -147,26 +156,25 @@ class Attention(nn.Module):
         return self.dense(y)
 
     def _bias(
-        self, q: torch.Tensor, attention_mask: Optional[torch.Tensor]
+        self, q: torch.Tensor, k: torch.Tensor, attention_mask: Optional[torch.Tensor]
     ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-        """(allowed mask or None when plain causal suffices, ALiBi bias (nh, T, T) or None)."""
-        T = q.shape[-2]
+        """(allowed mask or None when plain causal suffices, ALiBi bias (nh, T, S) or None)."""
+        T, S = q.shape[-2], k.shape[-2]
         plain = self.window is None and attention_mask is None
-        allowed = None if plain else allowed_mask(T, T, q.device, self.window, attention_mask)
+        allowed = None if plain else allowed_mask(T, S, q.device, self.window, attention_mask)
         bias = None
         if self.alibi_slopes is not None:
-            bias = alibi_bias(self.alibi_slopes, T, T, q.device, torch.float32)
+            bias = alibi_bias(self.alibi_slopes, T, S, q.device, torch.float32)
         return allowed, bias
 
     def _attend_sdpa(self, q, k, v, attention_mask):
         """torch SDPA: causal flag alone when possible, else an explicit additive mask."""
         dropout = self.dropout if self.training else 0.0
-        allowed, bias = self._bias(q, attention_mask)
+        allowed, bias = self._bias(q, k, attention_mask)
         if allowed is None and bias is None:
             return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
-        T = q.shape[-2]
         if allowed is None:
-            allowed = allowed_mask(T, T, q.device)
+            allowed = allowed_mask(q.shape[-2], k.shape[-2], q.device)
         mask = torch.zeros(allowed.shape, device=q.device, dtype=q.dtype)
         if bias is not None:
             mask = mask + bias.to(q.dtype)  # (nh, T, T) or (B, nh, T, T)
@@ -177,7 +185,7 @@ class Attention(nn.Module):
 
     def _attend_scores(self, q, k, v, attention_mask, fused: bool):
         """Materialised scores, then the Triton fused softmax (fused) or the torch reference."""
-        allowed, bias = self._bias(q, attention_mask)
+        allowed, bias = self._bias(q, k, attention_mask)
         scores = q @ k.transpose(-2, -1)  # (B, nh, T, T)
         scale = self.scale
         if bias is not None:

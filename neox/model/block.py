@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 from torch import nn
@@ -11,6 +11,9 @@ from neox.config.model import ModelConfig
 from neox.model.attention import Attention
 from neox.model.mlp import MLP
 from neox.model.norms import build_norm
+
+if TYPE_CHECKING:
+    from neox.inference.cache import LayerKVCache
 
 
 class Block(nn.Module):
@@ -30,6 +33,7 @@ class Block(nn.Module):
         x: torch.Tensor,
         position_ids: Optional[torch.Tensor] = None,
         attention_mask: Optional[torch.Tensor] = None,
+        kv_cache: Optional[LayerKVCache] = None,
     ) -> torch.Tensor:
         """x (B, T, C) -> (B, T, C)."""
         drop = self.hidden_dropout
@@ -39,6 +43,7 @@ class Block(nn.Module):
             # x + attn(ln1(x)) + mlp(ln2(x)): both branches read the same x (GPT-J, Pythia).
             h1 = ln1(x)
             h2 = h1 if ln2 is ln1 else ln2(x)
-            return x + drop(self.attention(h1, position_ids, attention_mask)) + drop(self.mlp(h2))
-        x = x + drop(self.attention(ln1(x), position_ids, attention_mask))
+            attn = self.attention(h1, position_ids, attention_mask, kv_cache)
+            return x + drop(attn) + drop(self.mlp(h2))
+        x = x + drop(self.attention(ln1(x), position_ids, attention_mask, kv_cache))
         return x + drop(self.mlp(ln2(x)))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.nn.functional as F
@@ -12,6 +12,9 @@ from neox.config.model import ModelConfig
 from neox.model.block import Block
 from neox.model.init import init_parameter
 from neox.model.norms import build_norm
+
+if TYPE_CHECKING:
+    from neox.inference.cache import KVCache
 
 
 class GPTNeoX(nn.Module):
@@ -56,11 +59,16 @@ class GPTNeoX(nn.Module):
         input_ids: torch.Tensor,
         position_ids: Optional[torch.Tensor] = None,
         attention_mask: Optional[torch.Tensor] = None,
+        kv_cache: Optional[KVCache] = None,
     ) -> torch.Tensor:
-        """Logits (B, T, V) for input_ids (B, T); attention_mask (B, T) marks real tokens."""
+        """Logits (B, T, V) for input_ids (B, T); attention_mask (B, T) marks real tokens.
+
+        Decoding passes a KVCache (neox.inference.cache), explicit position_ids and the
+        (B, 1, T, S) mask of cached keys each query may see.
+        """
         x = self.embed(input_ids, position_ids)
-        for block in self.layers:
-            x = block(x, position_ids, attention_mask)
+        for i, block in enumerate(self.layers):
+            x = block(x, position_ids, attention_mask, None if kv_cache is None else kv_cache[i])
         return self.head(x)
 
     @torch.no_grad()

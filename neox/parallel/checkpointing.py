@@ -39,12 +39,12 @@ def checkpoint_blocks(layers: nn.ModuleList, num_layers: int = 1) -> None:
     for start in range(0, len(blocks), num_layers):
         run = [b.forward for b in blocks[start : start + num_layers]]
 
-        def checkpointed(x, position_ids=None, attention_mask=None, run=run):
+        def checkpointed(x, position_ids=None, attention_mask=None, kv_cache=None, run=run):
             # Only x goes through the checkpoint: DeepSpeed's (partitioning) checkpoint wants
             # tensor arguments; position ids and the padding mask need no gradient.
             def run_chunk(h):
                 for forward in run:
-                    h = forward(h, position_ids, attention_mask)
+                    h = forward(h, position_ids, attention_mask, kv_cache)
                 return h
 
             return deepspeed.checkpointing.checkpoint(run_chunk, x)
@@ -54,5 +54,5 @@ def checkpoint_blocks(layers: nn.ModuleList, num_layers: int = 1) -> None:
             block.forward = _pass_through
 
 
-def _pass_through(x: Any, position_ids: Any = None, attention_mask: Any = None) -> Any:
+def _pass_through(x: Any, *_: Any) -> Any:
     return x

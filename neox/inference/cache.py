@@ -1,0 +1,71 @@
+"""A preallocated (static) key/value cache: one (B, nkv, S, hs) buffer pair per layer.
+
+The buffers never change shape, so a decode step has the same shapes every token (ready for
+CUDA graphs); the caller says where this step's keys go (`KVCache.position`, a device tensor)
+and masks the slots not written yet.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class LayerKVCache:
+    """Keys and values of one attention layer; `update` writes this step's and returns all."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, owner: KVCache) -> None:
+        self.k, self.v = k, v  # (B, nkv, S, hs)
+        self.owner = owner
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v (B, nkv, T, hs) at slots owner.position (T,); return (B, nkv, S, hs) each."""
+        self.k.index_copy_(2, self.owner.position, k.to(self.k.dtype))
+        self.v.index_copy_(2, self.owner.position, v.to(self.v.dtype))
+        return self.k, self.v
+
+
+class KVCache:
+    """The per-layer caches of a GPTNeoX for `batch` sequences of up to `length` tokens."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        batch: int,
+        length: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        self.length = length
+        # Slots written by the current step; set with `at` before each forward.
+        self.position = torch.zeros(1, dtype=torch.long, device=device)
+        self.layers = []
+        for block in model.layers:
+            attn = block.attention
+            # num_kv_heads is per rank under tensor parallelism (see Attention).
+            shape = (batch, attn.num_kv_heads, length, attn.head_dim)
+            k = torch.zeros(shape, dtype=dtype, device=device)
+            self.layers.append(LayerKVCache(k, torch.zeros_like(k), self))
+
+    def __getitem__(self, layer: int) -> LayerKVCache:
+        return self.layers[layer]
+
+    def at(self, position: torch.Tensor) -> KVCache:
+        """Point the next forward's writes at slots `position` (T,); returns self."""
+        self.position = position
+        return self
+
+    @staticmethod
+    def supports(model: nn.Module) -> str | None:
+        """None if cached decoding reproduces the full forward for this model, else why not.
+
+        ALiBi and sliding windows measure distances from the query's slot, which the cached
+        forward does not know (it sees a query against the whole buffer).
+        """
+        for block in model.layers:
+            attn = block.attention
+            if attn.alibi_slopes is not None:
+                return "ALiBi position embeddings"
+            if attn.window is not None:
+                return "sliding-window attention"
+        return None

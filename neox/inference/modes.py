@@ -1,0 +1,183 @@
+"""generate.py's three prompt sources (text_gen_type): unconditional, input-file, interactive."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from neox.config import ConfigError, NeoXConfig, derive
+from neox.inference.engine import Completion, Generator
+from neox.inference.loading import build_generation_model, generation_dtype
+from neox.inference.sampling import SamplingParams
+from neox.tokenizer import Tokenizer, build_tokenizer
+
+log = logging.getLogger(__name__)
+
+INTERACTIVE_PROMPT = "Context prompt >>> "
+
+
+class TextGenerator:
+    """Text in, rows out: tokenises prompts, batches them and decodes the continuations."""
+
+    def __init__(
+        self, cfg: NeoXConfig, generator: Generator, tokenizer: Tokenizer, batch_size: int
+    ) -> None:
+        g = cfg.generation
+        self.cfg = cfg
+        self.generator = generator
+        self.tokenizer = tokenizer
+        self.batch_size = batch_size
+        self.params = SamplingParams(g.temperature, g.top_k, g.top_p)
+        self.rng = torch.Generator(device=generator.device).manual_seed(cfg.training.seed)
+        self.max_positions = cfg.model.max_positions
+
+    def rows(self, contexts: list[str]) -> Iterator[dict[str, Any]]:
+        """One output row per context, generated batch_size prompts at a time."""
+        for start in range(0, len(contexts), self.batch_size):
+            batch = contexts[start : start + self.batch_size]
+            t0 = time.perf_counter()
+            prompts = [self._encode(text) for text in batch]
+            new = self._budget(max(len(p) for p in prompts))
+            done = self.generator.generate(
+                prompts, new, self.params, self.rng, self.cfg.generation.return_logits
+            )
+            seconds = time.perf_counter() - t0
+            for text, completion in zip(batch, done):
+                yield self._row(text, completion, seconds)
+
+    def _encode(self, text: str) -> list[int]:
+        # No context: generation starts from a document boundary (gpt-neox's unconditional).
+        ids = self.tokenizer.encode(text) if text else [self.tokenizer.eod]
+        limit = self.max_positions - 1
+        if len(ids) > limit:
+            log.warning("prompt of %d tokens keeps its last %d (max_positions)", len(ids), limit)
+            ids = ids[-limit:]
+        return ids
+
+    def _budget(self, prompt_len: int) -> int:
+        new = self.cfg.generation.maximum_tokens
+        room = self.max_positions - prompt_len
+        if new > room:
+            log.warning(
+                "maximum_tokens=%d cut to %d: prompt (%d tokens) + continuation must fit "
+                "max_position_embeddings=%d",
+                new,
+                room,
+                prompt_len,
+                self.max_positions,
+            )
+        return min(new, room)
+
+    def _row(self, context: str, c: Completion, seconds: float) -> dict[str, Any]:
+        row = {
+            "context": context,
+            "text": self.tokenizer.decode(c.tokens),
+            "length": len(c.tokens),
+            "finished": c.finished,
+            "tokens": c.tokens,
+            "duration_seconds": seconds,
+        }
+        if c.logits is not None:
+            row["logits"] = c.logits
+        return row
+
+
+def read_prompts(path: str, prompt_end: str) -> list[str]:
+    """Prompts of sample_input_file, separated by prompt_end; blank ones are skipped."""
+    text = Path(path).read_text(encoding="utf-8")
+    return [p for p in text.split(prompt_end) if p.strip()]
+
+
+def write_rows(rows: Iterator[dict[str, Any]], path: Optional[str]) -> int:
+    """Rows as JSON lines; the file appears complete or not at all (written beside, renamed)."""
+    lines = (json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+    n = 0
+    if path is None:
+        for n, line in enumerate(lines, 1):  # noqa: B007 (n counts the rows)
+            print(line, end="", flush=True)
+        return n
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    with tmp.open("w", encoding="utf-8") as f:
+        for n, line in enumerate(lines, 1):  # noqa: B007
+            f.write(line)
+            f.flush()
+    tmp.replace(out)
+    return n
+
+
+def interactive(text_gen: TextGenerator, is_writer: bool) -> None:
+    """Read a prompt on rank 0's terminal, generate on every rank, print; ends at EOF."""
+    import torch.distributed as dist
+
+    while True:
+        box: list[Optional[str]] = [None]
+        if is_writer:
+            try:
+                box[0] = input(INTERACTIVE_PROMPT)
+            except EOFError:
+                box[0] = None
+        dist.broadcast_object_list(box, src=0)
+        if box[0] is None:
+            return
+        for row in text_gen.rows([box[0]]):
+            if is_writer:
+                print(f"Generated Text: {row['text']}", flush=True)
+
+
+def run_generation(cfg: NeoXConfig) -> None:
+    """generate.py on one rank: load the trained model, then generate per text_gen_type."""
+    import torch.distributed as dist
+
+    from neox.parallel import ProcessGroups, Topology
+    from neox.training.setup import init_distributed
+
+    g = cfg.generation
+    if g.text_gen_type == "input-file" and not g.sample_input_file:
+        raise ConfigError("text_gen_type=input-file needs sample_input_file (one prompt per line)")
+    device = init_distributed(cfg)
+    world = dist.get_world_size()
+    t = cfg.tokenizer
+    tokenizer = build_tokenizer(t.tokenizer_type, t.vocab_file, t.merge_file)
+    derived = derive(cfg, world, tokenizer.vocab_size)
+    tp = derived.tensor_parallel
+    # Pipeline stages run as one model here; every tp group generates the same rows.
+    groups = ProcessGroups(Topology(tp, 1, world // tp))
+    dtype = generation_dtype(derived.precision, device)
+    model, gather = build_generation_model(cfg, derived.padded_vocab_size, groups, device, dtype)
+    generator = Generator(
+        model, tokenizer.vocab_size, tokenizer.eod, not g.recompute, gather_logits=gather
+    )
+    text_gen = TextGenerator(cfg, generator, tokenizer, derived.micro_batch)
+    is_writer = dist.get_rank() == 0
+    log.info(
+        "generating (%s) on %s in %s, tp=%d, %s",
+        g.text_gen_type,
+        device,
+        str(dtype).removeprefix("torch."),
+        tp,
+        "recompute" if g.recompute else "KV cache",
+    )
+    if g.text_gen_type == "interactive":
+        interactive(text_gen, is_writer)
+        return
+    if g.text_gen_type == "unconditional":
+        contexts = [""] * g.num_samples
+    else:
+        contexts = read_prompts(g.sample_input_file, g.prompt_end)
+    rows = text_gen.rows(contexts)
+    if is_writer:
+        n = write_rows(rows, g.sample_output_file)
+        log.info("wrote %d samples to %s", n, g.sample_output_file or "stdout")
+    else:
+        for _ in rows:  # the other ranks take part in every forward
+            pass
+    sys.stdout.flush()

@@ -1,0 +1,134 @@
+"""Greedy generation equals transformers' greedy generate; the KV cache equals recompute."""
+
+import pytest
+import torch
+from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from neox.checkpoint.hf_map import hf_config_for, to_hf_state_dict
+from neox.config.model import ModelConfig
+from neox.inference.engine import Generator, left_pad
+from neox.inference.sampling import SamplingParams
+from neox.model import build_model
+
+VOCAB, PADDED = 97, 128
+TINY = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=64, pos_emb="rotary")
+LLAMA = dict(
+    norm="rmsnorm", activation="swiglu", use_bias_in_attn_linear=False, use_bias_in_mlp=False
+)
+CASES = {
+    "gpt_neox": ("gpt_neox", dict(gpt_j_residual=True, rotary_pct=0.25, no_weight_tying=True)),
+    "llama_gqa": ("llama", dict(**LLAMA, num_kv_heads=2)),
+}
+PROMPTS = [[5, 17, 3, 44, 9, 12, 30], [8], [61, 2, 2, 70]]
+EOD = 0
+
+
+def tiny_pair(case: str, seed: int = 3):
+    """Our model and the transformers model holding the same weights (HF from ours)."""
+    arch, overrides = CASES[case]
+    cfg = ModelConfig(**TINY, **overrides)
+    model = build_model(cfg, PADDED, seed=seed).eval()
+    cls, conf = {
+        "gpt_neox": (GPTNeoXForCausalLM, GPTNeoXConfig),
+        "llama": (LlamaForCausalLM, LlamaConfig),
+    }[arch]
+    hf = cls(conf(**hf_config_for(cfg, VOCAB, arch))).eval()
+    hf_sd = to_hf_state_dict(model.state_dict(), cfg, VOCAB, arch)
+    # transformers >= 5 calls GPTNeoX's output layer lm_head in memory (embed_out on disk).
+    hf_sd = {("lm_head.weight" if k == "embed_out.weight" else k): v for k, v in hf_sd.items()}
+    missing, unexpected = hf.load_state_dict(hf_sd, strict=False)
+    assert not unexpected and all("lm_head" in k for k in missing), (missing, unexpected)
+    return model, hf
+
+
+def hf_greedy(hf, prompts, new_tokens):
+    ids, mask = left_pad(prompts, EOD, "cpu")
+    out = hf.generate(
+        input_ids=ids,
+        attention_mask=mask.long(),
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        pad_token_id=EOD,
+        eos_token_id=None,
+    )
+    return out[:, ids.shape[1] :].tolist()
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_greedy_matches_transformers_generate(case):
+    model, hf = tiny_pair(case)
+    new = 12
+    expected = hf_greedy(hf, PROMPTS, new)
+    # eod = an id no model picks here (the padded range), so every row runs the whole budget.
+    gen = Generator(model, VOCAB, eod=PADDED - 1)
+    got = [c.tokens for c in gen.generate(PROMPTS, new)]
+    assert got == expected
+    recomputed = Generator(model, VOCAB, eod=PADDED - 1, use_cache=False).generate(PROMPTS, new)
+    assert [c.tokens for c in recomputed] == expected
+
+
+def test_end_of_document_ends_a_row_and_matches_transformers_eos():
+    model, hf = tiny_pair("gpt_neox")
+    free = Generator(model, VOCAB, eod=PADDED - 1).generate(PROMPTS, 12)
+    # Make the third token of row 0 the end-of-document id: row 0 must stop right before it.
+    eod = free[0].tokens[2]
+    done = Generator(model, VOCAB, eod=eod).generate(PROMPTS, 12)
+    first = free[0].tokens.index(eod)
+    assert done[0].tokens == free[0].tokens[:first] and done[0].finished
+    for row, c in zip(free, done):
+        end = row.tokens.index(eod) if eod in row.tokens else len(row.tokens)
+        assert c.tokens == row.tokens[:end] and c.finished == (end < 12)
+    ids, mask = left_pad(PROMPTS, eod, "cpu")
+    out = hf.generate(
+        input_ids=ids,
+        attention_mask=mask.long(),
+        max_new_tokens=12,
+        do_sample=False,
+        pad_token_id=eod,
+        eos_token_id=eod,
+    )[:, ids.shape[1] :].tolist()
+    assert [c.tokens for c in done] == [r[: r.index(eod)] if eod in r else r for r in out]
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [dict(pos_emb="learned"), dict(pos_emb="none", num_kv_heads=2)],
+    ids=["learned", "nope_gqa"],
+)
+def test_kv_cache_equals_recompute_for_other_position_schemes(overrides):
+    cfg = ModelConfig(**{**TINY, **overrides})
+    model = build_model(cfg, PADDED, seed=5).eval()
+    cached = Generator(model, VOCAB, eod=PADDED - 1).generate(PROMPTS, 10, return_logits=True)
+    full = Generator(model, VOCAB, eod=PADDED - 1, use_cache=False).generate(
+        PROMPTS, 10, return_logits=True
+    )
+    assert [c.tokens for c in cached] == [c.tokens for c in full]
+    for a, b in zip(cached, full):
+        torch.testing.assert_close(a.logits, b.logits, rtol=1e-4, atol=1e-5)
+
+
+def test_alibi_needs_recompute_and_recompute_generates():
+    cfg = ModelConfig(**{**TINY, "pos_emb": "alibi"})
+    model = build_model(cfg, PADDED, seed=5).eval()
+    with pytest.raises(ValueError, match="recompute: true"):
+        Generator(model, VOCAB, eod=0)
+    out = Generator(model, VOCAB, eod=PADDED - 1, use_cache=False).generate(PROMPTS, 4)
+    assert all(len(c.tokens) == 4 and max(c.tokens) < VOCAB for c in out)
+
+
+def test_sampling_is_seed_reproducible():
+    model, _ = tiny_pair("llama_gqa")
+    gen = Generator(model, VOCAB, eod=PADDED - 1)
+    params = SamplingParams(temperature=1.5, top_k=40, top_p=0.95)
+
+    def draw(seed):
+        rng = torch.Generator().manual_seed(seed)
+        return [c.tokens for c in gen.generate(PROMPTS, 16, params, rng)]
+
+    assert draw(7) == draw(7)
+    assert draw(7) != draw(8)
+    greedy = [c.tokens for c in gen.generate(PROMPTS, 16)]
+    assert draw(7) != greedy  # it does sample
+    top1 = SamplingParams(temperature=1.0, top_k=1)
+    assert [c.tokens for c in gen.generate(PROMPTS, 16, top1, torch.Generator())] == greedy
