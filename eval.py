@@ -20,11 +20,12 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"eval.py: config error:\n{e}", file=sys.stderr)
         return 2
+    from neox.checkpoint.consolidate import CheckpointError
     from neox.inference.evaluation import run_evaluation
 
     try:
         run_evaluation(cfg)
-    except (ConfigError, InputError) as e:
+    except (ConfigError, InputError, CheckpointError) as e:
         print(f"eval.py: error:\n{e}", file=sys.stderr)
         return 2
     import torch.distributed as dist

@@ -17,53 +17,27 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from neox.config import ConfigError, NeoXConfig, read_saved_config
+from neox.checkpoint.consolidate import load_model, resolve_checkpoint
+from neox.config import ConfigError, NeoXConfig
 from neox.config.derived import precision_of
 from neox.data.readers import InputError, iter_documents
 from neox.inference.lambada import LambadaSums, lambada_metrics, score_lambada, split_last_word
+from neox.inference.loading import generation_dtype
 from neox.inference.perplexity import TextSums, score_texts, text_metrics
-from neox.model import GPTNeoX, build_model
+from neox.model import GPTNeoX
 from neox.tokenizer import Tokenizer, build_tokenizer
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-def checkpoint_tag(load: str) -> str:
-    """The checkpoint `latest` names in a DeepSpeed save directory."""
-    latest = Path(load) / "latest"
-    if not latest.is_file():
-        raise ConfigError(
-            f"load={load!r} holds no checkpoint (no `latest` file); point `load` at the `save` "
-            "directory of a training run"
-        )
-    return latest.read_text().strip()
-
 
 def load_eval_model(
-    load: str, device: torch.device, dtype: torch.dtype
-) -> tuple[GPTNeoX, NeoXConfig, str]:
-    """The model saved in `load` (its latest checkpoint), its saved config, and the tag.
-
-    Reads a one-rank layout (tensor and pipe parallel 1, ZeRO stage < 3): DeepSpeed keeps the
-    whole module in mp_rank_00_model_states.pt. neox.checkpoint.consolidate.load_model (branch
-    `export`) reads every layout and replaces this function at merge.
-    """
-    tag = checkpoint_tag(load)
-    saved = read_saved_config(Path(load) / tag)
-    states = Path(load) / tag / "mp_rank_00_model_states.pt"
-    if not states.is_file():
-        raise ConfigError(
-            f"{states} not found: checkpoint {tag} in {load} is not a tensor/pipe-parallel 1 "
-            "layout; eval.py reads those only until neox.checkpoint.consolidate lands"
-        )
-    # DeepSpeed's model-states file also pickles its own objects, so weights_only cannot be used.
-    module = torch.load(states, map_location="cpu", weights_only=False)["module"]
-    vocab = module["embed_in.weight"].shape[0]
-    model = build_model(saved.model, vocab, device="meta")
-    model.load_state_dict(module, assign=True)
-    return model.to(device=device, dtype=dtype).eval(), saved, tag
+    load: str, iteration: Optional[int], device: torch.device, dtype: torch.dtype
+) -> tuple[GPTNeoX, str]:
+    """The whole model of checkpoint `iteration` (None: latest) in `load`, whatever layout
+    trained it, and the checkpoint's tag."""
+    tag_dir = resolve_checkpoint(load, iteration)
+    model, _ = load_model(tag_dir, device=device, dtype=dtype)
+    return model, tag_dir.name
 
 
 def split_documents_of(cfg: NeoXConfig, split: str) -> Iterator[np.ndarray]:
@@ -189,8 +163,12 @@ def run_evaluation(cfg: NeoXConfig) -> Optional[Path]:
 
     device = init_distributed(cfg)
     rank, world = dist.get_rank(), dist.get_world_size()
-    dtype = DTYPES[precision_of(cfg)] if device.type != "cpu" else torch.float32
-    model, saved, tag = load_eval_model(cfg.checkpoint.load, device, dtype)
+    model, tag = load_eval_model(
+        cfg.checkpoint.load,
+        cfg.training.iteration,
+        device,
+        generation_dtype(precision_of(cfg), device),
+    )
     t = cfg.tokenizer
     tokenizer = build_tokenizer(t.tokenizer_type, t.vocab_file, t.merge_file)
     if tokenizer.vocab_size > model.vocab_size:

@@ -14,6 +14,8 @@ import torch.distributed as dist
 from lm_eval.api.model import LM
 from torch import nn
 
+from neox.inference.cache import KVCache
+from neox.inference.engine import Generator
 from neox.inference.scoring import (
     continuation_window,
     encode_pair,
@@ -71,23 +73,31 @@ class NeoXLM(LM):
         return totals
 
     def generate_until(self, requests) -> list[str]:
+        """Greedy continuations (KV-cached where the model allows), cut before a stop string."""
+        eod = self.tokenizer.eod
+        generator = Generator(
+            self.model,
+            self.tokenizer.vocab_size,
+            eod,
+            use_cache=KVCache.supports(self.model) is None,
+        )
         out = []
         for r in requests:
             context, gen_kwargs = r.args
-            gen_kwargs = dict(gen_kwargs or {})
-            until = gen_kwargs.get("until") or []
-            until = [until] if isinstance(until, str) else [s for s in until if s]
-            ids = self.tokenizer.encode(context) if context else [self.tokenizer.eod]
-            new = greedy_generate(
-                self.model,
-                self.tokenizer,
-                ids,
-                max_new_tokens=gen_kwargs.get("max_gen_toks", self.max_gen_toks),
-                max_len=self.max_len,
-                until=until,
-                device=self._device,
+            until = (gen_kwargs or {}).get("until") or []
+            until = [until] if isinstance(until, str) else [u for u in until if u]
+            max_new = min(
+                (gen_kwargs or {}).get("max_gen_toks", self.max_gen_toks), self.max_len - 1
             )
-            out.append(new)
+            # Keep the end of a long context: prompt and continuation fit max_len positions.
+            ids = (self.tokenizer.encode(context) if context else [eod])[
+                -(self.max_len - max_new) :
+            ]
+            (completion,) = generator.generate([ids], max_new)
+            text = self.tokenizer.decode(completion.tokens)
+            for stop in until:
+                text = text.split(stop, 1)[0]
+            out.append(text)
         return out
 
     # Collectives the harness uses to spread requests over ranks and gather metrics.
@@ -103,41 +113,6 @@ class NeoXLM(LM):
 
     def barrier(self) -> None:
         dist.barrier()
-
-
-@torch.no_grad()
-def greedy_generate(
-    model: nn.Module,
-    tokenizer: Tokenizer,
-    ids: list[int],
-    *,
-    max_new_tokens: int,
-    max_len: int,
-    until: list[str],
-    device: torch.device | str = "cpu",
-) -> str:
-    """Greedy continuation of `ids` up to EOD, cut before the first stop string.
-
-    A plain loop that re-reads the whole (left-truncated) sequence each step: no KV cache. The
-    inference engine of neox/inference (branch `infer`) replaces it at merge.
-    """
-    seq = list(ids)
-    new: list[int] = []
-    for _ in range(max_new_tokens):
-        window = torch.tensor([seq[-max_len:]], device=device)
-        # Padded vocabulary rows are no tokens: never pick one.
-        token = int(model(window)[0, -1, : tokenizer.vocab_size].argmax())
-        if token == tokenizer.eod:
-            break
-        seq.append(token)
-        new.append(token)
-        text = tokenizer.decode(new)
-        if any(s in text for s in until):
-            break
-    text = tokenizer.decode(new)
-    for s in until:
-        text = text.split(s, 1)[0]
-    return text
 
 
 def run_lm_eval_tasks(

@@ -84,7 +84,7 @@ def test_two_ranks_match_in_process_scores(run):
 
     # The ranks' summed shares equal the scores of all documents in one process.
     loaded = load_config([str(cfg), str(two)]).config
-    model, _, _ = load_eval_model(loaded.checkpoint.load, torch.device("cpu"), torch.float32)
+    model, _ = load_eval_model(loaded.checkpoint.load, None, torch.device("cpu"), torch.float32)
     chars = build_tokenizer("CharLevelTokenizer", None, None)
     common = dict(max_len=32, batch_size=4, device="cpu")
     texts = [d["text"] for d in iter_documents(str(docs))]
