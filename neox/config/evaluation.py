@@ -40,6 +40,10 @@ class EvalConfig(ConfigGroup):
     """lm-evaluation-harness task names (e.g. lambada_openai, piqa), run through its Python API
     on the neox model; needs the `eval` extra (pip install neox[eval])."""
 
+    eval_include_path: Optional[str] = None
+    """Directory of extra lm-evaluation-harness task YAML files (lm_eval's --include_path), e.g.
+    a task on local data, named in eval_tasks."""
+
     eval_num_fewshot: int = 0
     """Few-shot examples per eval_tasks prompt."""
 

@@ -103,6 +103,11 @@ def check_eval(loaded: LoadedConfig) -> None:
         problems.append(
             f"eval_tasks={e.eval_tasks} needs lm-evaluation-harness: pip install 'neox[eval]'"
         )
+    if e.eval_include_path and not Path(e.eval_include_path).is_dir():
+        problems.append(
+            f"{loaded.source_of('eval_include_path')}: eval_include_path="
+            f"{e.eval_include_path!r} is not a directory; fix the path"
+        )
     if e.eval_split:
         try:
             check_data(loaded)

@@ -120,6 +120,7 @@ def run_lm_eval_tasks(
 ) -> dict[str, Any]:
     """Run cfg.eval.eval_tasks through lm_eval.simple_evaluate; the metrics of each task."""
     import lm_eval
+    from lm_eval.tasks import TaskManager
 
     e = cfg.eval
     lm = NeoXLM(
@@ -138,5 +139,6 @@ def run_lm_eval_tasks(
         limit=e.eval_limit,
         log_samples=False,
         bootstrap_iters=0,
+        task_manager=TaskManager(include_path=e.eval_include_path),
     )
     return {} if out is None else out["results"]

@@ -50,6 +50,22 @@ def run(tmp_path_factory):
     docs.write_text("".join(json.dumps({"text": t}) + "\n" for t in ["short text", LONG, "é ü"]))
     lambada = tmp / "lambada.jsonl"
     lambada.write_text("".join(json.dumps({"text": t}) + "\n" for t in PASSAGES))
+    # lambada_openai's harness definition, on the same local passages (no download).
+    (tmp / "tasks").mkdir()
+    task = {
+        "task": "mini_lambada",
+        "dataset_path": "json",
+        "dataset_kwargs": {"data_files": {"test": str(lambada)}},
+        "output_type": "loglikelihood",
+        "test_split": "test",
+        "doc_to_text": "{{text.split(' ')[:-1]|join(' ')}}",
+        "doc_to_target": "{{' '+text.split(' ')[-1]}}",
+        "metric_list": [
+            {"metric": "perplexity", "aggregation": "perplexity", "higher_is_better": False},
+            {"metric": "acc", "aggregation": "mean", "higher_is_better": True},
+        ],
+    }
+    (tmp / "tasks" / "mini_lambada.yaml").write_text(yaml.safe_dump(task))
     return tmp, cfg, docs, lambada
 
 
@@ -72,6 +88,8 @@ def test_two_ranks_match_in_process_scores(run):
         eval_lambada_file=str(lambada),
         eval_stride=8,
         eval_batch_size=3,
+        eval_tasks=["mini_lambada"],
+        eval_include_path=str(tmp / "tasks"),
     )
     two = eval_config(tmp, "two", eval_results_prefix="two", **parts)
     r = deepy("eval.py", cfg, two)
@@ -80,7 +98,7 @@ def test_two_ranks_match_in_process_scores(run):
     log_dir = tmp / "run" / "logs"
     got = results_of(log_dir, "two")
     assert got["ranks"] == 2 and got["tag"] == "global_step2"
-    assert got["results"].keys() == {"valid", "eval_input_file", "lambada"}
+    assert got["results"].keys() == {"valid", "eval_input_file", "lambada", "lm_eval"}
 
     # The ranks' summed shares equal the scores of all documents in one process.
     loaded = load_config([str(cfg), str(two)]).config
@@ -100,6 +118,10 @@ def test_two_ranks_match_in_process_scores(run):
     assert got["results"]["valid"]["perplexity"] == pytest.approx(valid["perplexity"], rel=1e-5)
     lam = lambada_metrics(score_lambada(model, chars, PASSAGES, **common))
     assert got["results"]["lambada"] == pytest.approx(lam, rel=1e-5)
+    # The harness spread the passages over the 2 ranks and gathered the same metrics.
+    harness = got["results"]["lm_eval"]["mini_lambada"]
+    assert harness["acc,none"] == pytest.approx(lam["accuracy"])
+    assert harness["perplexity,none"] == pytest.approx(lam["perplexity"], rel=1e-5)
     assert '"bits_per_byte"' in r.stdout  # the results are printed too
 
 
@@ -111,12 +133,14 @@ def test_missing_checkpoint_and_eval_file_stop_before_launch(run):
         load=str(tmp / "no_such_run"),
         eval_input_file=str(tmp / "missing.jsonl"),
         eval_lambada_file=str(tmp / "missing_lambada.jsonl"),
+        eval_include_path=str(tmp / "no_tasks"),
     )
     r = deepy("eval.py", cfg, bad)
     assert r.returncode == 2
     assert "load=" in r.stderr and "holds no checkpoint" in r.stderr
     assert "missing.jsonl does not exist" in r.stderr
     assert "eval_lambada_file=" in r.stderr and "missing_lambada.jsonl" in r.stderr
+    assert "eval_include_path=" in r.stderr and "is not a directory" in r.stderr
     assert "Traceback" not in r.stderr + r.stdout
     nothing = eval_config(tmp, "nothing")
     r = deepy("eval.py", cfg, nothing)
