@@ -6,6 +6,7 @@ python deepy.py eval.py configs/tiny.yml eval.yml   # through the launcher (any 
 python eval.py configs/tiny.yml eval.yml            # one process, no launcher
 """
 
+import json
 import logging
 import sys
 
@@ -24,10 +25,14 @@ def main(argv: list[str]) -> int:
     from neox.inference.evaluation import run_evaluation
 
     try:
-        run_evaluation(cfg)
+        written = run_evaluation(cfg)
     except (ConfigError, InputError, CheckpointError) as e:
         print(f"eval.py: error:\n{e}", file=sys.stderr)
         return 2
+    if written:
+        path, results = written
+        print(json.dumps(results, indent=2))
+        print(f"eval results written to {path}")
     import torch.distributed as dist
 
     # Leave together: a process group torn down at interpreter exit can abort the process.

@@ -87,6 +87,11 @@ def check_eval(loaded: LoadedConfig) -> None:
             "eval.py has nothing to evaluate: set eval_input_file, eval_split, eval_lambada_file "
             "or eval_tasks"
         )
+    if e.eval_stride and e.eval_stride > cfg.model.seq_length:
+        problems.append(
+            f"{loaded.source_of('eval_stride')}: eval_stride={e.eval_stride} exceeds "
+            f"seq_length={cfg.model.seq_length}; use at most seq_length"
+        )
     if e.eval_input_file:
         from neox.data.readers import InputError, expand_inputs
 

@@ -157,8 +157,9 @@ def evaluate_parts(
     return results
 
 
-def run_evaluation(cfg: NeoXConfig) -> Optional[Path]:
-    """The whole eval.py job on this rank; rank 0 writes and returns the results file."""
+def run_evaluation(cfg: NeoXConfig) -> Optional[tuple[Path, dict[str, Any]]]:
+    """The whole eval.py job on this rank; rank 0 writes the results file and returns it with
+    the results (other ranks return None)."""
     from neox.training.setup import init_distributed
 
     device = init_distributed(cfg)
@@ -190,6 +191,5 @@ def run_evaluation(cfg: NeoXConfig) -> Optional[Path]:
         "results": results,
     }
     path = write_results(results_path(cfg), record)
-    print(json.dumps(results, indent=2))
     log.info("eval results written to %s", path)
-    return path
+    return path, results

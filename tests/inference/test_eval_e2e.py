@@ -134,6 +134,7 @@ def test_missing_checkpoint_and_eval_file_stop_before_launch(run):
         eval_input_file=str(tmp / "missing.jsonl"),
         eval_lambada_file=str(tmp / "missing_lambada.jsonl"),
         eval_include_path=str(tmp / "no_tasks"),
+        eval_stride=33,
     )
     r = deepy("eval.py", cfg, bad)
     assert r.returncode == 2
@@ -141,6 +142,7 @@ def test_missing_checkpoint_and_eval_file_stop_before_launch(run):
     assert "missing.jsonl does not exist" in r.stderr
     assert "eval_lambada_file=" in r.stderr and "missing_lambada.jsonl" in r.stderr
     assert "eval_include_path=" in r.stderr and "is not a directory" in r.stderr
+    assert "eval_stride=33 exceeds seq_length=32" in r.stderr
     assert "Traceback" not in r.stderr + r.stdout
     nothing = eval_config(tmp, "nothing")
     r = deepy("eval.py", cfg, nothing)
