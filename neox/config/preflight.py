@@ -104,15 +104,15 @@ def check_eval(loaded: LoadedConfig) -> None:
             f"{loaded.source_of('eval_lambada_file')}: eval_lambada_file="
             f"{e.eval_lambada_file!r} does not exist; fix the path"
         )
-    if e.eval_tasks and importlib.util.find_spec("lm_eval") is None:
+    include = e.eval_include_path
+    if include and not Path(include).is_dir():
         problems.append(
-            f"eval_tasks={e.eval_tasks} needs lm-evaluation-harness: pip install 'neox[eval]'"
+            f"{loaded.source_of('eval_include_path')}: eval_include_path={include!r} is not a "
+            "directory; fix the path"
         )
-    if e.eval_include_path and not Path(e.eval_include_path).is_dir():
-        problems.append(
-            f"{loaded.source_of('eval_include_path')}: eval_include_path="
-            f"{e.eval_include_path!r} is not a directory; fix the path"
-        )
+        include = None
+    if e.eval_tasks:
+        problems += unknown_lm_eval_tasks(e.eval_tasks, include)
     if e.eval_split:
         try:
             check_data(loaded)
@@ -120,6 +120,23 @@ def check_eval(loaded: LoadedConfig) -> None:
             problems.append(f"eval_split={e.eval_split!r} reads the config's data: {err}")
     if problems:
         raise ConfigError("\n".join(problems))
+
+
+def unknown_lm_eval_tasks(tasks: list[str], include_path: Optional[str]) -> list[str]:
+    """Problems with eval_tasks: lm-evaluation-harness missing, or names it does not know (its
+    task index is torch-free, so this runs before launch)."""
+    if importlib.util.find_spec("lm_eval") is None:
+        return [f"eval_tasks={tasks} needs lm-evaluation-harness: pip install 'neox[eval]'"]
+    from lm_eval.tasks import TaskManager
+
+    manager = TaskManager(include_path=include_path)
+    unknown = [t for t in tasks if not manager.match_tasks([t])]
+    if not unknown:
+        return []
+    return [
+        f"eval_tasks: lm-evaluation-harness has no task {', '.join(map(repr, unknown))}; see "
+        "`lm_eval ls tasks`, or put a task YAML in a directory named by eval_include_path"
+    ]
 
 
 def has_checkpoint(directory: Optional[str]) -> bool:

@@ -6,7 +6,6 @@ data-parallel ranks by the harness itself (rank, world_size, all_gather, gather_
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
@@ -23,8 +22,6 @@ from neox.inference.scoring import (
     score_windows,
 )
 from neox.tokenizer import Tokenizer
-
-log = logging.getLogger(__name__)
 
 
 class NeoXLM(LM):

@@ -135,6 +135,7 @@ def test_missing_checkpoint_and_eval_file_stop_before_launch(run):
         eval_lambada_file=str(tmp / "missing_lambada.jsonl"),
         eval_include_path=str(tmp / "no_tasks"),
         eval_stride=33,
+        eval_tasks=["mini_lambada", "no_such_task"],
     )
     r = deepy("eval.py", cfg, bad)
     assert r.returncode == 2
@@ -143,6 +144,8 @@ def test_missing_checkpoint_and_eval_file_stop_before_launch(run):
     assert "eval_lambada_file=" in r.stderr and "missing_lambada.jsonl" in r.stderr
     assert "eval_include_path=" in r.stderr and "is not a directory" in r.stderr
     assert "eval_stride=33 exceeds seq_length=32" in r.stderr
+    # mini_lambada is unknown too: its directory (eval_include_path) does not exist.
+    assert "has no task 'mini_lambada', 'no_such_task'" in r.stderr
     assert "Traceback" not in r.stderr + r.stdout
     nothing = eval_config(tmp, "nothing")
     r = deepy("eval.py", cfg, nothing)
