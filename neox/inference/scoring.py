@@ -101,12 +101,12 @@ def score_windows(
         inputs = torch.zeros(len(batch), width, dtype=torch.long)
         for row, w in enumerate(batch):
             inputs[row, : len(w.tokens) - 1] = torch.tensor(w.tokens[:-1])
-        logits = model(inputs.to(device)).float()  # (B, T, V)
-        logprobs = F.log_softmax(logits, dim=-1)
-        for row, w in zip(range(len(batch)), batch):
+        logits = model(inputs.to(device))  # (B, T, V)
+        for row, w in enumerate(batch):
             n = len(w.tokens) - 1
-            targets = torch.tensor(w.tokens[-w.num_targets :], device=logprobs.device)
-            lp = logprobs[row, n - w.num_targets : n]  # (num_targets, V)
+            targets = torch.tensor(w.tokens[-w.num_targets :], device=logits.device)
+            # Softmax in float32 over the scored positions only: no (B, T, V) float32 copy.
+            lp = F.log_softmax(logits[row, n - w.num_targets : n].float(), dim=-1)  # (k, V)
             picked = lp.gather(-1, targets[:, None]).squeeze(-1)
             greedy = bool((lp.argmax(-1) == targets).all())
             scores[order[b + row]] = WindowScore(
