@@ -8,6 +8,7 @@ python train.py configs/tiny.yml               # one process, no launcher
 import logging
 import sys
 
+from neox.checkpoint.consolidate import CheckpointError
 from neox.config import ConfigError, config_from_argv, load_config
 from neox.training import run_training
 
@@ -19,7 +20,11 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"train.py: config error:\n{e}", file=sys.stderr)
         return 2
-    run_training(cfg)
+    try:
+        run_training(cfg)
+    except CheckpointError as e:
+        print(f"train.py: checkpoint error:\n{e}", file=sys.stderr)
+        return 2
     import torch.distributed as dist
 
     # Leave together: a process group torn down at interpreter exit can abort the process.

@@ -255,16 +255,21 @@ def check_state_dict(sd: StateDict, model: GPTNeoX, source: Path) -> None:
         )
 
 
-def load_model_state(
-    path: str | Path, iteration: Optional[int] = None
-) -> tuple[NeoXConfig, StateDict]:
-    """The checkpoint's saved config and its full plain-GPTNeoX state dict (padded vocabulary
-    rows included): tensors in the dtype training kept them (fp32 from ZeRO-3's partitions)."""
-    tag_dir = resolve_checkpoint(path, iteration)
+def read_checkpoint_config(tag_dir: Path) -> NeoXConfig:
+    """The config.yml train.py saved in a global_stepN directory."""
     try:
-        cfg = read_saved_config(tag_dir / "config.yml")
+        return read_saved_config(tag_dir / "config.yml")
     except ConfigError as e:
         raise CheckpointError(f"{tag_dir / 'config.yml'} is not a valid neox config: {e}") from None
+
+
+def load_model_state(
+    path: str | Path, iteration: Optional[int] = None, config: Optional[NeoXConfig] = None
+) -> tuple[NeoXConfig, StateDict]:
+    """The checkpoint's saved config (or `config`) and its full plain-GPTNeoX state dict (padded
+    vocabulary rows included), in the dtype training kept it (fp32 from ZeRO-3's partitions)."""
+    tag_dir = resolve_checkpoint(path, iteration)
+    cfg = config if config is not None else read_checkpoint_config(tag_dir)
     tp = cfg.parallel.model_parallel_size
     sd = merge_tensor_parallel(read_shards(tag_dir, tp, cfg.model.num_layers))
     if "embed_in.weight" not in sd:

@@ -102,12 +102,17 @@ def load_checkpoint(engine, cfg: NeoXConfig) -> Optional[dict[str, Any]]:
             log.info("load=%s holds no checkpoint yet: starting from scratch", c.load)
         return None
     finetune = cfg.training.finetune
-    path, state = engine.load_checkpoint(
-        c.load,
-        load_optimizer_states=not (c.no_load_optim or finetune),
-        load_lr_scheduler_states=False,
-        load_module_only=finetune,
-    )
+    from neox.checkpoint.relayout import checkpoint_for_run
+
+    # finetune from another TP/PP loads a re-laid-out copy of the weights.
+    zero3 = engine.zero_optimization_partition_weights()
+    with checkpoint_for_run(c.load, cfg, zero3) as load_dir:
+        path, state = engine.load_checkpoint(
+            load_dir,
+            load_optimizer_states=not (c.no_load_optim or finetune),
+            load_lr_scheduler_states=False,
+            load_module_only=finetune,
+        )
     if path is None:
         raise RuntimeError(
             f"DeepSpeed could not load the checkpoint in {c.load}; check that its `latest` "

@@ -1,0 +1,79 @@
+"""Write a run's tokenizer as Hugging Face tokenizer files, so AutoTokenizer loads the export.
+
+transformers writes the files itself (save_pretrained), from the same vocabulary files the run
+trained with; the end-of-document token becomes bos and eos, as in GPT-NeoX's HF exports.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Optional
+
+from neox.config.data import TokenizerConfig
+from neox.tokenizer import Tokenizer, build_tokenizer
+
+log = logging.getLogger(__name__)
+
+EXPORTABLE = ("HFTokenizer", "GPT2BPETokenizer", "HFGPT2Tokenizer")
+
+NOT_EXPORTABLE = {
+    "CharLevelTokenizer": "it has no Hugging Face counterpart",
+    "SPMTokenizer": "HF's SentencePiece tokenizers normalise text differently from ours",
+    "TiktokenTokenizer": "tiktoken encodings have no tokenizers-library file",
+}
+
+
+def build_run_tokenizer(t: TokenizerConfig) -> Tokenizer:
+    """The run's tokenizer; a missing vocabulary file is a ValueError naming the key to fix."""
+    for key in ("vocab_file", "merge_file"):
+        path = getattr(t, key)
+        if path and t.tokenizer_type != "HFGPT2Tokenizer" and not Path(path).is_file():
+            raise ValueError(
+                f"the checkpoint's {key}={path!r} is not a file here ({Path.cwd()}); run from "
+                "the directory training ran in, or pass --config_file with that key fixed"
+            )
+    return build_tokenizer(t.tokenizer_type, t.vocab_file, t.merge_file)
+
+
+def export_problem(t: TokenizerConfig) -> Optional[str]:
+    """Why this tokenizer cannot be written as HF files, or None when it can."""
+    kind = next((k for k in EXPORTABLE if k.lower() == t.tokenizer_type.lower()), None)
+    if kind is not None:
+        return None
+    reason = NOT_EXPORTABLE.get(t.tokenizer_type, "it is not one of " + ", ".join(EXPORTABLE))
+    return f"tokenizer_type={t.tokenizer_type} is not exported: {reason}"
+
+
+def save_hf_tokenizer(t: TokenizerConfig, tokenizer: Tokenizer, out: Path, max_length: int) -> None:
+    """Write tokenizer.json and tokenizer_config.json (and GPT-2's vocab/merges) into `out`."""
+    from transformers import GPT2TokenizerFast, PreTrainedTokenizerFast
+
+    kind = t.tokenizer_type.lower()
+    if kind == "hftokenizer":
+        from tokenizers import Tokenizer as Backend
+
+        backend = Backend.from_file(t.vocab_file)
+        eod = backend.id_to_token(tokenizer.eod)
+        pad = getattr(tokenizer, "pad", None)
+        hf = PreTrainedTokenizerFast(
+            tokenizer_object=backend,
+            bos_token=eod,
+            eos_token=eod,
+            unk_token=eod,
+            pad_token=backend.id_to_token(pad) if pad is not None else None,
+            model_max_length=max_length,
+        )
+    elif kind == "hfgpt2tokenizer" and not t.merge_file:
+        hf = GPT2TokenizerFast.from_pretrained(t.vocab_file or "gpt2", model_max_length=max_length)
+    else:  # GPT-2 BPE from vocab.json + merges.txt
+        hf = GPT2TokenizerFast(
+            vocab_file=t.vocab_file,
+            merges_file=t.merge_file,
+            bos_token="<|endoftext|>",
+            eos_token="<|endoftext|>",
+            unk_token="<|endoftext|>",
+            model_max_length=max_length,
+        )
+    hf.save_pretrained(str(out))
+    log.info("wrote %s tokenizer files to %s", t.tokenizer_type, out)

@@ -1,0 +1,126 @@
+"""Change a checkpoint's TP/PP: offline (tools/reshape_checkpoint.py) or when a `finetune: true`
+run loads weights trained at another layout.
+
+Only weights move: optimizer state is tied to the old partitioning and is not carried.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Optional
+
+from neox.checkpoint.consolidate import (
+    ZERO3_FILE,
+    CheckpointError,
+    load_model_state,
+    read_checkpoint_config,
+    resolve_checkpoint,
+)
+from neox.checkpoint.hf_tokenizer import build_run_tokenizer
+from neox.checkpoint.io import TAG_PREFIX
+from neox.checkpoint.staging import check_output_dir, staged_directory
+from neox.checkpoint.writer import (
+    WEIGHTS_ONLY,
+    check_layout,
+    padded_vocab_for,
+    resize_vocab_rows,
+    with_layout,
+    write_checkpoint,
+)
+from neox.config import NeoXConfig
+
+log = logging.getLogger(__name__)
+
+
+def reshape_checkpoint(
+    input_dir: str | Path,
+    output_dir: str | Path,
+    tp: int,
+    pp: int,
+    *,
+    iteration: Optional[int] = None,
+    overwrite: bool = False,
+) -> Path:
+    """Write the checkpoint's weights at tp/pp into output_dir (its iteration kept); returns
+    the new global_stepN directory. The vocabulary rows follow the new tp's padding."""
+    tag_dir = resolve_checkpoint(input_dir, iteration)
+    saved = read_checkpoint_config(tag_dir)
+    check_layout(saved, tp, pp)
+    try:
+        cfg = with_layout(saved, tp, pp)
+        vocab = build_run_tokenizer(cfg.tokenizer).vocab_size
+    except (ValueError, OSError) as e:
+        raise CheckpointError(f"cannot re-lay out {tag_dir}: {e}") from None
+    check_output_dir(Path(output_dir), overwrite, protected=[tag_dir])
+    _, sd = load_model_state(tag_dir, config=saved)
+    sd = resize_vocab_rows(sd, padded_vocab_for(cfg, vocab))
+    step = int(tag_dir.name.removeprefix(TAG_PREFIX))
+    with staged_directory(Path(output_dir), overwrite) as tmp:
+        write_checkpoint(sd, cfg, tmp, step)
+    return Path(output_dir) / tag_dir.name
+
+
+def _layout(cfg: NeoXConfig) -> tuple[int, int]:
+    return cfg.parallel.model_parallel_size, cfg.parallel.pp
+
+
+@contextlib.contextmanager
+def checkpoint_for_run(load_dir: str, cfg: NeoXConfig, zero3: bool) -> Iterator[str]:
+    """The directory this run's engine.load_checkpoint should read: `load_dir` itself, or for a
+    finetune run at another TP/PP (or ZeRO-3 files for a ZeRO 0-2 run) a re-laid-out copy that
+    rank 0 writes beside it and removes after the load."""
+    import torch.distributed as dist
+
+    tag_dir = resolve_checkpoint(load_dir)
+    if not cfg.training.finetune:
+        if (tag_dir / WEIGHTS_ONLY).exists():
+            raise CheckpointError(
+                f"{tag_dir} holds weights only (written by a conversion tool), nothing to resume "
+                "training from; set `finetune: true` to start a run from these weights"
+            )
+        yield load_dir
+        return
+    saved = read_checkpoint_config(tag_dir)
+    saved_zero3 = any(ZERO3_FILE.match(p.name) for p in tag_dir.iterdir())
+    if _layout(saved) == _layout(cfg) and saved_zero3 == zero3:
+        yield load_dir
+        return
+    if zero3:
+        raise CheckpointError(
+            f"{tag_dir} was trained at tp={saved.parallel.model_parallel_size} "
+            f"pp={saved.parallel.pp}{' with ZeRO-3' if saved_zero3 else ''}; a ZeRO-3 run only "
+            "finetunes from its own layout: finetune at ZeRO stage 0-2, or train it at that layout"
+        )
+    tp, pp = _layout(cfg)
+    relaid = Path(load_dir).resolve().parent / f".{Path(load_dir).name}.tp{tp}-pp{pp}"
+    error = [None]
+    if dist.get_rank() == 0:
+        try:
+            log.info(
+                "re-laying out %s (tp=%d pp=%d) to tp=%d pp=%d in %s",
+                tag_dir,
+                *_layout(saved),
+                tp,
+                pp,
+                relaid,
+            )
+            shutil.rmtree(relaid, ignore_errors=True)
+            vocab = build_run_tokenizer(cfg.tokenizer).vocab_size
+            _, sd = load_model_state(tag_dir, config=saved)
+            sd = resize_vocab_rows(sd, padded_vocab_for(cfg, vocab))
+            write_checkpoint(sd, with_layout(saved, tp, pp), relaid, 0)
+        except Exception as e:  # every rank raises it below, rather than waiting forever
+            error[0] = f"{type(e).__name__}: {e}"
+    dist.broadcast_object_list(error, src=0)
+    if error[0] is not None:
+        raise CheckpointError(f"could not re-lay out {tag_dir} for this run: {error[0]}")
+    try:
+        yield str(relaid)
+    finally:
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(relaid, ignore_errors=True)

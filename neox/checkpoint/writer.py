@@ -1,0 +1,146 @@
+"""Write a full plain-GPTNeoX state dict as the DeepSpeed files a run at a chosen TP/PP loads.
+
+The files are those train.py's engine.load_checkpoint reads with `finetune: true` (module
+weights only; no optimizer state) for a run at ZeRO stage 0-2:
+- pp = 1: `mp_rank_{t:02d}_model_states.pt`, tp rank t's shard under "module";
+- pp > 1: `layer_{i:02d}-model_{t:02d}-model_states.pt` per pipeline layer and tp rank, plus
+  one `mp_rank_{r:02d}_model_states.pt` per stage and tp rank carrying no module (as DeepSpeed's
+  pipeline engine writes them).
+A `weights_only.txt` file marks the directory, so resuming from it without finetune is refused.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from neox.checkpoint.consolidate import CheckpointError, StateDict, partition_dim
+from neox.checkpoint.hf_map import VOCAB_MODULES, resize_vocab
+from neox.checkpoint.io import tag_for
+from neox.config import NeoXConfig, load_dict, pad_vocab_size, write_config
+from neox.parallel.layers import shard
+
+log = logging.getLogger(__name__)
+
+WEIGHTS_ONLY = "weights_only.txt"
+
+
+def padded_vocab_for(cfg: NeoXConfig, vocab_size: int) -> int:
+    """The embedding rows a run of `cfg` builds for a tokenizer of vocab_size ids (as derive)."""
+    if cfg.tokenizer.padded_vocab_size is not None:
+        return cfg.tokenizer.padded_vocab_size
+    tp = cfg.parallel.model_parallel_size
+    return pad_vocab_size(vocab_size, cfg.model.make_vocab_size_divisible_by, tp)
+
+
+def with_layout(cfg: NeoXConfig, tp: int, pp: int, **keys: Any) -> NeoXConfig:
+    """cfg at model_parallel_size=tp, pipe_parallel_size=pp (and any other flat `keys`)."""
+    flat = cfg.to_flat()
+    flat.update(model_parallel_size=tp, **keys)
+    if pp != cfg.parallel.pp:
+        flat["pipe_parallel_size"] = pp
+    return load_dict(flat, source="re-laid-out checkpoint config")
+
+
+def check_layout(cfg: NeoXConfig, tp: int, pp: int) -> None:
+    """Raise CheckpointError when the model cannot be split into tp shards and pp stages."""
+    m = cfg.model
+    problems = []
+    if tp < 1 or pp < 1:
+        problems.append("tp and pp must be >= 1")
+    elif m.num_attention_heads % tp or m.kv_heads % tp:
+        problems.append(
+            f"num_attention_heads={m.num_attention_heads} (kv heads {m.kv_heads}) not divisible "
+            f"by tp={tp}"
+        )
+    if pp > m.num_layers:
+        problems.append(f"pp={pp} exceeds num_layers={m.num_layers}")
+    if problems:
+        raise CheckpointError("cannot write this model at the asked layout: " + "; ".join(problems))
+
+
+def resize_vocab_rows(sd: StateDict, rows: int) -> StateDict:
+    """The state dict with its embedding (and untied head) cut or zero-padded to `rows` rows."""
+    out = dict(sd)
+    for module in VOCAB_MODULES:
+        name = f"{module}.weight"
+        if name in out:
+            out[name] = resize_vocab(out[name], rows)
+    return out
+
+
+def shard_tensor_parallel(sd: StateDict, tp: int) -> list[StateDict]:
+    """tp state dicts: each split parameter's rank-th slice (as the training layers take it)."""
+    shards: list[StateDict] = [{} for _ in range(tp)]
+    for name, tensor in sd.items():
+        dim = partition_dim(name)
+        for rank in range(tp):
+            part = tensor if dim is None or tp == 1 else shard(tensor, dim, rank, tp)
+            shards[rank][name] = part.clone()  # a view would save the full tensor's storage
+    return shards
+
+
+def pipeline_layers(sd: StateDict, num_layers: int) -> dict[int, StateDict]:
+    """Pipeline layer index -> its modules' state dict (names relative to the layer)."""
+    layers: dict[int, StateDict] = {}
+    for name, tensor in sd.items():
+        if name.startswith("layers."):
+            block, rest = name[len("layers.") :].split(".", 1)
+            layers.setdefault(int(block) + 1, {})[rest] = tensor
+        elif name.startswith(("embed_in.", "embed_pos.")):
+            layers.setdefault(0, {})[name] = tensor
+        elif name.startswith("final_layer_norm."):
+            layers.setdefault(num_layers + 1, {})[name] = tensor
+        elif name.startswith("embed_out."):
+            layers.setdefault(num_layers + 2, {})[name] = tensor
+        else:
+            raise ValueError(f"{name!r} belongs to no pipeline layer")
+    return layers
+
+
+def _engine_state(module: Optional[StateDict], mp_world: int, iteration: int) -> dict:
+    return {
+        "module": module,
+        "buffer_names": [],
+        "optimizer": None,
+        "lr_scheduler": None,
+        "shared_params": {},
+        "dp_world_size": 1,
+        "mp_world_size": mp_world,
+        "skipped_steps": 0,
+        "global_steps": iteration,
+        "global_samples": 0,
+        "iteration": iteration,
+    }
+
+
+def write_checkpoint(sd: StateDict, cfg: NeoXConfig, save_dir: Path, iteration: int = 0) -> Path:
+    """Write `sd` (full plain names, cfg's padded vocabulary rows) for cfg's TP/PP into
+    save_dir/global_step{iteration}, with config.yml there and beside it, and `latest`."""
+    tp, pp = cfg.parallel.model_parallel_size, cfg.parallel.pp
+    save_dir = Path(save_dir)
+    tag_dir = save_dir / tag_for(iteration)
+    tag_dir.mkdir(parents=True, exist_ok=True)
+    shards = shard_tensor_parallel(sd, tp)
+    if pp == 1:
+        for rank, module in enumerate(shards):
+            state = _engine_state(module, tp, iteration)
+            torch.save(state, tag_dir / f"mp_rank_{rank:02d}_model_states.pt")
+    else:
+        for rank, module in enumerate(shards):
+            for index, layer in pipeline_layers(module, cfg.model.num_layers).items():
+                torch.save(layer, tag_dir / f"layer_{index:02d}-model_{rank:02d}-model_states.pt")
+        for rank in range(pp * tp):
+            state = _engine_state(None, pp * tp, iteration)
+            torch.save(state, tag_dir / f"mp_rank_{rank:02d}_model_states.pt")
+    (tag_dir / WEIGHTS_ONLY).write_text(
+        "Model weights only (no optimizer state): start a run from them with `finetune: true`.\n"
+    )
+    write_config(cfg, tag_dir / "config.yml")
+    write_config(cfg, save_dir / "config.yml")
+    (save_dir / "latest").write_text(tag_for(iteration))
+    log.info("wrote %s at tp=%d pp=%d", tag_dir, tp, pp)
+    return tag_dir

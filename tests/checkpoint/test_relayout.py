@@ -1,0 +1,104 @@
+"""Layout change: reshape_checkpoint keeps every weight; a finetune run at another TP/PP starts
+from exactly the consolidated weights; weights-only checkpoints cannot be resumed."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from neox.checkpoint.consolidate import CheckpointError, load_model, load_model_state
+from neox.checkpoint.relayout import reshape_checkpoint
+from neox.checkpoint.writer import WEIGHTS_ONLY
+from neox.model import lm_loss
+from tests.checkpoint.conftest import MODEL
+from tests.checkpoint.test_hf_import import write_constant_dataset
+from tests.train_helpers import ROOT, losses, train, write_config
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize("tp,pp", [(1, 2), (2, 2), (1, 1)])
+def test_reshape_keeps_every_weight(trained, tmp_path, tp, pp):
+    tag = reshape_checkpoint(trained["tp2"], tmp_path / "out", tp, pp)
+    assert tag == tmp_path / "out" / "global_step3" and (tag / WEIGHTS_ONLY).is_file()
+    _, before = load_model_state(trained["tp2"])
+    cfg, after = load_model_state(tmp_path / "out")
+    assert (cfg.parallel.model_parallel_size, cfg.parallel.pp) == (tp, pp)
+    assert after.keys() == before.keys()
+    assert all(torch.equal(after[k], before[k]) for k in before)
+
+
+def test_reshape_refuses_before_writing(trained, tmp_path):
+    with pytest.raises(CheckpointError, match=r"num_attention_heads=4 .* not divisible by tp=3"):
+        reshape_checkpoint(trained["tp2"], tmp_path / "out", 3, 1)
+    assert not (tmp_path / "out").exists()
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "tools" / "reshape_checkpoint.py"),
+            *("--input_dir", trained["tp2"], "--output_dir", tmp_path / "out", "--tp", "1"),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 0, r.stderr
+    assert "weights only, no optimizer state" in r.stdout
+
+
+@pytest.fixture(scope="module")
+def constant_data(tmp_path_factory):
+    """A dataset whose every sample is `sample`, so the first loss is computable."""
+    tmp = tmp_path_factory.mktemp("constant")
+    doc = torch.randint(1, 320, (31,), generator=torch.Generator().manual_seed(3)).tolist() + [0]
+    (tmp / "data").mkdir()
+    write_constant_dataset(tmp / "data" / "chars", doc)
+    return tmp, torch.tensor([doc + doc[:1]])
+
+
+@pytest.mark.parametrize(
+    "layout", [dict(num_gpus=1), dict(num_gpus=2, pipe_parallel_size=2)], ids=["tp1", "pp2"]
+)
+def test_finetune_at_another_layout_starts_from_the_consolidated_weights(
+    trained, bpe_tokenizer, constant_data, layout
+):
+    tmp, sample = constant_data
+    name = f"finetune_{layout.get('pipe_parallel_size', 1)}"
+    model = dict(MODEL, train_iters=1, save=None, load=str(trained["tp2"]), finetune=True)
+    train(write_config(tmp, name, vocab_file=str(bpe_tokenizer), **model, **layout))
+    consolidated, _ = load_model(trained["tp2"])
+    with torch.no_grad():
+        expected = lm_loss(consolidated(sample[:, :-1]), sample[:, 1:]).item()
+    assert losses(tmp / name / "logs")[1] == pytest.approx(expected, rel=1e-5)
+    # The re-laid-out copy beside the checkpoint is gone.
+    assert sorted(p.name for p in trained["tp2"].parent.iterdir()) == ["ckpt", "logs", "tb"]
+
+
+def test_resuming_from_weights_only_is_refused(trained, bpe_tokenizer, tmp_path):
+    reshape_checkpoint(trained["tp2"], tmp_path / "weights", 1, 1)
+    (tmp_path / "data").mkdir()
+    write_constant_dataset(tmp_path / "data" / "chars", list(range(1, 32)) + [0])
+    run = write_config(
+        tmp_path,
+        "resume",
+        vocab_file=str(bpe_tokenizer),
+        **dict(MODEL, save=None),
+        num_gpus=1,
+        load=str(tmp_path / "weights"),
+    )
+    env = dict(os.environ, PYTHONPATH=str(ROOT), DS_ACCELERATOR="cpu")
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "deepy.py"), "train.py", str(run)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=300,
+    )
+    assert r.returncode != 0
+    assert (
+        "holds weights only" in r.stderr + r.stdout
+        and "set `finetune: true`" in r.stderr + r.stdout
+    )
+    assert "Traceback" not in r.stderr + r.stdout

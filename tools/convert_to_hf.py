@@ -1,0 +1,69 @@
+"""Export a neox checkpoint (any TP/PP/ZeRO layout) as a Hugging Face model directory.
+
+Example:
+    python tools/convert_to_hf.py --input_dir checkpoints/pythia-14m --output_dir hf/pythia-14m
+The output holds config.json, model.safetensors, generation_config.json and the tokenizer
+files, ready for AutoModelForCausalLM / AutoTokenizer.from_pretrained. CharLevelTokenizer,
+SPMTokenizer and TiktokenTokenizer runs are exported without tokenizer files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from neox.checkpoint.consolidate import CheckpointError
+from neox.checkpoint.export import ARCHITECTURES, PRECISIONS, ExportError, export_to_hf
+from neox.checkpoint.staging import OutputDirError
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument(
+        "--input_dir",
+        required=True,
+        help="checkpoint directory (uses its `latest`) or one global_stepN directory",
+    )
+    p.add_argument("--output_dir", required=True, help="HF model directory to write")
+    p.add_argument(
+        "--config_file", help="neox config to use instead of the one saved in the checkpoint"
+    )
+    p.add_argument("--iteration", type=int, help="export global_step<N> instead of `latest`")
+    p.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        default="auto",
+        help="dtype of the written weights (auto: the run's precision)",
+    )
+    p.add_argument(
+        "--architecture",
+        choices=list(ARCHITECTURES),
+        default="neox",
+        help="HF class: neox = GPTNeoXForCausalLM, llama = LlamaForCausalLM",
+    )
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty output_dir")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        note = export_to_hf(
+            args.input_dir,
+            args.output_dir,
+            iteration=args.iteration,
+            config_file=args.config_file,
+            precision=args.precision,
+            architecture=args.architecture,
+            overwrite=args.overwrite,
+        )
+    except (CheckpointError, ExportError, OutputDirError) as err:
+        raise SystemExit(f"convert_to_hf: error: {err}") from None
+    print(f"wrote {args.output_dir}")
+    if note:
+        print(f"note: {note}; only the model was written")
+
+
+if __name__ == "__main__":
+    main()
