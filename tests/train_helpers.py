@@ -77,20 +77,29 @@ def write_config(tmp_path: Path, name: str, **overrides) -> Path:
 
 
 def train(*configs: Path, cpu: bool = True) -> subprocess.CompletedProcess:
+    return run_deepy("train.py", *configs, cpu=cpu)
+
+
+def run_deepy(
+    script: str, *configs: Path, cpu: bool = True, stdin: str | None = None, check: bool = True
+) -> subprocess.CompletedProcess:
+    """`python deepy.py <script> <configs>`; asserts success unless check=False."""
     env = dict(
         os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
     )
     if cpu:
         env["DS_ACCELERATOR"] = "cpu"
     r = subprocess.run(
-        [sys.executable, str(ROOT / "deepy.py"), "train.py", *map(str, configs)],
+        [sys.executable, str(ROOT / "deepy.py"), script, *map(str, configs)],
+        input=stdin,
         capture_output=True,
         text=True,
         timeout=400,
         cwd=ROOT,
         env=env,
     )
-    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    if check:
+        assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     return r
 
 

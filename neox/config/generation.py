@@ -15,14 +15,15 @@ class GenerationConfig(ConfigGroup):
     sample_input_file, or a prompt loop on rank 0's terminal (ends at end of input)."""
 
     temperature: float = Field(0.0, ge=0.0)
-    """Sampling temperature (0: greedy, the most likely token)."""
+    """Sampling temperature; with top_k and top_p also 0, greedy (the most likely token). 0 with
+    top_k or top_p set samples from the filtered logits unscaled (gpt-neox's rule)."""
 
     top_p: float = Field(0.0, ge=0.0, le=1.0)
     """Nucleus sampling: sample among the most likely tokens whose probability reaches top_p
-    (0: off). Needs temperature > 0."""
+    (0: off)."""
 
     top_k: int = Field(0, ge=0)
-    """Sample among the k most likely tokens (0: off). Needs temperature > 0."""
+    """Sample among the k most likely tokens (0: off)."""
 
     return_logits: bool = False
     """Add `logits` to each output row: the raw logit of each generated token."""
@@ -38,8 +39,9 @@ class GenerationConfig(ConfigGroup):
     """Prompts, for text_gen_type input-file (blank prompts are skipped)."""
 
     sample_output_file: Optional[str] = "samples.txt"
-    """JSON lines written by generate.py, one row per sample: context, text, length, finished
-    (ended by the end-of-document token), tokens, duration_seconds (null: print them)."""
+    """JSON lines generate.py writes (unconditional, input-file), one row per sample: context,
+    text, length, finished (ended by the end-of-document token), tokens, duration_seconds
+    (null: print them). Interactive mode prints to the terminal instead."""
 
     num_samples: int = Field(1, ge=1)
     """Unconditional samples to generate."""

@@ -77,11 +77,8 @@ def check_eval(loaded: LoadedConfig) -> None:
     """eval.py has a checkpoint to read, something to evaluate, and the files it names."""
     cfg = loaded.config
     e = cfg.eval
-    problems = []
-    try:
-        checkpoint_tag(cfg.checkpoint.load, cfg.training.iteration)
-    except ConfigError as err:
-        problems.append(str(err))
+    problem = checkpoint_problem(cfg.checkpoint.load, cfg.training.iteration)
+    problems = [problem] if problem else []
     if not e.has_work:
         problems.append(
             "eval.py has nothing to evaluate: set eval_input_file, eval_split, eval_lambada_file "
@@ -144,39 +141,33 @@ def has_checkpoint(directory: Optional[str]) -> bool:
     return directory is not None and (Path(directory) / "latest").is_file()
 
 
-def checkpoint_tag(load: Optional[str], iteration: Optional[int] = None) -> str:
-    """The tag to read from `load`: global_step<iteration>, or the one `latest` names."""
+def checkpoint_problem(load: Optional[str], iteration: Optional[int] = None) -> Optional[str]:
+    """Why `load` (and `iteration`) name no checkpoint to read, or None (a quick look before
+    launch; neox.checkpoint.consolidate reads and checks the files)."""
+    fix = "set `load` to the `save` directory of a training run (or one global_stepN in it)"
     if load is None:
-        raise ConfigError(
-            "no trained weights: set `load` to the `save` directory of a training run"
-        )
+        return f"no trained weights: {fix}"
     root = Path(load)
+    if any(root.glob("*model_states.pt")):
+        return None  # one global_stepN directory itself
     if iteration is not None:
-        tag = f"global_step{iteration}"
-        if not (root / tag).is_dir():
-            have = sorted(p.name for p in root.glob("global_step*") if p.is_dir())
-            raise ConfigError(
-                f"load={load!r} has no checkpoint for iteration={iteration} ({root / tag} is "
-                f"missing; it has {', '.join(have) or 'none'}); set `iteration` to one of them "
-                "or remove it to load the latest"
-            )
-        return tag
-    if not has_checkpoint(load):
-        raise ConfigError(
-            f"load={load!r} holds no checkpoint (no {root / 'latest'}); set `load` to the "
-            "`save` directory of a training run"
+        if (root / f"global_step{iteration}").is_dir():
+            return None
+        have = sorted(p.name for p in root.glob("global_step*") if p.is_dir())
+        return (
+            f"load={load!r} has no checkpoint for iteration={iteration} (it has "
+            f"{', '.join(have) or 'none'}); set `iteration` to one of them or remove it"
         )
-    return (root / "latest").read_text().strip()
+    if not has_checkpoint(load):
+        return f"load={load!r} holds no checkpoint (no `latest` file); {fix}"
+    return None
 
 
 def check_generation(loaded: LoadedConfig) -> None:
     """generate.py: the checkpoint to read exists, and so does the prompt file it needs."""
     cfg = loaded.config
-    problems = []
-    try:
-        checkpoint_tag(cfg.checkpoint.load, cfg.training.iteration)
-    except ConfigError as e:
-        problems.append(str(e))
+    problem = checkpoint_problem(cfg.checkpoint.load, cfg.training.iteration)
+    problems = [problem] if problem else []
     g = cfg.generation
     if g.text_gen_type == "input-file":
         if g.sample_input_file is None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from pathlib import Path
 from typing import Optional
 
 import torch
@@ -12,7 +11,6 @@ from torch import nn
 
 from neox.checkpoint.hf_map import VOCAB_MODULES, resize_vocab
 from neox.config import ConfigError, NeoXConfig
-from neox.config.preflight import checkpoint_tag
 from neox.model import build_model
 from neox.parallel.topology import ProcessGroups
 
@@ -22,27 +20,17 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def load_state_dict(cfg: NeoXConfig) -> dict[str, torch.Tensor]:
-    """The full (tp=1, pp=1) state dict of the checkpoint the config names (`load`, `iteration`)."""
-    c = cfg.checkpoint
-    tag = checkpoint_tag(c.load, cfg.training.iteration)
+    """The full (tp=1, pp=1) state dict of the checkpoint `load` (and `iteration`) name, from
+    whatever layout trained it."""
+    from neox.checkpoint.consolidate import CheckpointError, load_model_state
+
+    if cfg.checkpoint.load is None:
+        raise ConfigError("no trained weights: set `load` to the `save` directory of a run")
     try:
-        from neox.checkpoint.consolidate import load_model_state
-    except ImportError:
-        return _read_single_rank(Path(c.load) / tag)
-    _, state = load_model_state(c.load, int(tag.removeprefix("global_step")))
+        _, state = load_model_state(cfg.checkpoint.load, cfg.training.iteration)
+    except CheckpointError as e:
+        raise ConfigError(str(e)) from None
     return state
-
-
-def _read_single_rank(tag_dir: Path) -> dict[str, torch.Tensor]:
-    """The weights of a checkpoint one model-parallel rank wrote (tp=1, pp=1)."""
-    files = sorted(tag_dir.glob("mp_rank_*_model_states.pt"))
-    if len(files) != 1 or any(tag_dir.glob("layer_*-model_states.pt")):
-        raise ConfigError(
-            f"{tag_dir} was written by a tensor- or pipeline-parallel run; reading it needs "
-            "neox.checkpoint.consolidate (branch export)"
-        )
-    state = torch.load(files[0], map_location="cpu", weights_only=False)
-    return state["module"]
 
 
 def generation_dtype(precision: str, device: torch.device) -> torch.dtype:

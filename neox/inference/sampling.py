@@ -10,7 +10,8 @@ import torch
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """gpt-neox's sampling keys: temperature 0 is greedy; top_k / top_p 0 are off."""
+    """gpt-neox's sampling keys: all three 0 is greedy; temperature 0 with top_k or top_p samples
+    from the filtered logits unscaled (as gpt-neox does)."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -23,6 +24,10 @@ class SamplingParams:
             raise ValueError(f"top_k={self.top_k} must be >= 0 (0: off)")
         if not 0.0 <= self.top_p <= 1.0:
             raise ValueError(f"top_p={self.top_p} must be in [0, 1] (0: off)")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 and self.top_k == 0 and self.top_p == 0
 
 
 def mask_padded_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -57,9 +62,10 @@ def sample(
 ) -> torch.Tensor:
     """Token ids (B,) from last-position logits (B, V); V may include padded rows."""
     logits = mask_padded_vocab(logits.float(), vocab_size)
-    if params.temperature == 0:
+    if params.greedy:
         return logits.argmax(dim=-1)
-    logits = logits / params.temperature
+    if params.temperature > 0:
+        logits = logits / params.temperature
     if params.top_k:
         logits = filter_top_k(logits, params.top_k)
     if params.top_p:

@@ -41,8 +41,8 @@ def tiny_pair(case: str, seed: int = 3):
     return model, hf
 
 
-def hf_greedy(hf, prompts, new_tokens):
-    ids, mask = left_pad(prompts, EOD, "cpu")
+def hf_greedy(hf, prompts, new_tokens, device="cpu"):
+    ids, mask = left_pad(prompts, EOD, device)
     out = hf.generate(
         input_ids=ids,
         attention_mask=mask.long(),

@@ -55,3 +55,12 @@ def test_sampling_follows_the_distribution():
 def test_bad_params_are_named(kwargs, word):
     with pytest.raises(ValueError, match=word):
         SamplingParams(**kwargs)
+
+
+def test_temperature_zero_with_top_k_samples_unscaled_like_gpt_neox():
+    logits = torch.zeros(4000, 5)
+    logits[:, 0], logits[:, 1] = 1.0, 0.5
+    params = SamplingParams(temperature=0.0, top_k=2)
+    draws = sample(logits, params, 5, torch.Generator().manual_seed(0))
+    assert set(draws.tolist()) == {0, 1}  # the top 2, not the argmax only
+    assert SamplingParams().greedy and not params.greedy

@@ -1,0 +1,56 @@
+"""generate.py's mistakes are one error before launch; a checkpoint that does not fit is named."""
+
+import pytest
+import torch
+import yaml
+
+from neox.config import ConfigError, load_dict
+from neox.config.model import ModelConfig
+from neox.inference.loading import build_generation_model
+from neox.model import build_model
+from tests.train_helpers import run_deepy
+
+
+def test_deepy_refuses_missing_checkpoint_iteration_and_prompt_file(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    cfg = tmp_path / "gen.yml"
+    cfg.write_text(yaml.safe_dump({"tokenizer_type": "CharLevelTokenizer", "load": str(empty)}))
+    r = run_deepy("generate.py", cfg, check=False)
+    assert r.returncode == 2 and "holds no checkpoint" in r.stderr and "`save`" in r.stderr
+    assert "Traceback" not in r.stderr
+
+    (tmp_path / "ckpt" / "global_step3").mkdir(parents=True)
+    (tmp_path / "ckpt" / "latest").write_text("global_step3")
+    cfg.write_text(
+        yaml.safe_dump(
+            {
+                "tokenizer_type": "CharLevelTokenizer",
+                "load": str(tmp_path / "ckpt"),
+                "iteration": 5,
+                "text_gen_type": "input-file",
+                "sample_input_file": str(tmp_path / "nope.txt"),
+            }
+        )
+    )
+    r = run_deepy("generate.py", cfg, check=False)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "no checkpoint for iteration=5 (it has global_step3)" in r.stderr
+    assert "sample_input_file=" in r.stderr and "nope.txt' does not exist" in r.stderr
+
+
+def test_a_checkpoint_of_another_shape_is_named(tmp_path):
+    import torch.distributed as dist
+
+    from neox.parallel import ProcessGroups, Topology
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", world_size=1, rank=0)
+    small = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4)
+    state = build_model(small, 128).state_dict()
+    cfg = load_dict(
+        {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "load": str(tmp_path)}
+    )
+    groups = ProcessGroups(Topology(1, 1, 1))
+    with pytest.raises(ConfigError, match="does not fit this model config.*config.yml"):
+        build_generation_model(cfg, 128, groups, torch.device("cpu"), torch.float32, state)
