@@ -14,6 +14,7 @@ import yaml
 from neox.config import ConfigError, build_ds_config, derive, encode, load_config
 from neox.config.preflight import (
     check_data,
+    check_eval,
     check_generation,
     check_tokenizer_files,
     describe_resume,
@@ -21,9 +22,10 @@ from neox.config.preflight import (
 )
 from neox.launcher import HostfileError, build_launch, run_launch
 
-# Entry scripts that read training data, and those that read a trained checkpoint.
+# Entry scripts that read training data, and those that read a trained checkpoint (with the
+# check of what each one reads).
 NEEDS_DATA = {"train.py"}
-NEEDS_CHECKPOINT = {"generate.py"}
+NEEDS_CHECKPOINT = {"generate.py": check_generation, "eval.py": check_eval}
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -71,7 +73,7 @@ def main(argv: list[str]) -> int:
         if script in NEEDS_DATA:
             checks.insert(1, check_data)
         if script in NEEDS_CHECKPOINT:
-            checks.insert(1, check_generation)
+            checks.insert(1, NEEDS_CHECKPOINT[script])
         vocab_size = None
         for check in checks:
             try:

@@ -1,4 +1,4 @@
-"""Text generation and evaluation (generate.py, eval.py)."""
+"""Text generation (generate.py)."""
 
 from typing import Literal, Optional
 
@@ -8,7 +8,7 @@ from neox.config.base import ConfigGroup
 
 
 class GenerationConfig(ConfigGroup):
-    """Sampling settings of generate.py and the tasks of eval.py."""
+    """Sampling settings of generate.py."""
 
     text_gen_type: Literal["unconditional", "input-file", "interactive"] = "unconditional"
     """Where generate.py's prompts come from: none (num_samples from a document boundary),
@@ -49,9 +49,3 @@ class GenerationConfig(ConfigGroup):
     recompute: bool = False
     """Recompute the whole sequence each token instead of using the KV cache (slower, same
     greedy text; needed for ALiBi and sliding-window models)."""
-
-    eval_results_prefix: str = ""
-    """Prefix of the evaluation results file."""
-
-    eval_tasks: Optional[list[str]] = None
-    """Tasks for eval.py (e.g. lambada)."""

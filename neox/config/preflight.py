@@ -1,5 +1,6 @@
 """Checks against the filesystem before launch: data, vocab files, the checkpoint to resume."""
 
+import importlib.util
 import logging
 from pathlib import Path
 from typing import Optional
@@ -70,6 +71,69 @@ def tokenizer_vocab_size(loaded: LoadedConfig) -> Optional[int]:
 
     t = loaded.config.tokenizer
     return build_tokenizer(t.tokenizer_type, t.vocab_file, t.merge_file).vocab_size
+
+
+def check_eval(loaded: LoadedConfig) -> None:
+    """eval.py has a checkpoint to read, something to evaluate, and the files it names."""
+    cfg = loaded.config
+    e = cfg.eval
+    problem = checkpoint_problem(cfg.checkpoint.load, cfg.training.iteration)
+    problems = [problem] if problem else []
+    if not e.has_work:
+        problems.append(
+            "eval.py has nothing to evaluate: set eval_input_file, eval_split, eval_lambada_file "
+            "or eval_tasks"
+        )
+    if e.eval_stride and e.eval_stride > cfg.model.seq_length:
+        problems.append(
+            f"{loaded.source_of('eval_stride')}: eval_stride={e.eval_stride} exceeds "
+            f"seq_length={cfg.model.seq_length}; use at most seq_length"
+        )
+    if e.eval_input_file:
+        from neox.data.readers import InputError, expand_inputs
+
+        try:
+            expand_inputs(e.eval_input_file)
+        except InputError as err:
+            problems.append(f"{loaded.source_of('eval_input_file')}: eval_input_file: {err}")
+    if e.eval_lambada_file and not Path(e.eval_lambada_file).is_file():
+        problems.append(
+            f"{loaded.source_of('eval_lambada_file')}: eval_lambada_file="
+            f"{e.eval_lambada_file!r} does not exist; fix the path"
+        )
+    include = e.eval_include_path
+    if include and not Path(include).is_dir():
+        problems.append(
+            f"{loaded.source_of('eval_include_path')}: eval_include_path={include!r} is not a "
+            "directory; fix the path"
+        )
+        include = None
+    if e.eval_tasks:
+        problems += unknown_lm_eval_tasks(e.eval_tasks, include)
+    if e.eval_split:
+        try:
+            check_data(loaded)
+        except ConfigError as err:
+            problems.append(f"eval_split={e.eval_split!r} reads the config's data: {err}")
+    if problems:
+        raise ConfigError("\n".join(problems))
+
+
+def unknown_lm_eval_tasks(tasks: list[str], include_path: Optional[str]) -> list[str]:
+    """Problems with eval_tasks: lm-evaluation-harness missing, or names it does not know (its
+    task index is torch-free, so this runs before launch)."""
+    if importlib.util.find_spec("lm_eval") is None:
+        return [f"eval_tasks={tasks} needs lm-evaluation-harness: pip install 'neox[eval]'"]
+    from lm_eval.tasks import TaskManager
+
+    manager = TaskManager(include_path=include_path)
+    unknown = [t for t in tasks if not manager.match_tasks([t])]
+    if not unknown:
+        return []
+    return [
+        f"eval_tasks: lm-evaluation-harness has no task {', '.join(map(repr, unknown))}; see "
+        "`lm_eval ls tasks`, or put a task YAML in a directory named by eval_include_path"
+    ]
 
 
 def has_checkpoint(directory: Optional[str]) -> bool:

@@ -8,6 +8,7 @@ from neox.config.base import ConfigGroup
 from neox.config.checkpoint import CheckpointConfig
 from neox.config.data import DataConfig, TokenizerConfig
 from neox.config.deepspeed import DeepSpeedConfig
+from neox.config.evaluation import EvalConfig
 from neox.config.generation import GenerationConfig
 from neox.config.launcher import LauncherConfig
 from neox.config.log import LoggingConfig
@@ -30,6 +31,7 @@ GROUPS: dict[str, type[ConfigGroup]] = {
     "logging": LoggingConfig,
     "launcher": LauncherConfig,
     "generation": GenerationConfig,
+    "eval": EvalConfig,
     "deepspeed": DeepSpeedConfig,
 }
 
@@ -64,6 +66,7 @@ class NeoXConfig(BaseModel):
     logging: LoggingConfig = LoggingConfig()
     launcher: LauncherConfig = LauncherConfig()
     generation: GenerationConfig = GenerationConfig()
+    eval: EvalConfig = EvalConfig()
     deepspeed: DeepSpeedConfig = DeepSpeedConfig()
 
     @classmethod

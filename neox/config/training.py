@@ -86,8 +86,8 @@ class TrainingConfig(ConfigGroup):
     """Also report character-level perplexity (gpt-neox key)."""
 
     iteration: Optional[int] = None
-    """Checkpoint generate.py loads from `load`: global_step<iteration> (None: the one `latest`
-    names). Training ignores it."""
+    """Checkpoint generate.py and eval.py load from `load`: global_step<iteration> (None: the one
+    `latest` names). Training ignores it."""
 
     @field_validator("train_iters")
     @classmethod

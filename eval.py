@@ -1,0 +1,46 @@
+#!/usr/bin/env python
+"""Per-rank evaluation entry: perplexity / bits per byte, LAMBADA and lm-evaluation-harness tasks
+of the checkpoint in `load`; results go to <log_dir>/<eval_results_prefix>_eval_results_*.json.
+
+python deepy.py eval.py configs/tiny.yml eval.yml   # through the launcher (any number of ranks)
+python eval.py configs/tiny.yml eval.yml            # one process, no launcher
+"""
+
+import json
+import logging
+import sys
+
+from neox.config import ConfigError, config_from_argv, load_config
+from neox.data.readers import InputError
+
+
+def main(argv: list[str]) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    try:
+        cfg = config_from_argv(argv) or load_config(a for a in argv if not a.startswith("-")).config
+    except ConfigError as e:
+        print(f"eval.py: config error:\n{e}", file=sys.stderr)
+        return 2
+    from neox.checkpoint.consolidate import CheckpointError
+    from neox.inference.evaluation import run_evaluation
+
+    try:
+        written = run_evaluation(cfg)
+    except (ConfigError, InputError, CheckpointError) as e:
+        print(f"eval.py: error:\n{e}", file=sys.stderr)
+        return 2
+    if written:
+        path, results = written
+        print(json.dumps(results, indent=2))
+        print(f"eval results written to {path}")
+    import torch.distributed as dist
+
+    # Leave together: a process group torn down at interpreter exit can abort the process.
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
