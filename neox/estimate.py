@@ -56,9 +56,10 @@ def layer_parameters(cfg: ModelConfig, tp: int = 1) -> int:
 
 
 def blocks_per_stage(num_layers: int, pp: int) -> list[int]:
-    """Blocks on each pipeline stage: DeepSpeed's type:Block partition, balanced, extras last."""
+    """Blocks on each pipeline stage as DeepSpeed's type:Block partition balances them: the
+    first stages take one extra each when they do not divide evenly."""
     base, extra = divmod(num_layers, pp)
-    return [base + (1 if stage >= pp - extra else 0) for stage in range(pp)]
+    return [base + (1 if stage < extra else 0) for stage in range(pp)]
 
 
 def stage_tensor_sizes(
