@@ -301,7 +301,8 @@ def estimate_memory(cfg: ModelConfig, shape: TrainingShape) -> MemoryEstimate:
     overlap = (shape.zero or {}).get("overlap_comm", stage == 3)
     buffers = gathered_bytes = 0
     if stage in (1, 2) and shape.zero_setting("contiguous_gradients"):
-        buffers = k * min(bucket, n) * (2 if overlap and shape.pp == 1 else 1)
+        # Allocated at the full reduce_bucket_size, however small the model.
+        buffers = k * bucket * (2 if overlap and shape.pp == 1 else 1)
     elif stage == 3:
         # Gathered parameters in flight: the block being computed plus the prefetch bucket,
         # at most max_live_parameters; never less than the largest tensor (the embedding).
@@ -310,7 +311,7 @@ def estimate_memory(cfg: ModelConfig, shape: TrainingShape) -> MemoryEstimate:
             layer_parameters(cfg, shape.tp) + shape.zero_setting("stage3_prefetch_bucket_size"),
             n,
         )
-        buffers = k * min(bucket, n) if shape.zero_setting("contiguous_gradients") else 0
+        buffers = k * bucket if shape.zero_setting("contiguous_gradients") else 0
         gathered_bytes = k * max(gathered, max(sizes))
     if stage == 0:
         step = 4 * n if mixed else 0
