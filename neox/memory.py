@@ -216,6 +216,9 @@ def block_activation_bytes(
         # the (B, T, C) copy of probs @ v; the scores terms come below.
         per_token += k * (2 * hq + 2 * kv)
         per_token += k * (hq + 2 * hkv) if qk_norm else 0
+    if rotary:
+        # Training passes position ids, so each layer gathers its own cos and sin (B, T, dim).
+        per_token += 2 * k * int(hs * cfg.rotary_pct)
     if qk_norm:
         q_shared, q_own = norm_activation_bytes(cfg, k, hs)
         per_token += (0 if mha else q_shared * nh) + q_own * (nh + nkv)

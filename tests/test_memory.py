@@ -42,7 +42,7 @@ BLOCKS = {
 
 def saved_activation_bytes(model: torch.nn.Module, ids: torch.Tensor) -> int:
     """Bytes of the distinct storages autograd saves in the blocks' forward (not weights, not
-    rotary's cos/sin tables, which are shared by every layer and batch)."""
+    rotary's cached cos/sin tables, which every layer shares)."""
     skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen: dict[int, int] = {}
 
@@ -52,10 +52,12 @@ def saved_activation_bytes(model: torch.nn.Module, ids: torch.Tensor) -> int:
             seen[st.data_ptr()] = st.nbytes()
         return t
 
-    x = model.embed(ids)
+    # Position ids as training passes them (neox.data.batch), not the implicit 0..T-1.
+    positions = torch.arange(ids.shape[1]).expand_as(ids)
+    x = model.embed(ids, positions)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         for block in model.layers:
-            x = block(x)
+            x = block(x, positions)
     for block in model.layers:
         rotary = block.attention.rotary
         for tables in rotary._cache.values() if rotary is not None else ():
