@@ -5,12 +5,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
+
+from tests.memory_worker import saved_activation_bytes
 
 
 def count_rank_parameters(rank: int, world: int, models: dict, out: str) -> None:
     """For each model: this rank's parameter count under tp=2 (plain model, apply_tensor_parallel)
-    and under tp=2 x pp=2 (to_pipeline); rank 0 writes every rank's."""
+    and under tp=2 x pp=2 (to_pipeline), and the bytes the tp=2 blocks save in a forward;
+    rank 0 writes every rank's."""
     import deepspeed
 
     from neox.config.model import ModelConfig
@@ -27,6 +31,10 @@ def count_rank_parameters(rank: int, world: int, models: dict, out: str) -> None
         for layout, groups in (("tp2", tp_only), ("tp2pp2", tp_pp)):
             model = parallelize(cfg, vocab, groups, device="cpu")
             row[layout] = sum(p.numel() for p in model.parameters())
+            if layout == "tp2":
+                # What a tp rank's blocks save for backward (its shards of the activations).
+                ids = torch.randint(0, vocab, (2, cfg.seq_length), generator=torch.Generator())
+                row["tp2_activations"] = saved_activation_bytes(model, ids)
             row[layout + "_stage"] = groups.topo.coord(rank).pipe
         counts[name] = row
     gathered = [None] * world

@@ -24,6 +24,32 @@ def storage_bytes(tensors) -> int:
     return sum(seen.values())
 
 
+def saved_activation_bytes(model: torch.nn.Module, ids: torch.Tensor) -> int:
+    """Bytes of the distinct storages autograd saves in the blocks' forward (not weights, not
+    rotary's cached cos/sin tables, which every layer shares)."""
+    skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        if st.data_ptr() not in skip:
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    # Position ids as training passes them (neox.data.batch), not the implicit 0..T-1.
+    positions = torch.arange(ids.shape[1]).expand_as(ids)
+    x = model.embed(ids, positions)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        for block in model.layers:
+            x = block(x, positions)
+    for block in model.layers:
+        rotary = block.attention.rotary
+        for tables in rotary._cache.values() if rotary is not None else ():
+            for t in tables:
+                seen.pop(t.untyped_storage().data_ptr(), None)
+    return sum(seen.values())
+
+
 def held_gradients(engine, params) -> list:
     """Every gradient tensor DeepSpeed holds now: param.grad, ZeRO's gradient buckets, its
     contiguous partition buffers and the reduced partitions it will step on."""

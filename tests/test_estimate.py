@@ -11,6 +11,7 @@ from neox.estimate import (
     embedding_parameters,
     stage_tensor_sizes,
 )
+from neox.memory import block_activation_bytes
 from neox.model import build_model
 from tests.estimate_worker import count_rank_parameters
 from tests.parallel.parallel_harness import run_ranks
@@ -79,5 +80,9 @@ def test_rank_counts_equal_tp_and_pipeline_builds(rank_counts, name):
         assert row["tp2"] == sum(stage_tensor_sizes(cfg, VOCAB, tp=2))
         stage = row["tp2pp2_stage"]
         assert row["tp2pp2"] == sum(stage_tensor_sizes(cfg, VOCAB, tp=2, pp=2, stage=stage))
+    # Each tp rank saves its shards of the attention and MLP activations, whole norm inputs.
+    saved = block_activation_bytes(cfg, "global", cfg.seq_length, 2, 4, tp=2) * cfg.num_layers
+    for rank_row in rank_counts:
+        assert rank_row[name]["tp2_activations"] == pytest.approx(saved, rel=0.02)
     largest = max(r[name]["tp2pp2"] for r in rank_counts)
     assert count_parameters(cfg, VOCAB, tp=2, pp=2) == largest

@@ -21,7 +21,7 @@ from neox.memory import (
 )
 from neox.model import build_model
 from neox.model.attention import select_attention_impl
-from tests.memory_worker import measure_all
+from tests.memory_worker import measure_all, saved_activation_bytes
 from tests.parallel.parallel_harness import run_ranks
 
 TINY = dict(num_layers=1, hidden_size=64, num_attention_heads=4, seq_length=32)
@@ -38,32 +38,6 @@ BLOCKS = {
     "qk_norm": dict(use_qk_layernorm=True, pos_emb="rotary"),
     "materialised_scores": dict(attention_impl="torch", pos_emb="rotary"),
 }
-
-
-def saved_activation_bytes(model: torch.nn.Module, ids: torch.Tensor) -> int:
-    """Bytes of the distinct storages autograd saves in the blocks' forward (not weights, not
-    rotary's cached cos/sin tables, which every layer shares)."""
-    skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        st = t.untyped_storage()
-        if st.data_ptr() not in skip:
-            seen[st.data_ptr()] = st.nbytes()
-        return t
-
-    # Position ids as training passes them (neox.data.batch), not the implicit 0..T-1.
-    positions = torch.arange(ids.shape[1]).expand_as(ids)
-    x = model.embed(ids, positions)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        for block in model.layers:
-            x = block(x, positions)
-    for block in model.layers:
-        rotary = block.attention.rotary
-        for tables in rotary._cache.values() if rotary is not None else ():
-            for t in tables:
-                seen.pop(t.untyped_storage().data_ptr(), None)
-    return sum(seen.values())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
