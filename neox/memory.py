@@ -1,7 +1,7 @@
 """GPU memory of one training rank, computed without torch, the way DeepSpeed 0.19 allocates it.
 
-Every quantity is bytes on the busiest rank (the first pipeline stage for activations, the
-largest stage for parameters). The parts, and where each comes from:
+Every quantity is bytes on the busiest rank (the largest pipeline stage for parameters, the
+stage whose activations and loss peak highest). The parts, and where each comes from:
 
 - weights: the low-precision (or fp32) parameters the model computes with. ZeRO-3 keeps 1/dp of
   each tensor, except tensors smaller than stage3_param_persistence_threshold, kept whole.
@@ -19,8 +19,9 @@ largest stage for parameters). The parts, and where each comes from:
 - step transient: the fp32 flat gradient the optimizer steps on (FP16_Optimizer: the full
   model; ZeRO 1/2: this rank's partition; ZeRO-3: its largest sub-group).
 - activations: what autograd saves for backward, tensor by tensor as neox's model runs
-  (`block_activation_bytes`), for every micro-batch in flight (pipeline: min(pp, accumulation)),
-  or only the block inputs plus one recomputed chunk under activation checkpointing.
+  (`block_activation_bytes`), for every micro-batch in flight (1F1B: stage i holds
+  min(pp - i, accumulation)), or only the block inputs plus one recomputed chunk under
+  activation checkpointing; with pp > 1, of the stage where activations plus loss peak.
 - logits: the loss runs in fp32; at the start of backward the saved log-softmax, its gradient
   and the gradient of the logits coexist: LOSS_BYTES_PER_LOGIT x b x s x V/tp.
 - overheads (documented constants): the CUDA context and the caching allocator's slack.
@@ -245,29 +246,31 @@ def block_activation_bytes(
     return total
 
 
-def activation_bytes(cfg: ModelConfig, shape: TrainingShape) -> int:
-    """Bytes of saved activations on the first pipeline stage at the start of backward."""
+def activation_bytes(cfg: ModelConfig, shape: TrainingShape, stage: int = 0) -> int:
+    """Bytes of saved activations on pipeline stage `stage` at the start of backward.
+
+    Under DeepSpeed's 1F1B schedule stage i holds min(pp - i, accumulation) micro-batches.
+    """
     k = BYTES[shape.precision]
-    s, b, tp = cfg.seq_length, shape.micro_batch, shape.tp
-    types = cfg.layer_attention_types()
-    n_blocks = blocks_per_stage(cfg.num_layers, shape.pp)[0]
-    per_block = [block_activation_bytes(cfg, t, s, b, k, tp) for t in types[:n_blocks]]
+    s, b, tp, pp = cfg.seq_length, shape.micro_batch, shape.tp, shape.pp
+    counts = blocks_per_stage(cfg.num_layers, pp)
+    first = sum(counts[:stage])
+    types = cfg.layer_attention_types()[first : first + counts[stage]]
+    per_block = [block_activation_bytes(cfg, t, s, b, k, tp) for t in types]
     if shape.checkpoint_activations:
         # Only each chunk's input survives forward; backward recomputes one chunk at a time.
         chunk = max(1, shape.checkpoint_num_layers)
         kept = s * b * cfg.hidden_size * k // (tp if shape.partition_activations else 1)
-        stage = -(-n_blocks // chunk) * kept + max(per_block[:chunk])
+        total = -(-len(types) // chunk) * kept + max(per_block[:chunk])
     else:
-        stage = sum(per_block)
-    if cfg.hidden_dropout > 0:
-        stage += s * b * cfg.hidden_size  # embedding dropout mask
-    in_flight = min(shape.pp, shape.grad_accum) if shape.pp > 1 else 1
-    stage *= in_flight
-    if shape.pp == 1:
-        # The head on the same rank: final norm input and the head's input.
+        total = sum(per_block)
+    if stage == 0 and cfg.hidden_dropout > 0:
+        total += s * b * cfg.hidden_size  # embedding dropout mask
+    if stage == pp - 1:
+        # The head: final norm input and the output layer's input.
         shared, own = norm_activation_bytes(cfg, k, cfg.hidden_size)
-        stage += s * b * (shared + own + k * cfg.hidden_size)
-    return stage
+        total += s * b * (shared + own + k * cfg.hidden_size)
+    return total * min(pp - stage, shape.grad_accum)
 
 
 def logits_bytes(cfg: ModelConfig, shape: TrainingShape) -> int:
@@ -322,6 +325,15 @@ def estimate_memory(cfg: ModelConfig, shape: TrainingShape) -> MemoryEstimate:
         step = 4 * part
     else:
         step = 4 * min(part, shape.zero_setting("sub_group_size"))
+    # The busiest stage in backward: the first holds the most micro-batches, the last the loss.
+    last = shape.pp - 1
+    activations, logits = max(
+        (
+            (activation_bytes(cfg, shape, i), logits_bytes(cfg, shape) if i == last else 0)
+            for i in range(shape.pp)
+        ),
+        key=sum,
+    )
     return MemoryEstimate(
         weights=weights,
         gradients=gradients,
@@ -330,6 +342,6 @@ def estimate_memory(cfg: ModelConfig, shape: TrainingShape) -> MemoryEstimate:
         buffers=buffers,
         gathered_params=gathered_bytes,
         step_transient=step,
-        activations=activation_bytes(cfg, shape),
-        logits=logits_bytes(cfg, shape),
+        activations=activations,
+        logits=logits,
     )
