@@ -24,9 +24,12 @@ def storage_bytes(tensors) -> int:
     return sum(seen.values())
 
 
-def saved_activation_bytes(model: torch.nn.Module, ids: torch.Tensor) -> int:
-    """Bytes of the distinct storages autograd saves in the blocks' forward (not weights, not
-    rotary's cached cos/sin tables, which every layer shares)."""
+def saved_activation_bytes(model: torch.nn.Module, ids: torch.Tensor, whole: bool = False) -> int:
+    """Bytes of the distinct storages autograd saves in the blocks' forward, or with `whole` in
+    the whole model's forward and the loss (never weights, nor rotary's cached cos/sin tables,
+    which every layer shares)."""
+    from neox.model import lm_loss
+
     skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen: dict[int, int] = {}
 
@@ -38,10 +41,13 @@ def saved_activation_bytes(model: torch.nn.Module, ids: torch.Tensor) -> int:
 
     # Position ids as training passes them (neox.data.batch), not the implicit 0..T-1.
     positions = torch.arange(ids.shape[1]).expand_as(ids)
-    x = model.embed(ids, positions)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        for block in model.layers:
-            x = block(x, positions)
+        if whole:
+            lm_loss(model(ids, positions), ids)
+        else:
+            x = model.embed(ids, positions)
+            for block in model.layers:
+                x = block(x, positions)
     for block in model.layers:
         rotary = block.attention.rotary
         for tables in rotary._cache.values() if rotary is not None else ():

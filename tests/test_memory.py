@@ -14,9 +14,12 @@ import torch
 from neox.config import derive, load_dict
 from neox.config.model import ModelConfig
 from neox.memory import (
+    TrainingShape,
+    activation_bytes,
     attention_kernel,
     block_activation_bytes,
     estimate_memory,
+    logits_bytes,
     training_shape,
 )
 from neox.model import build_model
@@ -52,6 +55,21 @@ def test_block_activations_match_saved_tensors(name, dtype):
     estimated = block_activation_bytes(cfg, "global", cfg.seq_length, batch, k)
     # Within 2%: the norms' fp32 statistics (a few bytes per row) differ between kernels.
     assert estimated == pytest.approx(measured, rel=0.02), (name, measured, estimated)
+
+
+@pytest.mark.parametrize("name", ["pythia", "llama_gqa"])
+def test_whole_model_activations_and_loss_match_saved_tensors(name):
+    """Blocks, final norm and head input, plus the fp32 log-softmax the loss keeps: the saved
+    third of LOSS_BYTES_PER_LOGIT (its gradient and the logits' come in backward)."""
+    cfg = ModelConfig(**{**TINY, **BLOCKS[name], "num_layers": 2})
+    vocab, batch = 256, 2
+    model = build_model(cfg, vocab, seed=0).to(torch.bfloat16).train()
+    ids = torch.randint(0, vocab, (batch, cfg.seq_length), generator=torch.Generator())
+    measured = saved_activation_bytes(model, ids, whole=True)
+    shape = TrainingShape(vocab_size=vocab, micro_batch=batch, precision="bf16")
+    saved_loss = logits_bytes(cfg, shape) // 3
+    estimated = activation_bytes(cfg, shape) + saved_loss
+    assert estimated == pytest.approx(measured, rel=0.02), (measured, estimated)
 
 
 @pytest.mark.parametrize("name", BLOCKS)
