@@ -20,6 +20,7 @@ from neox.config.preflight import (
     describe_resume,
     tokenizer_vocab_size,
 )
+from neox.estimate_report import estimate_report, estimate_vocab, fit_warning
 from neox.launcher import HostfileError, build_launch, run_launch
 
 # Entry scripts that read training data, and those that read a trained checkpoint (with the
@@ -54,6 +55,25 @@ def plan_smallest_layout(cfg, plan, script: str):
     )
     wider = launcher.model_copy(update={"num_gpus": tp * pp})
     return build_launch(wider, script, plan.argv[plan.argv.index(script) + 1 :])
+
+
+def local_gpu_bytes() -> int | None:
+    """Memory of this machine's first GPU (torch is imported only on GPU launches)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_properties(0).total_memory
+
+
+def warn_if_too_big(cfg, derived) -> None:
+    """Warn, before a GPU launch, when the memory estimate exceeds the GPUs this machine has."""
+    gpu_bytes = local_gpu_bytes()
+    if gpu_bytes is None:
+        return
+    warning = fit_warning(cfg, derived, estimate_vocab(cfg, derived)[0], gpu_bytes)
+    if warning:
+        print(f"deepy: warning: {warning}", file=sys.stderr)
 
 
 def main(argv: list[str]) -> int:
@@ -98,11 +118,18 @@ def main(argv: list[str]) -> int:
         print(yaml.safe_dump(cfg.to_flat(), sort_keys=False), end="")
         print("# derived")
         print(yaml.safe_dump(derived.as_dict(), sort_keys=False), end="")
+        print("# estimate (python tools/estimate.py for options)")
+        vocab, source = estimate_vocab(cfg, derived)
+        if source != "tokenizer":
+            print(f"vocabulary: {source}, padded to {vocab}")
+        print(estimate_report(cfg, derived, vocab))
         print("# deepspeed config")
         print(json.dumps(build_ds_config(cfg, derived), indent=2))
         print("# launch command")
         print(plan.command)
         return 0
+    if not plan.cpu:
+        warn_if_too_big(cfg, derived)
     return run_launch(plan)
 
 

@@ -1,6 +1,9 @@
 """What a config costs, computed without torch: parameters and training FLOPs per token.
 
 Imported by deepy.py's dry run and by the training loop's TFLOPS/MFU, so both use one formula.
+Parameters are counted tensor by tensor (`block_tensor_sizes`), so the same list gives the
+model's total, a tensor-parallel rank's share, a pipeline stage's share and ZeRO-3's
+persistent (unpartitioned) small tensors.
 """
 
 from __future__ import annotations
@@ -17,29 +20,84 @@ def norm_parameters(cfg: ModelConfig, dim: int) -> int:
     return 1  # scalenorm: one gain
 
 
-def layer_parameters(cfg: ModelConfig) -> int:
-    """Parameters of one transformer block."""
+def _norm_tensors(cfg: ModelConfig, dim: int) -> list[int]:
+    if cfg.norm == "layernorm" and cfg.use_bias_in_norms:
+        return [dim, dim]
+    return [norm_parameters(cfg, dim)]
+
+
+def block_tensor_sizes(cfg: ModelConfig, tp: int = 1) -> list[int]:
+    """Elements of each parameter tensor of one transformer block on one tensor-parallel rank.
+
+    Column-parallel layers (qkv, MLP up/gate) split weight and bias; row-parallel ones (attention
+    dense, MLP down) split the weight and keep the bias whole; norms are replicated.
+    """
     h, hs = cfg.hidden_size, cfg.head_dim
-    nh, nkv, ffn = cfg.num_attention_heads, cfg.kv_heads, cfg.ffn_size
-    attn_bias, mlp_bias = int(cfg.use_bias_in_attn_linear), int(cfg.use_bias_in_mlp)
-
-    qkv = (nh + 2 * nkv) * hs * (h + attn_bias)
-    dense = nh * hs * h + h * attn_bias
-    qk_norms = 2 * norm_parameters(cfg, hs) if cfg.use_qk_layernorm else 0
+    qkv_out = (cfg.num_attention_heads + 2 * cfg.kv_heads) * hs // tp
+    attn_in = cfg.num_attention_heads * hs // tp
+    ffn = cfg.ffn_size // tp
+    sizes = [qkv_out * h, attn_in * h]
+    if cfg.use_bias_in_attn_linear:
+        sizes += [qkv_out, h]
+    if cfg.use_qk_layernorm:
+        sizes += 2 * _norm_tensors(cfg, hs)
     branches = 2 if cfg.gated_mlp else 1
-    mlp = branches * ffn * (h + mlp_bias) + ffn * h + h * mlp_bias
-    norms = (1 if cfg.gpt_j_tied else 2) * norm_parameters(cfg, h)
-    return qkv + dense + qk_norms + mlp + norms
+    sizes += [ffn * h] * branches + [h * ffn]
+    if cfg.use_bias_in_mlp:
+        sizes += [ffn] * branches + [h]
+    for _ in range(1 if cfg.gpt_j_tied else 2):
+        sizes += _norm_tensors(cfg, h)
+    return sizes
 
 
-def count_parameters(cfg: ModelConfig, vocab_size: int) -> int:
-    """Number of parameters of GPTNeoX(cfg, vocab_size), tied weights counted once."""
+def layer_parameters(cfg: ModelConfig, tp: int = 1) -> int:
+    """Parameters of one transformer block (on one tensor-parallel rank)."""
+    return sum(block_tensor_sizes(cfg, tp))
+
+
+def blocks_per_stage(num_layers: int, pp: int) -> list[int]:
+    """Blocks on each pipeline stage as DeepSpeed's type:Block partition balances them: the
+    first stages take one extra each when they do not divide evenly."""
+    base, extra = divmod(num_layers, pp)
+    return [base + (1 if stage < extra else 0) for stage in range(pp)]
+
+
+def stage_tensor_sizes(
+    cfg: ModelConfig, vocab_size: int, tp: int = 1, pp: int = 1, stage: int = 0
+) -> list[int]:
+    """Elements of each parameter tensor held by one rank of pipeline stage `stage`.
+
+    The first stage holds the embeddings, the last the final norm and the head; with pp > 1 a
+    tied head is a second copy of the embedding on the last stage (DeepSpeed's TiedLayerSpec).
+    """
+    h, first, last = cfg.hidden_size, stage == 0, stage == pp - 1
+    sizes: list[int] = []
+    if first:
+        sizes.append(vocab_size // tp * h)
+        if cfg.pos_emb == "learned":
+            sizes.append((cfg.max_positions + cfg.opt_pos_emb_offset) * h)
+    sizes += block_tensor_sizes(cfg, tp) * blocks_per_stage(cfg.num_layers, pp)[stage]
+    if last:
+        sizes += _norm_tensors(cfg, h)
+        if cfg.no_weight_tying or pp > 1:
+            sizes.append(vocab_size // tp * h)
+    return sizes
+
+
+def count_parameters(cfg: ModelConfig, vocab_size: int, tp: int = 1, pp: int = 1) -> int:
+    """Number of parameters of GPTNeoX(cfg, vocab_size), tied weights counted once; with tp or
+    pp, the most any one rank holds (the tied pipeline copy counts on the last stage)."""
+    if tp == 1 and pp == 1:
+        return sum(stage_tensor_sizes(cfg, vocab_size))
+    return max(sum(stage_tensor_sizes(cfg, vocab_size, tp, pp, s)) for s in range(pp))
+
+
+def embedding_parameters(cfg: ModelConfig, vocab_size: int) -> int:
+    """Parameters of the input (and learned position) embeddings and an untied output layer."""
     h = cfg.hidden_size
-    total = vocab_size * h + cfg.num_layers * layer_parameters(cfg) + norm_parameters(cfg, h)
+    total = vocab_size * h * (2 if cfg.no_weight_tying else 1)
     if cfg.pos_emb == "learned":
         total += (cfg.max_positions + cfg.opt_pos_emb_offset) * h
-    if cfg.no_weight_tying:
-        total += vocab_size * h
     return total
 
 

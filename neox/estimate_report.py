@@ -1,0 +1,141 @@
+"""The estimate as people read it: parameters, FLOPs, memory per ZeRO stage, tokens/s, fit check.
+
+Shared by tools/estimate.py and deepy.py (dry run and the warning before launch); torch-free.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from neox.config.derived import Derived, pad_vocab_size
+from neox.config.schema import NeoXConfig
+from neox.estimate import count_parameters, embedding_parameters, train_flops_per_token
+from neox.memory import GiB, MemoryEstimate, TrainingShape, estimate_memory, training_shape
+
+# Dense bf16/fp16 tensor-core peak per GPU, TFLOPS (no sparsity), and memory in GiB.
+GPUS = {
+    "h100": {"peak_tflops": 989.0, "memory_gib": 79.6},
+    "h200": {"peak_tflops": 989.0, "memory_gib": 139.8},
+    "a100": {"peak_tflops": 312.0, "memory_gib": 79.2},
+}
+# When no tokenizer is at hand: the GPT-NeoX-20B tokenizer's vocabulary (padded as configured).
+DEFAULT_VOCAB = 50277
+
+MEMORY_ROWS = (
+    ("weights", "weights"),
+    ("gradients", "gradients"),
+    ("master_weights", "fp32 master weights"),
+    ("optimizer_states", "optimizer states"),
+    ("buffers", "ZeRO gradient buckets"),
+    ("gathered_params", "ZeRO-3 gathered params"),
+    ("step_transient", "optimizer-step fp32 grads"),
+    ("activations", "activations"),
+    ("logits", "logits + fp32 loss"),
+    ("peak_allocated", "peak allocated"),
+    ("peak_reserved", "peak reserved"),
+    ("total", "total incl. CUDA context"),
+)
+
+
+def estimate_vocab(cfg: NeoXConfig, derived: Derived) -> tuple[int, str]:
+    """(padded vocabulary, where it came from): the tokenizer's, or GPT-NeoX-20B's without one."""
+    if derived.padded_vocab_size is not None:
+        return derived.padded_vocab_size, "tokenizer"
+    padded = pad_vocab_size(
+        DEFAULT_VOCAB, cfg.model.make_vocab_size_divisible_by, derived.tensor_parallel
+    )
+    return padded, f"no tokenizer here: assumed GPT-NeoX-20B's {DEFAULT_VOCAB}"
+
+
+def memory_by_stage(
+    cfg: NeoXConfig, derived: Derived, vocab_size: int, checkpoint_activations: bool
+) -> list[MemoryEstimate]:
+    """Estimates for ZeRO stages 0-3 of this config, with activation checkpointing on or off."""
+    out = []
+    for stage in range(4):
+        shape = training_shape(cfg, derived, vocab_size, zero_stage=stage)
+        shape = dataclasses.replace(shape, checkpoint_activations=checkpoint_activations)
+        out.append(estimate_memory(cfg.model, shape))
+    return out
+
+
+def tokens_per_second(
+    cfg: NeoXConfig, vocab_size: int, gpus: int, peak_tflops: float, mfu: float
+) -> float:
+    """Training throughput of `gpus` GPUs running at `mfu` of their peak."""
+    return mfu * peak_tflops * 1e12 * gpus / train_flops_per_token(cfg.model, vocab_size)
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:8.2f}"
+
+
+def estimate_report(
+    cfg: NeoXConfig,
+    derived: Derived,
+    vocab_size: int,
+    gpu: str = "h100",
+    mfu: float = 0.4,
+    peak_tflops: Optional[float] = None,
+) -> str:
+    """The whole estimate as text: sizes, FLOPs, a memory table per ZeRO stage, throughput."""
+    m, d = cfg.model, derived
+    peak = peak_tflops if peak_tflops is not None else GPUS[gpu]["peak_tflops"]
+    total = count_parameters(m, vocab_size)
+    per_rank = count_parameters(m, vocab_size, d.tensor_parallel, d.pipe_parallel)
+    flops = train_flops_per_token(m, vocab_size)
+    configured = training_shape(cfg, derived, vocab_size).zero_stage
+    ckpt = cfg.training.checkpoint_activations
+    lines = [
+        f"layout: {d.world_size} GPU(s) = tp {d.tensor_parallel} x pp {d.pipe_parallel} x "
+        f"dp {d.data_parallel}; micro batch {d.micro_batch} x seq {m.seq_length}, "
+        f"accumulation {d.grad_accum}, {d.precision}; padded vocab {vocab_size}",
+        f"parameters: {total:,} total, {total - embedding_parameters(m, vocab_size):,} "
+        f"non-embedding, {per_rank:,} on the largest tp/pp rank",
+        f"training FLOPs per token: {flops:.4g} (6N + 12 L h s)",
+        "",
+        f"memory per GPU, GiB (ZeRO stage configured: {configured}; activation checkpointing "
+        f"{'on' if ckpt else 'off'})",
+        f"{'':32}" + "".join(f"  ZeRO-{s}{'*' if s == configured else ' '}" for s in range(4)),
+    ]
+    table = memory_by_stage(cfg, derived, vocab_size, ckpt)
+    for key, label in MEMORY_ROWS:
+        values = [e.as_dict()[key] for e in table]
+        lines.append(f"{label:32}" + "".join(f" {_gib(v)}" for v in values))
+    other = memory_by_stage(cfg, derived, vocab_size, not ckpt)
+    lines.append(
+        f"{'total, checkpointing ' + ('off' if ckpt else 'on'):32}"
+        + "".join(f" {_gib(e.total)}" for e in other)
+    )
+    tps = tokens_per_second(cfg, vocab_size, d.world_size, peak, mfu)
+    step_s = d.global_batch * m.seq_length / tps
+    lines += [
+        "",
+        f"throughput at MFU {mfu:g} of {peak:g} TFLOPS/GPU ({gpu}): {tps:,.0f} tokens/s, "
+        f"{step_s:.3g} s per step of {d.global_batch * m.seq_length:,} tokens",
+    ]
+    return "\n".join(lines)
+
+
+def fit_warning(
+    cfg: NeoXConfig, derived: Derived, vocab_size: int, gpu_bytes: int
+) -> Optional[str]:
+    """A warning when the configured run needs more than `gpu_bytes` per GPU, else None."""
+    shape: TrainingShape = training_shape(cfg, derived, vocab_size)
+    need = estimate_memory(cfg.model, shape).total
+    if need <= gpu_bytes:
+        return None
+    hints = []
+    if shape.zero_stage < 3 and derived.data_parallel > 1:
+        hints.append("a higher zero_optimization.stage")
+    if not shape.checkpoint_activations:
+        hints.append("checkpoint_activations: true")
+    hints += [
+        "a smaller train_micro_batch_size_per_gpu",
+        "a larger model_parallel_size or pipe_parallel_size",
+    ]
+    return (
+        f"estimated {need / GiB:.1f} GiB per GPU exceeds the {gpu_bytes / GiB:.1f} GiB this GPU "
+        f"has (python tools/estimate.py shows the parts); consider {', '.join(hints)}"
+    )

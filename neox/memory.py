@@ -1,0 +1,347 @@
+"""GPU memory of one training rank, computed without torch, the way DeepSpeed 0.19 allocates it.
+
+Every quantity is bytes on the busiest rank (the largest pipeline stage for parameters, the
+stage whose activations and loss peak highest). The parts, and where each comes from:
+
+- weights: the low-precision (or fp32) parameters the model computes with. ZeRO-3 keeps 1/dp of
+  each tensor, except tensors smaller than stage3_param_persistence_threshold, kept whole.
+- gradients: the most backward holds at once. Stage 0 and 1 hold a full-size gradient per
+  parameter until backward ends; stage 2 and 3 keep this rank's partition in one contiguous
+  buffer, plus the gradient just produced (at most the largest tensor's) awaiting its bucket.
+- master weights: fp32 copies the optimizer updates (FP16_Optimizer at stage 0 with fp16/bf16;
+  ZeRO 1-3 always, 1/dp of them, even in fp32, where DeepSpeed still clones its partition).
+- optimizer states: Adam's two fp32 moments (Lion and SGD with momentum one) over what the
+  optimizer owns: all parameters at stage 0, 1/dp from stage 1 on.
+- buffers: ZeRO's gradient buckets (reduce_bucket_size elements, two when overlap_comm at
+  stage 1/2), alive during backward.
+- gathered params: ZeRO-3's parameters gathered whole for compute: one block plus
+  stage3_prefetch_bucket_size (at most stage3_max_live_parameters, at least the largest tensor).
+- step transient: the fp32 flat gradient the optimizer steps on (FP16_Optimizer: the full
+  model; ZeRO 1/2: this rank's partition; ZeRO-3: its largest sub-group).
+- activations: what autograd saves for backward, tensor by tensor as neox's model runs
+  (`block_activation_bytes`), for every micro-batch in flight (1F1B: stage i holds
+  min(pp - i, accumulation)), or only the block inputs plus one recomputed chunk under
+  activation checkpointing; with pp > 1, of the stage where activations plus loss peak.
+- logits: the loss runs in fp32; at the start of backward the saved log-softmax, its gradient
+  and the gradient of the logits coexist: LOSS_BYTES_PER_LOGIT x b x s x V/tp.
+- overheads (documented constants): the CUDA context and the caching allocator's slack.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Optional
+
+from neox.config.derived import Derived
+from neox.config.ds_config import zero_section
+from neox.config.model import ModelConfig
+from neox.config.schema import NeoXConfig
+from neox.estimate import blocks_per_stage, layer_parameters, stage_tensor_sizes
+
+GiB = 1024**3
+
+# Bytes per logit at the loss's peak (start of backward): fp32 log-softmax kept for backward,
+# its incoming gradient and the gradient of the logits (4 + 4 + 4).
+LOSS_BYTES_PER_LOGIT = 12
+# CUDA context, cuBLAS/cuDNN workspaces and NCCL buffers: outside torch's allocator, so absent
+# from max_memory_reserved but part of what the GPU must hold. Measured ~0.5-0.8 GiB on H100.
+CUDA_CONTEXT_BYTES = int(0.75 * GiB)
+# The caching allocator reserves more than is allocated (block rounding, fragmentation).
+ALLOCATOR_SLACK = 0.08
+# DeepSpeed defaults (deepspeed/runtime/zero/config.py) used when the config leaves them out.
+ZERO_DEFAULTS = {
+    "reduce_bucket_size": 500_000_000,
+    "allgather_bucket_size": 500_000_000,
+    "contiguous_gradients": True,
+    "stage3_prefetch_bucket_size": 50_000_000,
+    "stage3_param_persistence_threshold": 100_000,
+    "stage3_max_live_parameters": 1_000_000_000,
+    "sub_group_size": 1_000_000_000,
+}
+# fp32 optimizer-state values per parameter.
+OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "cpu_adam": 2, "cpu_torch_adam": 2, "lion": 1}
+BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+
+
+@dataclass(frozen=True)
+class TrainingShape:
+    """What memory depends on beyond the model: layout, batch, precision, ZeRO, checkpointing."""
+
+    vocab_size: int  # padded
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    micro_batch: int = 1
+    grad_accum: int = 1
+    precision: str = "bf16"
+    zero_stage: int = 0
+    zero: Optional[dict[str, Any]] = None  # DeepSpeed zero_optimization section
+    optimizer: str = "adam"
+    sgd_momentum: bool = False
+    checkpoint_activations: bool = False
+    checkpoint_num_layers: int = 1
+    partition_activations: bool = False
+
+    def zero_setting(self, key: str) -> Any:
+        zero = self.zero or {}
+        short = key.removeprefix("stage3_")
+        return zero.get(key, zero.get(short, ZERO_DEFAULTS[key]))
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes on one GPU; `peak_allocated` is what torch.cuda.max_memory_allocated should read."""
+
+    weights: int
+    gradients: int
+    master_weights: int
+    optimizer_states: int
+    buffers: int
+    gathered_params: int
+    step_transient: int
+    activations: int
+    logits: int
+
+    @property
+    def model_states(self) -> int:
+        return self.weights + self.gradients + self.master_weights + self.optimizer_states
+
+    @property
+    def peak_allocated(self) -> int:
+        """The larger of the backward peak (activations, buckets) and the optimizer-step peak."""
+        backward = self.buffers + self.gathered_params + self.activations + self.logits
+        return self.model_states + max(backward, self.step_transient)
+
+    @property
+    def peak_reserved(self) -> int:
+        """max_memory_reserved: allocated plus the caching allocator's slack."""
+        return int(self.peak_allocated * (1 + ALLOCATOR_SLACK))
+
+    @property
+    def total(self) -> int:
+        """What the GPU must hold: reserved plus the CUDA context."""
+        return self.peak_reserved + CUDA_CONTEXT_BYTES
+
+    def as_dict(self) -> dict[str, int]:
+        parts = asdict(self)
+        parts.update(
+            peak_allocated=self.peak_allocated, peak_reserved=self.peak_reserved, total=self.total
+        )
+        return parts
+
+
+def training_shape(
+    cfg: NeoXConfig, derived: Derived, vocab_size: int, zero_stage: Optional[int] = None
+) -> TrainingShape:
+    """The TrainingShape of a validated config (zero_stage overrides the configured stage)."""
+    zero = zero_section(cfg)
+    t, spec = cfg.training, cfg.optimizer.optimizer
+    kind = (spec.type or cfg.optimizer.optimizer_type or "adam").lower()
+    return TrainingShape(
+        vocab_size=vocab_size,
+        tp=derived.tensor_parallel,
+        pp=derived.pipe_parallel,
+        dp=derived.data_parallel,
+        micro_batch=derived.micro_batch,
+        grad_accum=derived.grad_accum,
+        precision=derived.precision,
+        zero_stage=int(zero["stage"] if zero_stage is None else zero_stage),
+        zero=zero,
+        optimizer=kind,
+        sgd_momentum=bool(spec.params.get("momentum", 0)),
+        checkpoint_activations=t.checkpoint_activations,
+        checkpoint_num_layers=t.checkpoint_num_layers,
+        partition_activations=t.partition_activations,
+    )
+
+
+def attention_kernel(cfg: ModelConfig, layer_type: str) -> str:
+    """The kernel a GPU layer runs: neox.model.attention.select_attention_impl on cuda (tested
+    to agree), restated here because that module imports torch."""
+    if cfg.attention_impl != "auto":
+        return cfg.attention_impl
+    fused = cfg.scaled_upper_triang_masked_softmax_fusion or cfg.scaled_masked_softmax_fusion
+    return "triton" if layer_type == "global" and fused else "flash"
+
+
+def norm_activation_bytes(cfg: ModelConfig, k: int, dim: int) -> tuple[int, int]:
+    """Bytes one norm saves per row of `dim` features: (its input, which another norm reading
+    the same tensor shares, or 0 when it saves a copy; what it saves of its own)."""
+    if cfg.norm == "layernorm":
+        return k * dim, 8  # input; fp32 mean and rstd
+    if cfg.norm == "rmsnorm":
+        # Normalises x.float(): a copy under fp16/bf16, x itself in fp32; then the scaled output.
+        copy = 0 if k == 4 else 4 * dim
+        return (4 * dim if k == 4 else 0), copy + k * dim + 4
+    return k * dim, k * dim + 4  # scalenorm: input; x / ||x|| and the norm
+
+
+def block_activation_bytes(
+    cfg: ModelConfig, layer_type: str, seq: int, micro_batch: int, k: int, tp: int = 1
+) -> int:
+    """Bytes autograd saves in one block's forward for backward, as neox's Block runs it.
+
+    Counted per token (b x s of them): norm inputs and linear inputs of width h (replicated
+    over tp), then per tp shard the attention's q, k, v, output and the dense layer's input, and
+    the MLP's inner activations; plus whole-sequence terms for materialised scores and masks.
+    """
+    h, hs = cfg.hidden_size, cfg.head_dim
+    nh, nkv = cfg.num_attention_heads // tp, cfg.kv_heads // tp
+    hq, hkv, ffn = nh * hs, nkv * hs, cfg.ffn_size // tp
+    tokens = seq * micro_batch
+    kernel = attention_kernel(cfg, layer_type)
+
+    # Norms and the inputs of qkv and of the MLP (width h, whole on every tp rank).
+    shared, own = norm_activation_bytes(cfg, k, h)
+    if cfg.gpt_j_residual:
+        # x + attn(ln1(x)) + mlp(ln2(x)): both norms read the same x.
+        per_token = shared + own * (1 if cfg.gpt_j_tied else 2)
+    else:
+        per_token = 2 * (shared + own)
+    per_token += (1 if cfg.gpt_j_tied else 2) * k * h
+    mha = cfg.kv_heads == cfg.num_attention_heads
+    rotary, qk_norm = cfg.pos_emb == "rotary", cfg.use_qk_layernorm
+    kv = hkv if mha else hq  # GQA repeats k and v over the query group
+    if kernel == "flash":
+        # SDPA saves q, k, v and its output. q and k are new tensors when rotated or normed
+        # (q also when GQA's strided slice must be copied), v only when repeated; a view of k
+        # or v keeps the whole fused qkv output alive. Rotated q is laid out (B, nh, T, hs), so
+        # the output is too, and the dense layer saves a (B, T, C) copy of it.
+        per_token += k * hq if (rotary or qk_norm or not mha) else 0
+        per_token += k * kv if (rotary or qk_norm or not mha) else 0
+        per_token += 0 if mha else k * hq
+        per_token += k * (hq + 2 * hkv) if (mha or qk_norm) else 0
+        per_token += k * hq * (2 if (rotary or qk_norm) else 1)
+    else:
+        # Batched matmuls save q, k and v as (B*nh, T, hs) copies or views, and the dense layer
+        # the (B, T, C) copy of probs @ v; the scores terms come below.
+        per_token += k * (2 * hq + 2 * kv)
+        per_token += k * (hq + 2 * hkv) if qk_norm else 0
+    if rotary:
+        # Training passes position ids, so each layer gathers its own cos and sin (B, T, dim).
+        per_token += 2 * k * int(hs * cfg.rotary_pct)
+    if qk_norm:
+        q_shared, q_own = norm_activation_bytes(cfg, k, hs)
+        per_token += (0 if mha else q_shared * nh) + q_own * (nh + nkv)
+    # MLP inner activations.
+    if cfg.gated_mlp:
+        per_token += 4 * k * ffn  # gate out, act(gate), up out, their product
+    elif cfg.activation == "relu":
+        per_token += k * ffn  # relu saves its output, which the down projection also saves
+    else:
+        per_token += 2 * k * ffn  # up out (activation input), activation out
+    if cfg.hidden_dropout > 0:
+        per_token += 2 * h  # bool masks of the two residual branches
+    total = per_token * tokens
+    # Whole-sequence terms.
+    scores = micro_batch * nh * seq * seq
+    if kernel == "flash":
+        total += 4 * nh * tokens  # logsumexp
+        if cfg.pos_emb == "alibi" or cfg.sliding_window_width is not None:
+            total += k * nh * seq * seq  # the explicit additive mask SDPA then saves
+    else:
+        fp32_probs = kernel == "torch" and cfg.attention_softmax_in_fp32 and k != 4
+        total += scores * (4 + k if fp32_probs else k)  # softmax output, and its cast for @v
+        total += scores if cfg.attention_dropout > 0 else 0
+    return total
+
+
+def activation_bytes(cfg: ModelConfig, shape: TrainingShape, stage: int = 0) -> int:
+    """Bytes of saved activations on pipeline stage `stage` at the start of backward.
+
+    Under DeepSpeed's 1F1B schedule stage i holds min(pp - i, accumulation) micro-batches.
+    """
+    k = BYTES[shape.precision]
+    s, b, tp, pp = cfg.seq_length, shape.micro_batch, shape.tp, shape.pp
+    counts = blocks_per_stage(cfg.num_layers, pp)
+    first = sum(counts[:stage])
+    types = cfg.layer_attention_types()[first : first + counts[stage]]
+    per_block = [block_activation_bytes(cfg, t, s, b, k, tp) for t in types]
+    if shape.checkpoint_activations:
+        # Only each chunk's input survives forward; backward recomputes one chunk at a time.
+        chunk = max(1, shape.checkpoint_num_layers)
+        kept = s * b * cfg.hidden_size * k // (tp if shape.partition_activations else 1)
+        total = -(-len(types) // chunk) * kept + max(per_block[:chunk])
+    else:
+        total = sum(per_block)
+    if stage == 0 and cfg.hidden_dropout > 0:
+        total += s * b * cfg.hidden_size  # embedding dropout mask
+    if stage == pp - 1:
+        # The head: final norm input and the output layer's input.
+        shared, own = norm_activation_bytes(cfg, k, cfg.hidden_size)
+        total += s * b * (shared + own + k * cfg.hidden_size)
+    return total * min(pp - stage, shape.grad_accum)
+
+
+def logits_bytes(cfg: ModelConfig, shape: TrainingShape) -> int:
+    """The fp32 loss's peak on the last stage, at the start of backward."""
+    return LOSS_BYTES_PER_LOGIT * cfg.seq_length * shape.micro_batch * shape.vocab_size // shape.tp
+
+
+def estimate_memory(cfg: ModelConfig, shape: TrainingShape) -> MemoryEstimate:
+    """Memory of the busiest rank for this model and training shape."""
+    k = BYTES[shape.precision]
+    mixed = shape.precision != "fp32"
+    dp, stage = shape.dp, shape.zero_stage
+    sizes = max(
+        (stage_tensor_sizes(cfg, shape.vocab_size, shape.tp, shape.pp, s) for s in range(shape.pp)),
+        key=sum,
+    )
+    n = sum(sizes)
+    part = -(-n // dp)  # this rank's partition (ZeRO pads to equal partitions)
+
+    if stage >= 3:
+        threshold = shape.zero_setting("stage3_param_persistence_threshold")
+        weights = k * sum(x if x < threshold else -(-x // dp) for x in sizes)
+    else:
+        weights = k * n
+    owned = n if stage == 0 else part  # parameters whose optimizer state lives here
+    # An fp32 run at stage 0 steps the model's own tensors; ZeRO clones its partition anyway.
+    master = 4 * owned if (mixed or stage > 0) else 0
+    states = OPTIMIZER_STATES.get(shape.optimizer, 1 if shape.sgd_momentum else 0)
+    optimizer_states = 4 * states * owned
+    # Stage 2/3 reduce each gradient as it arrives, but it arrives whole: add the largest.
+    gradients = k * n if stage <= 1 else k * (part + max(sizes))
+
+    bucket = shape.zero_setting("reduce_bucket_size")
+    overlap = (shape.zero or {}).get("overlap_comm", stage == 3)
+    buffers = gathered_bytes = 0
+    if stage in (1, 2) and shape.zero_setting("contiguous_gradients"):
+        # Allocated at the full reduce_bucket_size, however small the model.
+        buffers = k * bucket * (2 if overlap and shape.pp == 1 else 1)
+    elif stage == 3:
+        # Gathered parameters in flight: the block being computed plus the prefetch bucket,
+        # at most max_live_parameters; never less than the largest tensor (the embedding).
+        gathered = min(
+            shape.zero_setting("stage3_max_live_parameters"),
+            layer_parameters(cfg, shape.tp) + shape.zero_setting("stage3_prefetch_bucket_size"),
+            n,
+        )
+        buffers = k * bucket if shape.zero_setting("contiguous_gradients") else 0
+        gathered_bytes = k * max(gathered, max(sizes))
+    if stage == 0:
+        step = 4 * n if mixed else 0
+    elif stage in (1, 2):
+        step = 4 * part
+    else:
+        step = 4 * min(part, shape.zero_setting("sub_group_size"))
+    # The busiest stage in backward: the first holds the most micro-batches, the last the loss.
+    last = shape.pp - 1
+    activations, logits = max(
+        (
+            (activation_bytes(cfg, shape, i), logits_bytes(cfg, shape) if i == last else 0)
+            for i in range(shape.pp)
+        ),
+        key=sum,
+    )
+    return MemoryEstimate(
+        weights=weights,
+        gradients=gradients,
+        master_weights=master,
+        optimizer_states=optimizer_states,
+        buffers=buffers,
+        gathered_params=gathered_bytes,
+        step_transient=step,
+        activations=activations,
+        logits=logits,
+    )

@@ -1,0 +1,74 @@
+"""tools/estimate.py run from the repo root on shipped configs; the fit check it shares with deepy."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from neox.config import derive, load_config
+from neox.estimate import train_flops_per_token
+from neox.estimate_report import fit_warning, tokens_per_second
+from neox.memory import GiB, estimate_memory, training_shape
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_tool(*args):
+    return subprocess.run(
+        [sys.executable, "tools/estimate.py", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_pythia_160m_report():
+    r = run_tool("configs/pythia/160M.yml", "--gpus", "8", "--mfu", "0.5", "--gpu", "a100")
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "162,322,944 total" in out  # HF pythia-160m num_parameters()
+    assert "85,056,000 non-embedding" in out
+    assert "tp 1 x pp 1 x dp 8" in out
+    # The table: one row per part, four ZeRO stages, the configured stage (1) starred.
+    assert "ZeRO-1*" in out
+    weights = re.search(r"^weights\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)$", out, re.M)
+    assert weights, out
+    stage0, _, _, stage3 = (float(x) for x in weights.groups())
+    assert stage3 < stage0 / 4  # ZeRO-3 shards fp16 weights over 8 ranks
+    # Throughput: 0.5 x 312 TFLOPS x 8 GPUs / FLOPs per token.
+    cfg = load_config([str(ROOT / "configs/pythia/160M.yml")]).config
+    expected = 0.5 * 312e12 * 8 / train_flops_per_token(cfg.model, 50304)
+    shown = float(re.search(r"([\d,]+) tokens/s", out).group(1).replace(",", ""))
+    assert abs(shown - expected) <= 1
+
+
+def test_conf_dir_and_peak_override():
+    r = run_tool("-d", "configs", "pythia/410M.yml", "--peak-tflops", "100")
+    assert r.returncode == 0, r.stderr
+    assert "of 100 TFLOPS/GPU" in r.stdout
+
+
+def test_bad_input_is_one_clear_error():
+    r = run_tool("configs/pythia/160M.yml", "--mfu", "40")
+    assert r.returncode == 2 and "--mfu=40.0 must be in (0, 1]" in r.stderr
+    r = run_tool("configs/20B.yml", "--gpus", "3")  # tp 2 x pp 4 needs a multiple of 8
+    assert r.returncode == 2 and "model_parallel_size" in r.stderr and "Traceback" not in r.stderr
+    r = run_tool("configs/no_such.yml")
+    assert r.returncode == 2 and "no_such.yml" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_tokens_per_second_scales_with_gpus_and_mfu():
+    cfg = load_config([str(ROOT / "configs/pythia/1-4B.yml")]).config
+    one = tokens_per_second(cfg, 50304, 1, 989.0, 0.4)
+    assert tokens_per_second(cfg, 50304, 8, 989.0, 0.2) == __import__("pytest").approx(4 * one)
+
+
+def test_fit_warning_names_the_fixes():
+    cfg = load_config([str(ROOT / "configs/pythia/1-4B.yml")]).config
+    derived = derive(cfg, 8, 50277)
+    need = estimate_memory(cfg.model, training_shape(cfg, derived, 50304)).total
+    assert fit_warning(cfg, derived, 50304, need + GiB) is None
+    warning = fit_warning(cfg, derived, 50304, need // 2)
+    assert warning is not None
+    assert f"{need / GiB:.1f} GiB" in warning and "train_micro_batch_size_per_gpu" in warning
