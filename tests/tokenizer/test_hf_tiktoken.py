@@ -7,6 +7,7 @@ import unicodedata
 
 import pytest
 from tokenizers import Tokenizer as Backend
+from tokenizers import models, pre_tokenizers
 
 from neox.tokenizer import HFTokenizer
 
@@ -137,3 +138,31 @@ def test_other_json_shapes_fall_back_to_tokenizers(path_20b, tmp_path, caplog, c
     assert tok.encode_batch(texts) == reference_ids(Backend.from_file(str(path)), texts)
     with pytest.raises(ValueError, match=f"backend='tiktoken'.*{reason}.*backend='tokenizers'"):
         HFTokenizer(str(path), backend="tiktoken")
+
+
+def test_tokens_bpe_never_builds_are_not_ranked(tmp_path):
+    """Merges b+c, a+b, ab+c: BPE leaves "abc" as [a, bc], never joining a+bc into "abc"."""
+    from neox.tokenizer.gpt2 import byte_to_char
+
+    vocab = {c: i for i, c in enumerate(byte_to_char().values())}
+    vocab["<|endoftext|>"] = len(vocab)
+    for token in ("bc", "ab", "abc"):
+        vocab[token] = len(vocab)
+    merges = [("b", "c"), ("a", "b"), ("ab", "c")]
+    backend = Backend(models.BPE(vocab=vocab, merges=merges))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.add_special_tokens(["<|endoftext|>"])
+    path = tmp_path / "stray.json"
+    backend.save(str(path))
+    tok, reference = HFTokenizer(str(path)), Backend.from_file(str(path))
+    assert tok.backend == "tiktoken"
+    texts = ["abc", "abcabc ab abc", "xabcz", "bcab"]
+    assert reference.encode("abc").ids == [vocab["a"], vocab["bc"]]
+    assert tok.encode_batch(texts) == reference_ids(reference, texts)
+
+    import tiktoken  # every token ranked by id: tiktoken would join a+bc, unlike tokenizers
+
+    naive = {t.encode("latin-1"): i for t, i in vocab.items() if len(t) > 1 and t.isascii()}
+    naive |= {bytes([b]): vocab[c] for b, c in byte_to_char().items()}
+    enc = tiktoken.Encoding("naive", pat_str=r"\S+|\s+", mergeable_ranks=naive, special_tokens={})
+    assert enc.encode_ordinary("abc") == [vocab["abc"]]
