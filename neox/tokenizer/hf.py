@@ -90,9 +90,8 @@ def _build_fast(tok, vocab_file: str, required: bool):
     """The tiktoken encoder for this JSON, or None (reason logged) when it cannot be exact."""
     from neox.tokenizer.hf_tiktoken import TiktokenJsonEncoder
 
-    with open(vocab_file, encoding="utf-8") as f:
-        spec = json.load(f)
-    fast, reason = TiktokenJsonEncoder.build(tok, spec)
+    # The library's own serialization: every default spelled out, in its current format.
+    fast, reason = TiktokenJsonEncoder.build(tok, json.loads(tok.to_str()))
     if fast is None:
         if required:
             raise ValueError(

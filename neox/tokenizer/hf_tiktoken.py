@@ -63,9 +63,10 @@ def reachable_ranks(
     made by "ab"+"c" would also join "a"+"bc"). Ranks are the token ids, so they must grow with
     the merge order, one merge per token. Then tiktoken can differ only by joining such a stray
     pair x+y, and if tokenizers ever holds x next to y, it stops at [x, y] when it encodes x+y
-    alone (the merges inside a span do not depend on the text around it). So keeping only the
-    tokens t that `bpe` (tokenizers' own BPE on one word) encodes as [t] rules stray joins out,
-    and drops nothing tokenizers could ever produce (the specials "<|endoftext|>"... go too).
+    alone (the merges inside a span do not depend on the text around it). So ranking only the
+    tokens t that `bpe` (tokenizers' own BPE on one word) encodes as [t] rules stray joins out
+    and drops nothing tokenizers could produce (20B drops just "<|endoftext|>" and "<|unk|>",
+    which no merge builds; they are added tokens, cut out before BPE).
     """
     char_to_byte = {c: b for b, c in byte_to_char().items()}
     by_bytes: dict[bytes, int] = {}
@@ -122,7 +123,7 @@ class TiktokenJsonEncoder:
     def build(cls, backend, spec: dict) -> tuple[TiktokenJsonEncoder | None, str | None]:
         """(encoder, None), or (None, the reason tokenizers must encode this JSON)."""
         reason = unsupported_reason(spec)
-        if reason is None and backend.encode_special_tokens:
+        if reason is None and getattr(backend, "encode_special_tokens", False):
             reason = "encode_special_tokens is on"
         if reason is not None:
             return None, reason
