@@ -1,8 +1,9 @@
 """Tokenizers from Hugging Face files: a tokenizers JSON, or transformers' GPT-2 tokenizer.
 
-Threads: `encode_batch` runs on the tokenizers library's own thread pool, which uses every core
-unless TOKENIZERS_PARALLELISM=false. We leave that variable to the caller: one process gets all
-cores; a tool that forks N encoding workers should set TOKENIZERS_PARALLELISM=false before it
+Threads: HFTokenizer's tiktoken path (byte-level BPE JSONs such as 20B's) encodes on the
+calling thread. Otherwise `encode_batch` runs on the tokenizers library's own thread pool, which
+uses every core unless TOKENIZERS_PARALLELISM=false. We leave that variable to the caller: one
+process gets all cores; a tool that forks N encoding workers should set TOKENIZERS_PARALLELISM=false before it
 forks, so the N workers use N cores rather than N x cores threads (and tokenizers does not warn
 about, then disable, a pool the parent used before the fork).
 """
