@@ -166,3 +166,14 @@ def test_tokens_bpe_never_builds_are_not_ranked(tmp_path):
     naive |= {bytes([b]): vocab[c] for b, c in byte_to_char().items()}
     enc = tiktoken.Encoding("naive", pat_str=r"\S+|\s+", mergeable_ranks=naive, special_tokens={})
     assert enc.encode_ordinary("abc") == [vocab["abc"]]
+
+
+def test_a_tokenizer_trained_here_takes_the_fast_path_with_the_same_ids(shared_data, tmp_path):
+    from neox.tokenizer.train import train_bpe_tokenizer
+
+    text = (shared_data / "tinyshakespeare.txt").read_text(encoding="utf-8")
+    path = train_bpe_tokenizer([str(shared_data / "tinyshakespeare.txt")], tmp_path / "t.json", 800)
+    tok, reference = HFTokenizer(str(path)), Backend.from_file(str(path))
+    assert tok.backend == "tiktoken"
+    texts = text.split("\n\n")[:2000] + adversarial_texts()
+    assert tok.encode_batch(texts) == reference_ids(reference, texts)
