@@ -69,12 +69,8 @@ def reachable_ranks(
     which no merge builds; they are added tokens, cut out before BPE).
     """
     char_to_byte = {c: b for b, c in byte_to_char().items()}
-    by_bytes: dict[bytes, int] = {}
-    for token, idx in vocab.items():
-        try:
-            by_bytes[bytes(char_to_byte[c] for c in token)] = idx
-        except KeyError:
-            return None  # not a byte-level vocabulary
+    if not all(c in char_to_byte for token in vocab for c in token):
+        return None  # not a byte-level vocabulary
     last = -1
     for left, right in merges:
         idx = vocab.get(left + right)
