@@ -10,7 +10,7 @@ SHARED_DATA = ROOT.parent / "shared" / "data"
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def shared_data() -> Path:
     """Real data from ../shared/data; the test is skipped, saying why, when it is absent."""
     if not SHARED_DATA.is_dir():
