@@ -30,8 +30,19 @@ $(DEMO)/tokenizer.json: $(DEMO)/pystdlib.jsonl.zst
 $(DEMO)/pystdlib_text_document.idx: $(DEMO)/tokenizer.json
 	$(BIN)/python tools/preprocess_data.py --input $(DEMO)/pystdlib.jsonl.zst --output-prefix $(DEMO)/pystdlib --tokenizer-type HFTokenizer --vocab-file $< --append-eod --workers 2 --overwrite
 
+# Then the whole path after training: evaluate, generate, export to Hugging Face and check that
+# transformers loads the export and computes the same logits and greedy tokens as neox.
+RUN_CFG = configs/tiny.yml $$($(BIN)/python -c "import torch; print('' if torch.cuda.is_available() else 'configs/cpu.yml')")
 demo: install $(DEMO)/pystdlib_text_document.idx
-	$(BIN)/python deepy.py train.py configs/tiny.yml $$($(BIN)/python -c "import torch; print('' if torch.cuda.is_available() else 'configs/cpu.yml')")
+	@echo "== demo 1/4: train the tiny model (resumes from checkpoints/tiny if it holds a checkpoint)"
+	$(BIN)/python deepy.py train.py $(RUN_CFG)
+	@echo "== demo 2/4: evaluate: perplexity and bits per byte on the test split"
+	$(BIN)/python deepy.py eval.py $(RUN_CFG) configs/demo/eval.yml
+	@echo "== demo 3/4: generate: continue the prompts of configs/demo/prompts.txt"
+	$(BIN)/python deepy.py generate.py $(RUN_CFG) configs/demo/generate.yml
+	@$(BIN)/python -c "import json; [print(repr(r['context']), '->', repr(r['text'])) for r in map(json.loads, open('logs/tiny/samples.jsonl'))]"
+	@echo "== demo 4/4: export to Hugging Face format (hf/tiny) and check it with transformers"
+	$(BIN)/python tools/convert_to_hf.py --input_dir checkpoints/tiny --output_dir hf/tiny --overwrite --verify
 
 test: install
 	$(BIN)/python -m pytest -q
@@ -41,4 +52,4 @@ lint: install
 	$(BIN)/ruff format --check .
 
 clean-demo:
-	rm -rf $(DEMO) checkpoints/tiny logs/tiny tensorboard/tiny
+	rm -rf $(DEMO) checkpoints/tiny logs/tiny tensorboard/tiny hf/tiny

@@ -42,6 +42,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="HF class: neox = GPTNeoXForCausalLM, llama = LlamaForCausalLM",
     )
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty output_dir")
+    p.add_argument(
+        "--verify",
+        action="store_true",
+        help="then load the output with transformers and check that its logits (fp32, within "
+        "1e-4) and greedy tokens equal neox's on a sample text",
+    )
     return p.parse_args(argv)
 
 
@@ -63,6 +69,14 @@ def main(argv: list[str] | None = None) -> None:
     print(f"wrote {args.output_dir}")
     if note:
         print(f"note: {note}; only the model was written")
+    if args.verify:
+        from neox.checkpoint.verify import VerifyError, verify_export
+
+        try:
+            agreement = verify_export(args.output_dir, args.input_dir, args.iteration)
+        except VerifyError as err:
+            raise SystemExit(f"convert_to_hf: verification failed: {err}") from None
+        print(agreement.describe())
 
 
 if __name__ == "__main__":
