@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass
 from typing import Optional
 
 from neox.config.errors import ConfigError
+from neox.config.optimizer import OPTIMIZER_TYPES
 from neox.config.schema import NeoXConfig
 from neox.parallel.topology import Topology
 
@@ -27,6 +28,8 @@ class Derived:
     lr_decay_iters: int
     warmup_iters: int
     padded_vocab_size: Optional[int]
+    optimizer_type: str  # lower case: adam, adamw, cpu_adam, sgd, lion...
+    lr: float  # peak learning rate
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -95,6 +98,31 @@ def precision_of(cfg: NeoXConfig) -> str:
     return from_sections or named or "fp32"
 
 
+def optimizer_type(cfg: NeoXConfig) -> str:
+    """optimizer.type, or gpt-neox's flat optimizer_type when no `optimizer` section is given."""
+    o = cfg.optimizer
+    section = "optimizer" in o.model_fields_set
+    if o.optimizer_type is None:
+        return o.optimizer.type.lower()
+    if section and o.optimizer_type.lower() != o.optimizer.type.lower():
+        raise ConfigError(
+            f"optimizer_type={o.optimizer_type!r} contradicts optimizer.type="
+            f"{o.optimizer.type!r}; keep one of them"
+        )
+    kind = o.optimizer_type.lower()
+    if kind not in OPTIMIZER_TYPES:
+        raise ConfigError(
+            f"optimizer_type={o.optimizer_type!r} is not available; use one of {OPTIMIZER_TYPES}"
+        )
+    return kind
+
+
+def peak_lr(cfg: NeoXConfig) -> float:
+    """gpt-neox's top-level `lr` wins over optimizer.params.lr."""
+    o = cfg.optimizer
+    return float(o.lr) if o.lr is not None else o.optimizer.lr
+
+
 def schedule_iters(cfg: NeoXConfig) -> tuple[int, int]:
     """(decay iterations, warmup iterations)."""
     o, iters = cfg.optimizer, cfg.training.train_iters
@@ -139,6 +167,8 @@ def derive(cfg: NeoXConfig, world_size: int, vocab_size: Optional[int] = None) -
         lr_decay_iters=decay,
         warmup_iters=warmup,
         padded_vocab_size=padded,
+        optimizer_type=optimizer_type(cfg),
+        lr=peak_lr(cfg),
     )
 
 

@@ -44,7 +44,7 @@ class LauncherConfig(ConfigGroup):
     """sshd port on the nodes, when not 22."""
 
     detect_nvlink_pairs: bool = False
-    """Accepted for gpt-neox compatibility (autotuning helper); no effect."""
+    """No-op (gpt-neox key): an autotuning helper of gpt-neox's launcher."""
 
     comment: Optional[str] = None
     """Slurm comment (slurm launcher only)."""
@@ -53,10 +53,12 @@ class LauncherConfig(ConfigGroup):
     """Slurm account (slurm launcher only)."""
 
     deepspeed_mpi: bool = False
-    """Ranks discover each other through MPI environment variables (gpt-neox key)."""
+    """Ranks take their rank and world size from MPI's environment (OMPI_COMM_WORLD_*); implied by
+    launcher openmpi or mvapich."""
 
     deepspeed_slurm: bool = False
-    """Ranks discover each other through slurm environment variables (gpt-neox key)."""
+    """Ranks take their rank and world size from slurm's environment (SLURM_PROCID, ...); implied
+    by launcher slurm."""
 
     export_env: list[str] = []
     """Extra environment variable names exported to every node (besides PYTHONPATH, NCCL_*, DS_*...)."""

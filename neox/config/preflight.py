@@ -20,7 +20,7 @@ def data_prefixes(cfg) -> list[tuple[str, str]]:
 
 
 def check_data(loaded: LoadedConfig) -> None:
-    """Every dataset prefix has its .bin and .idx; training needs at least one dataset."""
+    """Every dataset prefix has a readable .idx header and a .bin of the size it promises."""
     cfg = loaded.config
     prefixes = data_prefixes(cfg)
     if not prefixes:
@@ -36,8 +36,30 @@ def check_data(loaded: LoadedConfig) -> None:
                 f"{loaded.source_of(key)}: {key}={prefix!r}: {' and '.join(prefix + s for s in absent)} "
                 "not found; run tools/preprocess_data.py (it writes <prefix>.bin/.idx) or fix the path"
             )
+        elif (problem := dataset_problem(prefix)) is not None:
+            missing.append(f"{loaded.source_of(key)}: {key}={prefix!r}: {problem}")
     if missing:
         raise ConfigError("\n".join(missing))
+
+
+def dataset_problem(prefix: str) -> Optional[str]:
+    """What is wrong with a .bin/.idx pair, from its header and file sizes only (no data read)."""
+    from neox.data.indexed import IndexedDataset, IndexedDatasetError
+
+    try:
+        IndexedDataset(prefix).close()
+    except (IndexedDatasetError, OSError) as e:
+        return str(e)
+    return None
+
+
+def check_script(script: str) -> None:
+    """The per-rank entry script exists (DeepSpeed's runner would only fail on the ranks)."""
+    if not Path(script).is_file():
+        raise ConfigError(
+            f"entry script {script!r} does not exist; use train.py (or another script of this "
+            "checkout) and run deepy.py from the repository root"
+        )
 
 
 def check_tokenizer_files(loaded: LoadedConfig) -> None:
@@ -64,12 +86,33 @@ def check_tokenizer_files(loaded: LoadedConfig) -> None:
         raise ConfigError("\n".join(problems))
 
 
+# What each tokenizer_type reads, for the message when a file is of the wrong kind.
+TOKENIZER_FILES = {
+    "GPT2BPETokenizer": "vocab_file = GPT-2 vocab.json and merge_file = merges.txt",
+    "HFTokenizer": "vocab_file = a Hugging Face tokenizers JSON (tokenizer.json)",
+    "SPMTokenizer": "vocab_file = a SentencePiece .model file",
+}
+
+
 def tokenizer_vocab_size(loaded: LoadedConfig) -> Optional[int]:
     """The tokenizer's vocabulary size (loads the tokenizer files; no torch)."""
     from neox.tokenizer import build_tokenizer
 
     t = loaded.config.tokenizer
-    return build_tokenizer(t.tokenizer_type, t.vocab_file, t.merge_file).vocab_size
+    try:
+        return build_tokenizer(t.tokenizer_type, t.vocab_file, t.merge_file).vocab_size
+    except Exception as e:  # each tokenizer library raises its own types for a foreign file
+        files = ", ".join(
+            f"{k}={getattr(t, k)!r} ({loaded.source_of(k)})"
+            for k in ("vocab_file", "merge_file")
+            if getattr(t, k)
+        )
+        wants = TOKENIZER_FILES.get(t.tokenizer_type, "no files")
+        raise ConfigError(
+            f"tokenizer_type={t.tokenizer_type} cannot read {files or 'its files'}: "
+            f"{type(e).__name__}: {str(e)[:200]}; {t.tokenizer_type} needs {wants}; fix "
+            "tokenizer_type or the file"
+        ) from None
 
 
 def has_checkpoint(directory: Optional[str]) -> bool:
@@ -85,3 +128,43 @@ def describe_resume(loaded: LoadedConfig) -> str:
         tag = (Path(c.load) / "latest").read_text().strip()
         return f"resuming from {c.load} (checkpoint {tag})"
     return f"load={c.load} holds no checkpoint yet: training starts from scratch"
+
+
+# Entry scripts that read training data.
+NEEDS_DATA = {"train.py"}
+
+
+def preflight(loaded: LoadedConfig, script: str) -> tuple[Optional[int], list[str]]:
+    """Every check that needs files: (tokenizer vocabulary size or None, problems found).
+
+    A missing entry script raises at once; the other problems are returned, since a dry run
+    may plan for another machine where the files exist.
+    """
+    check_script(script)
+    problems = []
+    vocab_size = None
+    try:
+        check_tokenizer_files(loaded)
+        vocab_size = tokenizer_vocab_size(loaded)
+    except ConfigError as e:
+        problems.append(str(e))
+    if Path(script).name in NEEDS_DATA:
+        try:
+            check_data(loaded)
+        except ConfigError as e:
+            problems.append(str(e))
+    return vocab_size, problems
+
+
+def git_hash() -> Optional[str]:
+    """The commit of the neox checkout this code runs from (None outside git)."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None

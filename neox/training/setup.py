@@ -39,6 +39,48 @@ class Run:
         return self.rank == 0
 
 
+# Where mpirun and srun put each rank's place: (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE).
+LAUNCHER_RANK_ENV = {
+    "mpi": (
+        "OMPI_COMM_WORLD_RANK",
+        "OMPI_COMM_WORLD_SIZE",
+        "OMPI_COMM_WORLD_LOCAL_RANK",
+        "OMPI_COMM_WORLD_LOCAL_SIZE",
+    ),
+    "mvapich": ("MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_LOCAL_RANK", ""),
+    "slurm": ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"),
+}
+
+
+def rank_env_from_launcher(cfg: NeoXConfig, environ: dict) -> dict[str, str]:
+    """RANK/WORLD_SIZE/LOCAL_RANK for ranks started by mpirun or srun, which set their own names.
+
+    DeepSpeed's runner sets torch's names only for pdsh and local launches; gpt-neox's
+    deepspeed_mpi/deepspeed_slurm ask for this translation, and the launcher key implies it.
+    """
+    lc = cfg.launcher
+    if "RANK" in environ:
+        return {}
+    kinds = []
+    if lc.deepspeed_slurm or lc.launcher == "slurm":
+        kinds.append("slurm")
+    if lc.deepspeed_mpi or lc.launcher in ("openmpi", "mvapich"):
+        kinds += ["mpi", "mvapich"]
+    for kind in kinds:
+        names = LAUNCHER_RANK_ENV[kind]
+        if names[0] in environ:
+            values = {
+                torch_name: environ[name]
+                for torch_name, name in zip(
+                    ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"), names
+                )
+                if name and name in environ
+            }
+            values.setdefault("MASTER_PORT", str(lc.master_port))
+            return values
+    return {}
+
+
 def init_distributed(cfg: NeoXConfig) -> torch.device:
     """torch.distributed through DeepSpeed: gloo on CPU ranks, the configured backend on GPUs."""
     import deepspeed
@@ -47,6 +89,7 @@ def init_distributed(cfg: NeoXConfig) -> torch.device:
     accel = get_accelerator()
     on_cpu = accel.device_name() == "cpu"
     backend = "gloo" if on_cpu else cfg.parallel.distributed_backend
+    os.environ.update(rank_env_from_launcher(cfg, dict(os.environ)))
     if "RANK" not in os.environ:
         # A plain `python train.py cfg.yml` is a one-rank job.
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
@@ -75,6 +118,7 @@ def build_run(cfg: NeoXConfig) -> Run:
         Topology(derived.tensor_parallel, derived.pipe_parallel, derived.data_parallel)
     )
     tr = cfg.training
+    ds_config = build_ds_config(cfg, derived)
     model = parallelize(
         cfg.model,
         derived.padded_vocab_size,
@@ -82,19 +126,19 @@ def build_run(cfg: NeoXConfig) -> Run:
         tr.seed,
         checkpoint_activations=tr.checkpoint_activations,
         checkpoint_num_layers=tr.checkpoint_num_layers,
-        partition_activations=tr.partition_activations,
+        checkpointing_options=ds_config["activation_checkpointing"],
         pipe_partition_method=cfg.parallel.pipe_partition_method,
         device=device,
     )
     engine, _, _, _ = deepspeed.initialize(
         model=model,
-        optimizer=build_optimizer(model, cfg.optimizer),
-        config=build_ds_config(cfg, derived),
+        optimizer=build_optimizer(model, cfg.optimizer, derived.optimizer_type, derived.lr),
+        config=ds_config,
         mpu=engine_mpu(model, groups),
     )
     o = cfg.optimizer
     schedule = LRSchedule(
-        peak_lr=o.lr if o.lr is not None else o.optimizer.lr,
+        peak_lr=derived.lr,
         min_lr=o.min_lr,
         warmup_iters=derived.warmup_iters,
         decay_iters=derived.lr_decay_iters,
