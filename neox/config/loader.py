@@ -179,7 +179,7 @@ def check_keys(flat: dict[str, Any], sources: dict[str, str]) -> dict[str, Any]:
                 log.debug("ignoring %s=%r (%s is off) from %s", key, value, feature, where)
             else:
                 problems.append(
-                    f"{where}: {key}={value!r} asks for {feature}, which neox does not implement; "
+                    f"{where}: {key}={value!r} asks for {feature}, which is not implemented in neox; "
                     f"remove the key"
                 )
         else:

@@ -20,16 +20,16 @@ InitMethod = Literal[
 
 # gpt-neox attention types neox runs; the sparse/linear/recurrent ones are rejected by name.
 SUPPORTED_ATTENTION = ("global", "flash", "local")
-UNSUPPORTED_ATTENTION = (
-    "sparse_fixed",
-    "sparse_variable",
-    "bigbird",
-    "bslongformer",
-    "gmlp",
-    "amlp",
-    "rwkv",
-    "mamba",
-)
+UNSUPPORTED_ATTENTION = {
+    "sparse_fixed": "sparse attention",
+    "sparse_variable": "sparse attention",
+    "bigbird": "sparse attention",
+    "bslongformer": "sparse attention",
+    "gmlp": "gMLP",
+    "amlp": "gMLP",
+    "rwkv": "RWKV",
+    "mamba": "Mamba layers",
+}
 
 
 class ModelConfig(ConfigGroup):
@@ -273,12 +273,18 @@ class ModelConfig(ConfigGroup):
                 )
             kinds, repeat = entry
             kinds = [kinds] if isinstance(kinds, str) else list(kinds)
-            for _ in range(int(repeat)):
-                types.extend(kinds)
+            if repeat == "all":  # gpt-neox: the pattern repeats over every layer
+                repeat = self.num_layers // max(1, len(kinds))
+            if not isinstance(repeat, int):
+                raise ValueError(
+                    f'attention_config repeat {repeat!r} must be a whole number or "all"'
+                )
+            types.extend(kinds * repeat)
         for kind in types:
             if kind in UNSUPPORTED_ATTENTION:
                 raise ValueError(
-                    f"attention type {kind!r} (attention_config) is not implemented in neox; "
+                    f"attention type {kind!r} (attention_config) asks for "
+                    f"{UNSUPPORTED_ATTENTION[kind]}, which is not implemented in neox; "
                     f"use one of {SUPPORTED_ATTENTION}"
                 )
             if kind not in SUPPORTED_ATTENTION:
