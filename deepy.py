@@ -12,8 +12,9 @@ import sys
 import yaml
 
 from neox.config import ConfigError, build_ds_config, derive, encode, load_config
-from neox.config.preflight import describe_resume, git_hash, preflight
+from neox.config.preflight import check_save_dir, describe_resume, git_hash, preflight
 from neox.launcher import HostfileError, build_launch, run_launch
+from neox.launcher.reach import check_nodes_reachable
 
 # gpt-neox's deepy.py flags that set a config key (flag -> key).
 KEY_FLAGS = {
@@ -85,13 +86,19 @@ def main(argv: list[str]) -> int:
         if args.dry_run:
             plan = plan_smallest_layout(cfg, plan, args.script)
         vocab_size, problems = preflight(loaded, args.script)
+        derived = derive(cfg, plan.world_size, vocab_size)
+        ds_config = build_ds_config(cfg, derived)
+        try:
+            check_save_dir(loaded, derived, create=not args.dry_run)
+        except ConfigError as e:
+            problems.append(str(e))
         if problems and not args.dry_run:
             raise ConfigError("\n".join(problems))
         if problems:
             # A dry run may plan for another machine: files missing here are reported, not fatal.
             print("warning (a real launch would stop here):", *problems, sep="\n", file=sys.stderr)
-        derived = derive(cfg, plan.world_size, vocab_size)
-        ds_config = build_ds_config(cfg, derived)
+        if not args.dry_run:
+            check_nodes_reachable(plan)
     except (ConfigError, HostfileError) as e:
         print(f"deepy: config error:\n{e}", file=sys.stderr)
         return 2

@@ -1,6 +1,7 @@
 """Checks against the filesystem before launch: data, vocab files, the checkpoint to resume."""
 
 import logging
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -168,3 +169,46 @@ def git_hash() -> Optional[str]:
     except (OSError, subprocess.TimeoutExpired):
         return None
     return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def checkpoint_bytes(cfg, derived) -> int:
+    """A lower bound of one checkpoint's size: the weights in their training precision."""
+    from neox.estimate import count_parameters
+
+    params = count_parameters(cfg.model, derived.padded_vocab_size or 0)
+    return params * (2 if derived.precision in ("fp16", "bf16") else 4)
+
+
+def check_save_dir(loaded: LoadedConfig, derived, create: bool) -> None:
+    """The `save` directory can be written and has room for at least one checkpoint.
+
+    Args:
+        create: make the directory and write a probe file (a real launch); otherwise only look
+            at the nearest existing ancestor (a dry run creates nothing).
+    """
+    import shutil
+
+    save = loaded.config.checkpoint.save
+    if save is None:
+        return
+    where = f"{loaded.source_of('save')}: save={save!r}"
+    path = Path(save)
+    try:
+        if create:
+            path.mkdir(parents=True, exist_ok=True)
+            probe = path / f".neox_write_probe_{os.getpid()}"
+            probe.write_bytes(b"0" * 4096)
+            probe.unlink()
+        existing = next(p for p in (path, *path.parents) if p.exists())
+        free = shutil.disk_usage(existing).free
+    except OSError as e:
+        raise ConfigError(
+            f"{where}: the checkpoint directory cannot be written ({e.strerror}); make it "
+            "writable or point `save` elsewhere"
+        ) from None
+    need = checkpoint_bytes(loaded.config, derived)
+    if free < need:
+        raise ConfigError(
+            f"{where}: {free / 1e6:.1f} MB free, but one checkpoint needs at least "
+            f"{need / 1e6:.1f} MB (the weights alone); free space or point `save` elsewhere"
+        )

@@ -240,8 +240,8 @@ KEYS: dict[str, Status] = {
     "detect_nvlink_pairs": NoOp(),
     "comment": _reads(LAUNCH),
     "account": _reads(LAUNCH),
-    "deepspeed_mpi": _reads(SETUP),
-    "deepspeed_slurm": _reads(SETUP),
+    "deepspeed_mpi": _reads("neox/launcher/rank_env.py"),
+    "deepspeed_slurm": _reads("neox/launcher/rank_env.py"),
     "export_env": _reads(LAUNCH),
     # generation (generate.py, eval.py)
     "text_gen_type": _reads(GENERATE, pending=True),

@@ -157,6 +157,10 @@ def build_launch(
     _check_backend_filters(cfg)
 
     exports = {k: env[k] for k in _export_names(cfg, env)}
+    if launcher in ("openmpi", "mvapich", "slurm"):
+        # mpirun and srun start the ranks directly: DeepSpeed tells them no rendezvous address.
+        exports["MASTER_ADDR"] = cfg.master_addr or next(iter(hosts))
+        exports["MASTER_PORT"] = str(cfg.master_port)
     env_file_text = ""
     if launcher == "pdsh":
         _check_pdsh_paths(cwd)

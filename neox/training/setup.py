@@ -10,6 +10,7 @@ import torch
 
 from neox.config import Derived, NeoXConfig, build_ds_config, derive
 from neox.data.loader import DataLoaders, build_train_valid_test_loaders
+from neox.launcher.rank_env import rank_env_from_launcher
 from neox.tokenizer import Tokenizer, build_tokenizer
 from neox.training.optim import build_optimizer
 from neox.training.schedule import LRSchedule
@@ -39,48 +40,6 @@ class Run:
         return self.rank == 0
 
 
-# Where mpirun and srun put each rank's place: (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE).
-LAUNCHER_RANK_ENV = {
-    "mpi": (
-        "OMPI_COMM_WORLD_RANK",
-        "OMPI_COMM_WORLD_SIZE",
-        "OMPI_COMM_WORLD_LOCAL_RANK",
-        "OMPI_COMM_WORLD_LOCAL_SIZE",
-    ),
-    "mvapich": ("MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_LOCAL_RANK", ""),
-    "slurm": ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"),
-}
-
-
-def rank_env_from_launcher(cfg: NeoXConfig, environ: dict) -> dict[str, str]:
-    """RANK/WORLD_SIZE/LOCAL_RANK for ranks started by mpirun or srun, which set their own names.
-
-    DeepSpeed's runner sets torch's names only for pdsh and local launches; gpt-neox's
-    deepspeed_mpi/deepspeed_slurm ask for this translation, and the launcher key implies it.
-    """
-    lc = cfg.launcher
-    if "RANK" in environ:
-        return {}
-    kinds = []
-    if lc.deepspeed_slurm or lc.launcher == "slurm":
-        kinds.append("slurm")
-    if lc.deepspeed_mpi or lc.launcher in ("openmpi", "mvapich"):
-        kinds += ["mpi", "mvapich"]
-    for kind in kinds:
-        names = LAUNCHER_RANK_ENV[kind]
-        if names[0] in environ:
-            values = {
-                torch_name: environ[name]
-                for torch_name, name in zip(
-                    ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"), names
-                )
-                if name and name in environ
-            }
-            values.setdefault("MASTER_PORT", str(lc.master_port))
-            return values
-    return {}
-
-
 def init_distributed(cfg: NeoXConfig) -> torch.device:
     """torch.distributed through DeepSpeed: gloo on CPU ranks, the configured backend on GPUs."""
     import deepspeed
@@ -89,7 +48,7 @@ def init_distributed(cfg: NeoXConfig) -> torch.device:
     accel = get_accelerator()
     on_cpu = accel.device_name() == "cpu"
     backend = "gloo" if on_cpu else cfg.parallel.distributed_backend
-    os.environ.update(rank_env_from_launcher(cfg, dict(os.environ)))
+    os.environ.update(rank_env_from_launcher(cfg.launcher, os.environ))
     if "RANK" not in os.environ:
         # A plain `python train.py cfg.yml` is a one-rank job.
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
