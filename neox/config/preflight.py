@@ -197,8 +197,10 @@ def check_save_dir(loaded: LoadedConfig, derived, create: bool) -> None:
         if create:
             path.mkdir(parents=True, exist_ok=True)
             probe = path / f".neox_write_probe_{os.getpid()}"
-            probe.write_bytes(b"0" * 4096)
-            probe.unlink()
+            try:
+                probe.write_bytes(b"0" * 4096)
+            finally:
+                probe.unlink(missing_ok=True)
         existing = next(p for p in (path, *path.parents) if p.exists())
         free = shutil.disk_usage(existing).free
     except OSError as e:
