@@ -40,6 +40,8 @@ def main() -> None:
                 "seed": cfg.training.seed,
                 "node_rank": int(os.environ.get("CROSS_RANK", 0)),
                 "ds_accelerator": os.environ.get("DS_ACCELERATOR"),
+                "wandb_group": cfg.logging.wandb_group,
+                "hostile_env": os.environ.get("NEOX_HOSTILE"),
             }
         )
     )
