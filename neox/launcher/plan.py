@@ -142,8 +142,13 @@ def build_launch(
     if cfg.num_gpus is not None:
         argv.append(f"--num_gpus={cfg.num_gpus}")
     argv.append(f"--launcher={cfg.launcher}")
-    if cfg.master_addr:
-        argv.append(f"--master_addr={_plain_master_addr(cfg.master_addr)}")
+    master_addr = cfg.master_addr
+    if master_addr is None and cfg.launcher != "pdsh":
+        # DeepSpeed's runner would ssh to the first host for `hostname -I`; mpirun and srun
+        # need no ssh, so the first host's name serves as the rendezvous address.
+        master_addr = next(iter(hosts))
+    if master_addr:
+        argv.append(f"--master_addr={_plain_master_addr(master_addr)}")
     argv.append(f"--master_port={cfg.master_port}")
     if cfg.ssh_port is not None:
         argv.append(f"--ssh_port={cfg.ssh_port}")
@@ -159,7 +164,7 @@ def build_launch(
     exports = {k: env[k] for k in _export_names(cfg, env)}
     if launcher in ("openmpi", "mvapich", "slurm"):
         # mpirun and srun start the ranks directly: DeepSpeed tells them no rendezvous address.
-        exports["MASTER_ADDR"] = cfg.master_addr or next(iter(hosts))
+        exports["MASTER_ADDR"] = master_addr
         exports["MASTER_PORT"] = str(cfg.master_port)
     env_file_text = ""
     if launcher == "pdsh":
