@@ -30,6 +30,7 @@ class Derived:
     padded_vocab_size: Optional[int]
     optimizer_type: str  # lower case: adam, adamw, cpu_adam, sgd, lion...
     lr: float  # peak learning rate
+    samples: tuple[int, int, int]  # train, valid, test samples the whole run draws
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -123,6 +124,17 @@ def peak_lr(cfg: NeoXConfig) -> float:
     return float(o.lr) if o.lr is not None else o.optimizer.lr
 
 
+def sample_counts(cfg: NeoXConfig, global_batch: int) -> tuple[int, int, int]:
+    """Samples of each split the run consumes, so the sample index is built once for all."""
+    t = cfg.training
+    evals = (t.train_iters // t.eval_interval + 1) * t.eval_iters if t.do_valid else 0
+    return (
+        t.train_iters * global_batch,
+        evals * global_batch,
+        t.eval_iters * global_batch if t.do_test else 0,
+    )
+
+
 def schedule_iters(cfg: NeoXConfig) -> tuple[int, int]:
     """(decay iterations, warmup iterations)."""
     o, iters = cfg.optimizer, cfg.training.train_iters
@@ -169,6 +181,7 @@ def derive(cfg: NeoXConfig, world_size: int, vocab_size: Optional[int] = None) -
         padded_vocab_size=padded,
         optimizer_type=optimizer_type(cfg),
         lr=peak_lr(cfg),
+        samples=sample_counts(cfg, glob),
     )
 
 

@@ -121,18 +121,11 @@ def build_run(cfg: NeoXConfig) -> Run:
 def build_data(run: Run, consumed_train_samples: int) -> DataLoaders:
     """Sample streams sized for the whole run, starting where a resumed run left off."""
     cfg, d = run.cfg, run.derived
-    t = cfg.training
-    evals = (t.train_iters // t.eval_interval + 1) * t.eval_iters if t.do_valid else 0
-    num_samples = (
-        t.train_iters * d.global_batch,
-        evals * d.global_batch,
-        (t.eval_iters * d.global_batch) if t.do_test else 0,
-    )
     data = cfg.data
     return build_train_valid_test_loaders(
         seq_length=cfg.model.seq_length,
-        seed=t.seed,
-        num_samples=num_samples,
+        seed=cfg.training.seed,
+        num_samples=d.samples,
         micro_batch_size=d.micro_batch,
         data_path=data.data_path,
         split=data.split,
