@@ -1,5 +1,6 @@
 """Launcher settings: where the ranks run and how they are started (DeepSpeed's runner)."""
 
+import re
 from typing import Literal, Optional
 
 from pydantic import model_validator
@@ -69,4 +70,10 @@ class LauncherConfig(ConfigGroup):
             raise ValueError(f"num_gpus={self.num_gpus} must be >= 1 (or left unset for all GPUs)")
         if self.num_nodes == 0 or self.num_nodes < -1:
             raise ValueError(f"num_nodes={self.num_nodes} must be >= 1, or -1 for every host")
+        bad = [n for n in self.export_env if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", n)]
+        if bad:
+            raise ValueError(
+                f"export_env names {bad} are not environment variable names (letters, digits "
+                "and '_', not starting with a digit)"
+            )
         return self

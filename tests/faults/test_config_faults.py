@@ -167,3 +167,11 @@ def test_master_addr_without_hostfile_is_reported(tmp_path):
     )
     assert r.returncode == 0, r.stderr
     assert "master_addr=10.1.2.3 is not used" in r.stderr
+
+
+def test_bad_export_env_name_is_a_config_error():
+    """Fault: export_env names something that is not a variable name. Promise: a config error."""
+    from neox.config import ConfigError, load_dict
+
+    with pytest.raises(ConfigError, match="not environment variable names"):
+        load_dict({"export_env": ["OK_NAME", "X; rm -rf /"]})
