@@ -167,6 +167,7 @@ def derive(cfg: NeoXConfig, world_size: int, vocab_size: Optional[int] = None) -
         )
     check_pipeline_clipping(cfg, precision_of(cfg))
     check_pipeline_inputs(cfg)
+    check_as_gpt_neox_does(cfg, precision_of(cfg))
     return Derived(
         world_size=world_size,
         tensor_parallel=tp,
@@ -206,6 +207,20 @@ def check_pipeline_clipping(cfg: NeoXConfig, precision: str) -> None:
             f"pipe_parallel_size={cfg.parallel.pp} with fp32, ZeRO stage 0 and gradient_clipping="
             f"{clip}: DeepSpeed computes the clipping norm from stage 0's parameters only in this "
             "mode; use zero_optimization.stage 1 (or fp16/bf16), or gradient_clipping 0"
+        )
+
+
+def check_as_gpt_neox_does(cfg: NeoXConfig, precision: str) -> None:
+    """Combinations gpt-neox's own validation refuses (NeoXArgs.validate_values)."""
+    lr, min_lr = peak_lr(cfg), cfg.optimizer.min_lr
+    if min_lr > lr:
+        raise ConfigError(
+            f"min_lr={min_lr} exceeds the peak learning rate {lr}; lower min_lr or raise lr"
+        )
+    if cfg.model.fp16_lm_cross_entropy and precision != "fp16":
+        raise ConfigError(
+            f"fp16_lm_cross_entropy=true needs fp16 training, but precision is {precision}; "
+            "drop the key or enable fp16"
         )
 
 

@@ -167,3 +167,15 @@ def test_every_gpt_neox_config_passes_or_is_refused_by_feature(tmp_path):
     )
     assert r.returncode == 0, out.read_text() if out.exists() else r.stderr
     assert "0 fails" in out.read_text().splitlines()[0]
+
+
+@pytest.mark.parametrize(
+    "flat,message",
+    [
+        ({"min_lr": 0.1, "lr": 0.01}, "min_lr=0.1 exceeds the peak learning rate 0.01"),
+        ({"fp16_lm_cross_entropy": True}, "fp16_lm_cross_entropy=true needs fp16"),
+    ],
+)
+def test_combinations_gpt_neox_refuses(flat, message):
+    with pytest.raises(ConfigError, match=message):
+        derive(load_dict(flat), 1)
