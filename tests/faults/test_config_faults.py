@@ -13,6 +13,7 @@ import yaml
 from tests.train_helpers import make_dataset
 
 ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow  # each case starts deepy.py or preprocess_data.py
 
 
 @dataclass

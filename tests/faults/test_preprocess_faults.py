@@ -15,6 +15,7 @@ import pytest
 from neox.data.indexed import IndexedDataset
 
 ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow  # each case starts deepy.py or preprocess_data.py
 
 
 def preprocess(inp: Path, prefix: Path, *extra: str) -> subprocess.Popen:
