@@ -1,39 +1,57 @@
 #!/usr/bin/env python
 """Merge config files, validate them, and launch a neox script on every rank through DeepSpeed.
 
-python deepy.py train.py configs/tiny.yml [more.yml ...] [-d CONF_DIR] [--dry-run]
+python deepy.py train.py configs/tiny.yml [more.yml ...] [-d CONF_DIR] [-H HOSTFILE] [--dry-run]
 """
 
 import argparse
 import json
 import logging
 import sys
+from pathlib import Path
 
 import yaml
 
 from neox.config import ConfigError, build_ds_config, derive, encode, load_config
 from neox.config.preflight import (
-    check_data,
-    check_eval,
-    check_generation,
-    check_tokenizer_files,
+    NEEDS_CHECKPOINT,
+    check_save_dir,
     describe_resume,
-    tokenizer_vocab_size,
+    git_hash,
+    preflight,
 )
 from neox.estimate_report import estimate_report, estimate_vocab, fit_warning
 from neox.launcher import HostfileError, build_launch, run_launch
+from neox.launcher.reach import check_nodes_reachable
 
-# Entry scripts that read training data, and those that read a trained checkpoint (with the
-# check of what each one reads).
-NEEDS_DATA = {"train.py"}
-NEEDS_CHECKPOINT = {"generate.py": check_generation, "eval.py": check_eval}
+# gpt-neox's deepy.py flags that set a config key (flag -> key).
+KEY_FLAGS = {
+    "hostfile": "hostfile",
+    "wandb_group": "wandb_group",
+    "wandb_team": "wandb_team",
+    "wandb_run_name": "wandb_run_name",
+    "eval_tasks": "eval_tasks",
+    "eval_results_prefix": "eval_results_prefix",
+    "sample_input_file": "sample_input_file",
+    "sample_output_file": "sample_output_file",
+}
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("script", help="per-rank entry script: train.py, generate.py or eval.py")
-    p.add_argument("configs", nargs="+", help="YAML/JSON config files, later ones override earlier")
+    p.add_argument(
+        "configs", nargs="+", help="YAML/JSON config files (`name` means name.yml), later win"
+    )
     p.add_argument("-d", "--conf_dir", help="directory prefixed to every config name")
+    p.add_argument("-H", "--hostfile", help="hostfile (overrides the config's `hostfile`)")
+    p.add_argument("--wandb_group", help="Weights & Biases group")
+    p.add_argument("--wandb_team", help="Weights & Biases team")
+    p.add_argument("--wandb_run_name", help="Weights & Biases run name")
+    p.add_argument("--eval_tasks", nargs="+", help="tasks for eval.py")
+    p.add_argument("--eval_results_prefix", help="prefix of eval.py's results file")
+    p.add_argument("-i", "--sample_input_file", help="prompts for generate.py")
+    p.add_argument("-o", "--sample_output_file", help="where generate.py writes samples")
     p.add_argument(
         "--dry-run",
         action="store_true",
@@ -41,6 +59,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "nothing (files missing on this machine are warnings here, errors in a real launch)",
     )
     return p.parse_args(argv)
+
+
+def flag_overrides(args: argparse.Namespace) -> dict:
+    """Config keys set on the command line, plus the code's commit when no config names one."""
+    return {key: getattr(args, flag) for flag, key in KEY_FLAGS.items() if getattr(args, flag)}
 
 
 def plan_smallest_layout(cfg, plan, script: str):
@@ -80,38 +103,33 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="deepy: %(message)s")
     args = parse_args(argv)
     try:
-        loaded = load_config(args.configs, args.conf_dir)
+        loaded = load_config(args.configs, args.conf_dir, flag_overrides(args))
+        if loaded.config.logging.git_hash is None and (commit := git_hash()):
+            loaded.config.logging.git_hash = commit
         cfg = loaded.config
         for override in loaded.overrides:
             print(f"override  {override}")
         plan = build_launch(cfg.launcher, args.script, ["--neox_config", encode(cfg)])
         if args.dry_run:
             plan = plan_smallest_layout(cfg, plan, args.script)
-        problems = []
-        checks = [check_tokenizer_files, tokenizer_vocab_size]
-        script = args.script.rsplit("/", 1)[-1]
-        if script in NEEDS_DATA:
-            checks.insert(1, check_data)
-        if script in NEEDS_CHECKPOINT:
-            checks.insert(1, NEEDS_CHECKPOINT[script])
-        vocab_size = None
-        for check in checks:
-            try:
-                vocab_size = check(loaded) or vocab_size
-            except ConfigError as e:
-                problems.append(str(e))
-                if check is check_tokenizer_files:
-                    checks.remove(tokenizer_vocab_size)
+        vocab_size, problems = preflight(loaded, args.script)
+        derived = derive(cfg, plan.world_size, vocab_size)
+        ds_config = build_ds_config(cfg, derived)
+        try:
+            check_save_dir(loaded, derived, create=not args.dry_run)
+        except ConfigError as e:
+            problems.append(str(e))
         if problems and not args.dry_run:
             raise ConfigError("\n".join(problems))
         if problems:
             # A dry run may plan for another machine: files missing here are reported, not fatal.
             print("warning (a real launch would stop here):", *problems, sep="\n", file=sys.stderr)
-        derived = derive(cfg, plan.world_size, vocab_size)
+        if not args.dry_run:
+            check_nodes_reachable(plan)
     except (ConfigError, HostfileError) as e:
         print(f"deepy: config error:\n{e}", file=sys.stderr)
         return 2
-    if script not in NEEDS_CHECKPOINT:
+    if Path(args.script).name not in NEEDS_CHECKPOINT:
         print(describe_resume(loaded))
     if args.dry_run:
         print("# merged config")
@@ -124,7 +142,7 @@ def main(argv: list[str]) -> int:
             print(f"vocabulary: {source}, padded to {vocab}")
         print(estimate_report(cfg, derived, vocab))
         print("# deepspeed config")
-        print(json.dumps(build_ds_config(cfg, derived), indent=2))
+        print(json.dumps(ds_config, indent=2))
         print("# launch command")
         print(plan.command)
         return 0

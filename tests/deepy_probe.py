@@ -11,10 +11,12 @@ import time
 from pathlib import Path
 
 from neox.config import config_from_argv
+from neox.launcher.rank_env import rank_env_from_launcher
 
 
 def main() -> None:
     cfg = config_from_argv(sys.argv[1:])
+    os.environ.update(rank_env_from_launcher(cfg.launcher, os.environ))  # mpirun, srun
     rank = int(os.environ["RANK"])
     if cfg.training.exit_interval is not None:
         if rank == cfg.training.exit_interval:
@@ -38,6 +40,8 @@ def main() -> None:
                 "seed": cfg.training.seed,
                 "node_rank": int(os.environ.get("CROSS_RANK", 0)),
                 "ds_accelerator": os.environ.get("DS_ACCELERATOR"),
+                "wandb_group": cfg.logging.wandb_group,
+                "hostile_env": os.environ.get("NEOX_HOSTILE"),
             }
         )
     )

@@ -44,7 +44,7 @@ def test_dry_run_of_20b_with_local_setup():
 def test_dry_run_plans_a_bigger_layout_from_num_gpus(tmp_path):
     cfg = tmp_path / "layout.yml"
     cfg.write_text("num_gpus: 16\nmodel_parallel_size: 2\ntrain_micro_batch_size_per_gpu: 4\n")
-    r = deepy("eval.py", "configs/tiny.yml", cfg, "--dry-run")
+    r = deepy("train.py", "configs/tiny.yml", cfg, "--dry-run")
     assert r.returncode == 0, r.stderr
     assert "world_size: 16" in r.stdout and "data_parallel: 8" in r.stdout
     assert "global_batch: 32" in r.stdout

@@ -2,6 +2,8 @@
 
 from typing import Literal, Optional
 
+from pydantic import field_validator
+
 from neox.config.base import ConfigGroup
 
 
@@ -39,7 +41,24 @@ class CheckpointConfig(ConfigGroup):
     """Do not restore RNG state."""
 
     checkpoint_validation_with_forward_pass: bool = False
-    """After loading, check the loss of one batch against the one recorded at save time."""
+    """Check a loaded checkpoint with a forward pass (gpt-neox key; not implemented: must be
+    false)."""
 
     save_iters: Optional[list[int]] = None
-    """gpt-neox runtime key (derived from checkpoint_factor; accepted, recomputed)."""
+    """No-op (gpt-neox runtime key): save iterations follow checkpoint_factor/extra_save_iters."""
+
+    @field_validator("checkpoint_validation_with_forward_pass")
+    @classmethod
+    def _no_validation_pass(cls, v: bool) -> bool:
+        if v:
+            raise ValueError(
+                "checkpoint validation with a forward pass is not implemented in neox; set it false"
+            )
+        return v
+
+    @field_validator("checkpoint_factor")
+    @classmethod
+    def _factor_positive(cls, v: Optional[int]) -> Optional[int]:
+        if v is not None and v < 1:
+            raise ValueError(f"checkpoint_factor={v} must be >= 1 (or unset: save at the end)")
+        return v

@@ -67,17 +67,20 @@ class DataConfig(ConfigGroup):
     split: str = "969,30,1"
     """Train/valid/test proportions of data_path's documents, e.g. "949,50,1"."""
 
-    data_impl: Literal["mmap", "infer", "cached"] = "mmap"
-    """Dataset format (only the mmap .bin/.idx format is read; others are accepted as mmap)."""
+    data_impl: str = "mmap"
+    """No-op (gpt-neox key) for "mmap" and "infer": the mmap .bin/.idx format is the one format
+    read (preflight checks each .idx header); gpt-neox's older "cached" format is refused."""
 
-    dataset_impl: Literal["gpt2"] = "gpt2"
-    """Dataset kind (gpt-neox key; only gpt2 language modelling)."""
+    dataset_impl: str = "gpt2"
+    """Dataset kind (gpt-neox key): only "gpt2" language modelling; pairwise/reward/online data
+    (DPO, reward models, RL) is refused."""
 
-    pack_impl: Literal["packed"] = "packed"
-    """Sample packing (gpt-neox key; documents are packed into full sequences)."""
+    pack_impl: str = "packed"
+    """Sample packing (gpt-neox key): documents are packed into full sequences; "unpacked" and
+    "pack_until_overflow" are refused."""
 
     allow_chopped: bool = True
-    """gpt-neox key for unpacked data (accepted; no effect with packed samples)."""
+    """No-op (gpt-neox key): it only matters for unpacked samples, which neox refuses."""
 
     eod_mask_loss: bool = False
     """Exclude end-of-document tokens from the loss."""
@@ -95,13 +98,42 @@ class DataConfig(ConfigGroup):
     """Where sample indices are cached (default: beside the data)."""
 
     mmap_warmup: bool = False
-    """gpt-neox key (accepted; no effect)."""
+    """No-op (gpt-neox key): gpt-neox ignores it too; pages are read on demand."""
 
     use_shared_fs: bool = True
     """All nodes see the same data directory (index files are then built once, by global rank 0)."""
 
     short_seq_prob: float = 0.0
-    """gpt-neox key (accepted; no effect)."""
+    """No-op (gpt-neox key): a BERT-era option gpt-neox does not read either."""
+
+    @field_validator("data_impl")
+    @classmethod
+    def _mmap_only(cls, v: str) -> str:
+        if v not in ("mmap", "infer"):
+            raise ValueError(
+                f"data_impl={v!r}: only the mmap .bin/.idx format is implemented in neox; use "
+                "mmap (re-tokenize with tools/preprocess_data.py)"
+            )
+        return v
+
+    @field_validator("dataset_impl")
+    @classmethod
+    def _gpt2_only(cls, v: str) -> str:
+        if v != "gpt2":
+            raise ValueError(
+                f"dataset_impl={v!r}: pairwise/reward/online datasets (DPO, reward models, RL) "
+                "are not implemented in neox; use gpt2"
+            )
+        return v
+
+    @field_validator("pack_impl")
+    @classmethod
+    def _packed_only(cls, v: str) -> str:
+        if v != "packed":
+            raise ValueError(
+                f"pack_impl={v!r}: unpacked samples are not implemented in neox; use packed"
+            )
+        return v
 
     @field_validator("split")
     @classmethod

@@ -75,7 +75,16 @@ class DeepSpeedConfig(ConfigGroup):
     """Print DeepSpeed's state after initialisation."""
 
     deepspeed: bool = True
-    """gpt-neox key: neox always trains through DeepSpeed."""
+    """gpt-neox key: neox always trains through DeepSpeed, so false is refused."""
+
+    @field_validator("deepspeed")
+    @classmethod
+    def _always_deepspeed(cls, v: bool) -> bool:
+        if not v:
+            raise ValueError(
+                "training without DeepSpeed is not implemented in neox; remove the key"
+            )
+        return v
 
     deepspeed_extra_args: Optional[dict[str, Any]] = None
     """Anything else, merged into the DeepSpeed config as given."""

@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass
 from typing import Optional
 
 from neox.config.errors import ConfigError
+from neox.config.optimizer import OPTIMIZER_TYPES
 from neox.config.schema import NeoXConfig
 from neox.parallel.topology import Topology
 
@@ -27,6 +28,9 @@ class Derived:
     lr_decay_iters: int
     warmup_iters: int
     padded_vocab_size: Optional[int]
+    optimizer_type: str  # lower case: adam, adamw, cpu_adam, sgd, lion...
+    lr: float  # peak learning rate
+    samples: tuple[int, int, int]  # train, valid, test samples the whole run draws
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -95,6 +99,42 @@ def precision_of(cfg: NeoXConfig) -> str:
     return from_sections or named or "fp32"
 
 
+def optimizer_type(cfg: NeoXConfig) -> str:
+    """optimizer.type, or gpt-neox's flat optimizer_type when no `optimizer` section is given."""
+    o = cfg.optimizer
+    section = "optimizer" in o.model_fields_set
+    if o.optimizer_type is None:
+        return o.optimizer.type.lower()
+    if section and o.optimizer_type.lower() != o.optimizer.type.lower():
+        raise ConfigError(
+            f"optimizer_type={o.optimizer_type!r} contradicts optimizer.type="
+            f"{o.optimizer.type!r}; keep one of them"
+        )
+    kind = o.optimizer_type.lower()
+    if kind not in OPTIMIZER_TYPES:
+        raise ConfigError(
+            f"optimizer_type={o.optimizer_type!r} is not available; use one of {OPTIMIZER_TYPES}"
+        )
+    return kind
+
+
+def peak_lr(cfg: NeoXConfig) -> float:
+    """gpt-neox's top-level `lr` wins over optimizer.params.lr."""
+    o = cfg.optimizer
+    return float(o.lr) if o.lr is not None else o.optimizer.lr
+
+
+def sample_counts(cfg: NeoXConfig, global_batch: int) -> tuple[int, int, int]:
+    """Samples of each split the run consumes, so the sample index is built once for all."""
+    t = cfg.training
+    evals = (t.train_iters // t.eval_interval + 1) * t.eval_iters if t.do_valid else 0
+    return (
+        t.train_iters * global_batch,
+        evals * global_batch,
+        t.eval_iters * global_batch if t.do_test else 0,
+    )
+
+
 def schedule_iters(cfg: NeoXConfig) -> tuple[int, int]:
     """(decay iterations, warmup iterations)."""
     o, iters = cfg.optimizer, cfg.training.train_iters
@@ -127,6 +167,7 @@ def derive(cfg: NeoXConfig, world_size: int, vocab_size: Optional[int] = None) -
         )
     check_pipeline_clipping(cfg, precision_of(cfg))
     check_pipeline_inputs(cfg)
+    check_as_gpt_neox_does(cfg, precision_of(cfg))
     return Derived(
         world_size=world_size,
         tensor_parallel=tp,
@@ -139,6 +180,9 @@ def derive(cfg: NeoXConfig, world_size: int, vocab_size: Optional[int] = None) -
         lr_decay_iters=decay,
         warmup_iters=warmup,
         padded_vocab_size=padded,
+        optimizer_type=optimizer_type(cfg),
+        lr=peak_lr(cfg),
+        samples=sample_counts(cfg, glob),
     )
 
 
@@ -163,6 +207,20 @@ def check_pipeline_clipping(cfg: NeoXConfig, precision: str) -> None:
             f"pipe_parallel_size={cfg.parallel.pp} with fp32, ZeRO stage 0 and gradient_clipping="
             f"{clip}: DeepSpeed computes the clipping norm from stage 0's parameters only in this "
             "mode; use zero_optimization.stage 1 (or fp16/bf16), or gradient_clipping 0"
+        )
+
+
+def check_as_gpt_neox_does(cfg: NeoXConfig, precision: str) -> None:
+    """Combinations gpt-neox's own validation refuses (NeoXArgs.validate_values)."""
+    lr, min_lr = peak_lr(cfg), cfg.optimizer.min_lr
+    if min_lr > lr:
+        raise ConfigError(
+            f"min_lr={min_lr} exceeds the peak learning rate {lr}; lower min_lr or raise lr"
+        )
+    if cfg.model.fp16_lm_cross_entropy and precision != "fp16":
+        raise ConfigError(
+            f"fp16_lm_cross_entropy=true needs fp16 training, but precision is {precision}; "
+            "drop the key or enable fp16"
         )
 
 

@@ -1,5 +1,6 @@
 """Launcher settings: where the ranks run and how they are started (DeepSpeed's runner)."""
 
+import re
 from typing import Literal, Optional
 
 from pydantic import model_validator
@@ -44,7 +45,7 @@ class LauncherConfig(ConfigGroup):
     """sshd port on the nodes, when not 22."""
 
     detect_nvlink_pairs: bool = False
-    """Accepted for gpt-neox compatibility (autotuning helper); no effect."""
+    """No-op (gpt-neox key): an autotuning helper of gpt-neox's launcher."""
 
     comment: Optional[str] = None
     """Slurm comment (slurm launcher only)."""
@@ -53,10 +54,12 @@ class LauncherConfig(ConfigGroup):
     """Slurm account (slurm launcher only)."""
 
     deepspeed_mpi: bool = False
-    """Ranks discover each other through MPI environment variables (gpt-neox key)."""
+    """Ranks take their rank and world size from MPI's environment (OMPI_COMM_WORLD_*); implied by
+    launcher openmpi or mvapich."""
 
     deepspeed_slurm: bool = False
-    """Ranks discover each other through slurm environment variables (gpt-neox key)."""
+    """Ranks take their rank and world size from slurm's environment (SLURM_PROCID, ...); implied
+    by launcher slurm."""
 
     export_env: list[str] = []
     """Extra environment variable names exported to every node (besides PYTHONPATH, NCCL_*, DS_*...)."""
@@ -67,4 +70,10 @@ class LauncherConfig(ConfigGroup):
             raise ValueError(f"num_gpus={self.num_gpus} must be >= 1 (or left unset for all GPUs)")
         if self.num_nodes == 0 or self.num_nodes < -1:
             raise ValueError(f"num_nodes={self.num_nodes} must be >= 1, or -1 for every host")
+        bad = [n for n in self.export_env if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", n)]
+        if bad:
+            raise ValueError(
+                f"export_env names {bad} are not environment variable names (letters, digits "
+                "and '_', not starting with a digit)"
+            )
         return self

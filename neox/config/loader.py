@@ -36,6 +36,32 @@ _Loader.add_implicit_resolver(
 )
 
 
+def _mapping_without_duplicates(loader: _Loader, node: yaml.MappingNode, deep: bool = False):
+    # PyYAML keeps the last of two equal keys silently; in a config that hides a mistake.
+    seen: dict[str, yaml.Node] = {}
+    for key_node, _ in node.value:
+        key = normalize_key(str(loader.construct_object(key_node, deep=deep)))
+        if key in seen:
+            raise ConfigError(
+                f"key {key!r} appears twice (lines {seen[key].start_mark.line + 1} and "
+                f"{key_node.start_mark.line + 1}; dashes and underscores are the same); keep one"
+            )
+        seen[key] = key_node
+    return loader.construct_mapping(node, deep=deep)
+
+
+_Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping_without_duplicates)
+
+
+def _json_object_without_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if normalize_key(key) in {normalize_key(k) for k in out}:
+            raise ConfigError(f"key {key!r} appears twice; keep one")
+        out[key] = value
+    return out
+
+
 @dataclass
 class Override:
     """A key set by an earlier file and changed by a later one."""
@@ -72,11 +98,27 @@ def read_config_file(path: Path) -> dict[str, Any]:
     """Parse one YAML or JSON config file into a dict with normalised top-level keys."""
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist; check the path (or -d/--conf_dir)")
-    text = path.read_text()
     try:
-        data = json.loads(text) if path.suffix == ".json" else yaml.load(text, Loader=_Loader)
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(
+            f"{path}: not a text file (not UTF-8); pass a YAML or JSON config"
+        ) from None
+    except OSError as e:
+        raise ConfigError(f"config file {path} cannot be read: {e.strerror}") from None
+    if "\x00" in text:
+        raise ConfigError(
+            f"{path}: not a text file (it holds NUL bytes); pass a YAML or JSON config"
+        )
+    try:
+        if path.suffix == ".json":
+            data = json.loads(text, object_pairs_hook=_json_object_without_duplicates)
+        else:
+            data = yaml.load(text, Loader=_Loader)
     except (yaml.YAMLError, json.JSONDecodeError) as e:
         raise ConfigError(f"{path}: not valid YAML/JSON: {e}") from None
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -95,8 +137,17 @@ def read_config_file(path: Path) -> dict[str, Any]:
 
 
 def resolve_paths(names: Iterable[str], conf_dir: Optional[str] = None) -> list[Path]:
-    """Config names, prefixed by conf_dir when given (gpt-neox's -d/--conf_dir)."""
-    return [Path(conf_dir) / n if conf_dir else Path(n) for n in names]
+    """Config names, prefixed by conf_dir when given (gpt-neox's -d/--conf_dir).
+
+    As in gpt-neox, a name without .yml/.yaml/.json means the .yml file (`-d configs 125M`).
+    """
+    paths = []
+    for name in names:
+        path = Path(conf_dir) / name if conf_dir else Path(name)
+        if path.suffix not in (".yml", ".yaml", ".json") and not path.is_file():
+            path = path.with_name(path.name + ".yml")
+        paths.append(path)
+    return paths
 
 
 def merge_files(paths: list[Path]) -> tuple[dict[str, Any], dict[str, str], list[Override]]:
@@ -124,11 +175,11 @@ def check_keys(flat: dict[str, Any], sources: dict[str, str]) -> dict[str, Any]:
         elif key in RUNTIME_KEYS:
             log.debug("ignoring gpt-neox runtime key %s from %s", key, where)
         elif (feature := unsupported_feature(key)) is not None:
-            if is_inert(value):
+            if is_inert(key, value):
                 log.debug("ignoring %s=%r (%s is off) from %s", key, value, feature, where)
             else:
                 problems.append(
-                    f"{where}: {key}={value!r} asks for {feature}, which neox does not implement; "
+                    f"{where}: {key}={value!r} asks for {feature}, which is not implemented in neox; "
                     f"remove the key"
                 )
         else:

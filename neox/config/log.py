@@ -2,6 +2,8 @@
 
 from typing import Optional
 
+from pydantic import ValidationInfo, field_validator
+
 from neox.config.base import ConfigGroup
 
 
@@ -27,25 +29,23 @@ class LoggingConfig(ConfigGroup):
     """Log the global gradient norm."""
 
     log_param_norm: bool = False
-    """Log the global parameter norm."""
+    """Log the global parameter norm (not implemented: must be false)."""
 
     log_grad_pct_zeros: bool = False
-    """Log the fraction of zero gradients."""
+    """Log the fraction of zero gradients (not implemented: must be false)."""
 
     log_optimizer_states: bool = False
-    """Log optimizer state norms."""
-
-    log_gradient_noise_scale: bool = False
-    """Log the gradient noise scale (gpt-neox key; not implemented, must be false)."""
+    """Log optimizer state norms (not implemented: must be false)."""
 
     git_hash: Optional[str] = None
-    """Commit of the code (filled in by deepy.py when run from a git checkout)."""
+    """Commit of the code; deepy.py fills it in from the git checkout it runs in, so the config
+    saved with each run and checkpoint names the code that produced it."""
 
     memory_profiling: bool = False
-    """Record a CUDA memory snapshot (gpt-neox key)."""
+    """Record a CUDA memory snapshot (gpt-neox key; not implemented: must be false)."""
 
     memory_profiling_path: Optional[str] = None
-    """Where the memory snapshot goes."""
+    """No-op: where gpt-neox's memory snapshot goes (memory_profiling is refused)."""
 
     profile: bool = False
     """Run the torch profiler between profile_step_start and profile_step_stop."""
@@ -56,20 +56,44 @@ class LoggingConfig(ConfigGroup):
     profile_step_stop: int = 12
     """Last profiled iteration."""
 
+    peak_theoretical_tflops: Optional[float] = None
+    """Peak TFLOPS of one device, for MFU in the log lines (None: no MFU)."""
+
     use_wandb: bool = False
-    """Weights & Biases logging (not available in neox: must be false)."""
+    """Log metrics to Weights & Biases."""
 
     wandb_project: Optional[str] = None
-    """gpt-neox key (accepted; no effect)."""
+    """Weights & Biases project."""
 
     wandb_group: Optional[str] = None
-    """gpt-neox key (accepted; no effect)."""
+    """Weights & Biases group (deepy.py --wandb_group)."""
 
     wandb_team: Optional[str] = None
-    """gpt-neox key (accepted; no effect)."""
+    """Weights & Biases team/entity (deepy.py --wandb_team)."""
 
     wandb_host: Optional[str] = None
-    """gpt-neox key (accepted; no effect)."""
+    """Weights & Biases server URL."""
 
     wandb_init_all_ranks: bool = False
-    """gpt-neox key (accepted; no effect)."""
+    """Start a Weights & Biases run on every rank, not only rank 0."""
+
+    wandb_run_name: Optional[str] = None
+    """Weights & Biases run name."""
+
+    @field_validator("log_param_norm", "log_grad_pct_zeros", "log_optimizer_states")
+    @classmethod
+    def _unimplemented_norms(cls, v: bool, info: ValidationInfo) -> bool:
+        if v:
+            raise ValueError(
+                f"{info.field_name} is not implemented in neox; set it false (log_grad_norm works)"
+            )
+        return v
+
+    @field_validator("memory_profiling")
+    @classmethod
+    def _no_memory_profiling(cls, v: bool) -> bool:
+        if v:
+            raise ValueError(
+                "CUDA memory snapshots (memory_profiling) are not implemented in neox; set it false"
+            )
+        return v

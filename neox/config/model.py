@@ -20,16 +20,16 @@ InitMethod = Literal[
 
 # gpt-neox attention types neox runs; the sparse/linear/recurrent ones are rejected by name.
 SUPPORTED_ATTENTION = ("global", "flash", "local")
-UNSUPPORTED_ATTENTION = (
-    "sparse_fixed",
-    "sparse_variable",
-    "bigbird",
-    "bslongformer",
-    "gmlp",
-    "amlp",
-    "rwkv",
-    "mamba",
-)
+UNSUPPORTED_ATTENTION = {
+    "sparse_fixed": "sparse attention",
+    "sparse_variable": "sparse attention",
+    "bigbird": "sparse attention",
+    "bslongformer": "sparse attention",
+    "gmlp": "gMLP",
+    "amlp": "gMLP",
+    "rwkv": "RWKV",
+    "mamba": "Mamba layers",
+}
 
 
 class ModelConfig(ConfigGroup):
@@ -93,7 +93,7 @@ class ModelConfig(ConfigGroup):
     """Base of the rotary frequencies."""
 
     rotary_save_freqs_buffer: bool = False
-    """Save rotary inverse frequencies in checkpoints (gpt-neox key; they are recomputed anyway)."""
+    """No-op (gpt-neox key): rotary frequencies are recomputed from rotary_emb_base, never saved."""
 
     no_weight_tying: bool = False
     """Untie the output layer from the input embedding."""
@@ -145,22 +145,23 @@ class ModelConfig(ConfigGroup):
     """Compute attention softmax in float32 under fp16/bf16."""
 
     apply_query_key_layer_scaling: bool = False
-    """Megatron's query-key layer scaling; numerically a no-op with softmax in fp32 (accepted)."""
+    """No-op (gpt-neox key): Megatron scales scores by 1/layer before an fp32 softmax and back,
+    which changes nothing numerically; neox computes the softmax in fp32 directly."""
 
     bias_gelu_fusion: bool = False
     """Fuse bias + GELU (gpt-neox key; with it, gpt-neox's GELU is the tanh approximation)."""
 
     bias_dropout_fusion: bool = False
-    """Fuse bias + dropout + residual add (gpt-neox key; torch.compile territory here)."""
+    """No-op (gpt-neox key): a kernel fusion of the same math; torch_compile fuses here."""
 
     rope_fusion: bool = False
-    """Fused rotary kernel (gpt-neox key)."""
+    """No-op (gpt-neox key): a fused rotary kernel of the same math."""
 
     layernorm_fusion: bool = False
-    """Fused layernorm kernel (gpt-neox key; torch's layernorm is already fused)."""
+    """No-op (gpt-neox key): torch's layernorm is already one fused kernel."""
 
     rmsnorm_fusion: bool = False
-    """Fused rmsnorm kernel (gpt-neox key)."""
+    """No-op (gpt-neox key): a fused rmsnorm kernel of the same math."""
 
     make_vocab_size_divisible_by: int = 128
     """Pad the vocabulary to a multiple of this times the tensor-parallel size."""
@@ -169,13 +170,17 @@ class ModelConfig(ConfigGroup):
     """How the output layer is split under tensor parallelism."""
 
     use_cpu_initialization: bool = False
-    """Initialise weights on the CPU (gpt-neox key; initialisation is layout-independent anyway)."""
+    """No-op (gpt-neox key): weights are initialised shard by shard from the one-rank seed, so
+    the result is the same wherever it is computed."""
 
     fp16_lm_cross_entropy: bool = False
-    """Compute the loss in fp16 instead of fp32 (gpt-neox key; discouraged)."""
+    """Compute the cross entropy in fp16 instead of fp32 (gpt-neox key; discouraged)."""
 
     opt_pos_emb_offset: int = 0
     """Offset of learned position ids (OPT uses 2)."""
+
+    fused_kernels_build_path: Optional[str] = None
+    """No-op (gpt-neox key): neox builds no CUDA extensions; its Triton kernels compile on use."""
 
     @field_validator("num_layers", "hidden_size", "num_attention_heads", "seq_length")
     @classmethod
@@ -268,12 +273,18 @@ class ModelConfig(ConfigGroup):
                 )
             kinds, repeat = entry
             kinds = [kinds] if isinstance(kinds, str) else list(kinds)
-            for _ in range(int(repeat)):
-                types.extend(kinds)
+            if repeat == "all":  # gpt-neox: the pattern repeats over every layer
+                repeat = self.num_layers // max(1, len(kinds))
+            if not isinstance(repeat, int):
+                raise ValueError(
+                    f'attention_config repeat {repeat!r} must be a whole number or "all"'
+                )
+            types.extend(kinds * repeat)
         for kind in types:
             if kind in UNSUPPORTED_ATTENTION:
                 raise ValueError(
-                    f"attention type {kind!r} (attention_config) is not implemented in neox; "
+                    f"attention type {kind!r} (attention_config) asks for "
+                    f"{UNSUPPORTED_ATTENTION[kind]}, which is not implemented in neox; "
                     f"use one of {SUPPORTED_ATTENTION}"
                 )
             if kind not in SUPPORTED_ATTENTION:

@@ -6,6 +6,8 @@ from pydantic import field_validator
 
 from neox.config.base import ConfigGroup
 
+OPTIMIZER_TYPES = ("adam", "adamw", "cpu_adam", "cpu_torch_adam", "sgd", "lion")
+
 
 class OptimizerSpec(ConfigGroup):
     """gpt-neox's `optimizer` section: {"type": "Adam", "params": {"lr": ..., "betas": [...]}}."""
@@ -19,9 +21,8 @@ class OptimizerSpec(ConfigGroup):
     @field_validator("type")
     @classmethod
     def _known(cls, v: str) -> str:
-        known = {"adam", "adamw", "cpu_adam", "cpu_torch_adam", "sgd", "lion"}
-        if v.lower() not in known:
-            raise ValueError(f"optimizer type {v!r} is not available; use one of {sorted(known)}")
+        if v.lower() not in OPTIMIZER_TYPES:
+            raise ValueError(f"optimizer type {v!r} is not available; use one of {OPTIMIZER_TYPES}")
         return v
 
     @property
@@ -60,10 +61,11 @@ class OptimizerConfig(ConfigGroup):
     """On resume, take the schedule from the checkpoint."""
 
     optimizer_type: Optional[str] = None
-    """gpt-neox's older spelling of optimizer.type (accepted; optimizer.type wins when both)."""
+    """gpt-neox's flat spelling of optimizer.type; used when no `optimizer` section is given, and
+    an error when it contradicts one."""
 
     lr: Optional[float] = None
-    """gpt-neox's top-level peak learning rate (accepted; overrides optimizer.params.lr)."""
+    """gpt-neox's top-level peak learning rate; overrides optimizer.params.lr."""
 
     @field_validator("warmup")
     @classmethod

@@ -27,10 +27,10 @@ class PrecisionConfig(ConfigGroup):
     """DeepSpeed communication data type (passed through)."""
 
     dynamic_loss_scale: Optional[bool] = None
-    """gpt-neox key; set through fp16.loss_scale = 0 instead (accepted)."""
+    """fp16 only: true sets fp16.loss_scale 0 (dynamic scaling); false needs a static loss_scale."""
 
     loss_scale: Optional[float] = None
-    """gpt-neox key: static loss scale (accepted; fp16.loss_scale wins)."""
+    """fp16 static loss scale (0: dynamic); fp16.loss_scale wins when both are set."""
 
     loss_scale_window: float = 1000.0
     """gpt-neox key: iterations between loss-scale raises (fp16.loss_scale_window wins)."""

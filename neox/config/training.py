@@ -2,7 +2,7 @@
 
 from typing import Optional
 
-from pydantic import field_validator
+from pydantic import NonNegativeInt, PositiveInt, field_validator
 
 from neox.config.base import ConfigGroup
 
@@ -10,16 +10,16 @@ from neox.config.base import ConfigGroup
 class TrainingConfig(ConfigGroup):
     """How long to train, on what batch, and what to trade for memory."""
 
-    train_micro_batch_size_per_gpu: Optional[int] = None
+    train_micro_batch_size_per_gpu: Optional[PositiveInt] = None
     """Sequences per rank per forward pass (DeepSpeed key)."""
 
-    gradient_accumulation_steps: Optional[int] = None
+    gradient_accumulation_steps: Optional[PositiveInt] = None
     """Micro batches per optimizer step (DeepSpeed key)."""
 
-    train_batch_size: Optional[int] = None
+    train_batch_size: Optional[PositiveInt] = None
     """Sequences per optimizer step over all data-parallel ranks (DeepSpeed key)."""
 
-    batch_size: Optional[int] = None
+    batch_size: Optional[PositiveInt] = None
     """gpt-neox alias of train_micro_batch_size_per_gpu."""
 
     train_iters: int = 100
@@ -31,17 +31,17 @@ class TrainingConfig(ConfigGroup):
     seed: int = 1234
     """Seed of weights, data order and dropout."""
 
-    eval_interval: int = 1000
+    eval_interval: PositiveInt = 1000
     """Evaluate on the validation set every N iterations."""
 
-    eval_iters: int = 10
+    eval_iters: NonNegativeInt = 10
     """Validation batches per evaluation."""
 
-    exit_interval: Optional[int] = None
+    exit_interval: Optional[PositiveInt] = None
     """Stop (after saving) once the iteration is a multiple of this."""
 
     do_train: bool = True
-    """Run training (gpt-neox key)."""
+    """Run training; false only evaluates (do_valid, do_test) the loaded weights (gpt-neox key)."""
 
     do_valid: bool = True
     """Run validation (gpt-neox key)."""
@@ -58,7 +58,7 @@ class TrainingConfig(ConfigGroup):
     checkpoint_activations: bool = False
     """Recompute activations in the backward pass to save memory."""
 
-    checkpoint_num_layers: int = 1
+    checkpoint_num_layers: PositiveInt = 1
     """Blocks per activation checkpoint."""
 
     partition_activations: bool = False
@@ -77,17 +77,22 @@ class TrainingConfig(ConfigGroup):
     """Time the backward pass of checkpointed layers (DeepSpeed)."""
 
     deepspeed_activation_checkpointing: bool = True
-    """Use DeepSpeed's activation checkpointing (rather than torch.utils.checkpoint)."""
+    """Checkpoint through deepspeed.checkpointing (gpt-neox key); neox has no other
+    implementation, so false is refused."""
 
     finetune: bool = False
     """Load weights only and restart the iteration count at 0."""
 
     char_level_ppl: bool = False
-    """Also report character-level perplexity (gpt-neox key)."""
+    """Character-level perplexity during training (gpt-neox key; not implemented: must be false;
+    eval.py reports bits per byte)."""
 
     iteration: Optional[int] = None
     """Checkpoint generate.py and eval.py load from `load`: global_step<iteration> (None: the one
     `latest` names). Training ignores it."""
+
+    z_loss: float = 0.0
+    """Weight of the z-loss, (log sum exp of the logits)^2, added to the loss (0: off)."""
 
     @field_validator("train_iters")
     @classmethod
@@ -101,4 +106,24 @@ class TrainingConfig(ConfigGroup):
     def _no_epochs(cls, v: Optional[int]) -> Optional[int]:
         if v:
             raise ValueError("train_epochs is not implemented in neox; set train_iters instead")
+        return v
+
+    @field_validator("deepspeed_activation_checkpointing")
+    @classmethod
+    def _deepspeed_checkpointing(cls, v: bool) -> bool:
+        if not v:
+            raise ValueError(
+                "activation checkpointing without DeepSpeed (torch.utils.checkpoint) is not "
+                "implemented in neox; remove the key (DeepSpeed's checkpointing is used)"
+            )
+        return v
+
+    @field_validator("char_level_ppl")
+    @classmethod
+    def _no_char_ppl(cls, v: bool) -> bool:
+        if v:
+            raise ValueError(
+                "character-level perplexity is not implemented in neox; remove the key "
+                "(eval.py reports bits per byte)"
+            )
         return v

@@ -54,6 +54,56 @@ UNSUPPORTED_KEYS: dict[str, str] = {
     "lazy_mpu_init": "lazy model-parallel init",
     "deepscale": "DeepScale",
     "deepscale_config": "DeepScale",
+    "serve_model_weights": "online RL weight serving",
+    "weight_server_port": "online RL weight serving",
+    "online_dataserver_ips": "online RL data server",
+    "online_dataserver_ports": "online RL data server",
+    "fp32_reinforce": "REINFORCE training",
+    "kl_impl": "REINFORCE training",
+    "kl_div_beta": "REINFORCE training",
+    "reinforce_leave_one_out": "REINFORCE training",
+    "log_gradient_noise_scale": "gradient noise scale logging",
+    "gradient_noise_scale_": "gradient noise scale logging",
+}
+
+# gpt-neox's defaults for feature keys whose "off" value is not falsy: a config that writes them
+# out (as gpt-neox's own files and saved args do) asks for nothing and is accepted.
+FEATURE_OFF_DEFAULTS: dict[str, object] = {
+    "rpe_num_buckets": 32,
+    "rpe_max_distance": 128,
+    "param_sharing_style": "grouped",
+    "gmlp_attn_dim": 64,
+    "mamba_selective_fp32_params": True,
+    "mamba_use_bias_in_conv": True,
+    "te_fp8_format": "hybrid",
+    "te_fp8_wgrad": True,
+    "te_fp8_amax_history_len": 1,
+    "te_fp8_amax_compute_algo": "most_recent",
+    "adlr_autoresume_interval": 1000,
+    "dpo_fp32": True,
+    "dpo_beta": 0.1,
+    "kto_fp32": True,
+    "kto_desirable_weight": 1.0,
+    "kto_undesirable_weight": 1.0,
+    "kto_beta": 0.1,
+    "s3_chunk_size": 104857600,
+    "mup_init_scale": 1.0,
+    "mup_attn_temp": 1.0,
+    "mup_output_temp": 1.0,
+    "mup_embedding_mult": 1.0,
+    "mup_rp_embedding_mult": 1.0,
+    "mup_width_scale": 2,
+    "moe_num_experts": 1,
+    "moe_expert_interval": 1,
+    "moe_top_k": 1,
+    "moe_router_type": "sinkhorn",
+    "weight_server_port": 6000,
+    "online_dataserver_ips": "localhost",
+    "online_dataserver_ports": 10000,
+    "fp32_reinforce": True,
+    "kl_impl": "mse",
+    "kl_div_beta": 0.1,
+    "gradient_noise_scale_n_batches": 5,
 }
 
 # gpt-neox runtime keys that launchers fill in and that neox recomputes; harmless in a config.
@@ -67,6 +117,10 @@ RUNTIME_KEYS = {
     "is_pipe_parallel",
     "autotuning_run",
     "label_data_paths",
+    # deepspeed_args.py slots for objects gpt-neox builds at run time
+    "scheduler",
+    "tensorboard",
+    "wandb",
 }
 
 
@@ -80,6 +134,8 @@ def unsupported_feature(key: str) -> str | None:
     return None
 
 
-def is_inert(value: object) -> bool:
-    """A value that leaves a feature off (false, 0, empty, None, 'normal' training)."""
-    return value in (None, False, 0, "", [], {}, "normal", "none")
+def is_inert(key: str, value: object) -> bool:
+    """A value that leaves a feature off: falsy, 'normal' training, or gpt-neox's own default."""
+    if value in (None, False, 0, "", [], {}, "normal", "none"):
+        return True
+    return key in FEATURE_OFF_DEFAULTS and value == FEATURE_OFF_DEFAULTS[key]

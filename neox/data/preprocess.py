@@ -12,10 +12,13 @@ dataset is replaced only by a complete one (and only with `overwrite=True`).
 
 from __future__ import annotations
 
+import glob
 import itertools
 import logging
 import multiprocessing
 import os
+import re
+import signal
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -171,6 +174,8 @@ def _init_worker() -> None:
     # Each worker tokenizes on one core; the pool provides the parallelism.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     os.environ["RAYON_NUM_THREADS"] = "1"
+    # The parent turns SIGTERM into cleanup; a worker just ends when the pool is terminated.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _encode_in_worker(batch: RawBatch) -> EncodedBatch:
@@ -265,11 +270,15 @@ def check_outputs(config: PreprocessConfig) -> list[str]:
     if not os.access(directory, os.W_OK):
         raise PermissionError(f"output directory {directory} is not writable")
     prefixes = [output_prefix_for(config.output_prefix, k) for k in config.jsonl_keys]
+    remove_stale_temps(prefixes)
     if not config.overwrite:
         for prefix in prefixes:
             pattern = [prefix] if config.max_shard_tokens is None else [f"{prefix}_00000"]
             for p in pattern:
-                if os.path.exists(data_path(p)) or os.path.exists(index_path(p)):
+                if os.path.exists(data_path(p)) and not os.path.exists(index_path(p)):
+                    # commit() moves the .bin first: a lone .bin is a run killed mid-commit.
+                    logger.warning("replacing %s, left without its .idx", data_path(p))
+                elif os.path.exists(data_path(p)) or os.path.exists(index_path(p)):
                     raise FileExistsError(
                         f"output dataset {p}.bin/.idx already exists; choose another "
                         "--output-prefix or pass --overwrite to replace it when the run succeeds"
@@ -328,6 +337,7 @@ def preprocess(config: PreprocessConfig) -> PreprocessReport:
             )
             results = _ordered(pool, batches, window=2 * config.workers + 2)
         _consume(results, writers, report, config, files, start)
+        _check_not_empty(writers, report)
         for key, w in writers.items():
             report.outputs[key] = w.commit()
     except BaseException:
@@ -340,6 +350,47 @@ def preprocess(config: PreprocessConfig) -> PreprocessReport:
             pool.join()
     report.elapsed_s = time.perf_counter() - start
     return report
+
+
+def _check_not_empty(writers: dict[str, _ShardedWriter], report: PreprocessReport) -> None:
+    """A dataset without documents trains nothing: say why instead of writing it."""
+    from neox.data.readers import InputError
+
+    empty = [key for key, w in writers.items() if w.documents == 0]
+    if not empty:
+        return
+    reasons = ", ".join(f"{r}: {n}" for r, n in report.issues.counts.most_common()) or "none"
+    examples = "".join(f"\n  {e}" for e in report.issues.examples[:3])
+    raise InputError(
+        f"no document yielded tokens for --jsonl-keys {' '.join(empty)} "
+        f"({report.documents_read} documents read; skipped by reason: {reasons}){examples}\n"
+        "check that --jsonl-keys names the documents' text field and that the input is "
+        "jsonl/text of the expected format"
+    )
+
+
+def remove_stale_temps(prefixes: list[str]) -> list[str]:
+    """Delete temp files of earlier runs at these prefixes whose process is gone (kill -9)."""
+    removed = []
+    for prefix in prefixes:
+        for path in glob.glob(glob.escape(prefix) + "*.tmp*"):
+            match = re.search(r"\.(?:bin|idx)\.tmp(\d+)(?:\.tmp)?$", path)
+            if match and not _process_alive(int(match.group(1))):
+                os.remove(path)
+                removed.append(path)
+    for path in removed:
+        logger.warning("removed %s, left by an interrupted run", path)
+    return removed
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's live process
+    return True
 
 
 def _ordered(pool, batches, window: int):

@@ -86,7 +86,16 @@ def build_launch(
     if cpu is None:
         cpu = _runs_on_cpu(environ)
     hostfile = cfg.hostfile
-    if hostfile is None and os.path.isfile(DEFAULT_HOSTFILE):
+    if hostfile is not None and not os.path.isfile(hostfile):
+        # gpt-neox's stock configs carry `hostfile: /mock_path`; DeepSpeed's runner reads a
+        # missing hostfile as "run on this machine only", and so do we, loudly.
+        log.warning(
+            "WARNING: hostfile %s does not exist: running on this machine only (as DeepSpeed's "
+            "runner does); remove `hostfile` or point it at a real file to use other nodes",
+            hostfile,
+        )
+        hostfile = None
+    elif hostfile is None and os.path.isfile(DEFAULT_HOSTFILE):
         log.info("no launcher.hostfile set; using %s as DeepSpeed's runner would", DEFAULT_HOSTFILE)
         hostfile = DEFAULT_HOSTFILE
     launch_id = uuid.uuid4().hex
@@ -101,6 +110,13 @@ def build_launch(
     if hostfile is None:
         hosts = _local_resources(cfg, cpu, environ)
         argv = runner + [f"--master_port={cfg.master_port}"]
+        if cfg.master_addr:
+            # DeepSpeed's runner pins a one-node launch to 127.0.0.1 whatever it is told.
+            log.warning(
+                "WARNING: master_addr=%s is not used: without a hostfile every rank runs on this "
+                "machine and meets at 127.0.0.1; give a hostfile to place rank 0 elsewhere",
+                _plain_master_addr(cfg.master_addr),
+            )
         if cfg.include or cfg.exclude:
             argv.append(f"--include={cfg.include}" if cfg.include else f"--exclude={cfg.exclude}")
         elif cpu or cfg.num_gpus is not None:
@@ -126,12 +142,13 @@ def build_launch(
     if cfg.num_gpus is not None:
         argv.append(f"--num_gpus={cfg.num_gpus}")
     argv.append(f"--launcher={cfg.launcher}")
-    if cfg.master_addr:
-        if not is_shell_plain(cfg.master_addr):
-            raise HostfileError(
-                f"master_addr={cfg.master_addr!r} is not a plain host name or IP address"
-            )
-        argv.append(f"--master_addr={cfg.master_addr}")
+    master_addr = cfg.master_addr
+    if master_addr is None and cfg.launcher != "pdsh":
+        # DeepSpeed's runner would ssh to the first host for `hostname -I`; mpirun and srun
+        # need no ssh, so the first host's name serves as the rendezvous address.
+        master_addr = next(iter(hosts))
+    if master_addr:
+        argv.append(f"--master_addr={_plain_master_addr(master_addr)}")
     argv.append(f"--master_port={cfg.master_port}")
     if cfg.ssh_port is not None:
         argv.append(f"--ssh_port={cfg.ssh_port}")
@@ -145,6 +162,10 @@ def build_launch(
     _check_backend_filters(cfg)
 
     exports = {k: env[k] for k in _export_names(cfg, env)}
+    if launcher in ("openmpi", "mvapich", "slurm"):
+        # mpirun and srun start the ranks directly: DeepSpeed tells them no rendezvous address.
+        exports["MASTER_ADDR"] = master_addr
+        exports["MASTER_PORT"] = str(cfg.master_port)
     env_file_text = ""
     if launcher == "pdsh":
         _check_pdsh_paths(cwd)
@@ -170,6 +191,12 @@ def build_launch(
         ssh_port=cfg.ssh_port,
         cpu=cpu,
     )
+
+
+def _plain_master_addr(addr: str) -> str:
+    if not is_shell_plain(addr):
+        raise HostfileError(f"master_addr={addr!r} is not a plain host name or IP address")
+    return addr
 
 
 def _count(hosts: dict[str, list[int]]) -> int:

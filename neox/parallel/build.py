@@ -34,6 +34,7 @@ def parallelize(
     checkpoint_activations: bool = False,
     checkpoint_num_layers: int = 1,
     partition_activations: bool = False,
+    checkpointing_options: Optional[dict[str, Any]] = None,
     pipe_partition_method: str = "type:Block",
     device: Any = "cpu",
 ) -> nn.Module:
@@ -45,7 +46,7 @@ def parallelize(
     groups.topo.check_model(model_cfg)
     seed_parallel_rng(seed, groups)
     if checkpoint_activations:
-        configure_checkpointing(groups, partition_activations)
+        configure_checkpointing(groups, partition_activations, checkpointing_options)
     if groups.topo.pp > 1:
         return to_pipeline(
             model_cfg,

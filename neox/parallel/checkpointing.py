@@ -15,13 +15,27 @@ from neox.parallel.topology import ProcessGroups
 
 
 def configure_checkpointing(
-    groups: ProcessGroups, partition_activations: bool = False, num_checkpoints: int | None = None
+    groups: ProcessGroups,
+    partition_activations: bool = False,
+    options: dict[str, Any] | None = None,
 ) -> None:
-    """Point deepspeed.checkpointing at our groups (DeepSpeed keeps this setting module-wide)."""
+    """Point deepspeed.checkpointing at our groups (DeepSpeed keeps this setting module-wide).
+
+    Args:
+        options: the DeepSpeed config's activation_checkpointing section; deepspeed.initialize
+            does not pass it on to deepspeed.checkpointing, so it is applied here.
+    """
     import deepspeed
 
+    o = options or {}
     deepspeed.checkpointing.configure(
-        groups, partition_activations=partition_activations, num_checkpoints=num_checkpoints
+        groups,
+        partition_activations=o.get("partition_activations", partition_activations),
+        contiguous_checkpointing=o.get("contiguous_memory_optimization"),
+        num_checkpoints=o.get("number_checkpoints"),
+        checkpoint_in_cpu=o.get("cpu_checkpointing"),
+        synchronize=o.get("synchronize_checkpoint_boundary"),
+        profile=o.get("profile"),
     )
 
 

@@ -98,7 +98,12 @@ def train(run: Run, start_iteration: int, writer: MetricsWriter) -> dict[str, fl
     last: dict[str, float] = {}
     iteration = start_iteration
     tick = time.perf_counter()
-    while iteration < t.train_iters:
+    if not t.do_train:
+        log.info("do_train=false: evaluating the loaded weights only")
+        if valid_stream is not None and t.do_valid:
+            eval_loss = evaluate(run, valid_stream, t.eval_iters)
+            writer.write(iteration, {"loss": eval_loss}, prefix="valid")
+    while t.do_train and iteration < t.train_iters:
         metrics = train_step(run, train_stream, iteration)
         iteration += 1
         last = metrics
@@ -122,7 +127,7 @@ def train(run: Run, start_iteration: int, writer: MetricsWriter) -> dict[str, fl
             break
     if cfg.checkpoint.save and not should_save(cfg, iteration) and iteration > start_iteration:
         save(run, iteration)
-    if t.do_test and data.test is not None and iteration >= t.train_iters:
+    if t.do_test and data.test is not None and (iteration >= t.train_iters or not t.do_train):
         test_stream = pipeline_stream(run, data.test) if run.is_pipeline else data.test
         test_loss = evaluate(run, test_stream, t.eval_iters)
         writer.write(iteration, {"loss": test_loss}, prefix="test")

@@ -24,12 +24,11 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     return groups
 
 
-def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
-    """The optimizer named by cfg.optimizer.type, with the peak learning rate set."""
-    kind = (cfg.optimizer.type or cfg.optimizer_type or "adam").lower()
-    params = dict(cfg.optimizer.params)
-    if cfg.lr is not None:
-        params["lr"] = cfg.lr
+def build_optimizer(
+    model: nn.Module, cfg: OptimizerConfig, kind: str, lr: float
+) -> torch.optim.Optimizer:
+    """The optimizer `kind` (Derived.optimizer_type) at peak learning rate `lr`."""
+    params = dict(cfg.optimizer.params, lr=lr)
     groups = param_groups(model, cfg.weight_decay)
     on_gpu = any(p.is_cuda for g in groups for p in g["params"])
     if kind in ("adam", "adamw"):

@@ -10,6 +10,7 @@ import torch
 
 from neox.config import Derived, NeoXConfig, build_ds_config, derive
 from neox.data.loader import DataLoaders, build_train_valid_test_loaders
+from neox.launcher.rank_env import rank_env_from_launcher
 from neox.tokenizer import Tokenizer, build_tokenizer
 from neox.training.optim import build_optimizer
 from neox.training.schedule import LRSchedule
@@ -47,6 +48,7 @@ def init_distributed(cfg: NeoXConfig) -> torch.device:
     accel = get_accelerator()
     on_cpu = accel.device_name() == "cpu"
     backend = "gloo" if on_cpu else cfg.parallel.distributed_backend
+    os.environ.update(rank_env_from_launcher(cfg.launcher, os.environ))
     if "RANK" not in os.environ:
         # A plain `python train.py cfg.yml` is a one-rank job.
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
@@ -75,6 +77,7 @@ def build_run(cfg: NeoXConfig) -> Run:
         Topology(derived.tensor_parallel, derived.pipe_parallel, derived.data_parallel)
     )
     tr = cfg.training
+    ds_config = build_ds_config(cfg, derived)
     model = parallelize(
         cfg.model,
         derived.padded_vocab_size,
@@ -82,19 +85,19 @@ def build_run(cfg: NeoXConfig) -> Run:
         tr.seed,
         checkpoint_activations=tr.checkpoint_activations,
         checkpoint_num_layers=tr.checkpoint_num_layers,
-        partition_activations=tr.partition_activations,
+        checkpointing_options=ds_config["activation_checkpointing"],
         pipe_partition_method=cfg.parallel.pipe_partition_method,
         device=device,
     )
     engine, _, _, _ = deepspeed.initialize(
         model=model,
-        optimizer=build_optimizer(model, cfg.optimizer),
-        config=build_ds_config(cfg, derived),
+        optimizer=build_optimizer(model, cfg.optimizer, derived.optimizer_type, derived.lr),
+        config=ds_config,
         mpu=engine_mpu(model, groups),
     )
     o = cfg.optimizer
     schedule = LRSchedule(
-        peak_lr=o.lr if o.lr is not None else o.optimizer.lr,
+        peak_lr=derived.lr,
         min_lr=o.min_lr,
         warmup_iters=derived.warmup_iters,
         decay_iters=derived.lr_decay_iters,
@@ -118,18 +121,11 @@ def build_run(cfg: NeoXConfig) -> Run:
 def build_data(run: Run, consumed_train_samples: int) -> DataLoaders:
     """Sample streams sized for the whole run, starting where a resumed run left off."""
     cfg, d = run.cfg, run.derived
-    t = cfg.training
-    evals = (t.train_iters // t.eval_interval + 1) * t.eval_iters if t.do_valid else 0
-    num_samples = (
-        t.train_iters * d.global_batch,
-        evals * d.global_batch,
-        (t.eval_iters * d.global_batch) if t.do_test else 0,
-    )
     data = cfg.data
     return build_train_valid_test_loaders(
         seq_length=cfg.model.seq_length,
-        seed=t.seed,
-        num_samples=num_samples,
+        seed=cfg.training.seed,
+        num_samples=d.samples,
         micro_batch_size=d.micro_batch,
         data_path=data.data_path,
         split=data.split,

@@ -121,3 +121,10 @@ def test_pipeline_refuses_per_document_masks():
     flat = {"pipe_parallel_size": 2, "num_layers": 2, "reset_attention_mask": True, "zero_stage": 1}
     with pytest.raises(ConfigError, match="reset_attention_mask cannot be used with pipe"):
         derive(load_dict(flat), 2)
+
+
+def test_sample_counts_cover_training_and_every_evaluation():
+    cfg = load_dict({"train_iters": 10, "eval_interval": 4, "eval_iters": 2, "train_batch_size": 8})
+    assert derive(cfg, 1).samples == (80, (10 // 4 + 1) * 2 * 8, 2 * 8)
+    quiet = load_dict({"train_iters": 10, "do_valid": False, "do_test": False})
+    assert derive(quiet, 1).samples[1:] == (0, 0)

@@ -1,0 +1,111 @@
+"""A checkpoint directory that cannot take another checkpoint (read-only, full), and do_train:
+false: a clear error before any rank starts, and the checkpoints already there stay intact."""
+
+import hashlib
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.train_helpers import ROOT, make_dataset, train, write_config
+
+pytestmark = pytest.mark.slow
+
+
+def mount(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["mount", *args], capture_output=True, text=True)
+
+
+def digest(folder: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Iterator[tuple[Path, Path]]:
+    """A 3-step run that saved global_step3 into its own small tmpfs; (tmp_path, tmpfs)."""
+    tmp = tmp_path_factory.mktemp("ckpt_faults")
+    fs = tmp / "fs"
+    fs.mkdir()
+    r = mount("-t", "tmpfs", "-o", "size=16m", "tmpfs", str(fs))
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {r.stderr.strip()}")
+    try:
+        (tmp / "data").mkdir()
+        make_dataset(tmp / "data" / "chars")
+        train(config(tmp, fs, train_iters=3))
+        yield tmp, fs
+    finally:
+        mount("-o", "remount,rw", str(fs))
+        subprocess.run(["umount", str(fs)], check=False)
+
+
+def config(tmp: Path, fs: Path, **overrides) -> Path:
+    ckpt = str(fs / "ckpt")
+    return write_config(tmp, "run", num_gpus=1, save=ckpt, load=ckpt, **overrides)
+
+
+def deepy(cfg: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=str(ROOT))
+    return subprocess.run(
+        [sys.executable, "deepy.py", "train.py", str(cfg)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_read_only_checkpoint_dir_fails_before_launch(trained):
+    """Fault: the checkpoint file system is read-only. Promise: exit 2 naming it, before launch."""
+    tmp, fs = trained
+    before = digest(fs / "ckpt")
+    assert mount("-o", "remount,ro", str(fs)).returncode == 0
+    try:
+        r = deepy(config(tmp, fs, train_iters=6))
+    finally:
+        mount("-o", "remount,rw", str(fs))
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "the checkpoint directory cannot be written (Read-only file system)" in r.stderr
+    assert "launching" not in r.stderr and "Traceback" not in r.stderr
+    assert digest(fs / "ckpt") == before
+
+
+def test_full_checkpoint_dir_fails_before_launch(trained):
+    """Fault: the checkpoint file system is full. Promise: exit 2 naming it, before launch."""
+    tmp, fs = trained
+    before = digest(fs / "ckpt")
+    filler = fs / "filler"
+    with filler.open("wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
+        except OSError:
+            pass
+    try:
+        r = deepy(config(tmp, fs, train_iters=6))
+    finally:
+        filler.unlink()
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "No space left on device" in r.stderr or "MB free" in r.stderr, r.stderr
+    assert "launching" not in r.stderr and "Traceback" not in r.stderr
+    assert digest(fs / "ckpt") == before
+
+
+def test_do_train_false_evaluates_and_saves_nothing(trained):
+    """Fault (issue 12): do_train: false used to train and save. Promise: it only evaluates."""
+    tmp, fs = trained
+    before = digest(fs / "ckpt")
+    train(config(tmp, fs, train_iters=6, do_train=False))
+    assert digest(fs / "ckpt") == before  # no global_step6, `latest` unchanged
+    metrics = (tmp / "run" / "logs" / "metrics.jsonl").read_text()
+    assert '"split": "valid"' in metrics
+    assert '"step": 4' not in metrics  # no training step past the checkpoint's 3

@@ -1,0 +1,178 @@
+"""Bad configs, files and command lines given to deepy.py: one clear message, exit 2, no traceback,
+nothing launched or written. Each case: the fault, the promise, the assertion."""
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.train_helpers import make_dataset
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow  # each case starts deepy.py or preprocess_data.py
+
+
+@dataclass
+class Fault:
+    """A broken input to `deepy.py train.py tiny.yml <files>` and what deepy must say."""
+
+    name: str
+    promise: str
+    files: dict[str, str | bytes]  # file name -> contents, written to tmp_path
+    message: str  # expected on stderr
+    args: list[str] = field(default_factory=list)
+    dry_run: bool = False
+    code: int = 2
+
+
+def data_config(tmp_path: Path, **extra) -> str:
+    flat = {
+        "tokenizer_type": "CharLevelTokenizer",
+        "data_path": str(tmp_path / "chars"),
+        "log_dir": str(tmp_path / "logs"),
+        "tensorboard_dir": str(tmp_path / "tb"),
+        **extra,
+    }
+    return yaml.safe_dump(flat)
+
+
+FAULTS = [
+    Fault(
+        "micro_batch_zero",
+        "train_micro_batch_size_per_gpu: 0 is refused (gpt-neox refuses it), not turned into 1",
+        {"bad.yml": "train_micro_batch_size_per_gpu: 0\n"},
+        "train_micro_batch_size_per_gpu=0: Input should be greater than 0",
+        dry_run=True,
+    ),
+    Fault(
+        "key_twice",
+        "the same key twice in one file names both lines instead of keeping the last",
+        {"bad.yml": "hidden_size: 64\nseq_length: 64\nhidden-size: 128\n"},
+        "key 'hidden_size' appears twice (lines 1 and 3",
+        dry_run=True,
+    ),
+    Fault(
+        "binary_config",
+        "a binary file given as a config is named as not a text file",
+        {"bad.yml": bytes(range(256)) * 4},
+        "not a text file",
+        dry_run=True,
+    ),
+    Fault(
+        "vocab_of_another_tokenizer",
+        "a vocab file of the wrong kind for tokenizer_type is named before launch",
+        {"bad.yml": "tokenizer_type: HFTokenizer\nvocab_file: {tmp}/merges.txt\n"},
+        "tokenizer_type=HFTokenizer cannot read vocab_file=",
+    ),
+    Fault(
+        "idx_bad_magic",
+        "a .idx with the wrong magic stops a real launch before any rank starts",
+        {"bad.yml": "{data}"},
+        "is not an mmap indexed dataset index (bad magic",
+    ),
+    Fault(
+        "missing_script",
+        "a missing entry script is an error even in a dry run",
+        {},
+        "entry script 'generate_nothing.py' does not exist",
+        args=["generate_nothing.py"],
+        dry_run=True,
+    ),
+    Fault(
+        "unknown_feature_value",
+        "a gpt-neox feature neox lacks is refused by name (at its default it is accepted)",
+        {"bad.yml": "moe_num_experts: 4\n"},
+        "moe_num_experts=4 asks for Mixture-of-Experts (MoE), which is not implemented in neox",
+        dry_run=True,
+    ),
+    Fault(
+        "save_dir_is_a_file",
+        "a `save` path that cannot be a directory is named before launch",
+        {"bad.yml": "{data}save: {tmp}/merges.txt/ckpt\n"},
+        "the checkpoint directory cannot be written",
+    ),
+]
+
+
+@pytest.mark.parametrize("fault", FAULTS, ids=[f.name for f in FAULTS])
+def test_config_fault(fault: Fault, tmp_path):
+    make_dataset(tmp_path / "chars")
+    (tmp_path / "merges.txt").write_text("#version: 0.2\nh e\n")
+    idx = tmp_path / "chars.idx"
+    if fault.name == "idx_bad_magic":
+        idx.write_bytes(b"NOTANIDX!" + idx.read_bytes()[9:])
+    names = []
+    for name, contents in fault.files.items():
+        path = tmp_path / name
+        if isinstance(contents, bytes):
+            path.write_bytes(contents)
+        else:
+            text = contents.replace("{data}", data_config(tmp_path))
+            path.write_text(text.replace("{tmp}", str(tmp_path)))
+        names.append(str(path))
+    if not names:
+        (tmp_path / "ok.yml").write_text(data_config(tmp_path))
+        names.append(str(tmp_path / "ok.yml"))
+    script = fault.args[0] if fault.args else "train.py"
+    argv = [script, "configs/tiny.yml", *names] + (["--dry-run"] if fault.dry_run else [])
+    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=str(ROOT))
+    r = subprocess.run(
+        [sys.executable, "deepy.py", *argv],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == fault.code, r.stdout[-2000:] + r.stderr[-2000:]
+    assert fault.message in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr + r.stdout
+    assert "# launch command" not in r.stdout and "launching" not in r.stderr
+    # Nothing of a run was created: no logs, metrics or tensorboard files.
+    assert not (tmp_path / "logs").exists() and not (tmp_path / "tb").exists()
+
+
+def test_foreign_vocab_in_a_dry_run_is_a_warning_not_a_traceback(tmp_path):
+    """Fault: a vocab file of another tokenizer in a dry run. Promise: a warning, exit 0."""
+    (tmp_path / "merges.txt").write_text("#version: 0.2\nh e\n")
+    bad = tmp_path / "bad.yml"
+    bad.write_text(f"tokenizer_type: HFTokenizer\nvocab_file: {tmp_path}/merges.txt\n")
+    r = subprocess.run(
+        [sys.executable, "deepy.py", "train.py", "configs/tiny.yml", str(bad), "--dry-run"],
+        cwd=ROOT,
+        env=dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=str(ROOT)),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    assert "a real launch would stop here" in r.stderr and "cannot read vocab_file" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_master_addr_without_hostfile_is_reported(tmp_path):
+    """Fault: master_addr with no hostfile. Promise: a warning that it is unused, not silence."""
+    cfg = tmp_path / "addr.yml"
+    cfg.write_text("master_addr: 10.1.2.3\n")
+    r = subprocess.run(
+        [sys.executable, "deepy.py", "train.py", "configs/tiny.yml", str(cfg), "--dry-run"],
+        cwd=ROOT,
+        env=dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=str(ROOT)),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    assert "master_addr=10.1.2.3 is not used" in r.stderr
+
+
+def test_bad_export_env_name_is_a_config_error():
+    """Fault: export_env names something that is not a variable name. Promise: a config error."""
+    from neox.config import ConfigError, load_dict
+
+    with pytest.raises(ConfigError, match="not environment variable names"):
+        load_dict({"export_env": ["OK_NAME", "X; rm -rf /"]})

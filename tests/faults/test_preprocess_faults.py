@@ -1,0 +1,121 @@
+"""tools/preprocess_data.py under bad input and sudden death: an error and no dataset rather than
+an empty one; no temp files that outlive the run that can clean them; a rerun always succeeds."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from neox.data.indexed import IndexedDataset
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow  # each case starts deepy.py or preprocess_data.py
+
+
+def preprocess(inp: Path, prefix: Path, *extra: str) -> subprocess.Popen:
+    cmd = [
+        sys.executable,
+        str(ROOT / "tools/preprocess_data.py"),
+        "--input",
+        str(inp),
+        "--output-prefix",
+        str(prefix),
+        "--tokenizer-type",
+        "CharLevelTokenizer",
+        "--append-eod",
+        "--workers",
+        "1",
+        "--no-progress",
+        *extra,
+    ]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish(proc: subprocess.Popen) -> tuple[int, str]:
+    out, err = proc.communicate(timeout=300)
+    return proc.returncode, out + err
+
+
+def outputs(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.suffix != ".jsonl")
+
+
+def write_jsonl(path: Path, docs: int, key: str = "text") -> None:
+    rng = random.Random(0)
+    with path.open("w") as f:
+        for i in range(docs):
+            words = " ".join(f"w{rng.randrange(10_000)}" for _ in range(rng.randrange(20, 200)))
+            f.write(json.dumps({key: f"doc {i}: {words}"}) + "\n")
+
+
+def test_every_line_bad_is_an_error_and_writes_nothing(tmp_path):
+    """Fault: no line of the input is valid JSON. Promise: exit 1 naming why, no dataset."""
+    inp = tmp_path / "bad.jsonl"
+    inp.write_text("not json\n{also not\n" * 50)
+    code, log = finish(preprocess(inp, tmp_path / "out"))
+    assert code == 1, log
+    assert "no document yielded tokens for --jsonl-keys text" in log and "100 documents read" in log
+    assert outputs(tmp_path) == []
+
+
+def test_jsonl_key_no_document_has_is_an_error(tmp_path):
+    """Fault: --jsonl-keys names a key absent from every document. Promise: exit 1, no dataset."""
+    inp = tmp_path / "docs.jsonl"
+    write_jsonl(inp, 30, key="content")
+    code, log = finish(preprocess(inp, tmp_path / "out", "--jsonl-keys", "text"))
+    assert code == 1, log
+    assert "no document yielded tokens for --jsonl-keys text" in log
+    assert outputs(tmp_path) == []
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> tuple[Path, bytes, bytes]:
+    """A corpus that takes a few seconds to tokenize, and its dataset from an undisturbed run."""
+    folder = tmp_path_factory.mktemp("corpus")
+    inp = folder / "corpus.jsonl"
+    write_jsonl(inp, 12_000)
+    code, log = finish(preprocess(inp, folder / "ref"))
+    assert code == 0, log
+    prefix = folder / "ref_text_document"
+    return inp, prefix.with_suffix(".bin").read_bytes(), prefix.with_suffix(".idx").read_bytes()
+
+
+def test_sigterm_leaves_no_temp_files(corpus, tmp_path):
+    """Fault: SIGTERM mid-run. Promise: the run deletes its temp files and exits 143."""
+    inp, _, _ = corpus
+    proc = preprocess(inp, tmp_path / "out")
+    time.sleep(1.5)
+    proc.send_signal(signal.SIGTERM)
+    code, log = finish(proc)
+    assert code in (0, 143), log  # 0 only if it finished first
+    if code == 143:
+        assert outputs(tmp_path) == [], log
+
+
+def test_kill_9_at_random_points_then_rerun(corpus, tmp_path):
+    """Fault: kill -9 at random points. Promise: never a half-written dataset under the final
+    name, and the same command run again succeeds with the undisturbed run's bytes."""
+    inp, ref_bin, ref_idx = corpus
+    prefix = tmp_path / "out_text_document"
+    rng = random.Random(int(os.environ.get("NEOX_FAULT_SEED", "12")))
+    for _ in range(3):
+        proc = preprocess(inp, tmp_path / "out", "--overwrite")
+        time.sleep(rng.uniform(0.3, 2.5))  # an undisturbed run takes ~2.5 s here
+        proc.kill()
+        proc.wait()
+        if prefix.with_suffix(".idx").exists():
+            ds = IndexedDataset(str(prefix))  # a dataset under its final name is complete
+            ds.validate()
+            ds.close()
+        code, log = finish(preprocess(inp, tmp_path / "out", "--overwrite"))
+        assert code == 0, log
+        assert prefix.with_suffix(".bin").read_bytes() == ref_bin
+        assert prefix.with_suffix(".idx").read_bytes() == ref_idx
+        assert [n for n in outputs(tmp_path) if ".tmp" in n] == [], outputs(tmp_path)
