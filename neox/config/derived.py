@@ -127,6 +127,7 @@ def derive(cfg: NeoXConfig, world_size: int, vocab_size: Optional[int] = None) -
         )
     check_pipeline_clipping(cfg, precision_of(cfg))
     check_pipeline_inputs(cfg)
+    check_fused_loss(cfg)
     return Derived(
         world_size=world_size,
         tensor_parallel=tp,
@@ -163,6 +164,18 @@ def check_pipeline_clipping(cfg: NeoXConfig, precision: str) -> None:
             f"pipe_parallel_size={cfg.parallel.pp} with fp32, ZeRO stage 0 and gradient_clipping="
             f"{clip}: DeepSpeed computes the clipping norm from stage 0's parameters only in this "
             "mode; use zero_optimization.stage 1 (or fp16/bf16), or gradient_clipping 0"
+        )
+
+
+def check_fused_loss(cfg: NeoXConfig) -> None:
+    """The chunked output-layer loss runs on the plain model's whole vocabulary only."""
+    chunk, tp, pp = cfg.model.lm_loss_chunk_size, cfg.parallel.model_parallel_size, cfg.parallel.pp
+    if chunk < 0:
+        raise ConfigError(f"lm_loss_chunk_size={chunk} must be >= 0 (0: full logits)")
+    if chunk and (tp > 1 or pp > 1):
+        raise ConfigError(
+            f"lm_loss_chunk_size={chunk} needs model_parallel_size=1 and pipe_parallel_size=1 "
+            f"(got {tp} and {pp}); set lm_loss_chunk_size 0 for this layout"
         )
 
 

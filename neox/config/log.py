@@ -2,6 +2,8 @@
 
 from typing import Optional
 
+from pydantic import model_validator
+
 from neox.config.base import ConfigGroup
 
 
@@ -48,13 +50,18 @@ class LoggingConfig(ConfigGroup):
     """Where the memory snapshot goes."""
 
     profile: bool = False
-    """Run the torch profiler between profile_step_start and profile_step_stop."""
+    """Run torch.profiler over iterations profile_step_start..profile_step_stop on every rank and
+    write a Chrome trace, the top operators and the host-sync count to <log_dir>/profile/."""
 
     profile_step_start: int = 10
-    """First profiled iteration."""
+    """First profiled iteration (1-based, as the log lines count them)."""
 
     profile_step_stop: int = 12
     """Last profiled iteration."""
+
+    peak_theoretical_tflops: Optional[float] = None
+    """Peak TFLOPS of one device, for the MFU in log lines and metrics.jsonl (default: the
+    datasheet dense bf16 peak of H100/H200/A100; on other devices MFU is left out)."""
 
     use_wandb: bool = False
     """Weights & Biases logging (not available in neox: must be false)."""
@@ -73,3 +80,12 @@ class LoggingConfig(ConfigGroup):
 
     wandb_init_all_ranks: bool = False
     """gpt-neox key (accepted; no effect)."""
+
+    @model_validator(mode="after")
+    def _check_profile_steps(self) -> "LoggingConfig":
+        if self.profile and not 1 <= self.profile_step_start <= self.profile_step_stop:
+            raise ValueError(
+                f"profile_step_start={self.profile_step_start} and profile_step_stop="
+                f"{self.profile_step_stop} must satisfy 1 <= start <= stop"
+            )
+        return self

@@ -177,6 +177,12 @@ class ModelConfig(ConfigGroup):
     opt_pos_emb_offset: int = 0
     """Offset of learned position ids (OPT uses 2)."""
 
+    lm_loss_chunk_size: int = 0
+    """Training loss from the output layer and cross-entropy fused, this many tokens at a time,
+    so the full (tokens, vocab) float32 logits never exist (0: full logits). Same loss within
+    float32 rounding; needs model_parallel_size=1 (tensor parallelism keeps its vocab-split
+    loss, whose logits are already split)."""
+
     @field_validator("num_layers", "hidden_size", "num_attention_heads", "seq_length")
     @classmethod
     def _positive(cls, v: int) -> int:

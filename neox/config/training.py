@@ -55,6 +55,15 @@ class TrainingConfig(ConfigGroup):
     clip_grad: Optional[float] = None
     """gpt-neox alias of gradient_clipping."""
 
+    torch_compile: bool = False
+    """Compile each transformer block with torch.compile (fewer, fused kernels; the first steps
+    pay the compilation). Works with activation checkpointing, tensor and pipeline parallelism;
+    parameter names and checkpoints are unchanged."""
+
+    torch_compile_backend: str = "inductor"
+    """torch.compile backend for torch_compile: inductor generates fused kernels; aot_eager
+    traces the same graphs without generating code (quick, for debugging and CPU tests)."""
+
     checkpoint_activations: bool = False
     """Recompute activations in the backward pass to save memory."""
 

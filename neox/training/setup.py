@@ -2,15 +2,15 @@
 
 import logging
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from neox.config import Derived, NeoXConfig, build_ds_config, derive
+from neox.config import Derived, NeoXConfig, derive
 from neox.data.loader import DataLoaders, build_train_valid_test_loaders
 from neox.tokenizer import Tokenizer, build_tokenizer
+from neox.training.engine import build_engine
 from neox.training.optim import build_optimizer
 from neox.training.schedule import LRSchedule
 
@@ -30,7 +30,6 @@ class Run:
     rank: int
     dp_rank: int
     is_pipeline: bool
-    loss_fn: Callable
     groups: Any  # neox.parallel.ProcessGroups
 
     @property
@@ -62,9 +61,7 @@ def init_distributed(cfg: NeoXConfig) -> torch.device:
 
 def build_run(cfg: NeoXConfig) -> Run:
     """Tokenizer, derived values, the parallel model inside DeepSpeed, and the schedule."""
-    import deepspeed
-
-    from neox.parallel import ProcessGroups, Topology, engine_mpu, loss_function, parallelize
+    from neox.parallel import ProcessGroups, Topology, engine_mpu, parallelize
 
     device = init_distributed(cfg)
     world = torch.distributed.get_world_size()
@@ -82,15 +79,14 @@ def build_run(cfg: NeoXConfig) -> Run:
         tr.seed,
         checkpoint_activations=tr.checkpoint_activations,
         checkpoint_num_layers=tr.checkpoint_num_layers,
+        torch_compile=tr.torch_compile,
+        torch_compile_backend=tr.torch_compile_backend,
         partition_activations=tr.partition_activations,
         pipe_partition_method=cfg.parallel.pipe_partition_method,
         device=device,
     )
-    engine, _, _, _ = deepspeed.initialize(
-        model=model,
-        optimizer=build_optimizer(model, cfg.optimizer),
-        config=build_ds_config(cfg, derived),
-        mpu=engine_mpu(model, groups),
+    engine = build_engine(
+        cfg, derived, model, build_optimizer(model, cfg.optimizer), engine_mpu(model, groups)
     )
     o = cfg.optimizer
     schedule = LRSchedule(
@@ -110,7 +106,6 @@ def build_run(cfg: NeoXConfig) -> Run:
         rank=torch.distributed.get_rank(),
         dp_rank=groups.get_data_parallel_rank(),
         is_pipeline=derived.pipe_parallel > 1,
-        loss_fn=loss_function(groups),
         groups=groups,
     )
 
