@@ -1,9 +1,9 @@
 """Speed options through deepy.py on 2 CPU ranks reproduce the reference loss curve.
 
 One reference run, then every option at once on data parallelism (chunked output-layer loss,
-compiled blocks under activation checkpointing, the profiler) and compiled blocks under tensor
-parallelism. Compilation uses the aot_eager backend: the same traced graphs as inductor, without
-generating CPU kernels (inductor alone takes minutes per graph on a 2-core CI machine).
+compiled blocks under activation checkpointing, the profiler), and compiled blocks under tensor
+and under pipeline parallelism. Compilation uses the aot_eager backend: the same traced graphs
+as inductor, without generating CPU kernels (inductor takes minutes per graph on 2 CPU cores).
 """
 
 import json
@@ -62,10 +62,11 @@ def test_chunked_loss_compile_checkpointing_and_profile(reference):
     assert "host syncs per iteration" in r.stderr + r.stdout
 
 
-def test_compiled_blocks_under_tensor_parallelism(reference):
+@pytest.mark.parametrize("layout", ["model_parallel_size", "pipe_parallel_size"])
+def test_compiled_blocks_under_tensor_and_pipeline_parallelism(reference, layout):
     tmp, ref = reference
-    train(write_config(tmp, "tp", **SHORT_RUN, **COMPILE, model_parallel_size=2))
-    got = losses(tmp / "tp" / "logs")
+    train(write_config(tmp, layout, **SHORT_RUN, **COMPILE, **{layout: 2}))
+    got = losses(tmp / layout / "logs")
     assert all(np.isfinite(v) for v in got.values())
     for step in ref:
         assert got[step] == pytest.approx(ref[step], rel=1e-5), step
