@@ -134,7 +134,7 @@ def training_shape(
     cfg: NeoXConfig, derived: Derived, vocab_size: int, zero_stage: Optional[int] = None
 ) -> TrainingShape:
     """The TrainingShape of a validated config (zero_stage overrides the configured stage)."""
-    zero = zero_section(cfg)
+    zero = zero_section(cfg, derived.data_parallel, zero_stage)
     t, spec = cfg.training, cfg.optimizer.optimizer
     kind = (spec.type or cfg.optimizer.optimizer_type or "adam").lower()
     return TrainingShape(
@@ -145,7 +145,7 @@ def training_shape(
         micro_batch=derived.micro_batch,
         grad_accum=derived.grad_accum,
         precision=derived.precision,
-        zero_stage=int(zero["stage"] if zero_stage is None else zero_stage),
+        zero_stage=int(zero["stage"]),
         zero=zero,
         optimizer=kind,
         sgd_momentum=bool(spec.params.get("momentum", 0)),

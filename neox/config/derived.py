@@ -167,7 +167,8 @@ def derive(cfg: NeoXConfig, world_size: int, vocab_size: Optional[int] = None) -
         )
     check_pipeline_clipping(cfg, precision_of(cfg))
     check_pipeline_inputs(cfg)
-    check_as_gpt_neox_does(cfg, precision_of(cfg))
+    check_as_gpt_neox_does(cfg)
+    check_fused_loss(cfg)
     return Derived(
         world_size=world_size,
         tensor_parallel=tp,
@@ -210,17 +211,24 @@ def check_pipeline_clipping(cfg: NeoXConfig, precision: str) -> None:
         )
 
 
-def check_as_gpt_neox_does(cfg: NeoXConfig, precision: str) -> None:
+def check_as_gpt_neox_does(cfg: NeoXConfig) -> None:
     """Combinations gpt-neox's own validation refuses (NeoXArgs.validate_values)."""
     lr, min_lr = peak_lr(cfg), cfg.optimizer.min_lr
     if min_lr > lr:
         raise ConfigError(
             f"min_lr={min_lr} exceeds the peak learning rate {lr}; lower min_lr or raise lr"
         )
-    if cfg.model.fp16_lm_cross_entropy and precision != "fp16":
+
+
+def check_fused_loss(cfg: NeoXConfig) -> None:
+    """The chunked output-layer loss runs on the plain model's whole vocabulary only."""
+    chunk, tp, pp = cfg.model.lm_loss_chunk_size, cfg.parallel.model_parallel_size, cfg.parallel.pp
+    if chunk < 0:
+        raise ConfigError(f"lm_loss_chunk_size={chunk} must be >= 0 (0: full logits)")
+    if chunk and (tp > 1 or pp > 1):
         raise ConfigError(
-            f"fp16_lm_cross_entropy=true needs fp16 training, but precision is {precision}; "
-            "drop the key or enable fp16"
+            f"lm_loss_chunk_size={chunk} needs model_parallel_size=1 and pipe_parallel_size=1 "
+            f"(got {tp} and {pp}); set lm_loss_chunk_size 0 for this layout"
         )
 
 

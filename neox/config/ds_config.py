@@ -1,14 +1,22 @@
 """The DeepSpeed config dict, built from the validated config and its derived values."""
 
-from typing import Any
+from typing import Any, Optional
 
 from neox.config.derived import Derived
 from neox.config.errors import ConfigError
 from neox.config.schema import NeoXConfig
 
 
-def zero_section(cfg: NeoXConfig) -> dict[str, Any]:
-    """zero_optimization, with gpt-neox's zero_* shorthands filled in where the section is silent."""
+def zero_section(
+    cfg: NeoXConfig, data_parallel: int, stage: Optional[int] = None
+) -> dict[str, Any]:
+    """zero_optimization, with gpt-neox's zero_* shorthands filled in where the section is silent
+    (`stage` replaces the configured stage, for estimates of another one).
+
+    With one data-parallel rank (and no offload), ZeRO 1/2 has nothing to communicate: overlap_comm and
+    contiguous_gradients then only add gradient copies (5% of a Pythia-410M step on an H100,
+    docs/benchmarks.md), so they are turned off; states and checkpoints are the same.
+    """
     ds = cfg.deepspeed
     zero = dict(ds.zero_optimization or {})
     for short, key in (
@@ -25,6 +33,10 @@ def zero_section(cfg: NeoXConfig) -> dict[str, Any]:
     if zero.pop("cpu_offload", False):
         zero.setdefault("offload_optimizer", {"device": "cpu"})
     zero.setdefault("stage", 0)
+    if stage is not None:
+        zero["stage"] = stage
+    if data_parallel == 1 and zero["stage"] in (1, 2) and "offload_optimizer" not in zero:
+        zero.update(overlap_comm=False, contiguous_gradients=False)
     return zero
 
 
@@ -80,7 +92,7 @@ def build_ds_config(cfg: NeoXConfig, d: Derived) -> dict[str, Any]:
         "gradient_clipping": clip,
         "steps_per_print": lg.steps_per_print,
         "wall_clock_breakdown": lg.wall_clock_breakdown,
-        "zero_optimization": zero_section(cfg),
+        "zero_optimization": zero_section(cfg, d.data_parallel),
         # neox hands DeepSpeed its own optimizer object, which ZeRO must accept.
         "zero_allow_untested_optimizer": True,
         "prescale_gradients": ds.prescale_gradients,

@@ -2,7 +2,7 @@
 
 from typing import Optional
 
-from pydantic import ValidationInfo, field_validator
+from pydantic import ValidationInfo, field_validator, model_validator
 
 from neox.config.base import ConfigGroup
 
@@ -48,16 +48,18 @@ class LoggingConfig(ConfigGroup):
     """No-op: where gpt-neox's memory snapshot goes (memory_profiling is refused)."""
 
     profile: bool = False
-    """Run the torch profiler between profile_step_start and profile_step_stop."""
+    """Run torch.profiler over iterations profile_step_start..profile_step_stop on every rank and
+    write a Chrome trace, the top operators and the host-sync count to <log_dir>/profile/."""
 
     profile_step_start: int = 10
-    """First profiled iteration."""
+    """First profiled iteration (1-based, as the log lines count them)."""
 
     profile_step_stop: int = 12
     """Last profiled iteration."""
 
     peak_theoretical_tflops: Optional[float] = None
-    """Peak TFLOPS of one device, for MFU in the log lines (None: no MFU)."""
+    """Peak TFLOPS of one device, for the MFU in log lines and metrics.jsonl (default: the
+    datasheet dense bf16 peak of H100/H200/A100; on other devices MFU is left out)."""
 
     use_wandb: bool = False
     """Log metrics to Weights & Biases."""
@@ -97,3 +99,12 @@ class LoggingConfig(ConfigGroup):
                 "CUDA memory snapshots (memory_profiling) are not implemented in neox; set it false"
             )
         return v
+
+    @model_validator(mode="after")
+    def _check_profile_steps(self) -> "LoggingConfig":
+        if self.profile and not 1 <= self.profile_step_start <= self.profile_step_stop:
+            raise ValueError(
+                f"profile_step_start={self.profile_step_start} and profile_step_stop="
+                f"{self.profile_step_stop} must satisfy 1 <= start <= stop"
+            )
+        return self

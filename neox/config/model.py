@@ -174,13 +174,30 @@ class ModelConfig(ConfigGroup):
     the result is the same wherever it is computed."""
 
     fp16_lm_cross_entropy: bool = False
-    """Compute the cross entropy in fp16 instead of fp32 (gpt-neox key; discouraged)."""
+    """gpt-neox key asking for the cross-entropy in fp16; not implemented: neox always computes
+    the loss in float32, so it must be false."""
 
     opt_pos_emb_offset: int = 0
     """Offset of learned position ids (OPT uses 2)."""
 
     fused_kernels_build_path: Optional[str] = None
     """No-op (gpt-neox key): neox builds no CUDA extensions; its Triton kernels compile on use."""
+
+    lm_loss_chunk_size: int = 0
+    """Training loss from the output layer and cross-entropy fused, this many tokens at a time,
+    so the full (tokens, vocab) float32 logits never exist (0: full logits). Same loss within
+    float32 rounding; needs model_parallel_size=1 (tensor parallelism keeps its vocab-split
+    loss, whose logits are already split)."""
+
+    @field_validator("fp16_lm_cross_entropy")
+    @classmethod
+    def _no_fp16_cross_entropy(cls, v: bool) -> bool:
+        if v:
+            raise ValueError(
+                "fp16_lm_cross_entropy=true: a cross-entropy in fp16 is not implemented in neox "
+                "(the loss is always float32); remove the key"
+            )
+        return v
 
     @field_validator("num_layers", "hidden_size", "num_attention_heads", "seq_length")
     @classmethod

@@ -55,6 +55,15 @@ class TrainingConfig(ConfigGroup):
     clip_grad: Optional[float] = None
     """gpt-neox alias of gradient_clipping."""
 
+    torch_compile: bool = False
+    """Compile each transformer block with torch.compile (fewer, fused kernels; the first steps
+    pay the compilation). Works with activation checkpointing, tensor and pipeline parallelism;
+    parameter names and checkpoints are unchanged."""
+
+    torch_compile_backend: str = "inductor"
+    """torch.compile backend for torch_compile: inductor generates fused kernels; aot_eager
+    traces the same graphs without generating code (quick, for debugging and CPU tests)."""
+
     checkpoint_activations: bool = False
     """Recompute activations in the backward pass to save memory."""
 
@@ -92,7 +101,7 @@ class TrainingConfig(ConfigGroup):
     `latest` names). Training ignores it."""
 
     z_loss: float = 0.0
-    """Weight of the z-loss, (log sum exp of the logits)^2, added to the loss (0: off)."""
+    """gpt-neox key for the z-loss auxiliary term; not implemented in neox, so it must be 0."""
 
     @field_validator("train_iters")
     @classmethod
@@ -125,5 +134,14 @@ class TrainingConfig(ConfigGroup):
             raise ValueError(
                 "character-level perplexity is not implemented in neox; remove the key "
                 "(eval.py reports bits per byte)"
+            )
+        return v
+
+    @field_validator("z_loss")
+    @classmethod
+    def _no_z_loss(cls, v: float) -> float:
+        if v:
+            raise ValueError(
+                f"z_loss={v}: the z-loss auxiliary term is not implemented in neox; set it to 0"
             )
         return v

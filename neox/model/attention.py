@@ -114,7 +114,9 @@ class Attention(nn.Module):
         self.k_layernorm = build_norm(cfg, cfg.head_dim) if cfg.use_qk_layernorm else None
         self.rotary = None
         if cfg.pos_emb == "rotary":
-            self.rotary = RotaryEmbedding(int(cfg.head_dim * cfg.rotary_pct), cfg.rotary_emb_base)
+            self.rotary = RotaryEmbedding(
+                int(cfg.head_dim * cfg.rotary_pct), cfg.rotary_emb_base, cfg.max_positions
+            )
         self.alibi_slopes = (
             alibi_slopes(cfg.num_attention_heads) if cfg.pos_emb == "alibi" else None
         )

@@ -11,6 +11,7 @@ from torch import nn
 from neox.config.model import ModelConfig
 from neox.model.block import Block
 from neox.model.init import init_parameter
+from neox.model.loss import chunked_lm_loss, lm_loss
 from neox.model.norms import build_norm
 
 if TYPE_CHECKING:
@@ -36,6 +37,8 @@ class GPTNeoX(nn.Module):
         # Tied (the gpt-neox default): logits use embed_in.weight, no second matrix.
         tied = not cfg.no_weight_tying
         self.embed_out = None if tied else nn.Linear(hidden, vocab_size, bias=False)
+        # loss(logits, labels, loss_mask); tensor parallelism swaps in the vocab-split one.
+        self.lm_loss = lm_loss
 
     def embed(
         self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None
@@ -48,11 +51,22 @@ class GPTNeoX(nn.Module):
             x = x + self.embed_pos(position_ids + self.cfg.opt_pos_emb_offset)
         return self.emb_dropout(x)
 
+    def head_weight(self) -> torch.Tensor:
+        return self.embed_in.weight if self.embed_out is None else self.embed_out.weight
+
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """Final norm and output projection: (B, T, C) -> logits (B, T, V)."""
-        x = self.final_layer_norm(x)
-        weight = self.embed_in.weight if self.embed_out is None else self.embed_out.weight
-        return F.linear(x, weight)
+        return F.linear(self.final_layer_norm(x), self.head_weight())
+
+    def loss(
+        self, x: torch.Tensor, labels: torch.Tensor, loss_mask: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        """Mean token cross-entropy of the head's predictions from hidden states x (B, T, C)."""
+        chunk = self.cfg.lm_loss_chunk_size
+        if chunk and self.lm_loss is lm_loss:
+            x = self.final_layer_norm(x)
+            return chunked_lm_loss(x, self.head_weight(), labels, loss_mask, chunk)
+        return self.lm_loss(self.head(x), labels, loss_mask)
 
     def forward(
         self,
@@ -60,16 +74,22 @@ class GPTNeoX(nn.Module):
         position_ids: Optional[torch.Tensor] = None,
         attention_mask: Optional[torch.Tensor] = None,
         kv_cache: Optional[KVCache] = None,
+        labels: Optional[torch.Tensor] = None,
+        loss_mask: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        """Logits (B, T, V) for input_ids (B, T); attention_mask (B, T) marks real tokens.
+        """Logits (B, T, V) for input_ids (B, T), or with labels (B, T) the scalar training loss.
 
+        attention_mask (B, T) marks real tokens. Computing the loss here, inside the module the
+        engine runs, lets the loss be fused with the output layer (lm_loss_chunk_size).
         Decoding passes a KVCache (neox.inference.cache), explicit position_ids and the
         (B, 1, T, S) mask of cached keys each query may see.
         """
         x = self.embed(input_ids, position_ids)
         for i, block in enumerate(self.layers):
             x = block(x, position_ids, attention_mask, None if kv_cache is None else kv_cache[i])
-        return self.head(x)
+        if labels is None:
+            return self.head(x)
+        return self.loss(x, labels, loss_mask)
 
     @torch.no_grad()
     def reset_parameters(self, seed: int = 1234) -> None:

@@ -17,48 +17,58 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     """Rotates the first `dim` features of q and k by angle position * base^(-2i/dim).
 
-    Holds no parameters or buffers: cos/sin are recomputed on demand and cached per device and
-    dtype, so the module survives meta-device construction and never enters a checkpoint.
+    Holds no parameters or buffers: the cos/sin table is built once per device and dtype, for
+    `max_positions` positions, so the module survives meta-device construction and never enters
+    a checkpoint. forward indexes the table with position_ids and never reads them on the host
+    (a host read would stall the GPU once per layer); positions past the table are an error.
     """
 
-    def __init__(self, dim: int, base: float) -> None:
+    def __init__(self, dim: int, base: float, max_positions: int = 2048) -> None:
         super().__init__()
         self.dim = dim
         self.base = base
+        self.max_positions = max_positions
         self._cache: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def cos_sin(
         self, length: int, device: torch.device, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin tables of shape (length, dim), cached and grown as needed."""
+        """cos and sin tables of shape (n, dim), n >= length, cached per device and dtype."""
+        length = max(length, self.max_positions)
+        if torch.compiler.is_compiling():
+            # Inside a compiled graph the table is a few fused ops; a cache would be a side effect.
+            return self._table(length, device, dtype)
         cached = self._cache.get((device, dtype))
-        if cached is not None and cached[0].shape[0] >= length:
-            return cached[0][:length], cached[1][:length]
+        if cached is None or cached[0].shape[0] < length:
+            cached = self._cache[(device, dtype)] = self._table(length, device, dtype)
+        return cached
+
+    def _table(
+        self, length: int, device: torch.device, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         # Angles in fp32 whatever the model dtype: bf16 positions lose integers past 256.
         inv_freq = 1.0 / (
             self.base ** (torch.arange(0, self.dim, 2, device=device).float() / self.dim)
         )
         t = torch.arange(length, device=device).float()
-        freqs = torch.outer(t, inv_freq)  # (T, dim/2)
-        emb = torch.cat((freqs, freqs), dim=-1)  # (T, dim): same angle for both halves
-        cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
-        self._cache[(device, dtype)] = (cos, sin)
-        return cos, sin
+        freqs = torch.outer(t, inv_freq)  # (n, dim/2)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (n, dim): same angle for both halves
+        return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, position_ids: Optional[torch.Tensor] = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate q (B, nh, T, hs) and k (B, nkv, T, hs); the last hs - dim features pass through."""
+        """Rotate q (B, nh, T, hs) and k (B, nkv, T, hs); the last hs - dim features pass through.
+
+        position_ids (B, T) or (T,), default 0..T-1, must stay below max(max_positions, T).
+        """
         T = q.shape[-2]
-        length = T if position_ids is None else int(position_ids.max()) + 1
-        cos, sin = self.cos_sin(length, q.device, q.dtype)
+        cos, sin = self.cos_sin(T, q.device, q.dtype)
         if position_ids is None:
             cos, sin = cos[:T], sin[:T]  # (T, dim), broadcast over B and heads
         else:
-            cos, sin = (
-                cos[position_ids].unsqueeze(1),
-                sin[position_ids].unsqueeze(1),
-            )  # (B, 1, T, dim)
+            # (B, 1, T, dim): a gather on the device, whatever the positions are.
+            cos, sin = cos[position_ids].unsqueeze(-3), sin[position_ids].unsqueeze(-3)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,6 @@ __all__ = [
     "Topology",
     "apply_tensor_parallel",
     "engine_mpu",
-    "loss_function",
     "parallelize",
     "pipeline_batch",
     "to_pipeline",
@@ -22,7 +21,6 @@ _LAZY = {
     "apply_tensor_parallel": "neox.parallel.tensor",
     "to_pipeline": "neox.parallel.pipeline",
     "parallelize": "neox.parallel.build",
-    "loss_function": "neox.parallel.build",
     "engine_mpu": "neox.parallel.build",
     "pipeline_batch": "neox.parallel.build",
 }

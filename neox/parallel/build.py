@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
@@ -11,12 +10,12 @@ from torch import nn
 
 from neox.config.model import ModelConfig
 from neox.model import build_model
+from neox.model.block import Block
 from neox.parallel.checkpointing import checkpoint_blocks, configure_checkpointing
 from neox.parallel.pipeline import to_pipeline
 from neox.parallel.tensor import (
     apply_tensor_parallel,
     init_tensor_parallel,
-    lm_loss_parallel,
     seed_parallel_rng,
     use_tensor_parallel_rng,
 )
@@ -33,6 +32,8 @@ def parallelize(
     *,
     checkpoint_activations: bool = False,
     checkpoint_num_layers: int = 1,
+    torch_compile: bool = False,
+    torch_compile_backend: str = "inductor",
     partition_activations: bool = False,
     checkpointing_options: Optional[dict[str, Any]] = None,
     pipe_partition_method: str = "type:Block",
@@ -40,7 +41,7 @@ def parallelize(
 ) -> nn.Module:
     """The GPTNeoX for this rank: plain with tp applied when pp = 1, else a PipelineModule.
 
-    Seeds the RNG streams (seed_parallel_rng). Weights equal the tp=1, pp=1 model's for the
+    Seeds the RNG streams (seed_parallel_rng). torch_compile compiles every block. Weights equal the tp=1, pp=1 model's for the
     same seed, whatever the layout; no rank materialises more than its own shard.
     """
     groups.topo.check_model(model_cfg)
@@ -48,7 +49,7 @@ def parallelize(
     if checkpoint_activations:
         configure_checkpointing(groups, partition_activations, checkpointing_options)
     if groups.topo.pp > 1:
-        return to_pipeline(
+        pipe = to_pipeline(
             model_cfg,
             vocab_size,
             groups,
@@ -58,14 +59,27 @@ def parallelize(
             checkpoint_num_layers=checkpoint_num_layers,
             device=device,
         )
+        return compile_blocks(pipe, torch_compile_backend) if torch_compile else pipe
     model = build_model(model_cfg, vocab_size, seed, device="meta")
     apply_tensor_parallel(model, groups, model_cfg, copy_weights=False)
     init_tensor_parallel(model, model_cfg, seed, groups, device=device)
     if groups.get_tensor_model_parallel_world_size() > 1:
         use_tensor_parallel_rng(model)
+    if torch_compile:
+        # Before checkpointing, which then recomputes through the compiled forward.
+        compile_blocks(model, torch_compile_backend)
     if checkpoint_activations:
         checkpoint_blocks(model.layers, checkpoint_num_layers)
     _register_head_weight(model)
+    return model
+
+
+def compile_blocks(model: nn.Module, backend: str = "inductor") -> nn.Module:
+    """torch.compile each Block's forward in place: one graph per block (the same code for every
+    layer, so one compilation serves them all), names and state dict keys unchanged."""
+    for module in model.modules():
+        if isinstance(module, Block):
+            module.forward = torch.compile(module.forward, backend=backend)
     return model
 
 
@@ -76,20 +90,6 @@ def _register_head_weight(model: nn.Module) -> None:
 
     owner = model.embed_in if model.embed_out is None else model.embed_out
     register_external_parameter(model, owner.weight)
-
-
-def loss_function(
-    groups: ProcessGroups,
-) -> Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor]], torch.Tensor]:
-    """loss(logits, labels, loss_mask) for the plain model's (possibly vocab-split) logits."""
-    group = groups.tensor
-
-    def loss(
-        logits: torch.Tensor, labels: torch.Tensor, loss_mask: Optional[torch.Tensor] = None
-    ) -> torch.Tensor:
-        return lm_loss_parallel(logits, labels, loss_mask, group)
-
-    return loss
 
 
 def engine_mpu(model: nn.Module, groups: ProcessGroups) -> Optional[ProcessGroups]:

@@ -20,6 +20,7 @@ from torch import nn
 
 from neox.config.model import ModelConfig
 from neox.model.init import init_parameter
+from neox.model.loss import masked_mean
 from neox.parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -121,6 +122,9 @@ def apply_tensor_parallel(
     norm = getattr(model, "final_layer_norm", None)
     if norm is not None:
         _wrap_forward(norm, lambda fwd, *a, **k: copy_to_tensor_parallel(fwd(*a, **k), group))
+    if hasattr(model, "lm_loss"):
+        # The head now yields this rank's vocab slice of the logits.
+        model.lm_loss = functools.partial(lm_loss_parallel, group=group)
     return model
 
 
@@ -212,8 +216,4 @@ def lm_loss_parallel(
     group: Any,
 ) -> torch.Tensor:
     """Masked mean over tokens of -log softmax(z)[label], z split over `group` by vocabulary."""
-    losses = vocab_parallel_cross_entropy(logits, labels, group).flatten()
-    if loss_mask is None:
-        return losses.mean()
-    mask = loss_mask.flatten().float()
-    return (losses * mask).sum() / mask.sum().clamp(min=1.0)
+    return masked_mean(vocab_parallel_cross_entropy(logits, labels, group), loss_mask)

@@ -11,7 +11,8 @@ from neox.checkpoint.io import load_checkpoint, save_checkpoint, should_save
 from neox.config import write_config
 from neox.data.batch import Batch, build_batch
 from neox.parallel import pipeline_batch
-from neox.training.metrics import MetricsWriter, format_line
+from neox.training.metrics import MetricsWriter, Throughput, format_line
+from neox.training.profiling import StepProfiler
 from neox.training.setup import Run, build_data, build_run
 
 log = logging.getLogger(__name__)
@@ -34,8 +35,9 @@ def pipeline_stream(run: Run, stream: Iterator) -> Iterator:
 
 
 def forward_loss(run: Run, batch: Batch) -> torch.Tensor:
-    logits = run.engine(batch.tokens, batch.position_ids, batch.attention_mask)
-    return run.loss_fn(logits, batch.labels, batch.loss_mask)
+    """The model returns the loss itself, so the output layer and the loss can run fused."""
+    b = batch
+    return run.engine(b.tokens, b.position_ids, b.attention_mask, b.labels, b.loss_mask)
 
 
 def train_step(run: Run, stream: Iterator, iteration: int) -> dict[str, float]:
@@ -97,6 +99,8 @@ def train(run: Run, start_iteration: int, writer: MetricsWriter) -> dict[str, fl
         valid_stream = pipeline_stream(run, data.valid) if run.is_pipeline else data.valid
     last: dict[str, float] = {}
     iteration = start_iteration
+    speed = Throughput(cfg, d, run.device)
+    profiler = StepProfiler(cfg.logging, run.rank, run.device)
     tick = time.perf_counter()
     if not t.do_train:
         log.info("do_train=false: evaluating the loaded weights only")
@@ -104,6 +108,7 @@ def train(run: Run, start_iteration: int, writer: MetricsWriter) -> dict[str, fl
             eval_loss = evaluate(run, valid_stream, t.eval_iters)
             writer.write(iteration, {"loss": eval_loss}, prefix="valid")
     while t.do_train and iteration < t.train_iters:
+        profiler.step(iteration + 1)
         metrics = train_step(run, train_stream, iteration)
         iteration += 1
         last = metrics
@@ -112,6 +117,7 @@ def train(run: Run, start_iteration: int, writer: MetricsWriter) -> dict[str, fl
             tick = time.perf_counter()
             metrics["step_time_s"] = elapsed
             metrics["tokens_per_s"] = d.global_batch * cfg.model.seq_length / max(elapsed, 1e-9)
+            metrics.update(speed.metrics(metrics["tokens_per_s"]))
             if run.is_logging_rank:
                 log.info(format_line(iteration, t.train_iters, metrics))
             writer.write(iteration, metrics)
@@ -125,6 +131,7 @@ def train(run: Run, start_iteration: int, writer: MetricsWriter) -> dict[str, fl
         if t.exit_interval and iteration % t.exit_interval == 0:
             log.info("exit_interval=%d reached at iteration %d", t.exit_interval, iteration)
             break
+    profiler.close()
     if cfg.checkpoint.save and not should_save(cfg, iteration) and iteration > start_iteration:
         save(run, iteration)
     if t.do_test and data.test is not None and (iteration >= t.train_iters or not t.do_train):

@@ -2,7 +2,6 @@
 
 import logging
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,6 +11,7 @@ from neox.config import Derived, NeoXConfig, build_ds_config, derive
 from neox.data.loader import DataLoaders, build_train_valid_test_loaders
 from neox.launcher.rank_env import rank_env_from_launcher
 from neox.tokenizer import Tokenizer, build_tokenizer
+from neox.training.engine import build_engine
 from neox.training.optim import build_optimizer
 from neox.training.schedule import LRSchedule
 
@@ -31,7 +31,6 @@ class Run:
     rank: int
     dp_rank: int
     is_pipeline: bool
-    loss_fn: Callable
     groups: Any  # neox.parallel.ProcessGroups
 
     @property
@@ -64,9 +63,7 @@ def init_distributed(cfg: NeoXConfig) -> torch.device:
 
 def build_run(cfg: NeoXConfig) -> Run:
     """Tokenizer, derived values, the parallel model inside DeepSpeed, and the schedule."""
-    import deepspeed
-
-    from neox.parallel import ProcessGroups, Topology, engine_mpu, loss_function, parallelize
+    from neox.parallel import ProcessGroups, Topology, engine_mpu, parallelize
 
     device = init_distributed(cfg)
     world = torch.distributed.get_world_size()
@@ -86,14 +83,16 @@ def build_run(cfg: NeoXConfig) -> Run:
         checkpoint_activations=tr.checkpoint_activations,
         checkpoint_num_layers=tr.checkpoint_num_layers,
         checkpointing_options=ds_config["activation_checkpointing"],
+        torch_compile=tr.torch_compile,
+        torch_compile_backend=tr.torch_compile_backend,
         pipe_partition_method=cfg.parallel.pipe_partition_method,
         device=device,
     )
-    engine, _, _, _ = deepspeed.initialize(
-        model=model,
-        optimizer=build_optimizer(model, cfg.optimizer, derived.optimizer_type, derived.lr),
-        config=ds_config,
-        mpu=engine_mpu(model, groups),
+    engine = build_engine(
+        ds_config,
+        model,
+        build_optimizer(model, cfg.optimizer, derived.optimizer_type, derived.lr),
+        engine_mpu(model, groups),
     )
     o = cfg.optimizer
     schedule = LRSchedule(
@@ -113,7 +112,6 @@ def build_run(cfg: NeoXConfig) -> Run:
         rank=torch.distributed.get_rank(),
         dp_rank=groups.get_data_parallel_rank(),
         is_pipeline=derived.pipe_parallel > 1,
-        loss_fn=loss_function(groups),
         groups=groups,
     )
 

@@ -31,6 +31,14 @@ def test_zero_shorthands_and_gpt_neox_cpu_offload():
     assert zero["offload_optimizer"] == {"device": "cpu"} and "cpu_offload" not in zero
 
 
+def test_one_data_parallel_rank_drops_gradient_copies_that_serve_communication():
+    flat = {"zero_optimization": {"stage": 1, "overlap_comm": True, "contiguous_gradients": True}}
+    one = build(flat, world=1)["zero_optimization"]
+    assert one["overlap_comm"] is False and one["contiguous_gradients"] is False
+    two = build(flat, world=2)["zero_optimization"]
+    assert two["overlap_comm"] is True and two["contiguous_gradients"] is True
+
+
 def test_fp16_section_drops_gpt_neox_duplicate_flag():
     ds = build(
         {"fp16": {"fp16": True, "enabled": True, "loss_scale": 0, "initial_scale_power": 12}}

@@ -173,7 +173,6 @@ def test_every_gpt_neox_config_passes_or_is_refused_by_feature(tmp_path):
     "flat,message",
     [
         ({"min_lr": 0.1, "lr": 0.01}, "min_lr=0.1 exceeds the peak learning rate 0.01"),
-        ({"fp16_lm_cross_entropy": True}, "fp16_lm_cross_entropy=true needs fp16"),
     ],
 )
 def test_combinations_gpt_neox_refuses(flat, message):

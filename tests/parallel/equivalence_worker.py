@@ -93,7 +93,7 @@ def _ds_config(case: dict) -> dict:
 def _run_case(case: dict) -> list[float]:
     import deepspeed
 
-    from neox.parallel import Topology, engine_mpu, loss_function, parallelize, pipeline_batch
+    from neox.parallel import Topology, engine_mpu, parallelize, pipeline_batch
 
     groups = Topology(case["tp"], case["pp"], case["dp"]).build_groups()
     cfg = ModelConfig(**MODELS[case["model"]])
@@ -119,7 +119,7 @@ def _run_case(case: dict) -> list[float]:
             micro = [pipeline_batch(*t) for t in zip(ids.chunk(2), labels.chunk(2), mask.chunk(2))]
             loss = engine.train_batch(data_iter=iter(micro))
         else:
-            loss = loss_function(groups)(engine(ids), labels, mask)
+            loss = engine(ids, None, None, labels, mask)
             engine.backward(loss)
             engine.step()
             loss = loss.detach().clone()

@@ -1,0 +1,328 @@
+#!/usr/bin/env python
+"""Training throughput on one device: neox's real step (build_run + train_step) against HF
+GPTNeoXForCausalLM, eager and torch.compile, at Pythia shapes, random tokens.
+
+python benchmarks/train_throughput.py --vocab-file data/20B_tokenizer.json        # 160M 410M 1-4B
+python benchmarks/train_throughput.py --models 410M --impls neox --profile-dir prof
+python benchmarks/train_throughput.py --tiny                                       # CPU smoke run
+
+Prints tokens/s, TFLOPS, MFU (neox.estimate.train_flops_per_token), peak memory, and neox's
+ratio to each HF variant; --json appends one record per run. Results go in docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import socket
+import sys
+import time
+import warnings
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from neox.config import load_config  # noqa: E402
+from neox.estimate import train_flops_per_token  # noqa: E402
+from neox.training.metrics import peak_tflops  # noqa: E402
+
+# Pythia shape -> micro batch that fits one 80 GB H100 without activation checkpointing.
+MICRO_BATCH = {"160M": 16, "410M": 8, "1-4B": 4}
+
+# Overlay on configs/pythia/<M>.yml: bf16, no recompute, nothing written to disk.
+OVERLAY: dict[str, Any] = {
+    "bf16": {"enabled": True},
+    "fp16": {"enabled": False},
+    "checkpoint_activations": False,
+    "partition_activations": False,
+    "save": None,
+    "load": None,
+    "log_dir": None,
+    "tensorboard_dir": None,
+    "train_iters": 100,
+    "log_interval": 10**6,
+}
+
+TINY: dict[str, Any] = {
+    "num_layers": 2,
+    "attention_config": [[["flash"], 2]],
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "seq_length": 64,
+    "max_position_embeddings": 64,
+    "tokenizer_type": "CharLevelTokenizer",
+    "vocab_file": None,
+    "bf16": {"enabled": False},
+    "zero_optimization": {"stage": 1},
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def neox_config(model: str, micro_batch: int, vocab_file: str | None, tiny: bool, extra: dict):
+    overrides = {**OVERLAY, "train_micro_batch_size_per_gpu": micro_batch}
+    overrides["master_port"] = int(os.environ.get("MASTER_PORT", free_port()))
+    if vocab_file:
+        overrides["vocab_file"] = vocab_file
+    if tiny:
+        overrides.update(TINY)
+    overrides.update(extra)
+    return load_config([ROOT / "configs" / "pythia" / f"{model}.yml"], overrides=overrides).config
+
+
+def random_batches(vocab: int, micro_batch: int, seq: int, device, n: int = 4) -> list[Any]:
+    g = torch.Generator().manual_seed(0)
+    return [
+        torch.randint(0, vocab, (micro_batch, seq + 1), generator=g).to(device) for _ in range(n)
+    ]
+
+
+def cycle(items: list[Any]) -> Iterator[Any]:
+    while True:
+        yield from items
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_steps(step: Callable[[int], Any], iters: int, warmup: int, device) -> list[float]:
+    """Seconds per step for steps warmup..iters (the first ones compile and warm caches)."""
+    times = []
+    for i in range(iters):
+        sync(device)
+        t0 = time.perf_counter()
+        step(i)
+        sync(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def count_syncs(step: Callable[[int], Any], i: int, device) -> Counter:
+    """Host-device synchronisations of one step, by the Python line that caused them."""
+    if device.type != "cuda":
+        return Counter()
+    sync(device)
+    sites: Counter = Counter()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step(i)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    for w in caught:
+        if "synchroniz" in str(w.message):
+            sites[f"{os.path.relpath(w.filename, ROOT)}:{w.lineno}"] += 1
+    return sites
+
+
+def profile_steps(step: Callable[[int], Any], start: int, out_dir: Path, name: str, device) -> None:
+    """A torch.profiler trace of two steps, plus the top ops by self CPU and device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        for i in range(start, start + 2):
+            step(i)
+        sync(device)
+    prof.export_chrome_trace(str(out_dir / f"{name}.trace.json"))
+    avg = prof.key_averages()
+    dev_key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    with open(out_dir / f"{name}.ops.txt", "w") as f:
+        f.write(avg.table(sort_by="self_cpu_time_total", row_limit=40))
+        f.write("\n\n")
+        f.write(avg.table(sort_by=dev_key, row_limit=40))
+
+
+def neox_step(cfg, device) -> tuple[Callable[[int], Any], Any, Callable[[], None]]:
+    """neox's own training step on the engine train.py builds."""
+    from neox.training.loop import train_step
+    from neox.training.setup import build_run
+
+    run = build_run(cfg)
+    d = run.derived
+    batches = random_batches(run.tokenizer.vocab_size, d.micro_batch, cfg.model.seq_length, device)
+    stream = cycle([{"text": b} for b in batches])
+
+    def step(i: int) -> Any:
+        return train_step(run, stream, i)
+
+    def close() -> None:
+        run.engine.destroy() if hasattr(run.engine, "destroy") else None
+
+    return step, run, close
+
+
+def hf_step(cfg, vocab: int, micro_batch: int, device, compile_: bool):
+    """HF GPTNeoXForCausalLM with SDPA, bf16 autocast and fused AdamW: the usual HF recipe."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    m = cfg.model
+    hf_cfg = GPTNeoXConfig(
+        vocab_size=vocab,
+        hidden_size=m.hidden_size,
+        num_hidden_layers=m.num_layers,
+        num_attention_heads=m.num_attention_heads,
+        intermediate_size=m.ffn_size,
+        rotary_pct=m.rotary_pct,
+        max_position_embeddings=m.max_position_embeddings,
+        use_parallel_residual=m.gpt_j_residual,
+        tie_word_embeddings=not m.no_weight_tying,
+        hidden_act="gelu",
+        attn_implementation="sdpa",
+    )
+    model = GPTNeoXForCausalLM(hf_cfg).to(device)
+    model.train()
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=3e-4, betas=(0.9, 0.95), fused=device.type == "cuda"
+    )
+    fwd = torch.compile(model) if compile_ else model
+    batches = random_batches(vocab, micro_batch, m.seq_length, device)
+    bf16 = cfg.precision.bf16 is not None and cfg.precision.bf16.get("enabled", False)
+
+    def step(i: int) -> Any:
+        tokens = batches[i % len(batches)]
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            out = fwd(input_ids=tokens[:, :-1], labels=tokens[:, :-1])
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return out.loss.detach()
+
+    return step, model, lambda: None
+
+
+def run_one(args, model: str, impl: str, device) -> dict[str, Any]:
+    micro_batch = args.micro_batch or (2 if args.tiny else MICRO_BATCH[model])
+    extra = dict(json.loads(args.neox_overrides)) if args.neox_overrides else {}
+    cfg = neox_config(model, micro_batch, args.vocab_file, args.tiny, extra)
+    from neox.config import derive
+    from neox.tokenizer import build_tokenizer
+
+    t = cfg.tokenizer
+    vocab = derive(cfg, 1, build_tokenizer(t.tokenizer_type, t.vocab_file, t.merge_file).vocab_size)
+    vocab = vocab.padded_vocab_size
+    base_mem = 0
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        # Whatever an earlier run in this process left allocated is not this run's.
+        base_mem = torch.cuda.memory_allocated(device)
+    if impl == "neox":
+        step, keep, close = neox_step(cfg, device)
+    else:
+        step, keep, close = hf_step(cfg, vocab, micro_batch, device, impl == "hf_compile")
+    times = time_steps(step, args.iters, args.warmup, device)
+    mean = sum(times) / len(times)
+    tokens = micro_batch * cfg.model.seq_length
+    flops = train_flops_per_token(cfg.model, vocab)
+    tps = tokens / mean
+    peak = args.peak_tflops or peak_tflops(device)
+    rec = {
+        "model": model,
+        "impl": impl,
+        "micro_batch": micro_batch,
+        "seq": cfg.model.seq_length,
+        "step_ms": 1000 * mean,
+        "step_ms_min": 1000 * min(times),
+        "tokens_per_s": tps,
+        "tflops": tps * flops / 1e12,
+        "mfu": tps * flops / 1e12 / peak if peak else None,
+        "peak_mem_gib": (
+            (torch.cuda.max_memory_allocated(device) - base_mem) / 2**30
+            if device.type == "cuda"
+            else None
+        ),
+        "neox_overrides": extra,
+    }
+    if args.sync_count:
+        sites = count_syncs(step, args.iters, device)
+        rec["syncs_per_step"] = sum(sites.values())
+        rec["sync_sites"] = dict(sites.most_common(15))
+    if args.profile_dir and impl in args.profile_impls and model in args.profile_models:
+        profile_steps(step, args.iters + 1, Path(args.profile_dir), f"{impl}_{model}", device)
+    close()
+    del step, keep, close
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return rec
+
+
+def print_table(records: list[dict[str, Any]]) -> None:
+    print(
+        f"{'model':>6} {'impl':>10} {'mb':>3} {'ms/step':>8} {'tok/s':>9} {'TFLOPS':>7} "
+        f"{'MFU':>6} {'memGiB':>7} {'syncs':>5}"
+    )
+    for r in records:
+        mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
+        mem = f"{r['peak_mem_gib']:.1f}" if r["peak_mem_gib"] is not None else "-"
+        print(
+            f"{r['model']:>6} {r['impl']:>10} {r['micro_batch']:>3} {r['step_ms']:>8.1f} "
+            f"{r['tokens_per_s']:>9.0f} {r['tflops']:>7.1f} {mfu:>6} {mem:>7} "
+            f"{r.get('syncs_per_step', '-'):>5}"
+        )
+    by = {(r["model"], r["impl"]): r["tokens_per_s"] for r in records}
+    for (model, impl), tps in by.items():
+        if impl == "neox":
+            for ref in ("hf", "hf_compile"):
+                if (model, ref) in by:
+                    print(f"{model}: neox / {ref} = {tps / by[(model, ref)]:.2f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--models", nargs="+", default=list(MICRO_BATCH))
+    p.add_argument("--impls", nargs="+", default=["neox", "hf", "hf_compile"])
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--micro-batch", type=int, default=None)
+    p.add_argument("--vocab-file", default=None, help="the 20B tokenizer json (HFTokenizer)")
+    p.add_argument("--neox-overrides", default=None, help="JSON dict of extra neox config keys")
+    p.add_argument("--peak-tflops", type=float, default=None)
+    p.add_argument("--sync-count", action="store_true", help="count host syncs of one step")
+    p.add_argument("--profile-dir", default=None)
+    p.add_argument("--profile-impls", nargs="+", default=["neox"])
+    p.add_argument("--profile-models", nargs="+", default=list(MICRO_BATCH))
+    p.add_argument("--json", default=None, help="append one JSON record per run here")
+    p.add_argument("--tiny", action="store_true", help="2-layer model on CPU: a smoke test")
+    args = p.parse_args(argv)
+    if args.tiny:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        args.iters, args.warmup = min(args.iters, 4), min(args.warmup, 1)
+        if args.impls == p.get_default("impls"):
+            args.impls = ["neox", "hf"]
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
+    records = []
+    for model in args.models:
+        for impl in args.impls:
+            rec = run_one(args, model, impl, device)
+            rec["device"] = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+            records.append(rec)
+            print(json.dumps(rec), flush=True)
+            if args.json:
+                with open(args.json, "a") as f:
+                    f.write(json.dumps(rec) + "\n")
+    print_table(records)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""Rotary: one table per device and dtype, indexed by position ids without reading them."""
+
+import torch
+
+from neox.model.rotary import RotaryEmbedding
+
+
+def qk(T=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(2, 4, T, 8, generator=g), torch.randn(2, 2, T, 8, generator=g)
+
+
+def test_explicit_positions_equal_default_and_table_is_built_once():
+    rot = RotaryEmbedding(dim=4, base=10000, max_positions=32)
+    q, k = qk()
+    default = rot(q, k)
+    explicit = rot(q, k, torch.arange(6).expand(2, 6))
+    for a, b in zip(default, explicit):
+        torch.testing.assert_close(a, b)
+    ((cos, _),) = rot._cache.values()
+    assert cos.shape == (32, 4)  # sized to max_positions, not to the first batch
+    rot(*qk(T=20), torch.arange(20))
+    assert len(rot._cache) == 1 and next(iter(rot._cache.values()))[0] is cos
+
+
+def test_offset_positions_match_the_same_tokens_in_a_longer_sequence():
+    """KV-cache decoding: tokens at positions 10..12 rotate as they would inside 0..12."""
+    rot = RotaryEmbedding(dim=8, base=10000, max_positions=16)
+    q, k = qk(T=13)
+    full_q, full_k = rot(q, k)
+    tail_q, tail_k = rot(q[:, :, 10:], k[:, :, 10:], torch.arange(10, 13).expand(2, 3))
+    torch.testing.assert_close(tail_q, full_q[:, :, 10:])
+    torch.testing.assert_close(tail_k, full_k[:, :, 10:])
+
+
+def test_per_row_positions_restart_per_document():
+    rot = RotaryEmbedding(dim=4, base=10000, max_positions=8)
+    q, k = qk()
+    pos = torch.tensor([[0, 1, 2, 3, 4, 5], [0, 1, 2, 0, 1, 2]])
+    out_q, _ = rot(q, k, pos)
+    ref_q, _ = rot(q[1:, :, :3], k[1:, :, :3])
+    torch.testing.assert_close(out_q[1:, :, 3:], rot(q[1:, :, 3:], k[1:, :, 3:])[0])
+    torch.testing.assert_close(out_q[1:, :, :3], ref_q)
+
+
+def test_sequence_longer_than_max_positions_grows_the_table():
+    rot = RotaryEmbedding(dim=4, base=10000, max_positions=4)
+    q, k = qk(T=6)
+    a, _ = rot(q, k)
+    b, _ = RotaryEmbedding(dim=4, base=10000, max_positions=6)(q, k)
+    torch.testing.assert_close(a, b)
