@@ -126,13 +126,16 @@ class Generator:
         causal = slots[None, :] <= slots[:L, None]  # (L, S)
         allowed = causal & (valid[:, None, :] | (slots[None, :] == slots[:L, None]))  # (B, L, S)
         pos = positions(mask)
-        logits = self.model(ids, pos, allowed[:, None], cache.at(slots[:L]))
+        logits = self.model(ids, pos, allowed[:, None], kv_cache=cache.at(slots[:L]))
         next_pos = pos[:, -1:] + 1  # (B, 1)
         for slot in range(L, S):
             tok = yield logits[:, -1]
             valid[:, slot] = True
             logits = self.model(
-                tok[:, None], next_pos, valid[:, None, None, :], cache.at(slots[slot : slot + 1])
+                tok[:, None],
+                next_pos,
+                valid[:, None, None, :],
+                kv_cache=cache.at(slots[slot : slot + 1]),
             )
             next_pos = next_pos + 1
         yield logits[:, -1]

@@ -73,9 +73,9 @@ class GPTNeoX(nn.Module):
         input_ids: torch.Tensor,
         position_ids: Optional[torch.Tensor] = None,
         attention_mask: Optional[torch.Tensor] = None,
-        kv_cache: Optional[KVCache] = None,
         labels: Optional[torch.Tensor] = None,
         loss_mask: Optional[torch.Tensor] = None,
+        kv_cache: Optional[KVCache] = None,
     ) -> torch.Tensor:
         """Logits (B, T, V) for input_ids (B, T), or with labels (B, T) the scalar training loss.
 
