@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from neox.inference.cache import KVCache
+from neox.inference.graphed import GraphedDecode
 from neox.inference.sampling import SamplingParams, sample
 
 
@@ -63,6 +64,7 @@ class Generator:
         eod: int,
         use_cache: bool = True,
         gather_logits: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+        cuda_graphs: bool = True,
     ) -> None:
         self.model = model
         self.vocab_size = vocab_size
@@ -77,6 +79,9 @@ class Generator:
         self.gather_logits = gather_logits or (lambda x: x)
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
+        # Replay each decode step as one CUDA graph (neox.inference.graphed); not with tensor
+        # parallelism (gather_logits), whose collectives stay outside graphs here.
+        self.cuda_graphs = cuda_graphs and self.device.type == "cuda" and gather_logits is None
 
     @torch.no_grad()
     def generate(
@@ -128,15 +133,19 @@ class Generator:
         pos = positions(mask)
         logits = self.model(ids, pos, allowed[:, None], kv_cache=cache.at(slots[:L]))
         next_pos = pos[:, -1:] + 1  # (B, 1)
+        graphed = GraphedDecode(self.model, cache, valid) if self.cuda_graphs and S > L else None
         for slot in range(L, S):
             tok = yield logits[:, -1]
             valid[:, slot] = True
-            logits = self.model(
-                tok[:, None],
-                next_pos,
-                valid[:, None, None, :],
-                kv_cache=cache.at(slots[slot : slot + 1]),
-            )
+            if graphed is not None:
+                logits = graphed(tok, next_pos, slot)
+            else:
+                logits = self.model(
+                    tok[:, None],
+                    next_pos,
+                    valid[:, None, None, :],
+                    kv_cache=cache.at(slots[slot : slot + 1]),
+                )
             next_pos = next_pos + 1
         yield logits[:, -1]
 
