@@ -11,14 +11,10 @@ import sys
 
 import yaml
 
+from neox.checkpoint.compat import check_resume, describe_stop
 from neox.config import ConfigError, build_ds_config, derive, encode, load_config
-from neox.config.preflight import (
-    check_data,
-    check_tokenizer_files,
-    describe_resume,
-    tokenizer_vocab_size,
-)
-from neox.launcher import HostfileError, build_launch, run_launch
+from neox.config.preflight import check_data, check_tokenizer_files, tokenizer_vocab_size
+from neox.launcher import HostfileError, build_launch, launch
 
 # Entry scripts that read training data, and those that need a tokenizer.
 NEEDS_DATA = {"train.py"}
@@ -81,10 +77,11 @@ def main(argv: list[str]) -> int:
             # A dry run may plan for another machine: files missing here are reported, not fatal.
             print("warning (a real launch would stop here):", *problems, sep="\n", file=sys.stderr)
         derived = derive(cfg, plan.world_size, vocab_size)
+        resume = check_resume(cfg, derived)
     except (ConfigError, HostfileError) as e:
         print(f"deepy: config error:\n{e}", file=sys.stderr)
         return 2
-    print(describe_resume(loaded))
+    print(resume)
     if args.dry_run:
         print("# merged config")
         print(yaml.safe_dump(cfg.to_flat(), sort_keys=False), end="")
@@ -95,7 +92,10 @@ def main(argv: list[str]) -> int:
         print("# launch command")
         print(plan.command)
         return 0
-    return run_launch(plan)
+    result = launch(plan)
+    if result.signal is not None:
+        print(f"deepy: {describe_stop(cfg, result)}")
+    return result.code
 
 
 if __name__ == "__main__":

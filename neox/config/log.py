@@ -2,6 +2,8 @@
 
 from typing import Optional
 
+from pydantic import field_validator
+
 from neox.config.base import ConfigGroup
 
 
@@ -15,7 +17,7 @@ class LoggingConfig(ConfigGroup):
     """Directory for tensorboard event files (None: no tensorboard)."""
 
     log_interval: int = 10
-    """Log training metrics every N iterations."""
+    """Log training metrics every N iterations (>= 1)."""
 
     steps_per_print: int = 10
     """DeepSpeed's own progress print interval."""
@@ -57,19 +59,27 @@ class LoggingConfig(ConfigGroup):
     """Last profiled iteration."""
 
     use_wandb: bool = False
-    """Weights & Biases logging (not available in neox: must be false)."""
+    """Log the metrics to Weights & Biases from rank 0 (needs `pip install neox[wandb]`;
+    WANDB_MODE=offline keeps the run local)."""
 
     wandb_project: Optional[str] = None
-    """gpt-neox key (accepted; no effect)."""
+    """W&B project (None: `neox`)."""
 
     wandb_group: Optional[str] = None
-    """gpt-neox key (accepted; no effect)."""
+    """W&B group of runs."""
 
     wandb_team: Optional[str] = None
-    """gpt-neox key (accepted; no effect)."""
+    """W&B entity (team or user)."""
 
     wandb_host: Optional[str] = None
     """gpt-neox key (accepted; no effect)."""
 
     wandb_init_all_ranks: bool = False
     """gpt-neox key (accepted; no effect)."""
+
+    @field_validator("log_interval")
+    @classmethod
+    def _interval_positive(cls, v: int) -> int:
+        if v < 1:
+            raise ValueError(f"log_interval={v} must be >= 1")
+        return v

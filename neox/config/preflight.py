@@ -70,18 +70,3 @@ def tokenizer_vocab_size(loaded: LoadedConfig) -> Optional[int]:
 
     t = loaded.config.tokenizer
     return build_tokenizer(t.tokenizer_type, t.vocab_file, t.merge_file).vocab_size
-
-
-def has_checkpoint(directory: Optional[str]) -> bool:
-    """A DeepSpeed checkpoint directory has a `latest` tag file."""
-    return directory is not None and (Path(directory) / "latest").is_file()
-
-
-def describe_resume(loaded: LoadedConfig) -> str:
-    c = loaded.config.checkpoint
-    if c.load is None:
-        return "no `load` directory: training starts from scratch"
-    if has_checkpoint(c.load):
-        tag = (Path(c.load) / "latest").read_text().strip()
-        return f"resuming from {c.load} (checkpoint {tag})"
-    return f"load={c.load} holds no checkpoint yet: training starts from scratch"

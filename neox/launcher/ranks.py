@@ -1,0 +1,101 @@
+"""Watch the ranks DeepSpeed's launch.py starts on this node: who they are, who died first, how.
+
+DeepSpeed reports a dead rank only as its whole command line (a 1.6 KB base64 argument) and the
+return code, and takes up to 30 s per rank to stop the others. Watching the ranks from deepy.py
+names the rank, and lets the launch stop the rest at once.
+"""
+
+import signal
+import socket
+from dataclasses import dataclass
+from typing import Optional
+
+import psutil
+
+# The per-node launcher whose children are the ranks.
+_LAUNCH_MODULE = "deepspeed.launcher.launch"
+
+
+@dataclass
+class RankExit:
+    rank: int
+    pid: int
+    host: str
+    status: int  # wait status as the kernel reports it
+
+    def describe(self) -> str:
+        if self.status & 0x7F:
+            sig = self.status & 0x7F
+            how = f"was killed by {signal.Signals(sig).name} (signal {sig}"
+            how += "; the kernel's OOM killer sends SIGKILL)" if sig == signal.SIGKILL else ")"
+        else:
+            how = f"exited with status {self.status >> 8}"
+        return f"rank {self.rank} on {self.host} (pid {self.pid}) {how}"
+
+    @property
+    def exit_code(self) -> int:
+        """The status a shell would report for it."""
+        return 128 + (self.status & 0x7F) if self.status & 0x7F else self.status >> 8
+
+
+def _exit_status(pid: int) -> Optional[int]:
+    """The wait status of a zombie, from /proc/PID/stat's last field (Linux 3.5+)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    if fields[0] != "Z":
+        return None
+    return int(fields[-1])
+
+
+class RankWatch:
+    """Polled by the launch loop: learns the local ranks' pids, and notes the first one to end
+    with a failure before the launcher has reaped it."""
+
+    def __init__(self, runner_pid: int) -> None:
+        self.runner_pid = runner_pid
+        self.host = socket.gethostname()
+        self.ranks: dict[int, int] = {}  # pid -> rank
+        self.first_failure: Optional[RankExit] = None
+
+    def poll(self) -> Optional[RankExit]:
+        """Update the rank table; returns the first failed rank once it is known."""
+        for proc in self._rank_processes():
+            if proc.pid not in self.ranks:
+                try:
+                    self.ranks[proc.pid] = int(proc.environ().get("RANK", -1))
+                except (psutil.Error, ValueError):
+                    continue
+        if self.first_failure is None:
+            # Only a zombie tells its exit status; a rank already reaped by launch.py is left to
+            # the launcher's own exit code.
+            for pid, rank in self.ranks.items():
+                status = _exit_status(pid)
+                if status:
+                    self.first_failure = RankExit(rank, pid, self.host, status)
+                    break
+        return self.first_failure
+
+    def signal_ranks(self, sig: int) -> None:
+        """Send sig to every local rank (not to DeepSpeed's launcher, which would kill them)."""
+        for proc in self._rank_processes():
+            try:
+                proc.send_signal(sig)
+            except psutil.Error:
+                pass
+
+    def _rank_processes(self) -> list[psutil.Process]:
+        try:
+            tree = psutil.Process(self.runner_pid).children(recursive=True)
+        except psutil.Error:
+            return []
+        ranks = []
+        for proc in tree:
+            try:
+                if _LAUNCH_MODULE in proc.cmdline():
+                    ranks += proc.children()
+            except psutil.Error:
+                continue
+        return ranks
