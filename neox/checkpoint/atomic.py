@@ -10,18 +10,20 @@ import os
 import signal
 from pathlib import Path
 
-# NEOX_SAVE_KILL_AT=point[@rank]: the rank (default 0) kills itself with SIGKILL when the save
-# reaches that point. Tests use it to show that a crash at any moment of a save is harmless.
+# NEOX_SAVE_KILL_AT=point[@rank][:iteration]: the rank (default 0) kills itself with SIGKILL when
+# a save (of that iteration, default any) reaches the point. Tests use it to show that a crash at
+# any moment of a save is harmless.
 KILL_ENV = "NEOX_SAVE_KILL_AT"
 KILL_POINTS = ("shards", "manifest", "renamed", "latest")
 
 
-def kill_point(name: str, rank: int) -> None:
+def kill_point(name: str, rank: int, iteration: int) -> None:
     spec = os.environ.get(KILL_ENV)
     if not spec:
         return
+    spec, _, step = spec.partition(":")
     point, _, at = spec.partition("@")
-    if point == name and rank == int(at or 0):
+    if point == name and rank == int(at or 0) and (not step or int(step) == iteration):
         os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -89,12 +89,12 @@ def save_checkpoint(
         state["rng"] = rng_state()
     # DeepSpeed's own `latest` is a plain write, made before other ranks are known to be done.
     engine.save_checkpoint(str(save_dir), tag=staging.name, client_state=state, save_latest=False)
-    kill_point("shards", rank)
+    kill_point("shards", rank, iteration)
     torch.distributed.barrier()  # every rank's shards are written
     if rank == 0:
         finish_save(cfg, staging, save_dir / tag, iteration, padded_vocab_size)
         write_atomic(save_dir / "latest", tag)
-        kill_point("latest", rank)
+        kill_point("latest", rank, iteration)
         write_config(cfg, save_dir / "config.yml")
         prune_checkpoints(save_dir, c.keep_last_n_checkpoints)
         log.info("saved checkpoint %s", save_dir / tag)
@@ -120,7 +120,7 @@ def finish_save(
     manifest = {"iteration": iteration, "padded_vocab_size": padded_vocab_size, "files": files}
     (staging / MANIFEST).write_text(json.dumps(manifest, indent=1))
     fsync_tree(staging)
-    kill_point("manifest", 0)
+    kill_point("manifest", 0, iteration)
     if final.exists():
         # The same step saved again (e.g. a resumed run re-saving): the new copy wins.
         old = final.with_name(final.name + ".old")
@@ -131,7 +131,7 @@ def finish_save(
     else:
         staging.rename(final)
     fsync_path(final.parent)
-    kill_point("renamed", 0)
+    kill_point("renamed", 0, iteration)
 
 
 def prune_checkpoints(save_dir: Path, keep: Optional[int]) -> None:

@@ -70,12 +70,15 @@ class RankWatch:
                     continue
         if self.first_failure is None:
             # Only a zombie tells its exit status; a rank already reaped by launch.py is left to
-            # the launcher's own exit code.
-            for pid, rank in self.ranks.items():
-                status = _exit_status(pid)
-                if status:
-                    self.first_failure = RankExit(rank, pid, self.host, status)
-                    break
+            # the launcher's own exit code. When several are seen dead at once, one killed by a
+            # signal is the likelier cause: the others then fail on its closed connections.
+            dead = [
+                RankExit(rank, pid, self.host, status)
+                for pid, rank in self.ranks.items()
+                if (status := _exit_status(pid))
+            ]
+            if dead:
+                self.first_failure = min(dead, key=lambda d: (not d.status & 0x7F, d.rank))
         return self.first_failure
 
     def signal_ranks(self, sig: int) -> None:

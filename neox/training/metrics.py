@@ -163,3 +163,13 @@ def format_line(step: int, total: int, m: dict[str, float]) -> str:
     if "eta_s" in m:
         parts.append(f"eta {_duration(m['eta_s'])}")
     return " | ".join(parts)
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    """The records of a run's metrics.jsonl (run_dir may be the log_dir or the file itself)."""
+    path = Path(run_dir)
+    if path.is_dir():
+        path = path / METRICS_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found; pass a run's log_dir (it holds {METRICS_FILE})")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
