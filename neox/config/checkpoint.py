@@ -2,6 +2,8 @@
 
 from typing import Literal, Optional
 
+from pydantic import field_validator
+
 from neox.config.base import ConfigGroup
 
 
@@ -27,7 +29,7 @@ class CheckpointConfig(ConfigGroup):
     """Delete older checkpoints, keeping this many."""
 
     no_save_optim: bool = False
-    """Leave optimizer state out of checkpoints."""
+    """gpt-neox key: not implemented (DeepSpeed always writes the optimizer state), must be false."""
 
     no_save_rng: bool = False
     """Leave RNG state out of checkpoints."""
@@ -43,3 +45,13 @@ class CheckpointConfig(ConfigGroup):
 
     save_iters: Optional[list[int]] = None
     """gpt-neox runtime key (derived from checkpoint_factor; accepted, recomputed)."""
+
+    @field_validator("no_save_optim")
+    @classmethod
+    def _no_optimizerless_saves(cls, v: bool) -> bool:
+        if v:
+            raise ValueError(
+                "no_save_optim is not implemented: DeepSpeed writes the optimizer state into "
+                "every checkpoint; leave it false (no_load_optim skips it when loading)"
+            )
+        return v

@@ -155,7 +155,7 @@ def train(run: Run, start_iteration: int, writer: MetricsWriter) -> dict[str, fl
     progress = Progress(run, start_iteration)
     last: dict[str, float] = {}
     iteration = start_iteration
-    in_a_row = 0
+    in_a_row, stopping = 0, None
     while iteration < t.train_iters:
         tick = time.perf_counter()
         metrics = train_step(run, train_stream, iteration)
