@@ -47,7 +47,7 @@ def train_step(run: Run, stream: Iterator, iteration: int) -> dict[str, float]:
     lr = run.schedule.apply(run.engine.optimizer, iteration)
     skipped_before = run.engine.skipped_steps
     grad_norm, skipped = None, False
-    own_norm = run.engine.zero_optimization_stage() == 0 and run.derived.precision != "fp16"
+    own_norm = run.engine.zero_optimization_stage() == 0 and run.derived.precision == "fp32"
     if run.is_pipeline:
         loss = run.engine.train_batch(data_iter=stream)
     else:
@@ -58,9 +58,9 @@ def train_step(run: Run, stream: Iterator, iteration: int) -> dict[str, float]:
             losses.append(loss.detach())
             if micro == run.derived.grad_accum - 1 and own_norm:
                 grad_norm = stage0_grad_norm(run)
-                if not math.isfinite(grad_norm):
+                if grad_norm is None:
                     skip_step(run.engine)
-                    skipped = True
+                    grad_norm, skipped = math.nan, True
                     continue
             run.engine.step()
         loss = torch.stack(losses).mean()
@@ -77,16 +77,19 @@ def train_step(run: Run, stream: Iterator, iteration: int) -> dict[str, float]:
     return metrics
 
 
-def stage0_grad_norm(run: Run) -> float:
-    """The global gradient norm without ZeRO, where DeepSpeed computes none to report.
+def stage0_grad_norm(run: Run) -> Optional[float]:
+    """The global gradient norm without ZeRO, where DeepSpeed computes none to report; None
+    when it is not finite.
 
     At the accumulation boundary the gradients are already averaged over data-parallel ranks;
-    DeepSpeed's helper sums the tensor-parallel shards once each (replicated ones counted once).
+    DeepSpeed's helper sums the tensor-parallel shards once each (replicated ones counted once)
+    and reports inf or NaN as -1.
     """
     from deepspeed.runtime.utils import get_flattened_grad_norm
 
     params = [p for p in run.engine.module.parameters() if p.grad is not None]
-    return float(get_flattened_grad_norm(params, mpu=run.engine.mpu))
+    norm = float(get_flattened_grad_norm(params, mpu=run.engine.mpu))
+    return norm if 0 <= norm < math.inf else None
 
 
 def skip_step(engine) -> None:
@@ -95,7 +98,9 @@ def skip_step(engine) -> None:
     ZeRO and fp16 skip such steps themselves; without them DeepSpeed would apply NaNs. The
     gradients are dropped and the optimizer's update is left out of this one engine.step().
     """
-    engine.zero_grad()
+    for p in engine.module.parameters():
+        if p.grad is not None:
+            p.grad.zero_()  # in place: the clipping inside engine.step() expects gradients
     optimizer = engine.optimizer
     optimizer.step = lambda *args, **kwargs: None  # instance attribute shadows the method
     try:

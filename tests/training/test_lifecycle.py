@@ -32,11 +32,18 @@ def ok(r: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def ref(tmp_path_factory):
-    """The reference run, logged to metrics.jsonl, tensorboard and W&B (offline)."""
+def runs(tmp_path_factory):
+    """A directory for this module's runs, with their dataset in data/."""
     tmp = tmp_path_factory.mktemp("life")
     (tmp / "data").mkdir()
     make_dataset(tmp / "data" / "chars")
+    return tmp
+
+
+@pytest.fixture(scope="module")
+def ref(runs):
+    """The reference run, logged to metrics.jsonl, tensorboard and W&B (offline)."""
+    tmp = runs
     cfg = write_config(tmp, "ref", use_wandb=True, wandb_project="neox-tests", **BASE)
     r = ok(run_deepy(cfg, WANDB_MODE="offline", WANDB_SILENT="true"))
     return tmp, r
@@ -191,8 +198,8 @@ def test_kill_during_save_leaves_latest_loadable_and_resume_is_exact(ref):
     assert not (ckpt / "global_step6.partial").exists()
 
 
-def test_kill_after_rename_keeps_latest_on_a_complete_checkpoint(ref):
-    tmp, _ = ref
+def test_kill_after_rename_keeps_latest_on_a_complete_checkpoint(runs):
+    tmp = runs
     cfg = write_config(tmp, "renamed", **BASE)
     r = run_deepy(cfg, NEOX_SAVE_KILL_AT="renamed@0:6")
     assert r.returncode != 0 and "rank 0 on" in r.stdout + r.stderr
@@ -232,8 +239,8 @@ def test_finetune_loads_weights_only_and_restarts_at_zero(ref):
     assert (tmp / "tune" / "ckpt" / "latest").read_text() == "global_step3"
 
 
-def test_nonfinite_steps_are_skipped_then_the_run_stops_unsaved(ref):
-    tmp, _ = ref
+def test_nonfinite_steps_are_skipped_then_the_run_stops_unsaved(runs):
+    tmp = runs
     cfg = write_config(
         tmp,
         "nan",
@@ -258,10 +265,10 @@ def test_nonfinite_steps_are_skipped_then_the_run_stops_unsaved(ref):
         ("rank1", signal.SIGTERM, 0),  # as a cluster scheduler sends it
     ],
 )
-def test_stop_signal_saves_once_and_leaves_no_process(ref, target, sig, code):
+def test_stop_signal_saves_once_and_leaves_no_process(runs, target, sig, code):
     from tests.training.lifecycle_helpers import BackgroundRun
 
-    tmp, _ = ref
+    tmp = runs
     name = f"{target}-{sig.name}"
     cfg = write_config(
         tmp, name, train_iters=1000, checkpoint_factor=None, eval_interval=1000, **BASE
@@ -291,10 +298,10 @@ def test_stop_signal_saves_once_and_leaves_no_process(ref, target, sig, code):
     assert "Traceback" not in out and "KeyboardInterrupt" not in out
 
 
-def test_second_signal_stops_at_once(ref):
+def test_second_signal_stops_at_once(runs):
     from tests.training.lifecycle_helpers import BackgroundRun
 
-    tmp, _ = ref
+    tmp = runs
     cfg = write_config(
         tmp, "twice", train_iters=1000, checkpoint_factor=None, eval_interval=1000, **BASE
     )
