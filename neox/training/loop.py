@@ -138,7 +138,9 @@ class NonFiniteSteps(RuntimeError):
     """Too many steps in a row with a non-finite loss or gradient: the run stops unsaved."""
 
 
-def train(run: Run, start_iteration: int, writer: MetricsWriter) -> dict[str, float]:
+def train(
+    run: Run, start_iteration: int, writer: MetricsWriter, stop: Optional[StopSignal] = None
+) -> dict[str, float]:
     """Train from start_iteration to train_iters, evaluating, logging and saving on schedule.
 
     Stops early, after saving, at exit_interval or when any rank receives SIGTERM/SIGINT.
@@ -155,7 +157,7 @@ def train(run: Run, start_iteration: int, writer: MetricsWriter) -> dict[str, fl
     valid_stream = None
     if data.valid is not None:
         valid_stream = pipeline_stream(run, data.valid) if run.is_pipeline else data.valid
-    stop = StopSignal(run.device)
+    stop = stop or StopSignal()
     speed = Throughput(start_iteration, t.train_iters)
     progress = Progress(run, start_iteration)
     last: dict[str, float] = {}
@@ -232,6 +234,7 @@ def save(run: Run, iteration: int, writer: MetricsWriter) -> None:
 
 def run_training(cfg, run: Optional[Run] = None) -> dict[str, float]:
     """The whole job on this rank: build, resume, train; returns the last step's metrics."""
+    stop = StopSignal()  # before the slow setup, so a signal during it still ends in a save
     run = run or build_run(cfg)
     state = load_checkpoint(run.engine, cfg) or {}
     start = int(state.get("iteration", 0))
@@ -246,6 +249,6 @@ def run_training(cfg, run: Optional[Run] = None) -> dict[str, float]:
     if run.is_logging_rank and lg.log_dir:
         write_config(cfg, f"{lg.log_dir}/config.yml")
     try:
-        return train(run, start, writer)
+        return train(run, start, writer, stop)
     finally:
         writer.close()

@@ -19,8 +19,7 @@ class StopSignal:
     ranks itself when asked twice.
     """
 
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
+    def __init__(self) -> None:
         self.received: Optional[int] = None
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
@@ -33,7 +32,11 @@ class StopSignal:
 
     def agreed(self) -> Optional[int]:
         """The stop signal any rank received (the same answer on every rank), or None."""
-        flag = torch.tensor([float(self.received or 0)], device=self.device)
-        if torch.distributed.is_initialized():
-            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        if not torch.distributed.is_initialized():
+            return self.received
+        # On the rank's own device: NCCL reduces only GPU tensors.
+        nccl = torch.distributed.get_backend() == "nccl"
+        device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        flag = torch.tensor([float(self.received or 0)], device=device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
         return int(flag.item()) or None
