@@ -88,3 +88,35 @@ def test_check_resume_refuses_a_mismatch_and_a_directory_of_broken_checkpoints(t
     truncate(tmp_path / "global_step3" / "mp_rank_00_model_states.pt")
     with pytest.raises(ConfigError, match="no checkpoint in load=.* can be loaded"):
         check_resume(same, derived(50304))
+
+
+def test_finished_save_holds_config_tokenizer_and_manifest_and_replaces_a_resave(tmp_path):
+    from neox.checkpoint.io import finish_save
+
+    vocab = tmp_path / "tokenizer.json"
+    vocab.write_text('{"model": {}}')
+    cfg = load_dict(
+        {
+            "hidden_size": 64,
+            "num_attention_heads": 4,
+            "tokenizer_type": "HFTokenizer",
+            "vocab_file": str(vocab),
+        }
+    )
+    final = tmp_path / "ckpt" / "global_step6"
+    for attempt in range(2):  # the second save of the same step replaces the first
+        staging = tmp_path / "ckpt" / "global_step6.partial"
+        staging.mkdir(parents=True)
+        torch.save({"w": torch.full((10,), float(attempt))}, staging / "mp_rank_00_model_states.pt")
+        finish_save(cfg, staging, final, 6, 512)
+        assert not staging.exists()
+    assert torch.load(final / "mp_rank_00_model_states.pt")["w"][0] == 1.0
+    assert (final / "tokenizer" / "tokenizer.json").read_text() == vocab.read_text()
+    manifest = json.loads((final / "manifest.json").read_text())
+    assert set(manifest["files"]) == {
+        "config.yml",
+        "mp_rank_00_model_states.pt",
+        "tokenizer/tokenizer.json",
+    }
+    assert checkpoint_problem(final) is None
+    assert not (tmp_path / "ckpt" / "global_step6.old").exists()
