@@ -73,6 +73,9 @@ class Resume:
     load_dir: Path
     tag: Optional[str]
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (tag, reason)
+    # The older ones, to try if this one still fails to load: (tag, reason it cannot) or
+    # (tag, None) when it looks complete.
+    fallbacks: list[tuple[str, Optional[str]]] = field(default_factory=list)
 
     @property
     def path(self) -> Optional[Path]:
@@ -90,8 +93,10 @@ def find_checkpoint(load_dir: str) -> Resume:
     resume = Resume(root, None)
     for tag in order:
         problem = checkpoint_problem(root / tag)
-        if problem is None:
+        if resume.tag is not None:
+            resume.fallbacks.append((tag, problem))
+        elif problem is not None:
+            resume.skipped.append((tag, problem))
+        else:
             resume.tag = tag
-            break
-        resume.skipped.append((tag, problem))
     return resume

@@ -20,6 +20,7 @@ from neox.checkpoint.find import (
     tag_for,
 )
 from neox.config import NeoXConfig, write_config
+from neox.parallel.agree import all_ranks_max
 
 log = logging.getLogger(__name__)
 
@@ -170,21 +171,35 @@ def load_checkpoint(engine, cfg: NeoXConfig) -> Optional[dict[str, Any]]:
         log.info("load=%s holds no checkpoint yet: starting from scratch", c.load)
         return None
     finetune = cfg.training.finetune
-    try:
-        path, state = engine.load_checkpoint(
-            c.load,
-            tag=resume.tag,
-            load_optimizer_states=not (c.no_load_optim or finetune),
-            load_lr_scheduler_states=False,
-            load_module_only=finetune,
-        )
-    except Exception as e:  # DeepSpeed and torch raise many kinds; the user needs the file
+    failures = []
+    for tag, problem in [(resume.tag, None), *resume.fallbacks]:
+        if problem is not None:
+            failures.append(f"{tag}: {problem}")
+            if torch.distributed.get_rank() == 0:
+                log.warning("skipping checkpoint %s", failures[-1])
+            continue
+        try:
+            path, state = engine.load_checkpoint(
+                c.load,
+                tag=tag,
+                load_optimizer_states=not (c.no_load_optim or finetune),
+                load_lr_scheduler_states=False,
+                load_module_only=finetune,
+            )
+            error = None if path is not None else "DeepSpeed found no checkpoint files"
+        except Exception as e:  # DeepSpeed and torch raise many kinds; the user needs the file
+            error = f"{type(e).__name__}: {e}"
+        # Per-rank files differ (optimizer shards): every rank moves on if any one failed.
+        if not all_ranks_max(error is not None):
+            break
+        failures.append(f"{tag}: {error or 'another rank could not load it'}")
+        if torch.distributed.get_rank() == 0:
+            log.warning("skipping checkpoint %s", failures[-1])
+    else:
         raise CheckpointError(
-            f"checkpoint {resume.path} failed to load: {type(e).__name__}: {e}; remove it "
-            "(the previous checkpoint is then used) or point `load` at another directory"
-        ) from e
-    if path is None:
-        raise CheckpointError(f"DeepSpeed found no checkpoint files in {resume.path}")
+            f"no checkpoint in load={c.load} loads ({'; '.join(failures)}); remove the broken "
+            "ones or point `load` at another directory"
+        )
     state = state or {}
     if finetune:
         state = {"iteration": 0, "consumed_train_samples": 0}

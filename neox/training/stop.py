@@ -5,7 +5,7 @@ import signal
 import threading
 from typing import Optional
 
-import torch
+from neox.parallel.agree import all_ranks_max
 
 log = logging.getLogger(__name__)
 
@@ -32,11 +32,4 @@ class StopSignal:
 
     def agreed(self) -> Optional[int]:
         """The stop signal any rank received (the same answer on every rank), or None."""
-        if not torch.distributed.is_initialized():
-            return self.received
-        # On the rank's own device: NCCL reduces only GPU tensors.
-        nccl = torch.distributed.get_backend() == "nccl"
-        device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-        flag = torch.tensor([float(self.received or 0)], device=device)
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-        return int(flag.item()) or None
+        return all_ranks_max(self.received or 0) or None

@@ -12,6 +12,7 @@ import struct
 import subprocess
 import sys
 import time
+import zipfile
 
 import pytest
 import yaml
@@ -149,16 +150,33 @@ def test_mismatched_config_is_refused_before_launch(ref):
     assert "Traceback" not in r.stderr and "launching" not in r.stderr + r.stdout
 
 
-def test_truncated_checkpoint_falls_back_and_resumes_exactly(ref):
+def corrupt_pickle(path) -> None:
+    """Garble the start of a torch file's pickle, leaving its size and zip directory intact."""
+    with zipfile.ZipFile(path) as z:
+        info = next(i for i in z.infolist() if i.filename.endswith("data.pkl"))
+    with open(path, "r+b") as f:
+        f.seek(info.header_offset + 26)
+        name_len, extra_len = struct.unpack("<HH", f.read(4))
+        f.seek(info.header_offset + 30 + name_len + extra_len)
+        f.write(b"\xff" * 8)  # no pickle opcode
+
+
+def test_broken_checkpoints_fall_back_and_resume_exactly(ref):
     tmp, _ = ref
     ckpt = tmp / "fallback" / "ckpt"
     shutil.copytree(tmp / "ref" / "ckpt", ckpt)
+    # The newest looks complete but fails to unpickle; the next is truncated.
+    shutil.copytree(ckpt / "global_step6", ckpt / "global_step9")
+    corrupt_pickle(ckpt / "global_step9" / "mp_rank_00_model_states.pt")
+    (ckpt / "latest").write_text("global_step9")
     shard = ckpt / "global_step6" / "mp_rank_00_model_states.pt"
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
     r = ok(run_deepy(write_config(tmp, "fallback", **BASE)))
     out = r.stdout + r.stderr
+    assert "skipping checkpoint global_step9: UnpicklingError: invalid load key" in out, out[-3000:]
     assert f"skipping checkpoint global_step6: {shard} is " in out and "truncated" in out
-    assert "(checkpoint global_step3)" in out
+    resumed_line = next(ln for ln in out.splitlines() if "resumed from" in ln)
+    assert f"{ckpt / 'global_step3'}/" in resumed_line and resumed_line.endswith("iteration 3")
     ref_logs, logs = tmp / "ref" / "logs", tmp / "fallback" / "logs"
     resumed = losses(logs)
     assert sorted(resumed) == [4, 5, 6]
