@@ -54,15 +54,18 @@ class RankWatch:
     """Polled by the launch loop: learns the local ranks' pids, and notes the first one to end
     with a failure before the launcher has reaped it."""
 
-    def __init__(self, runner_pid: int) -> None:
+    def __init__(self, runner_pid: int, world_size: int) -> None:
         self.runner_pid = runner_pid
+        self.world_size = world_size
         self.host = socket.gethostname()
         self.ranks: dict[int, int] = {}  # pid -> rank
+        self.vanished: list[int] = []  # pids reaped before a poll saw them dead, in order
         self.first_failure: Optional[RankExit] = None
 
     def poll(self) -> Optional[RankExit]:
         """Update the rank table; returns the first failed rank once it is known."""
-        for proc in self._rank_processes():
+        # Finding the ranks walks the process tree: only until all of them are known.
+        for proc in self._rank_processes() if len(self.ranks) < self.world_size else []:
             if proc.pid not in self.ranks:
                 try:
                     self.ranks[proc.pid] = int(proc.environ().get("RANK", -1))
@@ -79,7 +82,23 @@ class RankWatch:
             ]
             if dead:
                 self.first_failure = min(dead, key=lambda d: (not d.status & 0x7F, d.rank))
+            self.vanished += [
+                pid for pid in self.ranks if pid not in self.vanished and not psutil.pid_exists(pid)
+            ]
         return self.first_failure
+
+    def describe_missed(self, launch_code: int) -> Optional[str]:
+        """For a failed launch whose dead rank was reaped unseen: the first rank to disappear,
+        with the status DeepSpeed's launcher passed on (it exits with the rank's -N as 256-N)."""
+        if self.first_failure is not None or not self.vanished or launch_code == 0:
+            return None
+        pid = self.vanished[0]
+        if launch_code > 128 + 64:
+            sig = signal.Signals(256 - launch_code)
+            how = f"was killed by {sig.name} (signal {sig.value})"
+        else:
+            how = f"ended first; the launch exited with status {launch_code}"
+        return f"rank {self.ranks[pid]} on {self.host} (pid {pid}) {how}"
 
     def signal_ranks(self, sig: int) -> None:
         """Send sig to every local rank (not to DeepSpeed's launcher, which would kill them)."""

@@ -88,7 +88,7 @@ def launch(plan: LaunchPlan, *, grace_s: float = 5.0) -> LaunchResult:
             stderr=subprocess.PIPE if watched else None,
         )
         watch = _NodeWatch(proc.stderr) if watched else None
-        ranks = None if plan.multi_node else RankWatch(proc.pid)
+        ranks = None if plan.multi_node else RankWatch(proc.pid, plan.world_size)
         stop = StopRequest(lambda: _forward_stop(plan, proc, ranks))
         try:
             with stop:
@@ -108,9 +108,13 @@ def launch(plan: LaunchPlan, *, grace_s: float = 5.0) -> LaunchResult:
             _stop(plan, proc)
         if watch is not None:
             watch.thread.join(timeout=5)
+        missed = ranks.describe_missed(code) if ranks is not None else None
+        if missed:
+            log.error("%s", missed)
         if not plan.multi_node:
             # Whatever outlived the runner (a rank whose launcher died first) goes now.
             reap.reap(plan.launch_id, grace_s=2)
+            _remove_shm_buffers(plan)
         if stop.signum is not None and code == 0:
             code = stop.exit_code
         return LaunchResult(code, stop.signum)
@@ -119,6 +123,15 @@ def launch(plan: LaunchPlan, *, grace_s: float = 5.0) -> LaunchResult:
 def run_launch(plan: LaunchPlan, *, grace_s: float = 5.0) -> int:
     """Start the plan and wait; returns the launch's exit status (non-zero if any rank failed)."""
     return launch(plan, grace_s=grace_s).code
+
+
+def _remove_shm_buffers(plan: LaunchPlan) -> None:
+    """DeepSpeed's CPU all-reduce leaves a 69 MB buffer per rank in /dev/shm, named by the master
+    port, and never removes it: runs on free ports would fill the machine's memory."""
+    ports = [a.split("=", 1)[1] for a in plan.argv if a.startswith("--master_port=")]
+    for port in ports:
+        for path in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"):
+            path.unlink(missing_ok=True)
 
 
 def _forward_stop(plan: LaunchPlan, proc: subprocess.Popen, ranks: Optional[RankWatch]) -> None:
@@ -138,7 +151,7 @@ def _wait(
 ) -> int:
     while True:
         try:
-            code = proc.wait(timeout=0.2)
+            code = proc.wait(timeout=0.05)  # a dead rank is a zombie until launch.py polls
             break
         except subprocess.TimeoutExpired:
             pass

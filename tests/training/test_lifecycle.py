@@ -220,7 +220,8 @@ def test_kill_after_rename_keeps_latest_on_a_complete_checkpoint(runs):
     tmp = runs
     cfg = write_config(tmp, "renamed", **BASE)
     r = run_deepy(cfg, NEOX_SAVE_KILL_AT="renamed@0:6")
-    assert r.returncode != 0 and "rank 0 on" in r.stdout + r.stderr
+    out = r.stdout + r.stderr
+    assert r.returncode != 0 and "rank 0 on" in out and "saved checkpoint" in out, out[-3000:]
     ckpt = tmp / "renamed" / "ckpt"
     assert (ckpt / "latest").read_text() == "global_step3"
     dry = subprocess.run(
