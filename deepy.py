@@ -12,16 +12,11 @@ from pathlib import Path
 
 import yaml
 
+from neox.checkpoint.compat import check_resume, describe_stop
 from neox.config import ConfigError, build_ds_config, derive, encode, load_config
-from neox.config.preflight import (
-    NEEDS_CHECKPOINT,
-    check_save_dir,
-    describe_resume,
-    git_hash,
-    preflight,
-)
+from neox.config.preflight import NEEDS_CHECKPOINT, check_save_dir, git_hash, preflight
 from neox.estimate_report import estimate_report, estimate_vocab, fit_warning
-from neox.launcher import HostfileError, build_launch, run_launch
+from neox.launcher import HostfileError, build_launch, launch
 from neox.launcher.reach import check_nodes_reachable
 
 # gpt-neox's deepy.py flags that set a config key (flag -> key).
@@ -119,6 +114,13 @@ def main(argv: list[str]) -> int:
             check_save_dir(loaded, derived, create=not args.dry_run)
         except ConfigError as e:
             problems.append(str(e))
+        # Training compares the checkpoint it resumes with this config before launching.
+        resume = None
+        if Path(args.script).name not in NEEDS_CHECKPOINT:
+            try:
+                resume = check_resume(cfg, derived)
+            except ConfigError as e:
+                problems.append(str(e))
         if problems and not args.dry_run:
             raise ConfigError("\n".join(problems))
         if problems:
@@ -129,8 +131,8 @@ def main(argv: list[str]) -> int:
     except (ConfigError, HostfileError) as e:
         print(f"deepy: config error:\n{e}", file=sys.stderr)
         return 2
-    if Path(args.script).name not in NEEDS_CHECKPOINT:
-        print(describe_resume(loaded))
+    if resume:
+        print(resume)
     if args.dry_run:
         print("# merged config")
         print(yaml.safe_dump(cfg.to_flat(), sort_keys=False), end="")
@@ -148,7 +150,10 @@ def main(argv: list[str]) -> int:
         return 0
     if not plan.cpu:
         warn_if_too_big(cfg, derived)
-    return run_launch(plan)
+    result = launch(plan)
+    if result.signal is not None:
+        print(f"deepy: {describe_stop(cfg, result)}")
+    return result.code
 
 
 if __name__ == "__main__":

@@ -20,11 +20,14 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"train.py: config error:\n{e}", file=sys.stderr)
         return 2
+    from neox.training.loop import NonFiniteSteps
+
     try:
         run_training(cfg)
-    except CheckpointError as e:
-        print(f"train.py: checkpoint error:\n{e}", file=sys.stderr)
-        return 2
+    except (CheckpointError, NonFiniteSteps) as e:
+        # Every rank meets the same problem; one line each, no traceback.
+        print(f"train.py: {e}", file=sys.stderr)
+        return 1
     import torch.distributed as dist
 
     # Leave together: a process group torn down at interpreter exit can abort the process.

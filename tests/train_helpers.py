@@ -106,3 +106,29 @@ def run_deepy(
 def losses(log_dir: Path, split: str = "train") -> dict[int, float]:
     records = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r["loss"] for r in records if r["split"] == split}
+
+
+def deepy_env(**extra: str) -> dict[str, str]:
+    """The environment of a deepy.py child: this checkout first on PYTHONPATH, CPU ranks."""
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    )
+    env["DS_ACCELERATOR"] = "cpu"
+    env.update(extra)
+    return env
+
+
+def run_train(*configs: Path, timeout: float = 400, **env: str) -> subprocess.CompletedProcess:
+    """deepy.py train.py CONFIGS with extra environment variables, whatever its exit status."""
+    return subprocess.run(
+        [sys.executable, str(ROOT / "deepy.py"), "train.py", *map(str, configs)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env=deepy_env(**env),
+    )
+
+
+def records(log_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]

@@ -25,7 +25,8 @@ from typing import Any, Optional
 
 import torch
 
-from neox.checkpoint.io import TAG_PREFIX, tag_for
+from neox.checkpoint.errors import CheckpointError
+from neox.checkpoint.find import step_tags, tag_for
 from neox.config import ConfigError, NeoXConfig, read_saved_config
 from neox.model import GPTNeoX, build_model
 from neox.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
@@ -46,17 +47,9 @@ PLAN_LAYERS = {
 }
 
 
-class CheckpointError(ValueError):
-    """A checkpoint path or its files are not what neox wrote; the message says what to pass."""
-
-
 def _tags(directory: Path) -> list[str]:
-    steps = sorted(
-        int(p.name[len(TAG_PREFIX) :])
-        for p in directory.glob(f"{TAG_PREFIX}*")
-        if p.is_dir() and p.name[len(TAG_PREFIX) :].isdigit()
-    )
-    return [tag_for(s) for s in steps]
+    """Checkpoint directories, oldest first."""
+    return step_tags(directory)[::-1]
 
 
 def _is_tag_dir(path: Path) -> bool:

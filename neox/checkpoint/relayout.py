@@ -20,8 +20,8 @@ from neox.checkpoint.consolidate import (
     read_checkpoint_config,
     resolve_checkpoint,
 )
+from neox.checkpoint.find import TAG_PREFIX
 from neox.checkpoint.hf_tokenizer import build_run_tokenizer
-from neox.checkpoint.io import TAG_PREFIX
 from neox.checkpoint.staging import check_output_dir, staged_directory
 from neox.checkpoint.writer import (
     WEIGHTS_ONLY,

@@ -29,7 +29,7 @@ class CheckpointConfig(ConfigGroup):
     """Delete older checkpoints, keeping this many."""
 
     no_save_optim: bool = False
-    """Leave optimizer state out of checkpoints."""
+    """gpt-neox key: not implemented (DeepSpeed always writes the optimizer state), must be false."""
 
     no_save_rng: bool = False
     """Leave RNG state out of checkpoints."""
@@ -61,4 +61,14 @@ class CheckpointConfig(ConfigGroup):
     def _factor_positive(cls, v: Optional[int]) -> Optional[int]:
         if v is not None and v < 1:
             raise ValueError(f"checkpoint_factor={v} must be >= 1 (or unset: save at the end)")
+        return v
+
+    @field_validator("no_save_optim")
+    @classmethod
+    def _no_optimizerless_saves(cls, v: bool) -> bool:
+        if v:
+            raise ValueError(
+                "no_save_optim is not implemented: DeepSpeed writes the optimizer state into "
+                "every checkpoint; leave it false (no_load_optim skips it when loading)"
+            )
         return v

@@ -29,8 +29,8 @@ class LauncherConfig(ConfigGroup):
     master_addr: Optional[str] = None
     """Address of rank 0 (default: the first host of the hostfile, or localhost)."""
 
-    master_port: int = 29500
-    """Port of rank 0's rendezvous."""
+    master_port: Optional[int] = None
+    """Port of rank 0's rendezvous (None: a free port on one node, 29500 across nodes)."""
 
     launcher: Literal["pdsh", "openmpi", "mvapich", "slurm"] = "pdsh"
     """Multi-node launcher handed to DeepSpeed's runner."""

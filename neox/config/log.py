@@ -17,7 +17,7 @@ class LoggingConfig(ConfigGroup):
     """Directory for tensorboard event files (None: no tensorboard)."""
 
     log_interval: int = 10
-    """Log training metrics every N iterations."""
+    """Log training metrics every N iterations (>= 1)."""
 
     steps_per_print: int = 10
     """DeepSpeed's own progress print interval."""
@@ -25,8 +25,9 @@ class LoggingConfig(ConfigGroup):
     wall_clock_breakdown: bool = False
     """DeepSpeed timing of forward/backward/step."""
 
-    log_grad_norm: bool = False
-    """Log the global gradient norm."""
+    log_grad_norm: bool = True
+    """Log the global gradient norm (on by default in neox, unlike gpt-neox: it is cheap and the
+    first thing to look at when a loss spikes)."""
 
     log_param_norm: bool = False
     """Log the global parameter norm (not implemented: must be false)."""
@@ -62,16 +63,17 @@ class LoggingConfig(ConfigGroup):
     datasheet dense bf16 peak of H100/H200/A100; on other devices MFU is left out)."""
 
     use_wandb: bool = False
-    """Log metrics to Weights & Biases."""
+    """Log the metrics to Weights & Biases from rank 0 (needs `pip install neox[wandb]`;
+    WANDB_MODE=offline keeps the run local)."""
 
     wandb_project: Optional[str] = None
-    """Weights & Biases project."""
+    """W&B project (None: `neox`)."""
 
     wandb_group: Optional[str] = None
-    """Weights & Biases group (deepy.py --wandb_group)."""
+    """W&B group of runs."""
 
     wandb_team: Optional[str] = None
-    """Weights & Biases team/entity (deepy.py --wandb_team)."""
+    """W&B entity (team or user)."""
 
     wandb_host: Optional[str] = None
     """Weights & Biases server URL."""
@@ -108,3 +110,10 @@ class LoggingConfig(ConfigGroup):
                 f"{self.profile_step_stop} must satisfy 1 <= start <= stop"
             )
         return self
+
+    @field_validator("log_interval")
+    @classmethod
+    def _interval_positive(cls, v: int) -> int:
+        if v < 1:
+            raise ValueError(f"log_interval={v} must be >= 1")
+        return v

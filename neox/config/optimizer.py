@@ -25,6 +25,13 @@ class OptimizerSpec(ConfigGroup):
             raise ValueError(f"optimizer type {v!r} is not available; use one of {OPTIMIZER_TYPES}")
         return v
 
+    @field_validator("params")
+    @classmethod
+    def _lr_param(cls, v: dict[str, Any]) -> dict[str, Any]:
+        if float(v.get("lr", 0)) < 0:
+            raise ValueError(f"optimizer.params.lr={v['lr']} is negative; learning rates are >= 0")
+        return v
+
     @property
     def lr(self) -> float:
         return float(self.params.get("lr", 6.0e-4))
@@ -55,10 +62,11 @@ class OptimizerConfig(ConfigGroup):
     """Warmup length as a fraction of the decay iterations."""
 
     override_lr_scheduler: bool = False
-    """On resume, take the schedule from the config rather than the checkpoint."""
+    """No-op (gpt-neox key): neox always computes the schedule from the config and the
+    iteration, which is what override_lr_scheduler asks for."""
 
     use_checkpoint_lr_scheduler: bool = False
-    """On resume, take the schedule from the checkpoint."""
+    """gpt-neox key (take the schedule from the checkpoint): not implemented, must be false."""
 
     optimizer_type: Optional[str] = None
     """gpt-neox's flat spelling of optimizer.type; used when no `optimizer` section is given, and
@@ -66,6 +74,23 @@ class OptimizerConfig(ConfigGroup):
 
     lr: Optional[float] = None
     """gpt-neox's top-level peak learning rate; overrides optimizer.params.lr."""
+
+    @field_validator("min_lr", "lr")
+    @classmethod
+    def _lr_not_negative(cls, v: Optional[float], info) -> Optional[float]:
+        if v is not None and v < 0:
+            raise ValueError(f"{info.field_name}={v} is negative; learning rates are >= 0")
+        return v
+
+    @field_validator("use_checkpoint_lr_scheduler")
+    @classmethod
+    def _no_checkpoint_schedule(cls, v: bool) -> bool:
+        if v:
+            raise ValueError(
+                "use_checkpoint_lr_scheduler is not implemented: neox computes the schedule "
+                "from the config and the iteration; set the schedule keys to the checkpoint's"
+            )
+        return v
 
     @field_validator("warmup")
     @classmethod

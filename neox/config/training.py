@@ -37,6 +37,10 @@ class TrainingConfig(ConfigGroup):
     eval_iters: NonNegativeInt = 10
     """Validation batches per evaluation."""
 
+    max_nonfinite_steps: int = 10
+    """Stop (saving nothing) after this many steps in a row whose loss or gradient is not finite;
+    each such step is skipped and counted (0: never stop)."""
+
     exit_interval: Optional[PositiveInt] = None
     """Stop (after saving) once the iteration is a multiple of this."""
 
@@ -108,6 +112,14 @@ class TrainingConfig(ConfigGroup):
     def _iters_positive(cls, v: int) -> int:
         if v < 0:
             raise ValueError(f"train_iters={v} must be >= 0")
+        return v
+
+    @field_validator("eval_interval", "max_nonfinite_steps")
+    @classmethod
+    def _interval_positive(cls, v: int, info) -> int:
+        least = 0 if info.field_name == "max_nonfinite_steps" else 1
+        if v < least:
+            raise ValueError(f"{info.field_name}={v} must be >= {least}")
         return v
 
     @field_validator("train_epochs")

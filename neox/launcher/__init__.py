@@ -2,12 +2,14 @@
 
 from neox.launcher.hostfile import HostfileError, parse_hostfile, read_hostfile, select_resources
 from neox.launcher.plan import LaunchPlan, build_launch
-from neox.launcher.run import run_launch
+from neox.launcher.run import LaunchResult, launch, run_launch
 
 __all__ = [
     "HostfileError",
     "LaunchPlan",
+    "LaunchResult",
     "build_launch",
+    "launch",
     "parse_hostfile",
     "read_hostfile",
     "run_launch",

@@ -12,6 +12,7 @@ from typing import Optional
 
 from neox.config.launcher import LauncherConfig
 from neox.launcher.hostfile import HostfileError, read_hostfile, select_resources
+from neox.launcher.port import DEFAULT_MASTER_PORT, free_port
 from neox.launcher.quoting import encode_export, is_shell_plain, quote_pdsh_arg, quote_pdsh_script
 
 log = logging.getLogger(__name__)
@@ -109,7 +110,7 @@ def build_launch(
 
     if hostfile is None:
         hosts = _local_resources(cfg, cpu, environ)
-        argv = runner + [f"--master_port={cfg.master_port}"]
+        argv = runner + [f"--master_port={cfg.master_port or free_port()}"]
         if cfg.master_addr:
             # DeepSpeed's runner pins a one-node launch to 127.0.0.1 whatever it is told.
             log.warning(
@@ -149,7 +150,8 @@ def build_launch(
         master_addr = next(iter(hosts))
     if master_addr:
         argv.append(f"--master_addr={_plain_master_addr(master_addr)}")
-    argv.append(f"--master_port={cfg.master_port}")
+    port = cfg.master_port or (DEFAULT_MASTER_PORT if multi else free_port())
+    argv.append(f"--master_port={port}")
     if cfg.ssh_port is not None:
         argv.append(f"--ssh_port={cfg.ssh_port}")
     if cfg.no_ssh_check:

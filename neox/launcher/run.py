@@ -10,6 +10,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Optional
 
@@ -17,6 +18,8 @@ import psutil
 
 from neox.launcher import reap
 from neox.launcher.plan import LAUNCH_ID_ENV, LaunchPlan
+from neox.launcher.ranks import RankWatch
+from neox.launcher.signals import AbortLaunch, StopRequest
 
 log = logging.getLogger(__name__)
 
@@ -48,11 +51,19 @@ class _NodeWatch:
                 self.failed_at = time.monotonic()
 
 
-def run_launch(plan: LaunchPlan, *, grace_s: float = 5.0) -> int:
-    """Start the plan and wait; returns the launch's exit status (non-zero if any rank failed).
+@dataclass
+class LaunchResult:
+    code: int  # exit status for deepy.py to return
+    signal: Optional[int]  # the stop signal deepy.py received, if any
 
-    DeepSpeed's launch.py already ends a node's other ranks when one of them fails, but nothing
-    tells the other nodes: with pdsh they would wait in a collective until its timeout. So when
+
+def launch(plan: LaunchPlan, *, grace_s: float = 5.0) -> LaunchResult:
+    """Start the plan and wait until every rank has ended.
+
+    A local rank that fails is named (rank, host, pid, status) and the others are stopped at
+    once. A first SIGTERM/SIGINT is passed to the ranks, which save and exit; a second one
+    kills them. DeepSpeed's launch.py already ends a node's other ranks when one of them fails,
+    but nothing tells the other nodes: with pdsh they would wait in a collective until its timeout. So when
     pdsh reports a failed node, the remaining nodes get grace_s seconds to fail on their own,
     then every process of this launch is ended on every node.
     """
@@ -77,8 +88,18 @@ def run_launch(plan: LaunchPlan, *, grace_s: float = 5.0) -> int:
             stderr=subprocess.PIPE if watched else None,
         )
         watch = _NodeWatch(proc.stderr) if watched else None
+        ranks = None if plan.multi_node else RankWatch(proc.pid, plan.world_size)
+        stop = StopRequest(lambda: _forward_stop(plan, proc, ranks))
         try:
-            code = _wait(proc, watch, grace_s)
+            with stop:
+                code = _wait(proc, watch, ranks, grace_s)
+        except AbortLaunch as e:
+            log.error("%s", e)
+            if plan.launcher == "pdsh":
+                _stop(plan, proc)
+            else:
+                _signal_group(proc, signal.SIGKILL)
+            code = 128 + (stop.signum or signal.SIGTERM)
         except BaseException:
             log.error("launch interrupted; stopping all ranks")
             _stop(plan, proc)
@@ -87,16 +108,60 @@ def run_launch(plan: LaunchPlan, *, grace_s: float = 5.0) -> int:
             _stop(plan, proc)
         if watch is not None:
             watch.thread.join(timeout=5)
-        return code
+        missed = ranks.describe_missed(code) if ranks is not None else None
+        if missed:
+            log.error("%s", missed)
+        if not plan.multi_node:
+            # Whatever outlived the runner (a rank whose launcher died first) goes now.
+            reap.reap(plan.launch_id, grace_s=2)
+            _remove_shm_buffers(plan)
+        if stop.signum is not None and code == 0:
+            code = stop.exit_code
+        return LaunchResult(code, stop.signum)
 
 
-def _wait(proc: subprocess.Popen, watch: Optional[_NodeWatch], grace_s: float) -> int:
+def run_launch(plan: LaunchPlan, *, grace_s: float = 5.0) -> int:
+    """Start the plan and wait; returns the launch's exit status (non-zero if any rank failed)."""
+    return launch(plan, grace_s=grace_s).code
+
+
+def _remove_shm_buffers(plan: LaunchPlan) -> None:
+    """DeepSpeed's CPU all-reduce leaves a 69 MB buffer per rank in /dev/shm, named by the master
+    port, and never removes it: runs on free ports would fill the machine's memory."""
+    ports = [a.split("=", 1)[1] for a in plan.argv if a.startswith("--master_port=")]
+    for port in ports:
+        for path in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"):
+            path.unlink(missing_ok=True)
+
+
+def _forward_stop(plan: LaunchPlan, proc: subprocess.Popen, ranks: Optional[RankWatch]) -> None:
+    if ranks is not None:
+        # The ranks, not DeepSpeed's launch.py: its handler gives each rank 30 s, one by one.
+        ranks.signal_ranks(signal.SIGTERM)
+    else:
+        # Across nodes the signal cannot reach the ranks through pdsh; stop them as before.
+        raise AbortLaunch("stop signal on a multi-node launch: stopping every rank, unsaved")
+
+
+def _wait(
+    proc: subprocess.Popen,
+    watch: Optional[_NodeWatch],
+    ranks: Optional[RankWatch],
+    grace_s: float,
+) -> int:
     while True:
         try:
-            code = proc.wait(timeout=0.2)
+            code = proc.wait(timeout=0.05)  # a dead rank is a zombie until launch.py polls
             break
         except subprocess.TimeoutExpired:
             pass
+        failed = ranks.poll() if ranks is not None else None
+        if failed is not None:
+            # The others may be blocked in a collective with the dead rank: end them now.
+            log.error("%s; stopping the other ranks", failed.describe())
+            _signal_group(proc, signal.SIGKILL)
+            proc.wait()
+            return failed.exit_code
         if watch is not None and watch.failed_at is not None:
             if time.monotonic() - watch.failed_at > grace_s:
                 host, failed_code = watch.failed

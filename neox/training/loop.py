@@ -1,6 +1,8 @@
 """The training loop as short named steps: train_step, evaluate, train."""
 
 import logging
+import math
+import signal
 import time
 from collections.abc import Iterator
 from typing import Optional
@@ -11,9 +13,17 @@ from neox.checkpoint.io import load_checkpoint, save_checkpoint, should_save
 from neox.config import write_config
 from neox.data.batch import Batch, build_batch
 from neox.parallel import pipeline_batch
-from neox.training.metrics import MetricsWriter, Throughput, format_line
+from neox.training.metrics import (
+    MetricsWriter,
+    ModelFlops,
+    Throughput,
+    format_line,
+    memory_metrics,
+)
 from neox.training.profiling import StepProfiler
+from neox.training.progress import Progress, start_wandb
 from neox.training.setup import Run, build_data, build_run
+from neox.training.stop import StopSignal
 
 log = logging.getLogger(__name__)
 
@@ -43,24 +53,68 @@ def forward_loss(run: Run, batch: Batch) -> torch.Tensor:
 def train_step(run: Run, stream: Iterator, iteration: int) -> dict[str, float]:
     """One optimizer step over gradient_accumulation_steps micro-batches."""
     lr = run.schedule.apply(run.engine.optimizer, iteration)
+    skipped_before = run.engine.skipped_steps
+    grad_norm, skipped = None, False
+    own_norm = run.engine.zero_optimization_stage() == 0 and run.derived.precision == "fp32"
     if run.is_pipeline:
         loss = run.engine.train_batch(data_iter=stream)
     else:
         losses = []
-        for _ in range(run.derived.grad_accum):
+        for micro in range(run.derived.grad_accum):
             loss = forward_loss(run, next_batch(run, stream))
             run.engine.backward(loss)
-            run.engine.step()
             losses.append(loss.detach())
+            if micro == run.derived.grad_accum - 1 and own_norm:
+                grad_norm = stage0_grad_norm(run)
+                if grad_norm is None:
+                    skip_step(run.engine)
+                    grad_norm, skipped = math.nan, True
+                    continue
+            run.engine.step()
         loss = torch.stack(losses).mean()
+    skipped = skipped or run.engine.skipped_steps > skipped_before
     metrics = {"loss": reduce_mean(run, loss), "lr": lr}
-    grad_norm = run.engine.get_global_grad_norm()
-    if run.cfg.logging.log_grad_norm and grad_norm is not None:
+    if grad_norm is None:
+        grad_norm = run.engine.get_global_grad_norm()
+    if grad_norm is not None and run.cfg.logging.log_grad_norm:
         metrics["grad_norm"] = float(grad_norm)
+    metrics["skipped"] = float(skipped)
     scale = getattr(run.engine.optimizer, "cur_scale", None)
     if run.derived.precision == "fp16" and scale is not None:
         metrics["loss_scale"] = float(scale)
     return metrics
+
+
+def stage0_grad_norm(run: Run) -> Optional[float]:
+    """The global gradient norm without ZeRO, where DeepSpeed computes none to report; None
+    when it is not finite.
+
+    At the accumulation boundary the gradients are already averaged over data-parallel ranks;
+    DeepSpeed's helper sums the tensor-parallel shards once each (replicated ones counted once)
+    and reports inf or NaN as -1.
+    """
+    from deepspeed.runtime.utils import get_flattened_grad_norm
+
+    params = [p for p in run.engine.module.parameters() if p.grad is not None]
+    norm = float(get_flattened_grad_norm(params, mpu=run.engine.mpu))
+    return norm if 0 <= norm < math.inf else None
+
+
+def skip_step(engine) -> None:
+    """Drop a step whose gradients are not finite, keeping DeepSpeed's step counters in line.
+
+    ZeRO and fp16 skip such steps themselves; without them DeepSpeed would apply NaNs. The
+    gradients are dropped and the optimizer's update is left out of this one engine.step().
+    """
+    for p in engine.module.parameters():
+        if p.grad is not None:
+            p.grad.zero_()  # in place: the clipping inside engine.step() expects gradients
+    optimizer = engine.optimizer
+    optimizer.step = lambda *args, **kwargs: None  # instance attribute shadows the method
+    try:
+        engine.step()
+    finally:
+        del optimizer.step
 
 
 def reduce_mean(run: Run, loss: torch.Tensor) -> float:
@@ -88,53 +142,87 @@ def evaluate(run: Run, stream: Iterator, iters: int) -> float:
     return total / max(1, iters)
 
 
-def train(run: Run, start_iteration: int, writer: MetricsWriter) -> dict[str, float]:
-    """Train from start_iteration to train_iters, evaluating, logging and saving on schedule."""
+class NonFiniteSteps(RuntimeError):
+    """Too many steps in a row with a non-finite loss or gradient: the run stops unsaved."""
+
+
+def train(
+    run: Run, start_iteration: int, writer: MetricsWriter, stop: Optional[StopSignal] = None
+) -> dict[str, float]:
+    """Train from start_iteration to train_iters, evaluating, logging and saving on schedule.
+
+    Stops early, after saving, at exit_interval or when any rank receives SIGTERM/SIGINT.
+    """
     cfg, d = run.cfg, run.derived
     t = cfg.training
-    data = build_data(run, consumed_train_samples=start_iteration * d.global_batch)
+    evals_done = start_iteration // t.eval_interval if t.do_valid else 0
+    data = build_data(
+        run,
+        consumed_train_samples=start_iteration * d.global_batch,
+        consumed_valid_samples=evals_done * t.eval_iters * d.global_batch,
+    )
     train_stream = pipeline_stream(run, data.train) if run.is_pipeline else data.train
     valid_stream = None
     if data.valid is not None:
         valid_stream = pipeline_stream(run, data.valid) if run.is_pipeline else data.valid
+    stop = stop or StopSignal()
+    speed = Throughput(start_iteration, t.train_iters)
+    progress = Progress(run, start_iteration)
     last: dict[str, float] = {}
     iteration = start_iteration
-    speed = Throughput(cfg, d, run.device)
+    flops = ModelFlops(cfg, d, run.device)
     profiler = StepProfiler(cfg.logging, run.rank, run.device)
-    tick = time.perf_counter()
     if not t.do_train:
         log.info("do_train=false: evaluating the loaded weights only")
         if valid_stream is not None and t.do_valid:
             eval_loss = evaluate(run, valid_stream, t.eval_iters)
             writer.write(iteration, {"loss": eval_loss}, prefix="valid")
+    in_a_row, stopping = 0, None
     while t.do_train and iteration < t.train_iters:
         profiler.step(iteration + 1)
+        tick = time.perf_counter()
         metrics = train_step(run, train_stream, iteration)
+        speed.add(time.perf_counter() - tick)  # the loss's .item() has synchronized the device
         iteration += 1
         last = metrics
+        nonfinite = not math.isfinite(metrics["loss"]) or (
+            metrics["skipped"] and d.precision != "fp16"
+        )
+        run.counters["skipped_steps"] += int(metrics.pop("skipped"))
+        run.counters["nonfinite_steps"] += int(nonfinite)
+        in_a_row = in_a_row + 1 if nonfinite else 0
+        if t.max_nonfinite_steps and in_a_row >= t.max_nonfinite_steps:
+            raise NonFiniteSteps(
+                f"{in_a_row} steps in a row with a non-finite loss or gradient (iterations "
+                f"{iteration - in_a_row + 1} to {iteration}); stopping without saving. Lower lr, "
+                "raise warmup, or resume from the last checkpoint with another seed"
+            )
+        progress.update(metrics)
         if iteration % cfg.logging.log_interval == 0 or iteration == t.train_iters:
-            elapsed = (time.perf_counter() - tick) / cfg.logging.log_interval
-            tick = time.perf_counter()
-            metrics["step_time_s"] = elapsed
-            metrics["tokens_per_s"] = d.global_batch * cfg.model.seq_length / max(elapsed, 1e-9)
-            metrics.update(speed.metrics(metrics["tokens_per_s"]))
-            if run.is_logging_rank:
-                log.info(format_line(iteration, t.train_iters, metrics))
+            metrics.update(step_metrics(run, iteration, speed, flops))
+            progress.log(format_line(iteration, t.train_iters, metrics))
             writer.write(iteration, metrics)
         if valid_stream is not None and t.do_valid and iteration % t.eval_interval == 0:
+            tick = time.perf_counter()
             eval_loss = evaluate(run, valid_stream, t.eval_iters)
-            if run.is_logging_rank:
-                log.info("validation at iter %d: loss %.4f", iteration, eval_loss)
-            writer.write(iteration, {"loss": eval_loss}, prefix="valid")
-        if should_save(cfg, iteration):
-            save(run, iteration)
+            eval_s = time.perf_counter() - tick
+            progress.log(f"validation at iter {iteration}: loss {eval_loss:.4f} ({eval_s:.1f} s)")
+            writer.write(iteration, {"loss": eval_loss, "eval_time_s": eval_s}, prefix="valid")
+        stopping = stop.agreed()
+        if should_save(cfg, iteration) or (stopping and cfg.checkpoint.save):
+            save(run, iteration, writer)
+        if stopping:
+            progress.log(f"stopped by {signal.Signals(stopping).name} at iteration {iteration}")
+            break
         if t.exit_interval and iteration % t.exit_interval == 0:
             log.info("exit_interval=%d reached at iteration %d", t.exit_interval, iteration)
             break
     profiler.close()
-    if cfg.checkpoint.save and not should_save(cfg, iteration) and iteration > start_iteration:
-        save(run, iteration)
-    if t.do_test and data.test is not None and (iteration >= t.train_iters or not t.do_train):
+    progress.close()
+    done = iteration >= t.train_iters
+    if cfg.checkpoint.save and not should_save(cfg, iteration) and done and not stopping:
+        save(run, iteration, writer)
+    if t.do_test and data.test is not None and (done or not t.do_train):
         test_stream = pipeline_stream(run, data.test) if run.is_pipeline else data.test
         test_loss = evaluate(run, test_stream, t.eval_iters)
         writer.write(iteration, {"loss": test_loss}, prefix="test")
@@ -143,21 +231,46 @@ def train(run: Run, start_iteration: int, writer: MetricsWriter) -> dict[str, fl
     return last
 
 
-def save(run: Run, iteration: int) -> None:
-    consumed = iteration * run.derived.global_batch
-    save_checkpoint(run.engine, run.cfg, iteration, {"consumed_train_samples": consumed})
+def step_metrics(
+    run: Run, iteration: int, speed: Throughput, flops: ModelFlops
+) -> dict[str, float]:
+    """Data seen, counters, speed, memory and ETA at a logging step."""
+    d, seq = run.derived, run.cfg.model.seq_length
+    samples = iteration * d.global_batch
+    out = {"consumed_samples": samples, "consumed_tokens": samples * seq, **run.counters}
+    out.update(speed.take(iteration, d.global_batch, seq, d.world_size))
+    out.update(flops.metrics(out["tokens_per_s"]))  # TFLOPS per GPU and MFU
+    out.update(memory_metrics(run.device))
+    return out
+
+
+def save(run: Run, iteration: int, writer: MetricsWriter) -> None:
+    tick = time.perf_counter()
+    state = {"consumed_train_samples": iteration * run.derived.global_batch, **run.counters}
+    save_checkpoint(run.engine, run.cfg, iteration, state, run.derived.padded_vocab_size)
+    writer.write(iteration, {"save_time_s": time.perf_counter() - tick}, prefix="save")
 
 
 def run_training(cfg, run: Optional[Run] = None) -> dict[str, float]:
     """The whole job on this rank: build, resume, train; returns the last step's metrics."""
+    stop = StopSignal()  # before the slow setup, so a signal during it still ends in a save
     run = run or build_run(cfg)
     state = load_checkpoint(run.engine, cfg) or {}
     start = int(state.get("iteration", 0))
+    for name in run.counters:
+        run.counters[name] = int(state.get(name, 0))
     lg = cfg.logging
-    writer = MetricsWriter(lg.log_dir, lg.tensorboard_dir, enabled=run.is_logging_rank)
+    writer = MetricsWriter(
+        lg.log_dir, lg.tensorboard_dir, enabled=run.is_logging_rank, start_step=start
+    )
+    if lg.use_wandb and (run.is_logging_rank or lg.wandb_init_all_ranks):
+        # Other ranks' runs (wandb_init_all_ranks) record their own system metrics only.
+        wandb_run = start_wandb(cfg)
+        if run.is_logging_rank:
+            writer.attach_wandb(wandb_run)
     if run.is_logging_rank and lg.log_dir:
         write_config(cfg, f"{lg.log_dir}/config.yml")
     try:
-        return train(run, start, writer)
+        return train(run, start, writer, stop)
     finally:
         writer.close()

@@ -2,13 +2,14 @@
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from neox.config import Derived, NeoXConfig, build_ds_config, derive
 from neox.data.loader import DataLoaders, build_train_valid_test_loaders
+from neox.launcher.port import free_port
 from neox.launcher.rank_env import rank_env_from_launcher
 from neox.tokenizer import Tokenizer, build_tokenizer
 from neox.training.engine import build_engine
@@ -32,6 +33,10 @@ class Run:
     dp_rank: int
     is_pipeline: bool
     groups: Any  # neox.parallel.ProcessGroups
+    # Kept in checkpoints, so a resumed run goes on counting.
+    counters: dict[str, int] = field(
+        default_factory=lambda: {"skipped_steps": 0, "nonfinite_steps": 0}
+    )
 
     @property
     def is_logging_rank(self) -> bool:
@@ -52,7 +57,7 @@ def init_distributed(cfg: NeoXConfig) -> torch.device:
         # A plain `python train.py cfg.yml` is a one-rank job.
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(cfg.launcher.master_port))
+        os.environ.setdefault("MASTER_PORT", str(cfg.launcher.master_port or free_port()))
     deepspeed.init_distributed(dist_backend=backend)
     if on_cpu:
         return torch.device("cpu")
@@ -116,7 +121,9 @@ def build_run(cfg: NeoXConfig) -> Run:
     )
 
 
-def build_data(run: Run, consumed_train_samples: int) -> DataLoaders:
+def build_data(
+    run: Run, consumed_train_samples: int, consumed_valid_samples: int = 0
+) -> DataLoaders:
     """Sample streams sized for the whole run, starting where a resumed run left off."""
     cfg, d = run.cfg, run.derived
     data = cfg.data
@@ -138,6 +145,7 @@ def build_data(run: Run, consumed_train_samples: int) -> DataLoaders:
         data_parallel_rank=run.dp_rank,
         data_parallel_size=d.data_parallel,
         consumed_train_samples=consumed_train_samples,
+        consumed_valid_samples=consumed_valid_samples,
         num_workers=data.num_workers,
         pin_memory=run.device.type == "cuda",
         cache_dir=data.data_cache_dir,

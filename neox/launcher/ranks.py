@@ -1,0 +1,123 @@
+"""Watch the ranks DeepSpeed's launch.py starts on this node: who they are, who died first, how.
+
+DeepSpeed reports a dead rank only as its whole command line (a 1.6 KB base64 argument) and the
+return code, and takes up to 30 s per rank to stop the others. Watching the ranks from deepy.py
+names the rank, and lets the launch stop the rest at once.
+"""
+
+import signal
+import socket
+from dataclasses import dataclass
+from typing import Optional
+
+import psutil
+
+# The per-node launcher whose children are the ranks.
+_LAUNCH_MODULE = "deepspeed.launcher.launch"
+
+
+@dataclass
+class RankExit:
+    rank: int
+    pid: int
+    host: str
+    status: int  # wait status as the kernel reports it
+
+    def describe(self) -> str:
+        if self.status & 0x7F:
+            sig = self.status & 0x7F
+            how = f"was killed by {signal.Signals(sig).name} (signal {sig}"
+            how += "; the kernel's OOM killer sends SIGKILL)" if sig == signal.SIGKILL else ")"
+        else:
+            how = f"exited with status {self.status >> 8}"
+        return f"rank {self.rank} on {self.host} (pid {self.pid}) {how}"
+
+    @property
+    def exit_code(self) -> int:
+        """The status a shell would report for it."""
+        return 128 + (self.status & 0x7F) if self.status & 0x7F else self.status >> 8
+
+
+def _exit_status(pid: int) -> Optional[int]:
+    """The wait status of a zombie, from /proc/PID/stat's last field (Linux 3.5+)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    if fields[0] != "Z":
+        return None
+    return int(fields[-1])
+
+
+class RankWatch:
+    """Polled by the launch loop: learns the local ranks' pids, and notes the first one to end
+    with a failure before the launcher has reaped it."""
+
+    def __init__(self, runner_pid: int, world_size: int) -> None:
+        self.runner_pid = runner_pid
+        self.world_size = world_size
+        self.host = socket.gethostname()
+        self.ranks: dict[int, int] = {}  # pid -> rank
+        self.vanished: list[int] = []  # pids reaped before a poll saw them dead, in order
+        self.first_failure: Optional[RankExit] = None
+
+    def poll(self) -> Optional[RankExit]:
+        """Update the rank table; returns the first failed rank once it is known."""
+        # Finding the ranks walks the process tree: only until all of them are known.
+        for proc in self._rank_processes() if len(self.ranks) < self.world_size else []:
+            if proc.pid not in self.ranks:
+                try:
+                    self.ranks[proc.pid] = int(proc.environ().get("RANK", -1))
+                except (psutil.Error, ValueError):
+                    continue
+        if self.first_failure is None:
+            # Only a zombie tells its exit status; a rank already reaped by launch.py is left to
+            # the launcher's own exit code. When several are seen dead at once, one killed by a
+            # signal is the likelier cause: the others then fail on its closed connections.
+            dead = [
+                RankExit(rank, pid, self.host, status)
+                for pid, rank in self.ranks.items()
+                if (status := _exit_status(pid))
+            ]
+            if dead:
+                self.first_failure = min(dead, key=lambda d: (not d.status & 0x7F, d.rank))
+            self.vanished += [
+                pid for pid in self.ranks if pid not in self.vanished and not psutil.pid_exists(pid)
+            ]
+        return self.first_failure
+
+    def describe_missed(self, launch_code: int) -> Optional[str]:
+        """For a failed launch whose dead rank was reaped unseen: the first rank to disappear,
+        with the status DeepSpeed's launcher passed on (it exits with the rank's -N as 256-N)."""
+        if self.first_failure is not None or not self.vanished or launch_code == 0:
+            return None
+        pid = self.vanished[0]
+        if launch_code > 128 + 64:
+            sig = signal.Signals(256 - launch_code)
+            how = f"was killed by {sig.name} (signal {sig.value})"
+        else:
+            how = f"ended first; the launch exited with status {launch_code}"
+        return f"rank {self.ranks[pid]} on {self.host} (pid {pid}) {how}"
+
+    def signal_ranks(self, sig: int) -> None:
+        """Send sig to every local rank (not to DeepSpeed's launcher, which would kill them)."""
+        for proc in self._rank_processes():
+            try:
+                proc.send_signal(sig)
+            except psutil.Error:
+                pass
+
+    def _rank_processes(self) -> list[psutil.Process]:
+        try:
+            tree = psutil.Process(self.runner_pid).children(recursive=True)
+        except psutil.Error:
+            return []
+        ranks = []
+        for proc in tree:
+            try:
+                if _LAUNCH_MODULE in proc.cmdline():
+                    ranks += proc.children()
+            except psutil.Error:
+                continue
+        return ranks

@@ -1,0 +1,61 @@
+"""Where rank 0's progress goes: a tqdm bar on a terminal, plain lines in a file; W&B."""
+
+import logging
+import os
+import sys
+
+from neox.config import NeoXConfig
+
+log = logging.getLogger(__name__)
+
+
+class Progress:
+    """A progress bar when rank 0 writes to a terminal; log lines print above it."""
+
+    def __init__(self, run, start: int) -> None:
+        self.enabled = run.is_logging_rank
+        self.bar = None
+        if self.enabled and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            total = run.cfg.training.train_iters
+            self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True)
+
+    def update(self, metrics: dict[str, float]) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{metrics['loss']:.4f}", refresh=False)
+            self.bar.update(1)
+
+    def log(self, line: str) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.write(line, file=sys.stderr)
+        else:
+            log.info(line)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def start_wandb(cfg: NeoXConfig):
+    """A Weights & Biases run (WANDB_MODE=offline works without an account or network)."""
+    try:
+        import wandb
+    except ImportError as e:
+        raise RuntimeError(
+            "use_wandb: true needs the wandb package: pip install 'neox[wandb]' (or set "
+            "use_wandb: false)"
+        ) from e
+    lg = cfg.logging
+    if lg.wandb_host:
+        os.environ.setdefault("WANDB_BASE_URL", lg.wandb_host)  # a self-hosted W&B server
+    return wandb.init(
+        project=lg.wandb_project or "neox",
+        name=lg.wandb_run_name,
+        group=lg.wandb_group,
+        entity=lg.wandb_team,
+        config=cfg.to_flat(),
+        dir=lg.log_dir,
+    )

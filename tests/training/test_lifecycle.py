@@ -1,0 +1,338 @@
+"""A run you can trust, through deepy.py on 2 CPU ranks: metrics, checkpoints, crashes, resume.
+
+One uninterrupted 6-step run (ZeRO 0: the gradient norm is neox's own there) is the reference;
+the other runs crash, fall back, resume or finetune from it and are compared with it.
+"""
+
+import json
+import os
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import time
+import zipfile
+
+import pytest
+import yaml
+
+from tests.train_helpers import ROOT, losses, make_dataset, records, run_train, write_config
+
+pytestmark = pytest.mark.slow
+
+STEPS = 6
+GLOBAL_BATCH = 2 * 2 * 2  # micro batch x accumulation x 2 data-parallel ranks
+SEQ = 32
+BASE = dict(zero_optimization={"stage": 0})
+
+
+def ok(r: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """A directory for this module's runs, with their dataset in data/."""
+    tmp = tmp_path_factory.mktemp("life")
+    (tmp / "data").mkdir()
+    make_dataset(tmp / "data" / "chars")
+    return tmp
+
+
+@pytest.fixture(scope="module")
+def ref(runs):
+    """The reference run, logged to metrics.jsonl, tensorboard and W&B (offline)."""
+    tmp = runs
+    cfg = write_config(tmp, "ref", use_wandb=True, wandb_project="neox-tests", **BASE)
+    r = ok(run_train(cfg, WANDB_MODE="offline", WANDB_SILENT="true"))
+    return tmp, r
+
+
+def same(a: float, b: float) -> bool:
+    return a == pytest.approx(b, rel=1e-5, abs=1e-6)
+
+
+def test_metrics_line_file_and_tensorboard(ref):
+    tmp, r = ref
+    recs = records(tmp / "ref" / "logs")
+    train = {x["step"]: x for x in recs if x["split"] == "train"}
+    assert sorted(train) == list(range(1, STEPS + 1))
+    for step, x in train.items():
+        assert x["consumed_samples"] == step * GLOBAL_BATCH
+        assert x["consumed_tokens"] == step * GLOBAL_BATCH * SEQ
+        assert 0 < x["grad_norm"] < 100 and x["lr"] > 0
+        assert x["skipped_steps"] == 0 and x["nonfinite_steps"] == 0
+        assert x["step_time_s"] > 0 and x["rss_gb"] > 0.05
+        assert x["tokens_per_s"] == pytest.approx(x["samples_per_s"] * SEQ)
+        assert x["tokens_per_s_per_gpu"] == pytest.approx(x["tokens_per_s"] / 2)
+        assert x["samples_per_s"] == pytest.approx(GLOBAL_BATCH / x["step_time_s"])
+    assert train[STEPS]["eta_s"] == 0 and train[1]["eta_s"] > 0
+    # The cosine decay after one warmup step.
+    assert train[2]["lr"] > train[4]["lr"] > train[6]["lr"]
+    valid = {x["step"]: x for x in recs if x["split"] == "valid"}
+    assert sorted(valid) == [3, 6] and all(v["eval_time_s"] > 0 for v in valid.values())
+    assert sorted(x["step"] for x in recs if x["split"] == "save") == [3, 6]
+    # The same numbers on rank 0's line...
+    line = next(ln for ln in (r.stdout + r.stderr).splitlines() if "iter 6/6" in ln)
+    assert f"loss {train[6]['loss']:.4f}" in line and "samples 48 tokens 1.54k" in line
+    assert f"gnorm {train[6]['grad_norm']:.3g}" in line and "rss" in line and "eta 0:00:00" in line
+    # ...and in tensorboard.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp / "ref" / "tb"))
+    events.Reload()
+    for tag in ("loss", "grad_norm", "consumed_tokens", "lr"):
+        scalars = {e.step: e.value for e in events.Scalars(f"train/{tag}")}
+        assert scalars.keys() == train.keys()
+        assert all(same(scalars[s], train[s][tag]) for s in train), tag
+
+
+def test_wandb_offline_run_holds_the_metrics(ref):
+    tmp, _ = ref
+    [run_file] = (tmp / "ref" / "logs" / "wandb").glob("offline-run-*/run-*.wandb")
+    # W&B's offline record file stores each logged value as its JSON text.
+    data = run_file.read_bytes()
+    assert b"train/grad_norm" in data and b"valid/loss" in data
+    for step, loss in losses(tmp / "ref" / "logs").items():
+        assert json.dumps(loss).encode() in data, step
+    assert json.dumps(losses(tmp / "ref" / "logs", "valid")[STEPS]).encode() in data
+
+
+def test_plot_metrics_writes_a_png(ref, tmp_path):
+    tmp, _ = ref
+    out = tmp_path / "plot.png"
+    logs = str(tmp / "ref" / "logs")
+    r = subprocess.run(
+        [sys.executable, "tools/plot_metrics.py", logs, logs, "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
+    assert r.returncode == 0, r.stderr
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = struct.unpack(">II", data[16:24])
+    assert width >= 800 and height >= 500 and len(data) > 20_000
+
+
+def test_checkpoint_is_complete_and_self_describing(ref):
+    tmp, _ = ref
+    ckpt = tmp / "ref" / "ckpt"
+    assert (ckpt / "latest").read_text() == "global_step6"
+    assert not list(ckpt.glob("*.partial")) and not list(ckpt.glob(".*tmp"))
+    step = ckpt / "global_step6"
+    manifest = json.loads((step / "manifest.json").read_text())
+    assert manifest["iteration"] == STEPS and manifest["padded_vocab_size"] == 512
+    for name, size in manifest["files"].items():
+        assert (step / name).stat().st_size == size
+    assert "mp_rank_00_model_states.pt" in manifest["files"]
+    assert yaml.safe_load((step / "config.yml").read_text())["hidden_size"] == 32
+
+
+def test_mismatched_config_is_refused_before_launch(ref):
+    tmp, _ = ref
+    cfg = write_config(
+        tmp,
+        "wide",
+        hidden_size=64,
+        make_vocab_size_divisible_by=1024,
+        load=str(tmp / "ref" / "ckpt"),
+        **BASE,
+    )
+    start = time.monotonic()
+    r = run_train(cfg)
+    assert r.returncode == 2 and time.monotonic() - start < 60
+    assert "hidden_size 32 (checkpoint) vs 64 (config)" in r.stderr
+    assert "padded vocab 512 (checkpoint) vs 1024 (config)" in r.stderr
+    assert "Traceback" not in r.stderr and "launching" not in r.stderr + r.stdout
+
+
+def corrupt_pickle(path) -> None:
+    """Garble the start of a torch file's pickle, leaving its size and zip directory intact."""
+    with zipfile.ZipFile(path) as z:
+        info = next(i for i in z.infolist() if i.filename.endswith("data.pkl"))
+    with open(path, "r+b") as f:
+        f.seek(info.header_offset + 26)
+        name_len, extra_len = struct.unpack("<HH", f.read(4))
+        f.seek(info.header_offset + 30 + name_len + extra_len)
+        f.write(b"\xff" * 8)  # no pickle opcode
+
+
+def test_broken_checkpoints_fall_back_and_resume_exactly(ref):
+    tmp, _ = ref
+    ckpt = tmp / "fallback" / "ckpt"
+    shutil.copytree(tmp / "ref" / "ckpt", ckpt)
+    # The newest looks complete but fails to unpickle; the next is truncated.
+    shutil.copytree(ckpt / "global_step6", ckpt / "global_step9")
+    corrupt_pickle(ckpt / "global_step9" / "mp_rank_00_model_states.pt")
+    (ckpt / "latest").write_text("global_step9")
+    shard = ckpt / "global_step6" / "mp_rank_00_model_states.pt"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    r = ok(run_train(write_config(tmp, "fallback", **BASE)))
+    out = r.stdout + r.stderr
+    assert "skipping checkpoint global_step9: UnpicklingError: invalid load key" in out, out[-3000:]
+    assert f"skipping checkpoint global_step6: {shard} is " in out and "truncated" in out
+    resumed_line = next(ln for ln in out.splitlines() if "resumed from" in ln)
+    assert f"{ckpt / 'global_step3'}/" in resumed_line and resumed_line.endswith("iteration 3")
+    ref_logs, logs = tmp / "ref" / "logs", tmp / "fallback" / "logs"
+    resumed = losses(logs)
+    assert sorted(resumed) == [4, 5, 6]
+    assert all(same(resumed[s], losses(ref_logs)[s]) for s in resumed)
+    # The validation stream went on from where it was at step 3.
+    assert same(losses(logs, "valid")[6], losses(ref_logs, "valid")[6])
+    assert (ckpt / "latest").read_text() == "global_step6"  # saved again, complete this time
+
+
+def test_kill_during_save_leaves_latest_loadable_and_resume_is_exact(ref):
+    tmp, _ = ref
+    cfg = write_config(tmp, "crash", **BASE)
+    # Rank 1 dies once its shards of step 6 are written, before anything is renamed.
+    start = time.monotonic()
+    r = run_train(cfg, NEOX_SAVE_KILL_AT="shards@1:6")
+    out = r.stdout + r.stderr
+    assert r.returncode != 0 and time.monotonic() - start < 300
+    summary = [ln for ln in out.splitlines() if "rank 1 on" in ln]
+    assert summary and "killed by SIGKILL" in summary[0], out[-2000:]
+    ckpt = tmp / "crash" / "ckpt"
+    assert (ckpt / "latest").read_text() == "global_step3"
+    assert (ckpt / "global_step6.partial").is_dir() and not (ckpt / "global_step6").exists()
+
+    r = ok(run_train(cfg))
+    assert "(checkpoint global_step3)" in r.stdout
+    recs = records(tmp / "crash" / "logs")
+    steps = [x["step"] for x in recs if x["split"] == "train"]
+    assert steps == [1, 2, 3, 4, 5, 6]  # steps 4-6 of the crashed attempt were dropped
+    ref_recs = {(x["split"], x["step"]): x for x in records(tmp / "ref" / "logs")}
+    for x in recs:
+        if x["split"] in ("train", "valid"):
+            want = ref_recs[x["split"], x["step"]]
+            for key in ("loss", "lr", "grad_norm", "consumed_tokens"):
+                if key in want:
+                    assert same(x[key], want[key]), (x["split"], x["step"], key)
+    assert (ckpt / "latest").read_text() == "global_step6"
+    assert not (ckpt / "global_step6.partial").exists()
+
+
+def test_kill_after_rename_keeps_latest_on_a_complete_checkpoint(runs):
+    tmp = runs
+    cfg = write_config(tmp, "renamed", **BASE)
+    r = run_train(cfg, NEOX_SAVE_KILL_AT="renamed@0:6")
+    out = r.stdout + r.stderr
+    assert r.returncode != 0 and "rank 0 on" in out and "saved checkpoint" in out, out[-3000:]
+    ckpt = tmp / "renamed" / "ckpt"
+    assert (ckpt / "latest").read_text() == "global_step3"
+    dry = subprocess.run(
+        [sys.executable, "deepy.py", "train.py", str(cfg), "--dry-run"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
+    assert dry.returncode == 0 and "(checkpoint global_step3)" in dry.stdout
+
+
+def test_finetune_loads_weights_only_and_restarts_at_zero(ref):
+    tmp, _ = ref
+    cfg = write_config(
+        tmp,
+        "tune",
+        finetune=True,
+        load=str(tmp / "ref" / "ckpt"),
+        train_iters=3,
+        checkpoint_factor=None,
+        eval_interval=100,
+        do_test=False,
+        **BASE,
+    )
+    r = ok(run_train(cfg))
+    assert "finetuning from" in r.stdout
+    tune = {x["step"]: x for x in records(tmp / "tune" / "logs") if x["split"] == "train"}
+    first = {x["step"]: x for x in records(tmp / "ref" / "logs") if x["split"] == "train"}[1]
+    assert sorted(tune) == [1, 2, 3] and tune[1]["consumed_samples"] == GLOBAL_BATCH
+    # Trained weights: the first loss is below a fresh model's; a fresh schedule's first lr.
+    assert tune[1]["loss"] < first["loss"] - 0.01
+    assert tune[1]["lr"] == first["lr"]
+    assert (tmp / "tune" / "ckpt" / "latest").read_text() == "global_step3"
+
+
+def test_nonfinite_steps_are_skipped_then_the_run_stops_unsaved(runs):
+    tmp = runs
+    cfg = write_config(
+        tmp,
+        "nan",
+        optimizer={"type": "Adam", "params": {"lr": 1.0e30}},
+        max_nonfinite_steps=2,
+        **BASE,
+    )
+    r = run_train(cfg)
+    assert r.returncode != 0
+    assert "2 steps in a row with a non-finite loss or gradient (iterations" in r.stderr
+    assert "Traceback" not in r.stderr
+    recs = [x for x in records(tmp / "nan" / "logs") if x["split"] == "train"]
+    assert recs[-1]["nonfinite_steps"] == 1 and recs[-1]["skipped_steps"] == 1
+    assert not (tmp / "nan" / "ckpt" / "latest").exists()
+
+
+@pytest.mark.parametrize(
+    "target,sig,code",
+    [
+        ("deepy", signal.SIGTERM, 0),
+        ("deepy", signal.SIGINT, 130),
+        ("rank1", signal.SIGTERM, 0),  # as a cluster scheduler sends it
+    ],
+)
+def test_stop_signal_saves_once_and_leaves_no_process(runs, target, sig, code):
+    from tests.training.lifecycle_helpers import BackgroundRun
+
+    tmp = runs
+    name = f"{target}-{sig.name}"
+    cfg = write_config(
+        tmp, name, train_iters=1000, checkpoint_factor=None, eval_interval=1000, **BASE
+    )
+    run = BackgroundRun(cfg, tmp / f"{name}.out")
+    try:
+        run.wait_for("iter 2/1000")
+        pid = run.proc.pid if target == "deepy" else run.rank_pid(1)
+        os.kill(pid, sig)
+        assert run.wait() == code, run.text()[-3000:]
+        assert run.pids() == []
+    finally:
+        run.kill_all()
+    out = run.text()
+    stopped = [
+        int(ln.rsplit(" ", 1)[1])
+        for ln in out.splitlines()
+        if "stopped by" in ln and "at iteration" in ln
+    ]
+    assert stopped, out[-2000:]
+    tag = f"global_step{stopped[0]}"
+    ckpt = tmp / name / "ckpt"
+    assert (ckpt / "latest").read_text() == tag
+    assert [p.name for p in ckpt.glob("global_step*")] == [tag]
+    if target == "deepy":
+        assert f"deepy: stopped by {sig.name}; checkpoint saved in {ckpt / tag}" in out
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out
+
+
+def test_second_signal_stops_at_once(runs):
+    from tests.training.lifecycle_helpers import BackgroundRun
+
+    tmp = runs
+    cfg = write_config(
+        tmp, "twice", train_iters=1000, checkpoint_factor=None, eval_interval=1000, **BASE
+    )
+    run = BackgroundRun(cfg, tmp / "twice.out")
+    try:
+        run.wait_for("iter 1/1000")
+        os.kill(run.proc.pid, signal.SIGTERM)
+        time.sleep(0.05)  # two signals at once would be delivered as one
+        os.kill(run.proc.pid, signal.SIGTERM)
+        assert run.wait(timeout=30) == 128 + signal.SIGTERM
+        time.sleep(1)
+        assert run.pids() == []
+    finally:
+        run.kill_all()
+    assert "second stop signal" in run.text()
