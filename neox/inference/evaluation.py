@@ -135,7 +135,8 @@ def evaluate_parts(
         mine = take_shard(docs, e.eval_limit, rank, world)
         sums = score_texts(model, mine, eod=tokenizer.eod, stride=stride, **common)
         results[name] = text_metrics(TextSums.from_list(all_reduce_sums(sums.as_list(), device)))
-        log.info("%s: %s", name, results[name])
+        if rank == 0:  # every rank holds the same reduced sums
+            log.info("%s: %s", name, results[name])
     if e.eval_lambada_file:
         texts = take_shard(
             file_texts(e.eval_lambada_file, e.eval_text_key), e.eval_limit, rank, world
@@ -149,7 +150,8 @@ def evaluate_parts(
         results["lambada"] = lambada_metrics(
             LambadaSums.from_list(all_reduce_sums(sums.as_list(), device))
         )
-        log.info("lambada: %s", results["lambada"])
+        if rank == 0:
+            log.info("lambada: %s", results["lambada"])
     if e.eval_tasks:
         from neox.inference.lm_eval_adapter import run_lm_eval_tasks
 
