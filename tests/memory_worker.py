@@ -119,7 +119,7 @@ def measure(rank: int, world: int, flat: dict) -> dict:
     model = parallelize(cfg.model, vocab, groups, cfg.training.seed)
     engine, *_ = deepspeed.initialize(
         model=model,
-        optimizer=build_optimizer(model, cfg.optimizer),
+        optimizer=build_optimizer(model, cfg.optimizer, derived.optimizer_type, derived.lr),
         config=build_ds_config(cfg, derived),
         mpu=engine_mpu(model, groups),
     )

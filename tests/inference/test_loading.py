@@ -41,13 +41,9 @@ def test_deepy_refuses_missing_checkpoint_iteration_prompt_file_and_cached_alibi
     assert "does not support pos_emb=alibi; set `recompute: true`" in r.stderr
 
 
-def test_a_checkpoint_of_another_shape_is_named(tmp_path):
-    import torch.distributed as dist
-
+def test_a_checkpoint_of_another_shape_is_named(tmp_path, one_rank_group):
     from neox.parallel import ProcessGroups, Topology
 
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", world_size=1, rank=0)
     small = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4)
     state = build_model(small, 128).state_dict()
     cfg = load_dict(

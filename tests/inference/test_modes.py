@@ -46,14 +46,11 @@ def read_rows(path: Path) -> list[dict]:
 
 
 def in_process(configs: list[Path], use_cache: bool) -> TextGenerator:
-    """generate.py's TextGenerator built here, on one rank, from the same configs."""
-    import torch.distributed as dist
-
+    """generate.py's TextGenerator built here, on one rank (the one_rank_group fixture), from
+    the same configs."""
     from neox.parallel import ProcessGroups
 
     cfg = load_config([str(c) for c in configs]).config
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", world_size=1, rank=0)
     groups = ProcessGroups(Topology(1, 1, 1))
     tok = CharLevelTokenizer()
     model, _ = build_generation_model(cfg, 512, groups, torch.device("cpu"), torch.float32)
@@ -61,7 +58,7 @@ def in_process(configs: list[Path], use_cache: bool) -> TextGenerator:
     return TextGenerator(cfg, gen, tok, batch_size=2)
 
 
-def test_input_file_rows_match_the_engine_over_dp2_and_tp2(trained):
+def test_input_file_rows_match_the_engine_over_dp2_and_tp2(trained, one_rank_group):
     prompts = trained.parent / "prompts.txt"
     prompts.write_text("\n".join(PROMPTS) + "\n\n")  # a blank prompt is skipped
     keys = dict(
@@ -94,7 +91,7 @@ def test_input_file_rows_match_the_engine_over_dp2_and_tp2(trained):
         torch.testing.assert_close(a["logits"], b["logits"], rtol=1e-4, atol=1e-5)
 
 
-def test_unconditional_sampling_from_an_iteration_is_seeded(trained):
+def test_unconditional_sampling_from_an_iteration_is_seeded(trained, one_rank_group):
     keys = dict(
         text_gen_type="unconditional",
         num_samples=3,
