@@ -62,6 +62,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{rank}.json").write_text(json.dumps(result))
     deepspeed.comm.barrier()
+    # Leave together: a gloo group torn down at interpreter exit can abort a rank (SIGABRT).
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
