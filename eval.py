@@ -7,17 +7,16 @@ python eval.py configs/tiny.yml eval.yml            # one process, no launcher
 """
 
 import json
-import logging
 import sys
 
-from neox.config import ConfigError, config_from_argv, load_config
+from neox.config import ConfigError
 from neox.data.readers import InputError
+from neox.entry import leave_together, rank_config
 
 
 def main(argv: list[str]) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     try:
-        cfg = config_from_argv(argv) or load_config(a for a in argv if not a.startswith("-")).config
+        cfg = rank_config(argv)
     except ConfigError as e:
         print(f"eval.py: config error:\n{e}", file=sys.stderr)
         return 2
@@ -33,12 +32,7 @@ def main(argv: list[str]) -> int:
         path, results = written
         print(json.dumps(results, indent=2))
         print(f"eval results written to {path}")
-    import torch.distributed as dist
-
-    # Leave together: a process group torn down at interpreter exit can abort the process.
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    leave_together()
     return 0
 
 

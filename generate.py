@@ -5,28 +5,22 @@ python deepy.py generate.py configs/tiny.yml gen.yml   # through the launcher (t
 python generate.py configs/tiny.yml gen.yml            # one process, no launcher
 """
 
-import logging
 import sys
 
-from neox.config import ConfigError, config_from_argv, load_config
+from neox.config import ConfigError
+from neox.entry import leave_together, rank_config
 
 
 def main(argv: list[str]) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     try:
-        cfg = config_from_argv(argv) or load_config(a for a in argv if not a.startswith("-")).config
+        cfg = rank_config(argv)
         from neox.inference.modes import run_generation
 
         run_generation(cfg)
     except ConfigError as e:
         print(f"generate.py: config error:\n{e}", file=sys.stderr)
         return 2
-    import torch.distributed as dist
-
-    # Leave together: a process group torn down at interpreter exit can abort the process.
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    leave_together()
     return 0
 
 

@@ -5,18 +5,17 @@ python deepy.py train.py configs/tiny.yml      # through the launcher (any numbe
 python train.py configs/tiny.yml               # one process, no launcher
 """
 
-import logging
 import sys
 
 from neox.checkpoint.consolidate import CheckpointError
-from neox.config import ConfigError, config_from_argv, load_config
+from neox.config import ConfigError
+from neox.entry import leave_together, rank_config
 from neox.training import run_training
 
 
 def main(argv: list[str]) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     try:
-        cfg = config_from_argv(argv) or load_config(a for a in argv if not a.startswith("-")).config
+        cfg = rank_config(argv)
     except ConfigError as e:
         print(f"train.py: config error:\n{e}", file=sys.stderr)
         return 2
@@ -28,12 +27,7 @@ def main(argv: list[str]) -> int:
         # Every rank meets the same problem; one line each, no traceback.
         print(f"train.py: {e}", file=sys.stderr)
         return 1
-    import torch.distributed as dist
-
-    # Leave together: a process group torn down at interpreter exit can abort the process.
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    leave_together()
     return 0
 
 

@@ -1,0 +1,24 @@
+"""What every per-rank entry script (train.py, generate.py, eval.py) does first and last."""
+
+from __future__ import annotations
+
+import logging
+
+from neox.config import NeoXConfig, config_from_argv, load_config
+
+
+def rank_config(argv: list[str]) -> NeoXConfig:
+    """The config deepy.py handed over (--neox_config), or config files named on the command
+    line for a one-process run; ConfigError on a bad one."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    return config_from_argv(argv) or load_config(a for a in argv if not a.startswith("-")).config
+
+
+def leave_together() -> None:
+    """Barrier, then tear the process group down: one torn down at interpreter exit can abort
+    the process."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
