@@ -1,4 +1,5 @@
-"""The DeepSpeed engine as neox builds it, with its per-tensor overflow check made one launch.
+"""The engine a run steps with: neox's own at one rank, else DeepSpeed's with its per-tensor
+overflow check made one launch.
 
 DeepSpeed's ZeRO 1/2 optimizer checks for non-finite gradients before every step, tensor by
 tensor (amax, amin, two isfinite, two logical ops, an add: ~7 kernels and their host work per
@@ -21,16 +22,40 @@ from torch import nn
 log = logging.getLogger(__name__)
 
 
-def build_engine(ds_config: dict[str, Any], model: nn.Module, optimizer: Any, mpu: Any) -> Any:
-    """deepspeed.initialize with neox's DeepSpeed config, then the fast overflow check where it
-    applies."""
+def build_engine(
+    ds_config: dict[str, Any],
+    model: nn.Module,
+    optimizer: Any,
+    mpu: Any,
+    single_rank_engine: bool = True,
+) -> Any:
+    """neox's single-rank engine where it applies (see neox.training.single_rank), else
+    deepspeed.initialize with neox's DeepSpeed config and the fast overflow check."""
     import deepspeed
 
+    from neox.training.single_rank import SingleRankEngine, unsupported_reason
+
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    pipeline = type(model).__name__ == "PipelineModule"
+    reason = unsupported_reason(ds_config, optimizer, world, pipeline)
+    if single_rank_engine and reason is None:
+        log.info("one rank: neox's single-rank engine (single_rank_engine: false for DeepSpeed's)")
+        return SingleRankEngine(ds_config, model, optimizer, mpu)
+    if single_rank_engine and world == 1:
+        log.info("DeepSpeed's engine: the single-rank engine does not cover %s", reason)
     engine, _, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer, config=ds_config, mpu=mpu
     )
     fuse_overflow_check(engine.optimizer)
     return engine
+
+
+def handles_nonfinite(engine: Any) -> bool:
+    """Does the engine skip steps with inf/NaN gradients and report the gradient norm itself?
+    DeepSpeed's does only with ZeRO or a reduced precision."""
+    from neox.training.single_rank import SingleRankEngine
+
+    return isinstance(engine, SingleRankEngine) or engine.zero_optimization_stage() > 0
 
 
 def fuse_overflow_check(optimizer: Any) -> bool:
