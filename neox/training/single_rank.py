@@ -60,6 +60,15 @@ def unsupported_reason(
     return None
 
 
+def _one_pass_ok(optimizer: torch.optim.Optimizer) -> bool:
+    """Can neox.kernels.adamw stand in for this optimizer's step? (AdamW's plain options.)"""
+    import importlib.util
+
+    plain = all(not g["amsgrad"] and not g["maximize"] for g in optimizer.param_groups)
+    triton = importlib.util.find_spec("triton") is not None
+    return triton and plain and isinstance(optimizer, torch.optim.AdamW)
+
+
 class FlatGroup:
     """One optimizer parameter group: its parameters and gradients as views into flat buffers."""
 
@@ -124,6 +133,7 @@ class SingleRankEngine:
         )
         for group in self.optimizer.param_groups:
             group["fused"] = True
+        self.one_pass = self.bf16 and device.type == "cuda" and _one_pass_ok(self.optimizer)
         self.global_steps = 0
         self.global_samples = 0
         self.micro_steps = 0
@@ -168,6 +178,42 @@ class SingleRankEngine:
         if self.clip > 0:
             ratio = (norm + 1e-6) / self.clip
             scale = torch.where(ratio > 1, ratio, scale)
+        if self.one_pass:
+            self._one_pass_step(scale, found_inf)
+        else:
+            self._torch_step(scale, found_inf)
+        self._norm = norm
+        self._skipped += found_inf
+
+    def _one_pass_step(self, scale: torch.Tensor, found_inf: torch.Tensor) -> None:
+        """AdamW of neox.kernels.adamw: each group's update in one pass over its buffers."""
+        from neox.kernels.adamw import adamw_step_
+
+        for g, group in zip(self.groups, self.optimizer.param_groups):
+            state = self.optimizer.state[g.master]
+            if not state:  # as torch's fused AdamW lays its state out, for the checkpoints
+                state["step"] = torch.zeros((), dtype=torch.float32, device=g.master.device)
+                state["exp_avg"] = torch.zeros_like(g.master)
+                state["exp_avg_sq"] = torch.zeros_like(g.master)
+            state["step"].add_(1 - found_inf)
+            adamw_step_(
+                g.flat,
+                g.master,
+                g.grad,
+                state["exp_avg"],
+                state["exp_avg_sq"],
+                state["step"],
+                scale,
+                found_inf,
+                lr=group["lr"],
+                betas=group["betas"],
+                eps=group["eps"],
+                weight_decay=group["weight_decay"],
+            )
+            g.grad.zero_()
+
+    def _torch_step(self, scale: torch.Tensor, found_inf: torch.Tensor) -> None:
+        """torch's fused AdamW on fp32 gradients, then the master weights copied back."""
         for g in self.groups:
             g.master.grad = g.grad if g.master is g.flat else g.grad.float()
         self.optimizer.grad_scale = scale
@@ -178,8 +224,6 @@ class SingleRankEngine:
             if g.master is not g.flat:
                 g.flat.copy_(g.master)
             g.grad.zero_()
-        self._norm = norm
-        self._skipped += found_inf
 
     @property
     def skipped_steps(self) -> int:
