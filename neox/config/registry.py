@@ -191,7 +191,7 @@ KEYS: dict[str, Status] = {
     "iteration": _reads("neox/inference/loading.py", EVALUATION),
     "z_loss": Refused("z-loss auxiliary term is not implemented", 0.1),
     "torch_compile": _reads(SETUP),
-    "single_rank_engine": _reads(SETUP),
+    "flat_engine": _reads(SETUP),
     "torch_compile_backend": _reads(SETUP),
     # checkpoint
     "save": _reads(CKPT),

@@ -64,13 +64,13 @@ class TrainingConfig(ConfigGroup):
     pay the compilation). Works with activation checkpointing, tensor and pipeline parallelism;
     parameter names and checkpoints are unchanged."""
 
-    single_rank_engine: bool = True
-    """On one rank (no data, tensor or pipeline parallelism) in bf16 or fp32 with Adam/AdamW and
-    ZeRO 0-2 without offload, step with neox's own engine: parameters and gradients in flat
-    buffers, an optimizer step of a few fused launches with no host sync, the same semantics as
-    DeepSpeed's ZeRO-1 (fp32 master weights, clipping, skipped non-finite steps) and its
-    checkpoint files. false: DeepSpeed's engine always (its per-tensor work dominates a step at
-    one rank)."""
+    flat_engine: bool = True
+    """Without tensor or pipeline parallelism, in bf16 or fp32 with Adam/AdamW and ZeRO 0-1 (or 2
+    on one rank) without offload, step with neox's own engine: parameters and gradients in flat
+    buffers, one reduce-scatter, one AdamW pass and one all-gather per parameter group, no host
+    sync. Same semantics as DeepSpeed's ZeRO-1 (fp32 master weights partitioned over the
+    data-parallel ranks, clipping, skipped non-finite steps) and its checkpoint files, which it
+    also resumes at another data-parallel size. false: DeepSpeed's engine always."""
 
     torch_compile_backend: str = "inductor"
     """torch.compile backend for torch_compile: inductor generates fused kernels; aot_eager

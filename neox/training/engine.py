@@ -1,4 +1,4 @@
-"""The engine a run steps with: neox's own at one rank, else DeepSpeed's with its per-tensor
+"""The engine a run steps with: neox's flat engine for data parallelism alone, else DeepSpeed's with its per-tensor
 overflow check made one launch.
 
 DeepSpeed's ZeRO 1/2 optimizer checks for non-finite gradients before every step, tensor by
@@ -27,22 +27,22 @@ def build_engine(
     model: nn.Module,
     optimizer: Any,
     mpu: Any,
-    single_rank_engine: bool = True,
+    flat_engine: bool = True,
 ) -> Any:
-    """neox's single-rank engine where it applies (see neox.training.single_rank), else
-    deepspeed.initialize with neox's DeepSpeed config and the fast overflow check."""
+    """neox's flat engine where it applies (neox.training.flat_engine), else deepspeed.initialize
+    with neox's DeepSpeed config and the fast overflow check."""
     import deepspeed
 
-    from neox.training.single_rank import SingleRankEngine, unsupported_reason
+    from neox.training.flat_engine import FlatEngine, unsupported_reason
 
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-    pipeline = type(model).__name__ == "PipelineModule"
-    reason = unsupported_reason(ds_config, optimizer, world, pipeline)
-    if single_rank_engine and reason is None:
-        log.info("one rank: neox's single-rank engine (single_rank_engine: false for DeepSpeed's)")
-        return SingleRankEngine(ds_config, model, optimizer, mpu)
-    if single_rank_engine and world == 1:
-        log.info("DeepSpeed's engine: the single-rank engine does not cover %s", reason)
+    dp = mpu.get_data_parallel_world_size() if mpu is not None else 1
+    reason = unsupported_reason(ds_config, optimizer, dp, world // dp)
+    if flat_engine and reason is None:
+        log.info("neox's flat engine (flat_engine: false for DeepSpeed's)")
+        return FlatEngine(ds_config, model, optimizer, mpu)
+    if flat_engine:
+        log.info("DeepSpeed's engine: the flat engine does not cover %s", reason)
     engine, _, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer, config=ds_config, mpu=mpu
     )
@@ -53,9 +53,9 @@ def build_engine(
 def handles_nonfinite(engine: Any) -> bool:
     """Does the engine skip steps with inf/NaN gradients and report the gradient norm itself?
     DeepSpeed's does only with ZeRO or a reduced precision."""
-    from neox.training.single_rank import SingleRankEngine
+    from neox.training.flat_engine import FlatEngine
 
-    return isinstance(engine, SingleRankEngine) or engine.zero_optimization_stage() > 0
+    return isinstance(engine, FlatEngine) or engine.zero_optimization_stage() > 0
 
 
 def fuse_overflow_check(optimizer: Any) -> bool:

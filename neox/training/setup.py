@@ -98,7 +98,7 @@ def build_run(cfg: NeoXConfig) -> Run:
         model,
         build_optimizer(model, cfg.optimizer, derived.optimizer_type, derived.lr),
         engine_mpu(model, groups),
-        single_rank_engine=tr.single_rank_engine,
+        flat_engine=tr.flat_engine,
     )
     o = cfg.optimizer
     schedule = LRSchedule(

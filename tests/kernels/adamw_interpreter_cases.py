@@ -16,7 +16,7 @@ import torch  # noqa: E402
 
 from neox.kernels.adamw import adamw_step_  # noqa: E402
 from neox.model import build_model  # noqa: E402
-from tests.training.test_single_rank import CFG, VOCAB, engine, train  # noqa: E402
+from tests.training.test_flat_engine import CFG, VOCAB, engine, train  # noqa: E402
 
 HP = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from neox.model import build_model
-from tests.training.test_single_rank import (
+from tests.training.test_flat_engine import (
     CFG,
     VOCAB,
     check_non_finite_skip,

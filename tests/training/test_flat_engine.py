@@ -1,4 +1,4 @@
-"""neox's single-rank engine against DeepSpeed's ZeRO-1 engine: same steps, same checkpoints."""
+"""neox's flat engine on one rank against DeepSpeed's ZeRO-1 engine: same steps, same checkpoints."""
 
 import copy
 
@@ -8,8 +8,8 @@ import torch
 from neox.config.model import ModelConfig
 from neox.model import build_model
 from neox.training.engine import build_engine
+from neox.training.flat_engine import FlatEngine, unsupported_reason
 from neox.training.optim import param_groups
-from neox.training.single_rank import SingleRankEngine, unsupported_reason
 
 CFG = ModelConfig(
     num_layers=2,
@@ -43,7 +43,7 @@ def ds_config(precision="bf16", accum=1, clip=0.05, stage=1):
 def engine(kind, model, **cfg):
     model = copy.deepcopy(model)
     opt = torch.optim.AdamW(param_groups(model, 0.1), lr=3e-3, betas=(0.9, 0.95))
-    return build_engine(ds_config(**cfg), model, opt, None, single_rank_engine=kind == "own")
+    return build_engine(ds_config(**cfg), model, opt, None, flat_engine=kind == "own")
 
 
 def batches(n, seed=0):
@@ -103,7 +103,7 @@ def model():
 def test_steps_match_deepspeed_zero1(model, rank, precision, accum, clip):
     own = engine("own", model, precision=precision, accum=accum, clip=clip)
     ds = engine("ds", model, precision=precision, accum=accum, clip=clip)
-    assert isinstance(own, SingleRankEngine) and not isinstance(ds, SingleRankEngine)
+    assert isinstance(own, FlatEngine) and not isinstance(ds, FlatEngine)
     own_losses, own_norms = train(own, 6, accum)
     ds_losses, ds_norms = train(ds, 6, accum)
     tol = dict(rel=1e-3) if precision == "bf16" else dict(rel=1e-5)
@@ -183,12 +183,13 @@ def test_consolidate_reads_its_checkpoint(model, rank, tmp_path):
 
 def test_what_it_does_not_cover_goes_to_deepspeed(model):
     opt = torch.optim.AdamW(model.parameters())
-    assert unsupported_reason(ds_config(), opt, 1, False) is None
-    assert unsupported_reason(ds_config(), opt, 2, False) == "more than one rank"
-    assert "fp16" in unsupported_reason(
-        {**ds_config("fp32"), "fp16": {"enabled": True}}, opt, 1, False
-    )
-    assert unsupported_reason(ds_config(stage=3), opt, 1, False) == "ZeRO-3"
-    assert "SGD" in unsupported_reason(
-        ds_config(), torch.optim.SGD(model.parameters(), lr=1), 1, False
-    )
+    assert unsupported_reason(ds_config(), opt, 1, 1) is None
+    assert unsupported_reason(ds_config(), opt, 4, 1) is None
+    assert unsupported_reason(ds_config(), opt, 2, 2) == "tensor or pipeline parallelism"
+    fp16 = {**ds_config("fp32"), "fp16": {"enabled": True}}
+    assert "fp16" in unsupported_reason(fp16, opt, 1, 1)
+    assert unsupported_reason(ds_config(stage=2), opt, 1, 1) is None  # one rank: as ZeRO-1
+    assert "ZeRO-2" in unsupported_reason(ds_config(stage=2), opt, 2, 1)
+    assert "ZeRO-3" in unsupported_reason(ds_config(stage=3), opt, 1, 1)
+    sgd = torch.optim.SGD(model.parameters(), lr=1)
+    assert "SGD" in unsupported_reason(ds_config(), sgd, 1, 1)
