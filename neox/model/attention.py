@@ -199,13 +199,19 @@ class Attention(nn.Module):
             probs = _fused_softmax()(scores, scale, causal=True, padding_mask=pad)
         else:
             dtype = torch.float32 if self.softmax_in_fp32 else scores.dtype
-            scores = scores.to(dtype) * scale
-            if allowed is None:
-                allowed = allowed_mask(*scores.shape[-2:], scores.device)
-            scores = scores.masked_fill(~allowed, float("-inf"))
-            probs = torch.softmax(scores, dim=-1)
+            probs = masked_softmax_torch(scores, scale, allowed, dtype)
         probs = F.dropout(probs.to(v.dtype), self.dropout, self.training)
         return probs @ v  # (B, nh, T, hs)
+
+
+def masked_softmax_torch(
+    scores: torch.Tensor, scale: float, allowed: Optional[torch.Tensor], dtype: torch.dtype
+) -> torch.Tensor:
+    """The unfused softmax: cast to ``dtype``, scale, -inf where not ``allowed`` (None: causal)."""
+    scores = scores.to(dtype) * scale
+    if allowed is None:
+        allowed = allowed_mask(*scores.shape[-2:], scores.device)
+    return torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
 
 
 def _fused_softmax():
