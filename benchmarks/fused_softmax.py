@@ -3,6 +3,7 @@ its copy-bandwidth limit, torch.compile of the same ops, and the model's unfused
 
     python benchmarks/fused_softmax.py                      # b=4, 16 heads, 1024-4096, fp16+bf16
     python benchmarks/fused_softmax.py --sweep              # also every kernel config variant
+    TRITON_INTERPRET=1 python benchmarks/fused_softmax.py --tiny --sweep   # CPU smoke run
 
 Traffic models (bytes that must cross HBM for one forward + backward on causal [B, H, S, S]):
 - "tri" (the minimum): only the lower triangle, n = B*H*S*(S+1)/2 elements, is read or written:
@@ -19,7 +20,9 @@ read + written over the median time. "% tri" and "% dense" are limit / measured 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -44,6 +47,13 @@ def time_ms(fn: Callable[[], object], warmup: int, iters: int) -> float:
     hides behind the device's (one sync at the end)."""
     for _ in range(warmup):
         fn()
+    if not torch.cuda.is_available():  # --tiny on CPU: host clock
+        times = []
+        for _ in range(iters):
+            tick = time.perf_counter()
+            fn()
+            times.append(1e3 * (time.perf_counter() - tick))
+        return sorted(times)[iters // 2]
     torch.cuda.synchronize()
     events = [
         (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
@@ -57,12 +67,12 @@ def time_ms(fn: Callable[[], object], warmup: int, iters: int) -> float:
     return sorted(s.elapsed_time(e) for s, e in events)[iters // 2]
 
 
-def copy_bandwidth(warmup: int, iters: int) -> float:
-    """Bytes read + written per second by a 1 GiB device-to-device ``.copy_()``."""
-    src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+def copy_bandwidth(device: str, size: int, warmup: int, iters: int) -> float:
+    """Bytes read + written per second by a ``size``-byte ``.copy_()`` on ``device``."""
+    src = torch.empty(size, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     ms = time_ms(lambda: dst.copy_(src), warmup, iters)
-    return 2 * 2**30 / (ms / 1e3)
+    return 2 * size / (ms / 1e3)
 
 
 def traffic_bytes(batch: int, heads: int, seq: int, dtype: torch.dtype) -> tuple[int, int]:
@@ -85,14 +95,15 @@ def unfused(x: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     return masked_softmax_torch(x, SCALE, allowed, torch.float32).to(x.dtype)
 
 
-def bench_shape(args, seq: int, dtype: torch.dtype, bandwidth: float) -> list[dict]:
+def bench_shape(args, seq: int, dtype_name: str, bandwidth: float) -> list[dict]:
     """One record per method at one (seq, dtype)."""
-    x = torch.randn(args.batch, args.heads, seq, seq, device="cuda", dtype=dtype)
+    dtype = DTYPES[dtype_name]
+    x = torch.randn(args.batch, args.heads, seq, seq, device=args.device, dtype=dtype)
     x.requires_grad_()
     grad = torch.randn_like(x)
     allowed = allowed_mask(seq, seq, x.device)
     tri, dense = traffic_bytes(args.batch, args.heads, seq, dtype)
-    base = {"seq": seq, "dtype": str(dtype).removeprefix("torch."), "tri_bytes": tri}
+    base = {"seq": seq, "dtype": dtype_name, "tri_bytes": tri}
     base |= {"tri_limit_ms": tri / bandwidth * 1e3, "dense_limit_ms": dense / bandwidth * 1e3}
 
     def record(method: str, ms: float, fwd: float | None = None) -> dict:
@@ -108,10 +119,11 @@ def bench_shape(args, seq: int, dtype: torch.dtype, bandwidth: float) -> list[di
             fwd = time_ms(lambda op=op: op(x), args.warmup, args.iters)
         name = f"triton {config}" + (" (default)" if config == default else "")
         records.append(record(name, fwd_bwd_ms(op, x, grad, args.warmup, args.iters), fwd))
-    if not args.no_torch:
+    if not args.no_torch and not args.tiny:  # (compiling for CPU would take most of a smoke run)
         compiled = torch.compile(unfused, dynamic=False)
         ms = fwd_bwd_ms(lambda t: compiled(t, allowed), x, grad, args.warmup, args.iters)
         records.append(record("torch.compile(unfused)", ms))
+    if not args.no_torch:
         ms = fwd_bwd_ms(lambda t: unfused(t, allowed), x, grad, args.warmup, args.iters)
         records.append(record("unfused torch", ms))
     return records
@@ -154,23 +166,37 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--sweep", action="store_true", help="time every kernel config variant")
     parser.add_argument("--no-torch", action="store_true", help="skip the torch baselines")
+    parser.add_argument(
+        "--tiny", action="store_true", help="tiny shapes on CPU through Triton's interpreter"
+    )
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("fused_softmax benchmark needs a CUDA GPU; none is visible to torch here")
+    if args.tiny:
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            raise SystemExit(
+                "--tiny runs the kernels in Triton's interpreter: set TRITON_INTERPRET=1"
+            )
+        args.batch, args.heads, args.seq = 1, 2, [16, 40]
+        args.warmup, args.iters, args.device = 1, 2, "cpu"
+    elif torch.cuda.is_available():
+        args.device = "cuda"
+    else:
+        raise SystemExit("fused_softmax benchmark needs a CUDA GPU (or --tiny on CPU)")
     try:
         import triton
     except ImportError:
         raise SystemExit("fused_softmax benchmark needs triton; pip install triton") from None
 
-    bandwidth = copy_bandwidth(args.warmup, args.iters)
-    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, ", end="")
+    bandwidth = copy_bandwidth(args.device, 2**20 if args.tiny else 2**30, args.warmup, args.iters)
+    name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU (interpreter)"
+    print(f"device: {name}, torch {torch.__version__}, ", end="")
     print(f"triton {triton.__version__}, B={args.batch}, H={args.heads}, causal, scale {SCALE}")
-    print(f"copy bandwidth (1 GiB .copy_(), read + written): {bandwidth / 1e9:.0f} GB/s")
+    print(f"copy bandwidth (.copy_(), read + written): {bandwidth / 1e9:.1f} GB/s")
     records = []
     for name in args.dtype:
         for seq in args.seq:
-            records += bench_shape(args, seq, DTYPES[name], bandwidth)
-            torch.cuda.empty_cache()  # the unfused path's fp32 temporaries at 4096 are gigabytes
+            records += bench_shape(args, seq, name, bandwidth)
+            if args.device == "cuda":
+                torch.cuda.empty_cache()  # the unfused fp32 temporaries at 4096 are gigabytes
     print_table(records)
     print_best(records)
 
