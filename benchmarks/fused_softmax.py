@@ -148,7 +148,8 @@ def print_table(records: list[dict]) -> None:
         print(
             f"| {r['seq']} | {r['dtype']} | {r['tri_bytes'] / 1e6:.0f} | {r['tri_limit_ms']:.3f} "
             f"| {r['dense_limit_ms']:.3f} | {r['method']} | {fwd} | {r['ms']:.3f} "
-            f"| {100 * r['tri_limit_ms'] / r['ms']:.0f}% | {100 * r['dense_limit_ms'] / r['ms']:.0f}% |"
+            f"| {100 * r['tri_limit_ms'] / r['ms']:.0f}% "
+            f"| {100 * r['dense_limit_ms'] / r['ms']:.0f}% |"
         )
 
 

@@ -75,7 +75,8 @@ def test_describe_names_counts_windows_and_cpu_fallback():
         ("configs/pythia/410M.yml", "flash x24: torch SDPA (flash)"),
         (
             "configs/20B.yml",
-            f"global x44: Triton fused softmax (why: attention_impl auto, `global` layers + {FUSED})",
+            "global x44: Triton fused softmax (why: attention_impl auto, `global` layers + "
+            + FUSED,
         ),
         ("configs/llama2/7B.yml", "global x32: Triton fused softmax"),
         ("configs/mistral/7B.yml", "flash x32: torch SDPA (flash)"),

@@ -128,7 +128,8 @@ def default_config(block: int) -> KernelConfig:
 
     Rows shorter than 2048 share a program, so short rows do not each pay a launch slot and two
     block-wide reductions. An SM holds at most 64 warps whatever their size, so more elements
-    per thread keep more bytes in flight; past ~32 the registers spill.
+    per thread keep more bytes in flight; past ~32 the backward needs ~80 registers a thread,
+    which cuts the warps an SM can hold to ~24.
     """
     override = os.environ.get(CONFIG_ENV)
     if override:

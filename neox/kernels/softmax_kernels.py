@@ -6,10 +6,11 @@ imported before ``TRITON_INTERPRET`` is settled. (The interpreter also needs the
 before triton itself is imported; ``fused_softmax.triton_available`` checks that.)
 
 Each program takes ROWS consecutive rows of the contiguous [B, H, Sq, Sk] tensor, held in
-registers when a row fits one block (SINGLE_BLOCK), else streamed in blocks over two passes. Loads cover a row's visible keys
-rounded up to VEC elements: a bound that is a multiple of VEC lets Triton emit 16-byte vector
-loads, where the exact causal bound (any integer) forces one 2-byte load per element. The extra
-keys read are masked to -inf / 0 in registers, so they never change a result.
+registers when a row fits one block (SINGLE_BLOCK), else streamed in blocks over two passes.
+Loads cover a row's visible keys rounded up to VEC elements: a bound that is a multiple of VEC
+lets Triton emit 16-byte vector loads, where the exact causal bound (any integer) forces one
+2-byte load per element. The extra keys read are masked to -inf / 0 in registers, so they never
+change a result.
 """
 
 from __future__ import annotations

@@ -10,7 +10,10 @@ triton = pytest.importorskip("triton", reason="triton is not installed")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from neox.kernels.softmax_kernels import _softmax_backward_kernel, _softmax_forward_kernel  # noqa: E402
+from neox.kernels import softmax_kernels  # noqa: E402
+
+_softmax_forward_kernel = softmax_kernels._softmax_forward_kernel
+_softmax_backward_kernel = softmax_kernels._softmax_backward_kernel
 
 FORWARD_ARGS = ["x_ptr", "y_ptr", "mask_ptr", "scale", "n_rows", "n_heads", "sq", "sk"]
 FORWARD_ARGS += ["mask_stride_b", "mask_stride_h", "mask_stride_q", "mask_stride_k"]
