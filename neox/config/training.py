@@ -63,8 +63,9 @@ class TrainingConfig(ConfigGroup):
     """Compile each transformer block, and the final norm, output layer and loss, with
     torch.compile (fewer, fused kernels; the first steps pay the compilation). Works with
     activation checkpointing, tensor and pipeline parallelism; parameter names and checkpoints
-    are unchanged. Unset: on for GPU runs (20-30% faster at Pythia shapes on an H100, see
-    docs/benchmarks.md), off on CPU, where compiling costs more than it saves in short runs."""
+    are unchanged. Unset: on for GPU runs without tensor parallelism (20-30% faster at Pythia
+    shapes on an H100, see docs/benchmarks.md), off on CPU, where compiling costs more than it
+    saves in short runs, and with tensor parallelism."""
 
     flat_engine: bool = True
     """Without tensor or pipeline parallelism, in bf16 or fp32 with Adam/AdamW and ZeRO 0-1 (or 2

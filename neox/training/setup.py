@@ -66,6 +66,13 @@ def init_distributed(cfg: NeoXConfig) -> torch.device:
     return torch.device(accel.device_name(), local_rank)
 
 
+def compile_by_default(device: torch.device, derived: Derived) -> bool:
+    """torch_compile unset: on for GPU runs without tensor parallelism, where it was measured
+    faster (docs/benchmarks.md); a tensor-parallel run on two H200 did not reach its first step
+    within 120 s with it, so there it stays opt-in."""
+    return device.type == "cuda" and derived.tensor_parallel == 1
+
+
 def build_run(cfg: NeoXConfig) -> Run:
     """Tokenizer, derived values, the parallel model inside DeepSpeed, and the schedule."""
     from neox.parallel import ProcessGroups, Topology, engine_mpu, parallelize
@@ -88,7 +95,9 @@ def build_run(cfg: NeoXConfig) -> Run:
         checkpoint_activations=tr.checkpoint_activations,
         checkpoint_num_layers=tr.checkpoint_num_layers,
         checkpointing_options=ds_config["activation_checkpointing"],
-        torch_compile=device.type == "cuda" if tr.torch_compile is None else tr.torch_compile,
+        torch_compile=compile_by_default(device, derived)
+        if tr.torch_compile is None
+        else tr.torch_compile,
         torch_compile_backend=tr.torch_compile_backend,
         pipe_partition_method=cfg.parallel.pipe_partition_method,
         device=device,
