@@ -12,6 +12,7 @@ from typing import Optional
 
 from neox.config.launcher import LauncherConfig
 from neox.launcher.hostfile import HostfileError, LaunchError, read_hostfile, select_resources
+from neox.launcher.lifeline import LAUNCHER_ENV, launcher_identity
 from neox.launcher.port import DEFAULT_MASTER_PORT, free_port
 from neox.launcher.quoting import encode_export, is_shell_plain, quote_pdsh_arg, quote_pdsh_script
 
@@ -103,6 +104,7 @@ def build_launch(
     runner = [sys.executable, "-u", "-m", "deepspeed.launcher.runner"]
     env = dict(environ)
     env[LAUNCH_ID_ENV] = launch_id
+    env[LAUNCHER_ENV] = launcher_identity()  # so ranks end when this process is killed
     env["PYTHONPATH"] = _pythonpath(cwd, environ.get("PYTHONPATH", ""))
     if cpu:
         env["DS_ACCELERATOR"] = "cpu"
@@ -262,7 +264,7 @@ def _export_names(cfg: LauncherConfig, env: Mapping[str, str]) -> list[str]:
             "set it in the shell that runs deepy.py, or remove it from export_env"
         )
     names = [k for k in env if k.startswith(EXPORT_PREFIXES) and k != "DS_ENV_FILE"]
-    return list(dict.fromkeys([*sorted(names), LAUNCH_ID_ENV, *cfg.export_env]))
+    return list(dict.fromkeys([*sorted(names), LAUNCH_ID_ENV, LAUNCHER_ENV, *cfg.export_env]))
 
 
 def _slurm_args(cfg: LauncherConfig) -> list[str]:

@@ -336,3 +336,37 @@ def test_second_signal_stops_at_once(runs):
     finally:
         run.kill_all()
     assert "second stop signal" in run.text()
+
+
+def test_kill_9_of_deepy_saves_the_last_step_and_leaves_no_process(runs):
+    from tests.training.lifecycle_helpers import BackgroundRun
+
+    tmp = runs
+    long_run = dict(checkpoint_factor=None, eval_interval=1000, do_test=False, **BASE)
+    cfg = write_config(tmp, "orphan", train_iters=1000, **long_run)
+    run = BackgroundRun(cfg, tmp / "orphan.out")
+    try:
+        run.wait_for("iter 2/1000")
+        os.kill(run.proc.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        assert run.wait() == -signal.SIGKILL
+        # The ranks notice deepy.py is gone, finish the step, save and exit; the runner and
+        # DeepSpeed's launch.py follow them.
+        while run.pids() and time.monotonic() - killed < 60:
+            time.sleep(0.2)
+        assert run.pids() == [], run.text()[-3000:]
+        print(f"every process gone {time.monotonic() - killed:.1f} s after kill -9 of deepy.py")
+    finally:
+        run.kill_all()
+    out = run.text()
+    assert "deepy.py (pid" in out and "is gone" in out, out[-3000:]
+    assert "Traceback" not in out
+    [last] = [ln for ln in out.splitlines() if "stopped by SIGTERM at iteration" in ln]
+    step = int(last.rsplit(" ", 1)[1])
+    ckpt = tmp / "orphan" / "ckpt"
+    assert (ckpt / "latest").read_text() == f"global_step{step}"
+    # It resumes from there.
+    r = ok(run_train(write_config(tmp, "orphan", train_iters=step + 1, **long_run)))
+    resumed = next(ln for ln in (r.stdout + r.stderr).splitlines() if "resumed from" in ln)
+    assert resumed.endswith(f"iteration {step}")
+    assert sorted(losses(tmp / "orphan" / "logs")) == list(range(1, step + 2))
