@@ -1,8 +1,15 @@
-"""End every process on this node whose environment carries one launch's NEOX_LAUNCH_ID.
+"""End, or ask to stop, the processes on this node whose environment carries one launch's
+NEOX_LAUNCH_ID.
 
 Standard library only: run_launch sends this file's source to each node as `python -c` over pdsh,
 so it needs nothing installed there. Matching the unique id, not a command name, keeps other jobs
 on a shared node alive (DeepSpeed's own cleanup is `pkill -f` on the launcher's name).
+
+python -c "$(cat reap.py)" LAUNCH_ID               end every process of the launch
+python -c "$(cat reap.py)" LAUNCH_ID ranks NODE    SIGTERM the ranks of node rank NODE: they
+                                                   save and exit
+This file holds no percent sign, which pdsh would expand in the remote command (run_launch
+passes pdsh's node rank placeholder as NODE, as DeepSpeed's runner does for launch.py).
 """
 
 import os
@@ -43,5 +50,41 @@ def reap(launch_id: str, grace_s: float = 5.0) -> int:
     return len(pids)
 
 
+def rank_pids(launch_id: str, node_rank: int) -> list[int]:
+    """The launch's ranks of one node: the children of DeepSpeed's launch.py for that node rank
+    (two nodes may be one machine). Not launch.py itself, whose SIGTERM handler kills the ranks;
+    not a rank's own workers."""
+    ranks = []
+    for pid in tagged_pids(launch_id):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                parent = f.read().rsplit(")", 1)[1].split()[1]
+            with open(f"/proc/{parent}/cmdline", "rb") as f:
+                parent_cmdline = f.read().split(b"\0")
+        except (OSError, IndexError):
+            continue
+        # pdsh splits its own argv in place, so its command line holds the same words: a rank's
+        # parent is the python process running the module.
+        python = b"python" in os.path.basename(parent_cmdline[0])
+        launcher = b"deepspeed.launcher.launch" in parent_cmdline
+        if python and launcher and f"--node_rank={node_rank}".encode() in parent_cmdline:
+            ranks.append(pid)
+    return ranks
+
+
+def signal_ranks(launch_id: str, node_rank: int, sig: int = signal.SIGTERM) -> int:
+    """Send sig to the launch's ranks of one node; returns how many."""
+    pids = rank_pids(launch_id, node_rank)
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except OSError:
+            pass
+    return len(pids)
+
+
 if __name__ == "__main__":
-    reap(sys.argv[1])
+    if sys.argv[2:3] == ["ranks"]:
+        print(f"signalled {signal_ranks(sys.argv[1], int(sys.argv[3]))} rank(s)")
+    else:
+        reap(sys.argv[1])

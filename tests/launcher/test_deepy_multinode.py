@@ -2,6 +2,7 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -56,3 +57,50 @@ def test_deepy_launches_over_pdsh_on_two_nodes(sshd, tmp_path):
         assert result["sum"] == 1.0 + 2.0 + 3.0
         assert result["hidden_size"] == 48
         assert result["ds_accelerator"] == "cpu"
+
+
+def test_sigterm_over_pdsh_saves_on_every_node_and_leaves_no_process(sshd, tmp_path):
+    from tests.train_helpers import losses, make_dataset, run_train, write_config
+    from tests.training.lifecycle_helpers import MARK, BackgroundRun
+
+    (tmp_path / "data").mkdir()
+    make_dataset(tmp_path / "data" / "chars")
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("localhost slots=1\n127.0.0.1 slots=1\n")
+    two_nodes = dict(
+        hostfile=str(hostfile),
+        launcher="pdsh",
+        master_addr="127.0.0.1",
+        ssh_port=sshd.port,
+        no_ssh_check=True,
+        num_gpus=1,
+        export_env=[MARK],  # so that the ranks on both nodes carry the test's mark
+        checkpoint_factor=None,
+        eval_interval=1000,
+        do_test=False,
+        zero_optimization={"stage": 0},
+    )
+    cfg = write_config(tmp_path, "pdsh", train_iters=1000, **two_nodes)
+    run = BackgroundRun(cfg, tmp_path / "pdsh.out", PDSH_SSH_ARGS_APPEND=sshd.ssh_args)
+    try:
+        run.wait_for("iter 2/1000")
+        os.kill(run.proc.pid, signal.SIGTERM)
+        assert run.wait() == 0, run.text()[-3000:]
+        assert run.pids() == []
+    finally:
+        run.kill_all()
+    out = run.text()
+    assert "signalled 1 rank(s)" in out, out[-3000:]  # by the reaper on each node
+    [line] = [ln for ln in out.splitlines() if ln.startswith("deepy: stopped by")]
+    ckpt = tmp_path / "pdsh" / "ckpt"
+    tag = (ckpt / "latest").read_text()
+    assert line == f"deepy: stopped by SIGTERM; checkpoint saved in {ckpt / tag}"
+    assert [p.name for p in ckpt.glob("global_step*")] == [tag]
+    assert "Traceback" not in out
+    # Both nodes resume from it.
+    step = int(tag.removeprefix("global_step"))
+    cfg = write_config(tmp_path, "pdsh", train_iters=step + 1, **two_nodes)
+    r = run_train(cfg, PDSH_SSH_ARGS_APPEND=sshd.ssh_args, **{MARK: "resumed"})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert f"iteration {step}" in r.stdout + r.stderr
+    assert sorted(losses(tmp_path / "pdsh" / "logs")) == list(range(1, step + 2))
