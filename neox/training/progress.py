@@ -18,8 +18,18 @@ class Progress:
         if self.enabled and sys.stderr.isatty():
             from tqdm import tqdm
 
-            total = run.cfg.training.train_iters
-            self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True)
+            # A terminal that reports no size (a fresh `docker run -t`, some CI ptys) would get
+            # no bar at all (tqdm reads 0 columns and -1 rows): give it a fixed size instead.
+            sized = _columns(sys.stderr) > 0
+            self.bar = tqdm(
+                total=run.cfg.training.train_iters,
+                initial=start,
+                unit="step",
+                dynamic_ncols=sized,
+                ncols=None if sized else 100,
+                nrows=None if sized else 24,
+                file=sys.stderr,
+            )
 
     def update(self, metrics: dict[str, float]) -> None:
         if self.bar is not None:
@@ -37,6 +47,13 @@ class Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def _columns(stream) -> int:
+    try:
+        return os.get_terminal_size(stream.fileno()).columns
+    except (OSError, ValueError):
+        return 0
 
 
 def start_wandb(cfg: NeoXConfig):

@@ -315,6 +315,9 @@ def test_stop_signal_saves_once_and_leaves_no_process(runs, target, sig, code):
     if target == "deepy":
         assert f"deepy: stopped by {sig.name}; checkpoint saved in {ckpt / tag}" in out
     assert "Traceback" not in out and "KeyboardInterrupt" not in out
+    # Output to a file: plain log lines, no progress bar (tests/training/test_progress.py has it).
+    assert "neox.training.progress: iter 2/1000 | samples" in out
+    assert "step/s" not in out and "%|" not in out and "\r" not in out
 
 
 def test_second_signal_stops_at_once(runs):
