@@ -66,8 +66,8 @@ def start_wandb(cfg: NeoXConfig):
             "use_wandb: false)"
         ) from e
     lg = cfg.logging
-    if lg.wandb_host:
-        os.environ.setdefault("WANDB_BASE_URL", lg.wandb_host)  # a self-hosted W&B server
+    # A self-hosted W&B server; the run records it, so an offline run syncs to it later too.
+    settings = wandb.Settings(base_url=lg.wandb_host) if lg.wandb_host else None
     return wandb.init(
         project=lg.wandb_project or "neox",
         name=lg.wandb_run_name,
@@ -75,4 +75,5 @@ def start_wandb(cfg: NeoXConfig):
         entity=lg.wandb_team,
         config=cfg.to_flat(),
         dir=lg.log_dir,
+        settings=settings,
     )

@@ -25,6 +25,7 @@ STEPS = 6
 GLOBAL_BATCH = 2 * 2 * 2  # micro batch x accumulation x 2 data-parallel ranks
 SEQ = 32
 BASE = dict(zero_optimization={"stage": 0})
+WANDB_HOST = "http://wandb.example.invalid:8080"
 
 
 def ok(r: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
@@ -43,9 +44,11 @@ def runs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ref(runs):
-    """The reference run, logged to metrics.jsonl, tensorboard and W&B (offline)."""
+    """The reference run, logged to metrics.jsonl, tensorboard and W&B (offline, a run on each
+    rank, for a self-hosted server)."""
     tmp = runs
-    cfg = write_config(tmp, "ref", use_wandb=True, wandb_project="neox-tests", **BASE)
+    wandb = dict(use_wandb=True, wandb_project="neox-tests", wandb_init_all_ranks=True)
+    cfg = write_config(tmp, "ref", wandb_host=WANDB_HOST, **wandb, **BASE)
     r = ok(run_train(cfg, WANDB_MODE="offline", WANDB_SILENT="true"))
     return tmp, r
 
@@ -89,12 +92,15 @@ def test_metrics_line_file_and_tensorboard(ref):
         assert all(same(scalars[s], train[s][tag]) for s in train), tag
 
 
-def test_wandb_offline_run_holds_the_metrics(ref):
+def test_wandb_offline_runs_hold_the_metrics_and_the_host(ref):
     tmp, _ = ref
-    [run_file] = (tmp / "ref" / "logs" / "wandb").glob("offline-run-*/run-*.wandb")
+    run_files = sorted((tmp / "ref" / "logs" / "wandb").glob("offline-run-*/run-*.wandb"))
     # W&B's offline record file stores each logged value as its JSON text.
-    data = run_file.read_bytes()
-    assert b"train/grad_norm" in data and b"valid/loss" in data
+    runs = [f.read_bytes() for f in run_files]
+    assert len(runs) == 2  # wandb_init_all_ranks: one per rank; rank 0's holds the metrics
+    [data] = [r for r in runs if b"train/grad_norm" in r]
+    assert all(WANDB_HOST.encode() in r for r in runs)  # the server `wandb sync` sends them to
+    assert b"valid/loss" in data
     for step, loss in losses(tmp / "ref" / "logs").items():
         assert json.dumps(loss).encode() in data, step
     assert json.dumps(losses(tmp / "ref" / "logs", "valid")[STEPS]).encode() in data
