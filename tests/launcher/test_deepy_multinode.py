@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -59,15 +60,16 @@ def test_deepy_launches_over_pdsh_on_two_nodes(sshd, tmp_path):
         assert result["ds_accelerator"] == "cpu"
 
 
-def test_sigterm_over_pdsh_saves_on_every_node_and_leaves_no_process(sshd, tmp_path):
-    from tests.train_helpers import losses, make_dataset, run_train, write_config
-    from tests.training.lifecycle_helpers import MARK, BackgroundRun
+def two_node_training(sshd, tmp_path) -> dict:
+    """Config keys of a tiny training run on two "nodes" of this machine over pdsh."""
+    from tests.train_helpers import make_dataset
+    from tests.training.lifecycle_helpers import MARK
 
     (tmp_path / "data").mkdir()
     make_dataset(tmp_path / "data" / "chars")
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("localhost slots=1\n127.0.0.1 slots=1\n")
-    two_nodes = dict(
+    return dict(
         hostfile=str(hostfile),
         launcher="pdsh",
         master_addr="127.0.0.1",
@@ -80,6 +82,13 @@ def test_sigterm_over_pdsh_saves_on_every_node_and_leaves_no_process(sshd, tmp_p
         do_test=False,
         zero_optimization={"stage": 0},
     )
+
+
+def test_sigterm_over_pdsh_saves_on_every_node_and_leaves_no_process(sshd, tmp_path):
+    from tests.train_helpers import losses, run_train, write_config
+    from tests.training.lifecycle_helpers import MARK, BackgroundRun
+
+    two_nodes = two_node_training(sshd, tmp_path)
     cfg = write_config(tmp_path, "pdsh", train_iters=1000, **two_nodes)
     run = BackgroundRun(cfg, tmp_path / "pdsh.out", PDSH_SSH_ARGS_APPEND=sshd.ssh_args)
     try:
@@ -104,3 +113,27 @@ def test_sigterm_over_pdsh_saves_on_every_node_and_leaves_no_process(sshd, tmp_p
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert f"iteration {step}" in r.stdout + r.stderr
     assert sorted(losses(tmp_path / "pdsh" / "logs")) == list(range(1, step + 2))
+
+
+def test_kill_9_of_deepy_over_pdsh_saves_and_leaves_no_process(sshd, tmp_path):
+    from tests.train_helpers import records, write_config
+    from tests.training.lifecycle_helpers import BackgroundRun
+
+    cfg = write_config(tmp_path, "pdsh", train_iters=1000, **two_node_training(sshd, tmp_path))
+    run = BackgroundRun(cfg, tmp_path / "pdsh.out", PDSH_SSH_ARGS_APPEND=sshd.ssh_args)
+    try:
+        run.wait_for("iter 2/1000")
+        os.kill(run.proc.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        assert run.wait() == -signal.SIGKILL
+        # The ranks on deepy.py's machine see it gone; the others stop with them (one all-reduce).
+        while run.pids() and time.monotonic() - killed < 60:
+            time.sleep(0.2)
+        assert run.pids() == [], run.text()[-3000:]
+    finally:
+        run.kill_all()
+    # The nodes' log lines came through deepy.py, so they end with it; the metrics file shows
+    # the last step, and the checkpoint is of that step.
+    steps = [r["step"] for r in records(tmp_path / "pdsh" / "logs") if r["split"] == "train"]
+    assert steps[-1] >= 2
+    assert (tmp_path / "pdsh" / "ckpt" / "latest").read_text() == f"global_step{steps[-1]}"
