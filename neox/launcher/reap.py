@@ -12,6 +12,8 @@ This file holds no percent sign, which pdsh would expand in the remote command (
 passes pdsh's node rank placeholder as NODE, as DeepSpeed's runner does for launch.py).
 """
 
+import base64
+import json
 import os
 import signal
 import sys
@@ -50,37 +52,67 @@ def reap(launch_id: str, grace_s: float = 5.0) -> int:
     return len(pids)
 
 
-def rank_pids(launch_id: str, node_rank: int) -> list[int]:
-    """The launch's ranks of one node: the children of DeepSpeed's launch.py for that node rank
-    (two nodes may be one machine). Not launch.py itself, whose SIGTERM handler kills the ranks;
-    not a rank's own workers."""
-    ranks = []
+def _cmdline(pid) -> list[bytes]:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read().split(b"\0")
+
+
+def _node_launcher(cmdline: list[bytes], node_rank: int):
+    """For DeepSpeed's launch.py of this node rank: how many ranks it starts; else None."""
+    # pdsh splits its own argv in place, so its command line holds the same words: the launcher
+    # is the python process running the module.
+    if b"python" not in os.path.basename(cmdline[0]):
+        return None
+    if b"deepspeed.launcher.launch" not in cmdline:
+        return None
+    if f"--node_rank={node_rank}".encode() not in cmdline:
+        return None
+    for arg in cmdline:
+        if arg.startswith(b"--world_info="):
+            world = json.loads(base64.urlsafe_b64decode(arg.split(b"=", 1)[1]))
+            return len(list(world.values())[node_rank])
+    return 0
+
+
+def node_ranks(launch_id: str, node_rank: int):
+    """(how many ranks this node's launch.py starts, or None while it is not running; the pids of
+    those started): the children of DeepSpeed's launch.py for that node rank (two nodes may be
+    one machine). Not launch.py itself, whose SIGTERM handler kills the ranks; not a rank's
+    own workers."""
+    expected, ranks = None, []
     for pid in tagged_pids(launch_id):
         try:
             with open(f"/proc/{pid}/stat") as f:
                 parent = f.read().rsplit(")", 1)[1].split()[1]
-            with open(f"/proc/{parent}/cmdline", "rb") as f:
-                parent_cmdline = f.read().split(b"\0")
-        except (OSError, IndexError):
+            count = _node_launcher(_cmdline(pid), node_rank)
+            if count is not None:
+                expected = count
+            elif _node_launcher(_cmdline(parent), node_rank) is not None:
+                ranks.append(pid)
+        except (OSError, IndexError, ValueError):
             continue
-        # pdsh splits its own argv in place, so its command line holds the same words: a rank's
-        # parent is the python process running the module.
-        python = b"python" in os.path.basename(parent_cmdline[0])
-        launcher = b"deepspeed.launcher.launch" in parent_cmdline
-        if python and launcher and f"--node_rank={node_rank}".encode() in parent_cmdline:
-            ranks.append(pid)
-    return ranks
+    return expected, ranks
 
 
-def signal_ranks(launch_id: str, node_rank: int, sig: int = signal.SIGTERM) -> int:
-    """Send sig to the launch's ranks of one node; returns how many."""
-    pids = rank_pids(launch_id, node_rank)
-    for pid in pids:
-        try:
-            os.kill(pid, sig)
-        except OSError:
-            pass
-    return len(pids)
+def signal_ranks(
+    launch_id: str, node_rank: int, sig: int = signal.SIGTERM, wait_s: float = 50.0
+) -> int:
+    """Send sig to the launch's ranks of one node; returns how many. Ranks not started yet (a
+    stop asked for while the launch starts) are waited for, up to wait_s."""
+    signalled = set()
+    deadline = time.monotonic() + wait_s
+    while True:
+        expected, pids = node_ranks(launch_id, node_rank)
+        for pid in set(pids) - signalled:
+            signalled.add(pid)
+            try:
+                os.kill(pid, sig)
+            except OSError:
+                pass
+        started = expected is not None and len(signalled) >= expected
+        if started or time.monotonic() > deadline:
+            return len(signalled)
+        time.sleep(0.1)
 
 
 if __name__ == "__main__":

@@ -137,3 +137,23 @@ def test_kill_9_of_deepy_over_pdsh_saves_and_leaves_no_process(sshd, tmp_path):
     steps = [r["step"] for r in records(tmp_path / "pdsh" / "logs") if r["split"] == "train"]
     assert steps[-1] >= 2
     assert (tmp_path / "pdsh" / "ckpt" / "latest").read_text() == f"global_step{steps[-1]}"
+
+
+def test_sigterm_over_pdsh_while_the_ranks_start_still_reaches_them(sshd, tmp_path):
+    from tests.train_helpers import write_config
+    from tests.training.lifecycle_helpers import BackgroundRun
+
+    cfg = write_config(tmp_path, "pdsh", train_iters=1000, **two_node_training(sshd, tmp_path))
+    run = BackgroundRun(cfg, tmp_path / "pdsh.out", PDSH_SSH_ARGS_APPEND=sshd.ssh_args)
+    try:
+        run.wait_for("launching 2 rank(s)")  # the ranks do not exist yet
+        os.kill(run.proc.pid, signal.SIGTERM)
+        start = time.monotonic()
+        run.wait()
+        assert time.monotonic() - start < 60  # not the whole run
+        assert run.pids() == []
+    finally:
+        run.kill_all()
+    out = run.text()
+    assert "signalled 1 rank(s)" in out and "deepy: stopped by SIGTERM" in out, out[-3000:]
+    assert "iter 3/1000" not in out

@@ -379,3 +379,25 @@ def test_kill_9_of_deepy_saves_the_last_step_and_leaves_no_process(runs):
     resumed = next(ln for ln in (r.stdout + r.stderr).splitlines() if "resumed from" in ln)
     assert resumed.endswith(f"iteration {step}")
     assert sorted(losses(tmp / "orphan" / "logs")) == list(range(1, step + 2))
+
+
+def test_stop_signal_while_the_ranks_start_still_reaches_them(runs):
+    from tests.training.lifecycle_helpers import BackgroundRun
+
+    tmp = runs
+    long_run = dict(checkpoint_factor=None, eval_interval=1000, do_test=False, **BASE)
+    run = BackgroundRun(write_config(tmp, "early", train_iters=1000, **long_run), tmp / "early.out")
+    try:
+        run.wait_for("launching 2 rank(s)")  # the ranks do not exist yet
+        os.kill(run.proc.pid, signal.SIGTERM)
+        start = time.monotonic()
+        code = run.wait()
+        assert time.monotonic() - start < 60  # not the whole run
+        assert run.pids() == []
+    finally:
+        run.kill_all()
+    out = run.text()
+    # A rank signalled before it could save dies of it; one that could saves (at step 1).
+    assert "deepy: stopped by SIGTERM" in out, out[-3000:]
+    assert "iter 3/1000" not in out
+    print(f"exit {code}:", [ln for ln in out.splitlines() if ln.startswith("deepy: stopped")])
