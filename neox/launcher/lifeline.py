@@ -8,7 +8,8 @@ itself SIGTERM: a training rank finishes the step in flight, saves and exits lik
 SIGTERM, and the runner and launch.py end once their ranks have. A rank still alive `grace_s`
 later (stuck in a collective with a dead peer, say) kills itself.
 
-psutil makes this work wherever it does; ranks on another host than deepy.py cannot watch it.
+psutil makes this work wherever it does; ranks on another machine than deepy.py cannot watch it
+(they stop with the others, which agree on stopping every step).
 """
 
 import logging
@@ -25,6 +26,7 @@ import psutil
 log = logging.getLogger(__name__)
 
 LAUNCHER_ENV = "NEOX_LAUNCHER_PROCESS"
+_RUNNER = "deepspeed.launcher.runner"
 # A save of a large model takes minutes; a rank that needs longer than this is taken as stuck.
 DEFAULT_GRACE_S = 600.0
 
@@ -42,7 +44,7 @@ def watch_launcher(
     grace_s: float = DEFAULT_GRACE_S,
 ) -> Optional[threading.Thread]:
     """Start watching the launching deepy.py in a daemon thread; None when there is nothing to
-    watch (no deepy.py launched this process, or it runs on another host)."""
+    watch (no deepy.py launched this process, or it runs on another machine)."""
     value = (os.environ if environ is None else environ).get(LAUNCHER_ENV)
     if not value:
         return None
@@ -52,7 +54,7 @@ def watch_launcher(
     except ValueError:
         log.warning("ignoring %s=%r: expected HOST:PID:START_TIME", LAUNCHER_ENV, value)
         return None
-    if host != socket.gethostname():
+    if host != socket.gethostname() or not _launched_here(pid, created_at):
         return None
     thread = threading.Thread(
         target=_watch,
@@ -62,6 +64,19 @@ def watch_launcher(
     )
     thread.start()
     return thread
+
+
+def _launched_here(pid: int, created_at: float) -> bool:
+    """Whether deepy.py ran in this machine's process namespace: it is visible now, or (killed
+    while this rank started) DeepSpeed's local runner, its child, is among our ancestors. A
+    deepy.py never seen from here (another machine of the same name, another container) is not
+    taken for a dead one."""
+    if _alive(pid, created_at):
+        return True
+    try:
+        return any(_RUNNER in parent.cmdline() for parent in psutil.Process().parents())
+    except psutil.Error:
+        return False
 
 
 def _alive(pid: int, created_at: float) -> bool:

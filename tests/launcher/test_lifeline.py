@@ -58,15 +58,33 @@ def test_rank_is_told_to_stop_then_killed_when_the_launcher_dies():
         rank.kill()
 
 
-def test_a_reused_pid_is_not_the_launcher():
-    # This test process's pid with another start time: a pid the launcher once had.
+def test_a_launcher_gone_before_the_rank_started_is_seen_through_the_runner():
+    # This test process's pid with another start time: a deepy.py that no longer runs. The
+    # rank's parent has DeepSpeed's runner module in its command line, as in a local launch.
     host, pid, created = identity_of(os.getpid()).split(":")
-    rank = start_rank(f"{host}:{pid}:{float(created) - 100}", grace_s=0.5)
+    stale = f"{host}:{pid}:{float(created) - 100}"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), **{LAUNCHER_ENV: stale})
+    runner = "import subprocess, sys; print(subprocess.run(sys.argv[2:]).returncode)"
+    runner_proc = subprocess.Popen(  # starts the rank, and prints how it ended
+        [sys.executable, "-c", runner, "deepspeed.launcher.runner"]
+        + [sys.executable, "-c", STUCK_RANK, "0.5"],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
-        assert rank.stdout.readline() == "SIGTERM\n"
-        assert rank.wait(timeout=10) == -signal.SIGKILL
+        assert runner_proc.stdout.readline() == "watching\n"
+        assert runner_proc.stdout.readline() == "SIGTERM\n"
+        assert runner_proc.stdout.readline() == f"{-signal.SIGKILL}\n"  # the rank's status
+        assert runner_proc.wait(timeout=10) == 0
     finally:
-        rank.kill()
+        runner_proc.kill()
+
+
+def test_a_launcher_never_seen_from_here_is_not_taken_for_a_dead_one():
+    # The pid of a process on another machine of the same name, or in another container.
+    host, pid, created = identity_of(os.getpid()).split(":")
+    assert watch_launcher({LAUNCHER_ENV: f"{host}:{pid}:{float(created) - 100}"}) is None
 
 
 def test_nothing_to_watch_without_a_launcher_or_on_another_host():
