@@ -84,6 +84,8 @@ def _alive(pid: int, created_at: float) -> bool:
         proc = psutil.Process(pid)
         # A zombie deepy.py is dead too: its parent (a shell, a test) has not reaped it yet.
         return abs(proc.create_time() - created_at) < 0.05 and proc.status() != "zombie"
+    except psutil.AccessDenied:
+        return True  # not ours to inspect: not known to be dead
     except psutil.Error:
         return False
 
