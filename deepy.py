@@ -17,7 +17,7 @@ from neox.checkpoint.compat import check_resume, describe_stop
 from neox.config import ConfigError, build_ds_config, derive, encode, load_config
 from neox.config.preflight import NEEDS_CHECKPOINT, check_save_dir, git_hash, preflight
 from neox.estimate_report import estimate_report, estimate_vocab, fit_warning
-from neox.launcher import HostfileError, build_launch, launch
+from neox.launcher import LaunchError, build_launch, launch
 from neox.launcher.reach import check_nodes_reachable
 
 # gpt-neox's deepy.py flags that set a config key (flag -> key).
@@ -134,7 +134,7 @@ def main(argv: list[str]) -> int:
             print("warning (a real launch would stop here):", *problems, sep="\n", file=sys.stderr)
         if not args.dry_run:
             check_nodes_reachable(plan)
-    except (ConfigError, HostfileError) as e:
+    except (ConfigError, LaunchError) as e:
         print(f"deepy: config error:\n{e}", file=sys.stderr)
         return 2
     if resume:

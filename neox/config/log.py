@@ -76,10 +76,12 @@ class LoggingConfig(ConfigGroup):
     """W&B entity (team or user)."""
 
     wandb_host: Optional[str] = None
-    """Weights & Biases server URL."""
+    """Weights & Biases server URL, for a self-hosted server (None: W&B's own, or
+    WANDB_BASE_URL); the run records it, so an offline run syncs there too."""
 
     wandb_init_all_ranks: bool = False
-    """Start a Weights & Biases run on every rank, not only rank 0."""
+    """Start a Weights & Biases run on every rank, not only rank 0; the other ranks' runs hold
+    their own system metrics, rank 0's the training metrics."""
 
     wandb_run_name: Optional[str] = None
     """Weights & Biases run name."""

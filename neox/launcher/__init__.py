@@ -1,11 +1,18 @@
 """Start the ranks: hostfile and include/exclude parsing, the DeepSpeed runner command, env export."""
 
-from neox.launcher.hostfile import HostfileError, parse_hostfile, read_hostfile, select_resources
+from neox.launcher.hostfile import (
+    HostfileError,
+    LaunchError,
+    parse_hostfile,
+    read_hostfile,
+    select_resources,
+)
 from neox.launcher.plan import LaunchPlan, build_launch
 from neox.launcher.run import LaunchResult, launch, run_launch
 
 __all__ = [
     "HostfileError",
+    "LaunchError",
     "LaunchPlan",
     "LaunchResult",
     "build_launch",

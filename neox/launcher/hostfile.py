@@ -11,7 +11,11 @@ _LINE = re.compile(r"^(?P<host>\S+)\s+slots=(?P<slots>\d+)\s*(#.*)?$")
 _HOST = re.compile(r"^[A-Za-z0-9_.@-]+$")
 
 
-class HostfileError(ValueError):
+class LaunchError(ValueError):
+    """A launcher setting or environment that cannot be planned; the message says the fix."""
+
+
+class HostfileError(LaunchError):
     """A hostfile, include/exclude or node count that cannot be resolved; the message says the fix."""
 
 

@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Optional
 
 from neox.config.launcher import LauncherConfig
-from neox.launcher.hostfile import HostfileError, read_hostfile, select_resources
+from neox.launcher.hostfile import HostfileError, LaunchError, read_hostfile, select_resources
+from neox.launcher.lifeline import LAUNCHER_ENV, launcher_identity
 from neox.launcher.port import DEFAULT_MASTER_PORT, free_port
 from neox.launcher.quoting import encode_export, is_shell_plain, quote_pdsh_arg, quote_pdsh_script
 
@@ -103,6 +104,7 @@ def build_launch(
     runner = [sys.executable, "-u", "-m", "deepspeed.launcher.runner"]
     env = dict(environ)
     env[LAUNCH_ID_ENV] = launch_id
+    env[LAUNCHER_ENV] = launcher_identity()  # so ranks end when this process is killed
     env["PYTHONPATH"] = _pythonpath(cwd, environ.get("PYTHONPATH", ""))
     if cpu:
         env["DS_ACCELERATOR"] = "cpu"
@@ -257,12 +259,12 @@ def _pythonpath(cwd: str, existing: str) -> str:
 def _export_names(cfg: LauncherConfig, env: Mapping[str, str]) -> list[str]:
     missing = [name for name in cfg.export_env if name not in env]
     if missing:
-        raise ValueError(
+        raise LaunchError(
             f"launcher.export_env names {', '.join(missing)}, not set in this environment; "
-            "set it before launching or remove it from export_env"
+            "set it in the shell that runs deepy.py, or remove it from export_env"
         )
     names = [k for k in env if k.startswith(EXPORT_PREFIXES) and k != "DS_ENV_FILE"]
-    return list(dict.fromkeys([*sorted(names), LAUNCH_ID_ENV, *cfg.export_env]))
+    return list(dict.fromkeys([*sorted(names), LAUNCH_ID_ENV, LAUNCHER_ENV, *cfg.export_env]))
 
 
 def _slurm_args(cfg: LauncherConfig) -> list[str]:
@@ -270,7 +272,7 @@ def _slurm_args(cfg: LauncherConfig) -> list[str]:
     if cfg.launcher != "slurm":
         wrong = [k for k, v in given.items() if v]
         if wrong:
-            raise ValueError(
+            raise LaunchError(
                 f"launcher.{wrong[0]} is set but launcher={cfg.launcher!r}; it is passed to "
                 "srun only, so set launcher: slurm or remove it"
             )
@@ -302,7 +304,7 @@ def _check_pdsh_paths(cwd: str) -> None:
     # DeepSpeed writes `cd <cwd>; <python> -u -m ...` unquoted into the remote command.
     for what, path in (("working directory", cwd), ("python executable", sys.executable)):
         if not is_shell_plain(path):
-            raise ValueError(
+            raise LaunchError(
                 f"the {what} {path!r} has spaces or shell characters, which DeepSpeed's pdsh "
                 "runner places unquoted in the remote command; launch from a plain path"
             )
@@ -320,6 +322,6 @@ def _user_env_file_lines(environ: Mapping[str, str], cwd: str) -> list[str]:
             if not line.strip():
                 continue
             if "=" not in line:
-                raise ValueError(f"{path}:{number}: expected NAME=value, got {line!r}")
+                raise LaunchError(f"{path}:{number}: expected NAME=value, got {line!r}")
             lines.append(line)
     return lines

@@ -10,6 +10,8 @@ own wrapping, the remote shell sees exactly the original text.
 import re
 import shlex
 
+from neox.launcher.hostfile import LaunchError
+
 # Characters DeepSpeed's MultiNodeRunner.add_export leaves unquoted.
 _EXPORT_SAFE = re.compile(r"^[\w@%+=:,./-]*$")
 # Inside double quotes these four keep a meaning for the shell; a backslash makes them literal.
@@ -33,17 +35,17 @@ def quote_pdsh_arg(arg: str) -> str:
 def encode_export(name: str, value: str) -> str:
     """One `.deepspeed_env` line that makes `name` equal `value` on every node."""
     if not _NAME.match(name):
-        raise ValueError(
+        raise LaunchError(
             f"environment variable name {name!r} cannot be exported to the nodes; "
             "names are letters, digits and '_', not starting with a digit"
         )
     if "\n" in value or "\r" in value:
-        raise ValueError(
+        raise LaunchError(
             f"environment variable {name} holds a line break, which .deepspeed_env cannot carry; "
             "remove it from launcher.export_env or change its value"
         )
     if value != value.strip():
-        raise ValueError(
+        raise LaunchError(
             f"environment variable {name}={value!r} starts or ends with whitespace, which "
             "DeepSpeed strips on export; trim the value"
         )

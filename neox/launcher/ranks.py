@@ -5,6 +5,7 @@ return code, and takes up to 30 s per rank to stop the others. Watching the rank
 names the rank, and lets the launch stop the rest at once.
 """
 
+import os
 import signal
 import socket
 from dataclasses import dataclass
@@ -61,16 +62,14 @@ class RankWatch:
         self.ranks: dict[int, int] = {}  # pid -> rank
         self.vanished: list[int] = []  # pids reaped before a poll saw them dead, in order
         self.first_failure: Optional[RankExit] = None
+        self.stop_signal: Optional[int] = None  # sent to every rank, also to ranks started later
+        self._signalled: set[int] = set()
 
     def poll(self) -> Optional[RankExit]:
         """Update the rank table; returns the first failed rank once it is known."""
-        # Finding the ranks walks the process tree: only until all of them are known.
-        for proc in self._rank_processes() if len(self.ranks) < self.world_size else []:
-            if proc.pid not in self.ranks:
-                try:
-                    self.ranks[proc.pid] = int(proc.environ().get("RANK", -1))
-                except (psutil.Error, ValueError):
-                    continue
+        self._find_ranks()
+        if self.stop_signal is not None:
+            self._signal_new_ranks()
         if self.first_failure is None:
             # Only a zombie tells its exit status; a rank already reaped by launch.py is left to
             # the launcher's own exit code. When several are seen dead at once, one killed by a
@@ -101,11 +100,27 @@ class RankWatch:
         return f"rank {self.ranks[pid]} on {self.host} (pid {pid}) {how}"
 
     def signal_ranks(self, sig: int) -> None:
-        """Send sig to every local rank (not to DeepSpeed's launcher, which would kill them)."""
-        for proc in self._rank_processes():
+        """Send sig to every local rank (not to DeepSpeed's launcher, which would kill them),
+        and to those started later: a stop asked for during the launch reaches them too."""
+        self.stop_signal = sig
+        self._find_ranks()
+        self._signal_new_ranks()
+
+    def _find_ranks(self) -> None:
+        # Finding the ranks walks the process tree: only until all of them are known.
+        for proc in self._rank_processes() if len(self.ranks) < self.world_size else []:
+            if proc.pid not in self.ranks:
+                try:
+                    self.ranks[proc.pid] = int(proc.environ().get("RANK", -1))
+                except (psutil.Error, ValueError):
+                    continue
+
+    def _signal_new_ranks(self) -> None:
+        for pid in self.ranks.keys() - self._signalled:
+            self._signalled.add(pid)
             try:
-                proc.send_signal(sig)
-            except psutil.Error:
+                os.kill(pid, self.stop_signal)
+            except OSError:
                 pass
 
     def _rank_processes(self) -> list[psutil.Process]:

@@ -1,10 +1,19 @@
-"""End every process on this node whose environment carries one launch's NEOX_LAUNCH_ID.
+"""End, or ask to stop, the processes on this node whose environment carries one launch's
+NEOX_LAUNCH_ID.
 
 Standard library only: run_launch sends this file's source to each node as `python -c` over pdsh,
 so it needs nothing installed there. Matching the unique id, not a command name, keeps other jobs
 on a shared node alive (DeepSpeed's own cleanup is `pkill -f` on the launcher's name).
+
+python -c "$(cat reap.py)" LAUNCH_ID               end every process of the launch
+python -c "$(cat reap.py)" LAUNCH_ID ranks NODE    SIGTERM the ranks of node rank NODE: they
+                                                   save and exit
+This file holds no percent sign, which pdsh would expand in the remote command (run_launch
+passes pdsh's node rank placeholder as NODE, as DeepSpeed's runner does for launch.py).
 """
 
+import base64
+import json
 import os
 import signal
 import sys
@@ -43,5 +52,71 @@ def reap(launch_id: str, grace_s: float = 5.0) -> int:
     return len(pids)
 
 
+def _cmdline(pid) -> list[bytes]:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read().split(b"\0")
+
+
+def _node_launcher(cmdline: list[bytes], node_rank: int):
+    """For DeepSpeed's launch.py of this node rank: how many ranks it starts; else None."""
+    # pdsh splits its own argv in place, so its command line holds the same words: the launcher
+    # is the python process running the module.
+    if b"python" not in os.path.basename(cmdline[0]):
+        return None
+    if b"deepspeed.launcher.launch" not in cmdline:
+        return None
+    if f"--node_rank={node_rank}".encode() not in cmdline:
+        return None
+    for arg in cmdline:
+        if arg.startswith(b"--world_info="):
+            world = json.loads(base64.urlsafe_b64decode(arg.split(b"=", 1)[1]))
+            return len(list(world.values())[node_rank])
+    return 0
+
+
+def node_ranks(launch_id: str, node_rank: int):
+    """(how many ranks this node's launch.py starts, or None while it is not running; the pids of
+    those started): the children of DeepSpeed's launch.py for that node rank (two nodes may be
+    one machine). Not launch.py itself, whose SIGTERM handler kills the ranks; not a rank's
+    own workers."""
+    expected, ranks = None, []
+    for pid in tagged_pids(launch_id):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                parent = f.read().rsplit(")", 1)[1].split()[1]
+            count = _node_launcher(_cmdline(pid), node_rank)
+            if count is not None:
+                expected = count
+            elif _node_launcher(_cmdline(parent), node_rank) is not None:
+                ranks.append(pid)
+        except (OSError, IndexError, ValueError):
+            continue
+    return expected, ranks
+
+
+def signal_ranks(
+    launch_id: str, node_rank: int, sig: int = signal.SIGTERM, wait_s: float = 50.0
+) -> int:
+    """Send sig to the launch's ranks of one node; returns how many. Ranks not started yet (a
+    stop asked for while the launch starts) are waited for, up to wait_s."""
+    signalled = set()
+    deadline = time.monotonic() + wait_s
+    while True:
+        expected, pids = node_ranks(launch_id, node_rank)
+        for pid in set(pids) - signalled:
+            signalled.add(pid)
+            try:
+                os.kill(pid, sig)
+            except OSError:
+                pass
+        started = expected is not None and len(signalled) >= expected
+        if started or time.monotonic() > deadline:
+            return len(signalled)
+        time.sleep(0.1)
+
+
 if __name__ == "__main__":
-    reap(sys.argv[1])
+    if sys.argv[2:3] == ["ranks"]:
+        print(f"signalled {signal_ranks(sys.argv[1], int(sys.argv[3]))} rank(s)")
+    else:
+        reap(sys.argv[1])

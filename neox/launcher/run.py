@@ -61,11 +61,12 @@ def launch(plan: LaunchPlan, *, grace_s: float = 5.0) -> LaunchResult:
     """Start the plan and wait until every rank has ended.
 
     A local rank that fails is named (rank, host, pid, status) and the others are stopped at
-    once. A first SIGTERM/SIGINT is passed to the ranks, which save and exit; a second one
-    kills them. DeepSpeed's launch.py already ends a node's other ranks when one of them fails,
-    but nothing tells the other nodes: with pdsh they would wait in a collective until its timeout. So when
-    pdsh reports a failed node, the remaining nodes get grace_s seconds to fail on their own,
-    then every process of this launch is ended on every node.
+    once. A first SIGTERM/SIGINT is passed to the ranks (over pdsh: by a second pdsh command),
+    which save and exit; a second one kills them. DeepSpeed's launch.py already ends a node's
+    other ranks when one of them fails, but nothing tells the other nodes: with pdsh they would
+    wait in a collective until its timeout. So when pdsh reports a failed node, the remaining
+    nodes get grace_s seconds to fail on their own, then every process of this launch is ended
+    on every node.
     """
     env = dict(plan.env)
     with tempfile.TemporaryDirectory(prefix="neox-launch-") as tmp:
@@ -138,9 +139,17 @@ def _forward_stop(plan: LaunchPlan, proc: subprocess.Popen, ranks: Optional[Rank
     if ranks is not None:
         # The ranks, not DeepSpeed's launch.py: its handler gives each rank 30 s, one by one.
         ranks.signal_ranks(signal.SIGTERM)
+    elif plan.launcher == "pdsh":
+        # pdsh passes no signal on; a second pdsh signals this launch's ranks on every node.
+        # In a thread: a second signal must still find the waiting loop responsive.
+        threading.Thread(
+            target=_run_reaper, args=(plan, "ranks", "%n"), name="neox-pdsh-stop", daemon=True
+        ).start()
     else:
-        # Across nodes the signal cannot reach the ranks through pdsh; stop them as before.
-        raise AbortLaunch("stop signal on a multi-node launch: stopping every rank, unsaved")
+        raise AbortLaunch(
+            f"stop signal on a {plan.launcher} launch: stopping every rank, unsaved (only local "
+            "and pdsh launches pass it on; a scheduler may signal the ranks themselves to save)"
+        )
 
 
 def _wait(
@@ -195,7 +204,7 @@ def _stop(plan: LaunchPlan, proc: subprocess.Popen) -> None:
                 child.kill()
             except psutil.Error:
                 pass
-        _reap_nodes(plan)
+        _run_reaper(plan)
     else:
         _signal_group(proc, signal.SIGTERM)
         try:
@@ -212,23 +221,30 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         pass
 
 
-def _reap_nodes(plan: LaunchPlan) -> None:
+def _run_reaper(plan: LaunchPlan, *mode: str) -> None:
+    """Run reap.py for this launch on every node over pdsh (mode "ranks", "%n": SIGTERM the
+    ranks; pdsh puts each host's node rank for %n, as in DeepSpeed's own command)."""
+    what = "signalling" if mode else "ending"
     env = dict(plan.env, PDSH_RCMD_TYPE="ssh")
     env.pop(LAUNCH_ID_ENV, None)  # else the reaper on this machine would end its own pdsh
     if plan.ssh_port is not None:
         env["PDSH_SSH_ARGS_APPEND"] = f"{env.get('PDSH_SSH_ARGS_APPEND', '')} -p {plan.ssh_port}"
     # pdsh joins its arguments into one remote shell command, hence the quoting.
-    remote = [sys.executable, "-c", Path(reap.__file__).read_text(), plan.launch_id]
+    remote = [sys.executable, "-c", Path(reap.__file__).read_text(), plan.launch_id, *mode]
     cmd = ["pdsh", "-S", "-w", ",".join(plan.hosts), " ".join(shlex.quote(a) for a in remote)]
     try:
         result = subprocess.run(cmd, env=env, capture_output=True, timeout=60)
     except subprocess.TimeoutExpired:
-        log.error("could not confirm the ranks on %s ended (pdsh timed out)", ", ".join(plan.hosts))
+        log.error("%s the ranks on %s: pdsh timed out", what, ", ".join(plan.hosts))
         return
+    output = (result.stdout + result.stderr).decode(errors="replace").strip()
     if result.returncode != 0:
         log.error(
-            "ending the ranks on %s failed (pdsh exit code %d): %s",
+            "%s the ranks on %s failed (pdsh exit code %d): %s",
+            what,
             ", ".join(plan.hosts),
             result.returncode,
-            (result.stdout + result.stderr).decode(errors="replace").strip(),
+            output,
         )
+    elif mode:
+        log.info("%s", "; ".join(output.splitlines()))

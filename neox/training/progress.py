@@ -18,8 +18,18 @@ class Progress:
         if self.enabled and sys.stderr.isatty():
             from tqdm import tqdm
 
-            total = run.cfg.training.train_iters
-            self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True)
+            # A terminal that reports no size (a fresh `docker run -t`, some CI ptys) would get
+            # no bar at all (tqdm reads 0 columns and -1 rows): give it a fixed size instead.
+            sized = _columns(sys.stderr) > 0
+            self.bar = tqdm(
+                total=run.cfg.training.train_iters,
+                initial=start,
+                unit="step",
+                dynamic_ncols=sized,
+                ncols=None if sized else 100,
+                nrows=None if sized else 24,
+                file=sys.stderr,
+            )
 
     def update(self, metrics: dict[str, float]) -> None:
         if self.bar is not None:
@@ -39,6 +49,13 @@ class Progress:
             self.bar.close()
 
 
+def _columns(stream) -> int:
+    try:
+        return os.get_terminal_size(stream.fileno()).columns
+    except (OSError, ValueError):
+        return 0
+
+
 def start_wandb(cfg: NeoXConfig):
     """A Weights & Biases run (WANDB_MODE=offline works without an account or network)."""
     try:
@@ -49,8 +66,8 @@ def start_wandb(cfg: NeoXConfig):
             "use_wandb: false)"
         ) from e
     lg = cfg.logging
-    if lg.wandb_host:
-        os.environ.setdefault("WANDB_BASE_URL", lg.wandb_host)  # a self-hosted W&B server
+    # A self-hosted W&B server; the run records it, so an offline run syncs to it later too.
+    settings = wandb.Settings(base_url=lg.wandb_host) if lg.wandb_host else None
     return wandb.init(
         project=lg.wandb_project or "neox",
         name=lg.wandb_run_name,
@@ -58,4 +75,5 @@ def start_wandb(cfg: NeoXConfig):
         entity=lg.wandb_team,
         config=cfg.to_flat(),
         dir=lg.log_dir,
+        settings=settings,
     )

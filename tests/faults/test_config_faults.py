@@ -95,6 +95,13 @@ FAULTS = [
         {"bad.yml": "{data}save: {tmp}/merges.txt/ckpt\n"},
         "the checkpoint directory cannot be written",
     ),
+    Fault(
+        "export_env_unset",
+        "launcher.export_env naming a variable this shell lacks is named (it was a traceback)",
+        {"bad.yml": "export_env: [NEOX_NOT_SET_ANYWHERE]\n"},
+        "launcher.export_env names NEOX_NOT_SET_ANYWHERE, not set in this environment",
+        dry_run=True,
+    ),
 ]
 
 

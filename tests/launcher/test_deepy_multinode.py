@@ -2,8 +2,10 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -56,3 +58,103 @@ def test_deepy_launches_over_pdsh_on_two_nodes(sshd, tmp_path):
         assert result["sum"] == 1.0 + 2.0 + 3.0
         assert result["hidden_size"] == 48
         assert result["ds_accelerator"] == "cpu"
+
+
+def two_node_training(sshd, tmp_path) -> dict:
+    """Config keys of a tiny training run on two "nodes" of this machine over pdsh."""
+    from tests.train_helpers import make_dataset
+    from tests.training.lifecycle_helpers import MARK
+
+    (tmp_path / "data").mkdir()
+    make_dataset(tmp_path / "data" / "chars")
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("localhost slots=1\n127.0.0.1 slots=1\n")
+    return dict(
+        hostfile=str(hostfile),
+        launcher="pdsh",
+        master_addr="127.0.0.1",
+        ssh_port=sshd.port,
+        no_ssh_check=True,
+        num_gpus=1,
+        export_env=[MARK],  # so that the ranks on both nodes carry the test's mark
+        checkpoint_factor=None,
+        eval_interval=1000,
+        do_test=False,
+        zero_optimization={"stage": 0},
+    )
+
+
+def test_sigterm_over_pdsh_saves_on_every_node_and_leaves_no_process(sshd, tmp_path):
+    from tests.train_helpers import write_config
+    from tests.training.lifecycle_helpers import BackgroundRun
+
+    cfg = write_config(tmp_path, "pdsh", train_iters=1000, **two_node_training(sshd, tmp_path))
+    run = BackgroundRun(cfg, tmp_path / "pdsh.out", PDSH_SSH_ARGS_APPEND=sshd.ssh_args)
+    try:
+        run.wait_for("iter 2/1000")
+        os.kill(run.proc.pid, signal.SIGTERM)
+        assert run.wait() == 0, run.text()[-3000:]
+        assert run.pids() == []
+    finally:
+        run.kill_all()
+    out = run.text()
+    assert "signalled 1 rank(s)" in out, out[-3000:]  # by the reaper on each node
+    [line] = [ln for ln in out.splitlines() if ln.startswith("deepy: stopped by")]
+    ckpt = tmp_path / "pdsh" / "ckpt"
+    tag = (ckpt / "latest").read_text()
+    assert line == f"deepy: stopped by SIGTERM; checkpoint saved in {ckpt / tag}"
+    assert [p.name for p in ckpt.glob("global_step*")] == [tag]
+    assert "Traceback" not in out
+    # It loads: the whole model, every weight finite (a resume from a stop-save is tested on
+    # one node in tests/training/test_lifecycle.py).
+    import torch
+
+    from neox.checkpoint.consolidate import load_model
+
+    model, saved = load_model(str(ckpt))
+    assert saved.model.hidden_size == 32
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_kill_9_of_deepy_over_pdsh_saves_and_leaves_no_process(sshd, tmp_path):
+    from tests.train_helpers import records, write_config
+    from tests.training.lifecycle_helpers import BackgroundRun
+
+    cfg = write_config(tmp_path, "pdsh", train_iters=1000, **two_node_training(sshd, tmp_path))
+    run = BackgroundRun(cfg, tmp_path / "pdsh.out", PDSH_SSH_ARGS_APPEND=sshd.ssh_args)
+    try:
+        run.wait_for("iter 2/1000")
+        os.kill(run.proc.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        assert run.wait() == -signal.SIGKILL
+        # The ranks on deepy.py's machine see it gone; the others stop with them (one all-reduce).
+        while run.pids() and time.monotonic() - killed < 60:
+            time.sleep(0.2)
+        assert run.pids() == [], run.text()[-3000:]
+    finally:
+        run.kill_all()
+    # The nodes' log lines came through deepy.py, so they end with it; the metrics file shows
+    # the last step, and the checkpoint is of that step.
+    steps = [r["step"] for r in records(tmp_path / "pdsh" / "logs") if r["split"] == "train"]
+    assert steps[-1] >= 2
+    assert (tmp_path / "pdsh" / "ckpt" / "latest").read_text() == f"global_step{steps[-1]}"
+
+
+def test_sigterm_over_pdsh_while_the_ranks_start_still_reaches_them(sshd, tmp_path):
+    from tests.train_helpers import write_config
+    from tests.training.lifecycle_helpers import BackgroundRun
+
+    cfg = write_config(tmp_path, "pdsh", train_iters=1000, **two_node_training(sshd, tmp_path))
+    run = BackgroundRun(cfg, tmp_path / "pdsh.out", PDSH_SSH_ARGS_APPEND=sshd.ssh_args)
+    try:
+        run.wait_for("launching 2 rank(s)")  # the ranks do not exist yet
+        os.kill(run.proc.pid, signal.SIGTERM)
+        start = time.monotonic()
+        run.wait()
+        assert time.monotonic() - start < 60  # not the whole run
+        assert run.pids() == []
+    finally:
+        run.kill_all()
+    out = run.text()
+    assert "signalled 1 rank(s)" in out and "deepy: stopped by SIGTERM" in out, out[-3000:]
+    assert "iter 3/1000" not in out

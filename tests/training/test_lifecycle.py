@@ -25,6 +25,7 @@ STEPS = 6
 GLOBAL_BATCH = 2 * 2 * 2  # micro batch x accumulation x 2 data-parallel ranks
 SEQ = 32
 BASE = dict(zero_optimization={"stage": 0})
+WANDB_HOST = "http://wandb.example.invalid:8080"
 
 
 def ok(r: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
@@ -43,9 +44,11 @@ def runs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ref(runs):
-    """The reference run, logged to metrics.jsonl, tensorboard and W&B (offline)."""
+    """The reference run, logged to metrics.jsonl, tensorboard and W&B (offline, a run on each
+    rank, for a self-hosted server)."""
     tmp = runs
-    cfg = write_config(tmp, "ref", use_wandb=True, wandb_project="neox-tests", **BASE)
+    wandb = dict(use_wandb=True, wandb_project="neox-tests", wandb_init_all_ranks=True)
+    cfg = write_config(tmp, "ref", wandb_host=WANDB_HOST, **wandb, **BASE)
     r = ok(run_train(cfg, WANDB_MODE="offline", WANDB_SILENT="true"))
     return tmp, r
 
@@ -89,12 +92,15 @@ def test_metrics_line_file_and_tensorboard(ref):
         assert all(same(scalars[s], train[s][tag]) for s in train), tag
 
 
-def test_wandb_offline_run_holds_the_metrics(ref):
+def test_wandb_offline_runs_hold_the_metrics_and_the_host(ref):
     tmp, _ = ref
-    [run_file] = (tmp / "ref" / "logs" / "wandb").glob("offline-run-*/run-*.wandb")
+    run_files = sorted((tmp / "ref" / "logs" / "wandb").glob("offline-run-*/run-*.wandb"))
     # W&B's offline record file stores each logged value as its JSON text.
-    data = run_file.read_bytes()
-    assert b"train/grad_norm" in data and b"valid/loss" in data
+    runs = [f.read_bytes() for f in run_files]
+    assert len(runs) == 2  # wandb_init_all_ranks: one per rank; rank 0's holds the metrics
+    [data] = [r for r in runs if b"train/grad_norm" in r]
+    assert all(WANDB_HOST.encode() in r for r in runs)  # the server `wandb sync` sends them to
+    assert b"valid/loss" in data
     for step, loss in losses(tmp / "ref" / "logs").items():
         assert json.dumps(loss).encode() in data, step
     assert json.dumps(losses(tmp / "ref" / "logs", "valid")[STEPS]).encode() in data
@@ -315,6 +321,9 @@ def test_stop_signal_saves_once_and_leaves_no_process(runs, target, sig, code):
     if target == "deepy":
         assert f"deepy: stopped by {sig.name}; checkpoint saved in {ckpt / tag}" in out
     assert "Traceback" not in out and "KeyboardInterrupt" not in out
+    # Output to a file: plain log lines, no progress bar (tests/training/test_progress.py has it).
+    assert "neox.training.progress: iter 2/1000 | samples" in out
+    assert "step/s" not in out and "%|" not in out and "\r" not in out
 
 
 def test_second_signal_stops_at_once(runs):
@@ -336,3 +345,59 @@ def test_second_signal_stops_at_once(runs):
     finally:
         run.kill_all()
     assert "second stop signal" in run.text()
+
+
+def test_kill_9_of_deepy_saves_the_last_step_and_leaves_no_process(runs):
+    from tests.training.lifecycle_helpers import BackgroundRun
+
+    tmp = runs
+    long_run = dict(checkpoint_factor=None, eval_interval=1000, do_test=False, **BASE)
+    cfg = write_config(tmp, "orphan", train_iters=1000, **long_run)
+    run = BackgroundRun(cfg, tmp / "orphan.out")
+    try:
+        run.wait_for("iter 2/1000")
+        os.kill(run.proc.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        assert run.wait() == -signal.SIGKILL
+        # The ranks notice deepy.py is gone, finish the step, save and exit; the runner and
+        # DeepSpeed's launch.py follow them.
+        while run.pids() and time.monotonic() - killed < 60:
+            time.sleep(0.2)
+        assert run.pids() == [], run.text()[-3000:]
+        print(f"every process gone {time.monotonic() - killed:.1f} s after kill -9 of deepy.py")
+    finally:
+        run.kill_all()
+    out = run.text()
+    assert "deepy.py (pid" in out and "is gone" in out, out[-3000:]
+    assert "Traceback" not in out
+    [last] = [ln for ln in out.splitlines() if "stopped by SIGTERM at iteration" in ln]
+    step = int(last.rsplit(" ", 1)[1])
+    ckpt = tmp / "orphan" / "ckpt"
+    assert (ckpt / "latest").read_text() == f"global_step{step}"
+    # It resumes from there.
+    r = ok(run_train(write_config(tmp, "orphan", train_iters=step + 1, **long_run)))
+    resumed = next(ln for ln in (r.stdout + r.stderr).splitlines() if "resumed from" in ln)
+    assert resumed.endswith(f"iteration {step}")
+    assert sorted(losses(tmp / "orphan" / "logs")) == list(range(1, step + 2))
+
+
+def test_stop_signal_while_the_ranks_start_still_reaches_them(runs):
+    from tests.training.lifecycle_helpers import BackgroundRun
+
+    tmp = runs
+    long_run = dict(checkpoint_factor=None, eval_interval=1000, do_test=False, **BASE)
+    run = BackgroundRun(write_config(tmp, "early", train_iters=1000, **long_run), tmp / "early.out")
+    try:
+        run.wait_for("launching 2 rank(s)")  # the ranks do not exist yet
+        os.kill(run.proc.pid, signal.SIGTERM)
+        start = time.monotonic()
+        code = run.wait()
+        assert time.monotonic() - start < 60  # not the whole run
+        assert run.pids() == []
+    finally:
+        run.kill_all()
+    out = run.text()
+    # A rank signalled before it could save dies of it; one that could saves (at step 1).
+    assert "deepy: stopped by SIGTERM" in out, out[-3000:]
+    assert "iter 3/1000" not in out
+    print(f"exit {code}:", [ln for ln in out.splitlines() if ln.startswith("deepy: stopped")])
