@@ -4,7 +4,7 @@ from typing import Any, Literal, Optional
 
 from pydantic import field_validator, model_validator
 
-from neox.config.base import ConfigGroup
+from neox.config.base import ConfigGroup, at_least, refuse_unless
 from neox.config.derived import model_shape
 
 InitMethod = Literal[
@@ -177,22 +177,13 @@ class ModelConfig(ConfigGroup):
     float32 rounding; needs model_parallel_size=1 (tensor parallelism keeps its vocab-split
     loss, whose logits are already split)."""
 
-    @field_validator("fp16_lm_cross_entropy")
-    @classmethod
-    def _no_fp16_cross_entropy(cls, v: bool) -> bool:
-        if v:
-            raise ValueError(
-                "fp16_lm_cross_entropy=true: a cross-entropy in fp16 is not implemented in neox "
-                "(the loss is always float32); remove the key"
-            )
-        return v
-
-    @field_validator("num_layers", "hidden_size", "num_attention_heads", "seq_length")
-    @classmethod
-    def _positive(cls, v: int) -> int:
-        if v < 1:
-            raise ValueError(f"must be >= 1, got {v}")
-        return v
+    _no_fp16_cross_entropy = refuse_unless(
+        "fp16_lm_cross_entropy",
+        allowed=(False,),
+        message="fp16_lm_cross_entropy=true: a cross-entropy in fp16 is not implemented in neox "
+        "(the loss is always float32); remove the key",
+    )
+    _positive = at_least("num_layers", "hidden_size", "num_attention_heads", "seq_length", least=1)
 
     @field_validator("hidden_dropout", "attention_dropout")
     @classmethod

@@ -4,7 +4,7 @@ from typing import Any, Literal, Optional
 
 from pydantic import field_validator
 
-from neox.config.base import ConfigGroup
+from neox.config.base import ConfigGroup, refuse_unless
 
 OPTIMIZER_TYPES = ("adam", "adamw", "cpu_adam", "cpu_torch_adam", "sgd", "lion")
 
@@ -82,15 +82,12 @@ class OptimizerConfig(ConfigGroup):
             raise ValueError(f"{info.field_name}={v} is negative; learning rates are >= 0")
         return v
 
-    @field_validator("use_checkpoint_lr_scheduler")
-    @classmethod
-    def _no_checkpoint_schedule(cls, v: bool) -> bool:
-        if v:
-            raise ValueError(
-                "use_checkpoint_lr_scheduler is not implemented: neox computes the schedule "
-                "from the config and the iteration; set the schedule keys to the checkpoint's"
-            )
-        return v
+    _no_checkpoint_schedule = refuse_unless(
+        "use_checkpoint_lr_scheduler",
+        allowed=(False,),
+        message="use_checkpoint_lr_scheduler is not implemented: neox computes the schedule "
+        "from the config and the iteration; set the schedule keys to the checkpoint's",
+    )
 
     @field_validator("warmup")
     @classmethod
