@@ -2,15 +2,13 @@
 false: a clear error before any rank starts, and the checkpoints already there stay intact."""
 
 import hashlib
-import os
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.train_helpers import ROOT, make_dataset, train, write_config
+from tests.train_helpers import make_dataset, run_deepy, train, write_config
 
 pytestmark = pytest.mark.slow
 
@@ -52,15 +50,7 @@ def config(tmp: Path, fs: Path, **overrides) -> Path:
 
 
 def deepy(cfg: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=str(ROOT))
-    return subprocess.run(
-        [sys.executable, "deepy.py", "train.py", str(cfg)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return run_deepy("train.py", cfg, check=False)
 
 
 def test_read_only_checkpoint_dir_fails_before_launch(trained):
@@ -98,6 +88,18 @@ def test_full_checkpoint_dir_fails_before_launch(trained):
     assert "No space left on device" in r.stderr or "MB free" in r.stderr, r.stderr
     assert "launching" not in r.stderr and "Traceback" not in r.stderr
     assert digest(fs / "ckpt") == before
+
+
+def test_checkpoint_of_another_model_is_refused_before_launch(trained):
+    """Fault: `load` holds a checkpoint of another architecture. Promise: exit 2 naming each
+    difference before any rank starts; the checkpoint stays as it was."""
+    tmp, fs = trained
+    before = digest(fs / "ckpt")
+    r = deepy(config(tmp, fs, train_iters=6, hidden_size=64))
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "was saved by a different model than this config describes" in r.stderr
+    assert "hidden_size" in r.stderr and "launching" not in r.stderr
+    assert "Traceback" not in r.stderr and digest(fs / "ckpt") == before
 
 
 def test_do_train_false_evaluates_and_saves_nothing(trained):
