@@ -40,6 +40,7 @@ class Derived:
     optimizer_type: str  # lower case: adam, adamw, cpu_adam, sgd, lion...
     lr: float  # peak learning rate
     samples: tuple[int, int, int]  # train, valid, test samples the whole run draws
+    zero_stage: int
     model: ModelShape
 
     def as_dict(self) -> dict:
@@ -229,6 +230,12 @@ def precision_of(cfg: NeoXConfig) -> str:
     return from_sections or named or "fp32"
 
 
+def zero_stage_of(cfg: NeoXConfig) -> int:
+    """ZeRO stage: zero_optimization.stage, else gpt-neox's zero_stage shorthand, else 0."""
+    ds = cfg.deepspeed
+    return int((ds.zero_optimization or {}).get("stage", ds.zero_stage or 0))
+
+
 def optimizer_type(cfg: NeoXConfig) -> str:
     """optimizer.type, or gpt-neox's flat optimizer_type when no `optimizer` section is given."""
     o = cfg.optimizer
@@ -300,6 +307,7 @@ def derive(cfg: NeoXConfig, world_size: int, vocab_size: Optional[int] = None) -
         optimizer_type=optimizer_type(cfg),
         lr=peak_lr(cfg),
         samples=sample_counts(cfg, glob),
+        zero_stage=zero_stage_of(cfg),
         model=model_shape(cfg.model),
     )
 
@@ -316,8 +324,7 @@ def check_layout(cfg: NeoXConfig, world_size: int) -> Topology:
 
 def check_pipeline_clipping(cfg: NeoXConfig, precision: str) -> None:
     """DeepSpeed 0.19's fp32 pipeline path without ZeRO clips with a wrong global norm."""
-    ds = cfg.deepspeed
-    stage = (ds.zero_optimization or {}).get("stage", ds.zero_stage or 0)
+    stage = zero_stage_of(cfg)
     t = cfg.training
     clip = t.clip_grad if t.clip_grad is not None else t.gradient_clipping
     if cfg.parallel.pp > 1 and precision == "fp32" and not stage and clip:

@@ -273,7 +273,7 @@ KEYS: dict[str, Status] = {
     "eval_num_fewshot": _reads(LM_EVAL),
     # deepspeed
     "zero_optimization": _reads(DS, DERIVED),
-    "zero_stage": _reads(DS),
+    "zero_stage": _reads(DERIVED),
     "zero_reduce_scatter": _reads(DS),
     "zero_contiguous_gradients": _reads(DS),
     "zero_reduce_bucket_size": _reads(DS),
