@@ -292,6 +292,8 @@ def derive(cfg: NeoXConfig, world_size: int, vocab_size: Optional[int] = None) -
     check_pipeline_inputs(cfg)
     check_as_gpt_neox_does(cfg)
     check_fused_loss(cfg)
+    samples = sample_counts(cfg, glob)
+    check_split_sources(cfg, samples)
     return Derived(
         world_size=world_size,
         tensor_parallel=cfg.parallel.model_parallel_size,
@@ -306,7 +308,7 @@ def derive(cfg: NeoXConfig, world_size: int, vocab_size: Optional[int] = None) -
         padded_vocab_size=padded,
         optimizer_type=optimizer_type(cfg),
         lr=peak_lr(cfg),
-        samples=sample_counts(cfg, glob),
+        samples=samples,
         zero_stage=zero_stage_of(cfg),
         model=model_shape(cfg.model),
     )
@@ -354,6 +356,22 @@ def check_fused_loss(cfg: NeoXConfig) -> None:
             f"lm_loss_chunk_size={chunk} needs model_parallel_size=1 and pipe_parallel_size=1 "
             f"(got {tp} and {pp}); set lm_loss_chunk_size 0 for this layout"
         )
+
+
+def check_split_sources(cfg: NeoXConfig, samples: tuple[int, int, int]) -> None:
+    """Per-split data paths cover every split the run draws samples from (gpt-neox asks for all
+    three), so the ranks never find a split missing after launch."""
+    d = cfg.data
+    if d.data_path or not d.train_data_paths:
+        return
+    off = {"valid": "do_valid: false (or eval_iters: 0)", "test": "do_test: false"}
+    for name, n in zip(("valid", "test"), samples[1:]):
+        if n and not getattr(d, f"{name}_data_paths"):
+            raise ConfigError(
+                f"train_data_paths is set but {name}_data_paths is not, and the run evaluates "
+                f"{n} {name} samples; add {name}_data_paths (gpt-neox requires all three) or "
+                f"set {off[name]}"
+            )
 
 
 def check_pipeline_inputs(cfg: NeoXConfig) -> None:

@@ -128,6 +128,16 @@ def test_pipeline_refuses_per_document_masks():
         derive(load_dict(flat), 2)
 
 
+def test_per_split_paths_must_cover_the_splits_a_run_evaluates():
+    paths = {"train_data_paths": ["a"], "valid_data_paths": ["b"]}
+    with pytest.raises(ConfigError, match="test_data_paths is not.*or set do_test: false"):
+        derive(load_dict(paths), 1)
+    derive(load_dict({**paths, "do_test": False}), 1)
+    derive(load_dict({**paths, "test_data_paths": ["c"]}), 1)
+    with pytest.raises(ConfigError, match="valid_data_paths is not"):
+        derive(load_dict({"train_data_paths": ["a"], "do_test": False}), 1)
+
+
 def test_sample_counts_cover_training_and_every_evaluation():
     cfg = load_dict({"train_iters": 10, "eval_interval": 4, "eval_iters": 2, "train_batch_size": 8})
     assert derive(cfg, 1).samples == (80, (10 // 4 + 1) * 2 * 8, 2 * 8)
