@@ -90,18 +90,6 @@ def test_full_checkpoint_dir_fails_before_launch(trained):
     assert digest(fs / "ckpt") == before
 
 
-def test_checkpoint_of_another_model_is_refused_before_launch(trained):
-    """Fault: `load` holds a checkpoint of another architecture. Promise: exit 2 naming each
-    difference before any rank starts; the checkpoint stays as it was."""
-    tmp, fs = trained
-    before = digest(fs / "ckpt")
-    r = deepy(config(tmp, fs, train_iters=6, hidden_size=64))
-    assert r.returncode == 2, r.stderr[-3000:]
-    assert "was saved by a different model than this config describes" in r.stderr
-    assert "hidden_size" in r.stderr and "launching" not in r.stderr
-    assert "Traceback" not in r.stderr and digest(fs / "ckpt") == before
-
-
 def test_do_train_false_evaluates_and_saves_nothing(trained):
     """Fault (issue 12): do_train: false used to train and save. Promise: it only evaluates."""
     tmp, fs = trained
