@@ -264,12 +264,26 @@ def peak_lr(cfg: NeoXConfig) -> float:
 def sample_counts(cfg: NeoXConfig, global_batch: int) -> tuple[int, int, int]:
     """Samples of each split the run consumes, so the sample index is built once for all."""
     t = cfg.training
-    evals = (t.train_iters // t.eval_interval + 1) * t.eval_iters if t.do_valid else 0
+    # Every scheduled validation, and one more: the pass of an evaluation-only run.
+    evals = validations_before(cfg, t.train_iters) + 1 if t.do_valid else 0
     return (
         t.train_iters * global_batch,
-        evals * global_batch,
+        evals * t.eval_iters * global_batch,
         t.eval_iters * global_batch if t.do_test else 0,
     )
+
+
+def validations_before(cfg: NeoXConfig, iteration: int) -> int:
+    """Validation passes in a run's first `iteration` steps (one each eval_interval)."""
+    t = cfg.training
+    return iteration // t.eval_interval if t.do_valid else 0
+
+
+def consumed_samples(cfg: NeoXConfig, global_batch: int, iteration: int) -> tuple[int, int]:
+    """(train, valid) samples drawn in the first `iteration` steps: where a resumed run's data
+    streams continue."""
+    valid = validations_before(cfg, iteration) * cfg.training.eval_iters * global_batch
+    return iteration * global_batch, valid
 
 
 def schedule_iters(cfg: NeoXConfig) -> tuple[int, int]:

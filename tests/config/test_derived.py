@@ -4,7 +4,13 @@ from pathlib import Path
 import pytest
 
 from neox.config import ConfigError, ModelConfig, derive, load_dict, pad_vocab_size
-from neox.config.derived import ModelShape, batch_triple, model_shape, precision_of
+from neox.config.derived import (
+    ModelShape,
+    batch_triple,
+    consumed_samples,
+    model_shape,
+    precision_of,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -136,6 +142,17 @@ def test_per_split_paths_must_cover_the_splits_a_run_evaluates():
     derive(load_dict({**paths, "test_data_paths": ["c"]}), 1)
     with pytest.raises(ConfigError, match="valid_data_paths is not"):
         derive(load_dict({"train_data_paths": ["a"], "do_test": False}), 1)
+
+
+def test_a_resumed_run_continues_within_the_samples_the_run_draws():
+    cfg = load_dict({"train_iters": 10, "eval_interval": 4, "eval_iters": 2, "train_batch_size": 8})
+    d = derive(cfg, 1)
+    assert consumed_samples(cfg, d.global_batch, 9) == (9 * 8, 2 * 2 * 8)  # validated at 4, 8
+    for iteration in range(11):
+        train, valid = consumed_samples(cfg, d.global_batch, iteration)
+        assert train <= d.samples[0] and valid + 2 * 8 <= d.samples[1]  # room for the next pass
+    quiet = load_dict({"train_iters": 10, "do_valid": False})
+    assert consumed_samples(quiet, 8, 9)[1] == 0
 
 
 def test_sample_counts_cover_training_and_every_evaluation():
