@@ -12,6 +12,7 @@ from pathlib import Path
 
 import yaml
 
+from neox.attention_path import describe_attention_paths
 from neox.checkpoint.compat import check_resume, describe_stop
 from neox.config import ConfigError, build_ds_config, derive, encode, load_config
 from neox.config.preflight import NEEDS_CHECKPOINT, check_save_dir, git_hash, preflight
@@ -114,6 +115,11 @@ def main(argv: list[str]) -> int:
             check_save_dir(loaded, derived, create=not args.dry_run)
         except ConfigError as e:
             problems.append(str(e))
+        try:
+            attention = describe_attention_paths(cfg.model, cpu_ranks=plan.cpu)
+        except ValueError as e:  # e.g. `local` layers without a window: the model would refuse
+            problems.append(str(e))
+            attention = []
         # Training compares the checkpoint it resumes with this config before launching.
         resume = None
         if Path(args.script).name not in NEEDS_CHECKPOINT:
@@ -138,6 +144,8 @@ def main(argv: list[str]) -> int:
         print(yaml.safe_dump(cfg.to_flat(), sort_keys=False), end="")
         print("# derived")
         print(yaml.safe_dump(derived.as_dict(), sort_keys=False), end="")
+        print("# attention per layer type (kernel on GPU ranks, why)")
+        print(*attention, sep="\n")
         print("# estimate (python tools/estimate.py for options)")
         vocab, source = estimate_vocab(cfg, derived)
         if source != "tokenizer":

@@ -4,10 +4,14 @@ GPTNeoXForCausalLM, eager and torch.compile, at Pythia shapes, random tokens.
 
 python benchmarks/train_throughput.py --vocab-file data/20B_tokenizer.json        # 160M 410M 1-4B
 python benchmarks/train_throughput.py --models 410M --impls neox --profile-dir prof
+python benchmarks/train_throughput.py --models 410M --impls neox --attention flash triton
 python benchmarks/train_throughput.py --tiny                                       # CPU smoke run
 
 Prints tokens/s, TFLOPS, MFU (neox.estimate.train_flops_per_token), peak memory, and neox's
 ratio to each HF variant; --json appends one record per run. Results go in docs/benchmarks.md.
+--attention runs neox once per attention kernel (attention_impl: flash = torch SDPA, triton =
+scores + the Triton fused softmax, as global layers with the gpt-neox fusion flags take it) at
+the same shape, and prints their ratio.
 """
 
 from __future__ import annotations
@@ -210,9 +214,11 @@ def hf_step(cfg, vocab: int, micro_batch: int, device, compile_: bool):
     return step, model, lambda: None
 
 
-def run_one(args, model: str, impl: str, device) -> dict[str, Any]:
+def run_one(args, model: str, impl: str, device, attention: str = "config") -> dict[str, Any]:
     micro_batch = args.micro_batch or (2 if args.tiny else MICRO_BATCH[model])
     extra = dict(json.loads(args.neox_overrides)) if args.neox_overrides else {}
+    if attention != "config":
+        extra["attention_impl"] = attention
     cfg = neox_config(model, micro_batch, args.vocab_file, args.tiny, extra)
     from neox.config import derive
     from neox.tokenizer import build_tokenizer
@@ -239,6 +245,7 @@ def run_one(args, model: str, impl: str, device) -> dict[str, Any]:
     rec = {
         "model": model,
         "impl": impl,
+        "attention": attention if impl == "neox" else "sdpa",
         "micro_batch": micro_batch,
         "seq": cfg.model.seq_length,
         "step_ms": 1000 * mean,
@@ -258,7 +265,8 @@ def run_one(args, model: str, impl: str, device) -> dict[str, Any]:
         rec["syncs_per_step"] = sum(sites.values())
         rec["sync_sites"] = dict(sites.most_common(15))
     if args.profile_dir and impl in args.profile_impls and model in args.profile_models:
-        profile_steps(step, args.iters + 1, Path(args.profile_dir), f"{impl}_{model}", device)
+        name = f"{impl}_{model}" if attention == "config" else f"{impl}_{attention}_{model}"
+        profile_steps(step, args.iters + 1, Path(args.profile_dir), name, device)
     close()
     del step, keep, close
     gc.collect()
@@ -269,23 +277,29 @@ def run_one(args, model: str, impl: str, device) -> dict[str, Any]:
 
 def print_table(records: list[dict[str, Any]]) -> None:
     print(
-        f"{'model':>6} {'impl':>10} {'mb':>3} {'ms/step':>8} {'tok/s':>9} {'TFLOPS':>7} "
-        f"{'MFU':>6} {'memGiB':>7} {'syncs':>5}"
+        f"{'model':>6} {'impl':>10} {'attention':>9} {'mb':>3} {'ms/step':>8} {'tok/s':>9} "
+        f"{'TFLOPS':>7} {'MFU':>6} {'memGiB':>7} {'syncs':>5}"
     )
     for r in records:
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
         mem = f"{r['peak_mem_gib']:.1f}" if r["peak_mem_gib"] is not None else "-"
         print(
-            f"{r['model']:>6} {r['impl']:>10} {r['micro_batch']:>3} {r['step_ms']:>8.1f} "
+            f"{r['model']:>6} {r['impl']:>10} {r['attention']:>9} {r['micro_batch']:>3} "
+            f"{r['step_ms']:>8.1f} "
             f"{r['tokens_per_s']:>9.0f} {r['tflops']:>7.1f} {mfu:>6} {mem:>7} "
             f"{r.get('syncs_per_step', '-'):>5}"
         )
-    by = {(r["model"], r["impl"]): r["tokens_per_s"] for r in records}
-    for (model, impl), tps in by.items():
-        if impl == "neox":
-            for ref in ("hf", "hf_compile"):
-                if (model, ref) in by:
-                    print(f"{model}: neox / {ref} = {tps / by[(model, ref)]:.2f}")
+    by = {(r["model"], r["impl"], r["attention"]): r["tokens_per_s"] for r in records}
+    for (model, impl, attention), tps in by.items():
+        if impl != "neox":
+            continue
+        name = "neox" if attention == "config" else f"neox ({attention})"
+        for ref in ("hf", "hf_compile"):
+            if (model, ref, "sdpa") in by:
+                print(f"{model}: {name} / {ref} = {tps / by[(model, ref, 'sdpa')]:.2f}")
+        if attention == "triton" and (model, "neox", "flash") in by:
+            flash = by[(model, "neox", "flash")]
+            print(f"{model}: neox triton / flash attention = {tps / flash:.2f}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -297,6 +311,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--micro-batch", type=int, default=None)
     p.add_argument("--vocab-file", default=None, help="the 20B tokenizer json (HFTokenizer)")
     p.add_argument("--neox-overrides", default=None, help="JSON dict of extra neox config keys")
+    p.add_argument(
+        "--attention",
+        nargs="+",
+        choices=["config", "flash", "triton", "torch"],
+        default=["config"],
+        help="neox runs once per attention_impl (config: as the config file selects)",
+    )
     p.add_argument("--peak-tflops", type=float, default=None)
     p.add_argument("--sync-count", action="store_true", help="count host syncs of one step")
     p.add_argument("--profile-dir", default=None)
@@ -312,15 +333,20 @@ def main(argv: list[str] | None = None) -> int:
             args.impls = ["neox", "hf"]
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     records = []
-    for model in args.models:
-        for impl in args.impls:
-            rec = run_one(args, model, impl, device)
-            rec["device"] = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-            records.append(rec)
-            print(json.dumps(rec), flush=True)
-            if args.json:
-                with open(args.json, "a") as f:
-                    f.write(json.dumps(rec) + "\n")
+    runs = [
+        (model, impl, attention)
+        for model in args.models
+        for impl in args.impls
+        for attention in (args.attention if impl == "neox" else ["config"])
+    ]
+    for model, impl, attention in runs:
+        rec = run_one(args, model, impl, device, attention)
+        rec["device"] = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        records.append(rec)
+        print(json.dumps(rec), flush=True)
+        if args.json:
+            with open(args.json, "a") as f:
+                f.write(json.dumps(rec) + "\n")
     print_table(records)
     return 0
 

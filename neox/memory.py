@@ -32,6 +32,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
+from neox.attention_path import select_attention_path
 from neox.config.derived import Derived, model_shape
 from neox.config.ds_config import zero_section
 from neox.config.model import ModelConfig
@@ -154,15 +155,6 @@ def training_shape(
     )
 
 
-def attention_kernel(cfg: ModelConfig, layer_type: str) -> str:
-    """The kernel a GPU layer runs: neox.model.attention.select_attention_impl on cuda (tested
-    to agree), restated here because that module imports torch."""
-    if cfg.attention_impl != "auto":
-        return cfg.attention_impl
-    fused = cfg.scaled_upper_triang_masked_softmax_fusion or cfg.scaled_masked_softmax_fusion
-    return "triton" if layer_type == "global" and fused else "flash"
-
-
 def norm_activation_bytes(cfg: ModelConfig, k: int, dim: int) -> tuple[int, int]:
     """Bytes one norm saves per row of `dim` features: (its input, which another norm reading
     the same tensor shares, or 0 when it saves a copy; what it saves of its own)."""
@@ -189,7 +181,7 @@ def block_activation_bytes(
     nh, nkv = cfg.num_attention_heads // tp, shape.kv_heads // tp
     hq, hkv, ffn = nh * hs, nkv * hs, shape.ffn_size // tp
     tokens = seq * micro_batch
-    kernel = attention_kernel(cfg, layer_type)
+    kernel = select_attention_path(cfg, layer_type, "cuda").impl
 
     # Norms and the inputs of qkv and of the MLP (width h, whole on every tp rank).
     shared, own = norm_activation_bytes(cfg, k, h)

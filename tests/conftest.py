@@ -2,6 +2,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = ROOT.parent / "shared" / "data"
@@ -16,3 +17,15 @@ def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
         pytest.skip(f"real data not found at {SHARED_DATA} (shared/data beside the checkout)")
     return SHARED_DATA
+
+
+@pytest.fixture
+def one_rank_group():
+    """A one-rank gloo process group for code that asks torch.distributed, removed afterwards so
+    that later tests in this process start without one."""
+    ours = not dist.is_initialized()
+    if ours:
+        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", world_size=1, rank=0)
+    yield
+    if ours:
+        dist.destroy_process_group()

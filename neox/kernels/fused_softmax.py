@@ -13,6 +13,7 @@ import contextlib
 import functools
 import logging
 import os
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -106,13 +107,75 @@ def _next_power_of_2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def _num_warps(block: int) -> int:
-    # Wider rows need more threads so each keeps a few dozen values in registers.
-    if block >= 4096:
-        return 16
-    if block >= 2048:
-        return 8
-    return 4
+@dataclass(frozen=True)
+class KernelConfig:
+    """How a launch splits the rows: ``rows`` per program, ``num_warps`` threads per program."""
+
+    rows: int
+    num_warps: int
+
+    def __str__(self) -> str:
+        return f"rows={self.rows},warps={self.num_warps}"
+
+
+# Overrides default_config for every launch, e.g. "rows=2,warps=4": lets a whole training run
+# try a variant that benchmarks/fused_softmax.py --sweep measured faster.
+CONFIG_ENV = "NEOX_SOFTMAX_CONFIG"
+
+
+def default_config(block: int) -> KernelConfig:
+    """About 2048 elements per program and 16 per thread (two 16-byte loads of fp16/bf16).
+
+    Rows shorter than 2048 share a program, so short rows do not each pay a launch slot and two
+    block-wide reductions. An SM holds at most 64 warps whatever their size, so more elements
+    per thread keep more bytes in flight; past ~32 the backward needs ~80 registers a thread,
+    which cuts the warps an SM can hold to ~24.
+    """
+    override = os.environ.get(CONFIG_ENV)
+    if override:
+        return parse_config(override)
+    rows = max(1, 2048 // block)
+    return KernelConfig(rows, num_warps=min(max(rows * block // (32 * 16), 1), 16))
+
+
+def candidate_configs(block: int) -> list[KernelConfig]:
+    """Variants for a benchmark sweep: 1-4 rows per program at 8-32 elements per thread."""
+    configs = []
+    for rows in (1, 2, 4):
+        for warps in (1, 2, 4, 8, 16):
+            per_thread = rows * block // (32 * warps)
+            if 8 <= per_thread <= 32 and rows * block <= 4 * MAX_BLOCK_SIZE:
+                configs.append(KernelConfig(rows, warps))
+    return configs or [default_config(block)]
+
+
+def parse_config(text: str) -> KernelConfig:
+    """``"rows=2,warps=4"`` -> KernelConfig(2, 4); both positive, warps a power of two."""
+    try:
+        fields = dict(part.split("=") for part in text.replace(" ", "").split(","))
+        config = KernelConfig(int(fields.pop("rows")), int(fields.pop("warps")))
+        ok = not fields and config.rows > 0 and 0 < config.num_warps <= 32
+        ok = ok and config.rows & (config.rows - 1) == 0
+        ok = ok and config.num_warps & (config.num_warps - 1) == 0
+    except (KeyError, ValueError):
+        ok = False
+    if not ok:
+        raise ValueError(
+            f"{CONFIG_ENV}={text!r} is not a softmax kernel config; write it as "
+            '"rows=R,warps=W" with R and W powers of two (W <= 32), e.g. "rows=2,warps=4", '
+            "or unset it for the default"
+        )
+    return config
+
+
+def _vector_width(sk: int, dtype: torch.dtype) -> int:
+    # Loads are rounded up to whole 16-byte vectors, which must not pass the end of the row.
+    vec = 16 // (torch.finfo(dtype).bits // 8)
+    return vec if sk % vec == 0 else 1
+
+
+def _cdiv(n: int, d: int) -> int:
+    return -(-n // d)
 
 
 def _on_device(tensor: torch.Tensor):
@@ -126,6 +189,7 @@ def _launch_forward(
     causal: bool,
     padding_mask: Optional[torch.Tensor],
     block_size: Optional[int],
+    config: Optional[KernelConfig],
 ) -> torch.Tensor:
     from neox.kernels.softmax_kernels import jitted_kernels
 
@@ -140,12 +204,15 @@ def _launch_forward(
         mask_strides = mask.stride()
     else:
         mask, mask_strides = x, (0, 0, 0, 0)  # never read: HAS_MASK is False
+    config = config or default_config(block)
+    n_rows = b * h * sq
     with _on_device(x):
-        forward_kernel[(b * h * sq,)](
+        forward_kernel[(_cdiv(n_rows, config.rows),)](
             x,
             y,
             mask,
             float(scale),
+            n_rows,
             h,
             sq,
             sk,
@@ -154,7 +221,9 @@ def _launch_forward(
             HAS_MASK=padding_mask is not None,
             BLOCK=block,
             SINGLE_BLOCK=sk <= block,
-            num_warps=_num_warps(block),
+            ROWS=config.rows,
+            VEC=_vector_width(sk, x.dtype),
+            num_warps=config.num_warps,
         )
     return y
 
@@ -165,6 +234,7 @@ def _launch_backward(
     scale: float,
     causal: bool,
     block_size: Optional[int],
+    config: Optional[KernelConfig],
 ) -> torch.Tensor:
     from neox.kernels.softmax_kernels import jitted_kernels
 
@@ -173,18 +243,23 @@ def _launch_backward(
     dx = torch.empty_like(probs)
     b, h, sq, sk = probs.shape
     block = _block_size(sk, block_size)
+    config = config or default_config(block)
+    n_rows = b * h * sq
     with _on_device(probs):
-        backward_kernel[(b * h * sq,)](
+        backward_kernel[(_cdiv(n_rows, config.rows),)](
             probs,
             dy,
             dx,
             float(scale),
+            n_rows,
             sq,
             sk,
             CAUSAL=causal,
             BLOCK=block,
             SINGLE_BLOCK=sk <= block,
-            num_warps=_num_warps(block),
+            ROWS=config.rows,
+            VEC=_vector_width(sk, probs.dtype),
+            num_warps=config.num_warps,
         )
     return dx
 
@@ -200,18 +275,21 @@ class FusedScaledMaskedSoftmax(torch.autograd.Function):
         causal: bool,
         padding_mask: Optional[torch.Tensor],
         block_size: Optional[int],
+        config: Optional[KernelConfig],
     ) -> torch.Tensor:
-        probs = _launch_forward(scores, scale, causal, padding_mask, block_size)
+        probs = _launch_forward(scores, scale, causal, padding_mask, block_size, config)
         # Only y is kept: the backward needs neither x nor the mask (masked y are 0).
         ctx.save_for_backward(probs)
-        ctx.scale, ctx.causal, ctx.block_size = scale, causal, block_size
+        ctx.scale, ctx.causal, ctx.block_size, ctx.config = scale, causal, block_size, config
         return probs
 
     @staticmethod
     def backward(ctx, grad_probs: torch.Tensor):
         (probs,) = ctx.saved_tensors
-        grad_scores = _launch_backward(probs, grad_probs, ctx.scale, ctx.causal, ctx.block_size)
-        return grad_scores, None, None, None, None
+        grad_scores = _launch_backward(
+            probs, grad_probs, ctx.scale, ctx.causal, ctx.block_size, ctx.config
+        )
+        return grad_scores, None, None, None, None, None
 
 
 def fused_scaled_masked_softmax(
@@ -220,8 +298,10 @@ def fused_scaled_masked_softmax(
     causal: bool = True,
     padding_mask: Optional[torch.Tensor] = None,
     block_size: Optional[int] = None,
+    config: Optional[KernelConfig] = None,
 ) -> torch.Tensor:
-    """The Triton path only; raises when it cannot run. ``block_size`` overrides the row block."""
+    """The Triton path only; raises when it cannot run. ``block_size`` overrides the row block,
+    ``config`` the launch split (default: ``default_config``)."""
     _check_inputs(scores, padding_mask)
     _block_size(scores.shape[-1], block_size)  # reject a bad override before anything runs
     if not triton_available(scores):
@@ -230,7 +310,7 @@ def fused_scaled_masked_softmax(
             f"needs triton installed, dtype in {[str(d) for d in SUPPORTED_DTYPES]}, and a CUDA "
             "tensor (or TRITON_INTERPRET=1 for CPU); use scaled_masked_softmax to fall back"
         )
-    return FusedScaledMaskedSoftmax.apply(scores, scale, causal, padding_mask, block_size)
+    return FusedScaledMaskedSoftmax.apply(scores, scale, causal, padding_mask, block_size, config)
 
 
 def scaled_masked_softmax(
@@ -250,4 +330,4 @@ def scaled_masked_softmax(
     _check_inputs(scores, padding_mask)
     if scores.numel() == 0 or not triton_available(scores):
         return scaled_masked_softmax_reference(scores, scale, causal, padding_mask)
-    return FusedScaledMaskedSoftmax.apply(scores, scale, causal, padding_mask, None)
+    return FusedScaledMaskedSoftmax.apply(scores, scale, causal, padding_mask, None, None)

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from neox.attention_path import layer_window, select_attention_path
 from neox.config.derived import model_shape
 from neox.config.model import ModelConfig
 from neox.model.norms import build_norm
@@ -19,41 +20,6 @@ if TYPE_CHECKING:
     from neox.inference.cache import LayerKVCache
 
 ATTENTION_IMPLS = ("flash", "triton", "torch")
-
-
-def select_attention_impl(cfg: ModelConfig, layer_type: str, device: torch.device | str) -> str:
-    """Kernel for one layer: cfg.attention_impl unless "auto", else by layer type and device.
-
-    Auto picks SDPA ("flash") everywhere except CUDA `global` layers whose gpt-neox fusion flags
-    ask for the fused softmax, which get the Triton kernel ("triton").
-    """
-    fused = cfg.scaled_upper_triang_masked_softmax_fusion or cfg.scaled_masked_softmax_fusion
-    return _choose_impl(cfg.attention_impl, layer_type, fused, torch.device(device))
-
-
-def _choose_impl(impl: str, layer_type: str, fused: bool, device: torch.device) -> str:
-    if impl != "auto":
-        return impl
-    if device.type == "cuda" and layer_type == "global" and fused:
-        return "triton"
-    return "flash"
-
-
-def layer_window(cfg: ModelConfig, layer_type: str) -> Optional[int]:
-    """Sliding-window width of a layer, or None for full causal attention.
-
-    When attention_config names `local` layers, only those are windowed; otherwise
-    sliding_window_width applies to every layer (Mistral-style).
-    """
-    if "local" in model_shape(cfg).layer_types:
-        if layer_type != "local":
-            return None
-        if cfg.sliding_window_width is None:
-            raise ValueError(
-                "attention_config has `local` layers but sliding_window_width is unset; "
-                "set sliding_window_width (e.g. 4096) or use `global`/`flash` layers"
-            )
-    return cfg.sliding_window_width
 
 
 def allowed_mask(
@@ -99,10 +65,9 @@ class Attention(nn.Module):
         self.num_kv_heads = shape.kv_heads
         self.head_dim = hs = shape.head_dim
         self.layer_type = layer_type
-        self.impl = cfg.attention_impl
-        self.fused_softmax = (
-            cfg.scaled_upper_triang_masked_softmax_fusion or cfg.scaled_masked_softmax_fusion
-        )
+        # Kernel on a CUDA device and elsewhere: the model may move after it is built.
+        self.impl_cuda = select_attention_path(cfg, layer_type, "cuda").impl
+        self.impl_other = select_attention_path(cfg, layer_type, "cpu").impl
         self.window = layer_window(cfg, layer_type)
         self.dropout = cfg.attention_dropout
         self.softmax_in_fp32 = cfg.attention_softmax_in_fp32
@@ -148,7 +113,7 @@ class Attention(nn.Module):
             # Query head h reads kv head h // (nh / nkv): the grouping of the fused layout.
             k = k.repeat_interleave(nh // nkv, dim=1)  # (B, nh, T, hs)
             v = v.repeat_interleave(nh // nkv, dim=1)
-        impl = _choose_impl(self.impl, self.layer_type, self.fused_softmax, x.device)
+        impl = self.impl_cuda if x.is_cuda else self.impl_other
         if kv_cache is not None:
             impl = "flash"  # queries are not the last T keys: only SDPA's explicit mask fits
         if impl == "flash":
@@ -200,13 +165,19 @@ class Attention(nn.Module):
             probs = _fused_softmax()(scores, scale, causal=True, padding_mask=pad)
         else:
             dtype = torch.float32 if self.softmax_in_fp32 else scores.dtype
-            scores = scores.to(dtype) * scale
-            if allowed is None:
-                allowed = allowed_mask(*scores.shape[-2:], scores.device)
-            scores = scores.masked_fill(~allowed, float("-inf"))
-            probs = torch.softmax(scores, dim=-1)
+            probs = masked_softmax_torch(scores, scale, allowed, dtype)
         probs = F.dropout(probs.to(v.dtype), self.dropout, self.training)
         return probs @ v  # (B, nh, T, hs)
+
+
+def masked_softmax_torch(
+    scores: torch.Tensor, scale: float, allowed: Optional[torch.Tensor], dtype: torch.dtype
+) -> torch.Tensor:
+    """The unfused softmax: cast to ``dtype``, scale, -inf where not ``allowed`` (None: causal)."""
+    scores = scores.to(dtype) * scale
+    if allowed is None:
+        allowed = allowed_mask(*scores.shape[-2:], scores.device)
+    return torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
 
 
 def _fused_softmax():

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from neox.config.model import ModelConfig
-from neox.model import build_model
+from neox.model import GPTNeoX, build_model, lm_loss
 from neox.model.block import Block
 from neox.parallel.checkpointing import checkpoint_blocks, configure_checkpointing
 from neox.parallel.pipeline import to_pipeline
@@ -80,6 +80,13 @@ def compile_blocks(model: nn.Module, backend: str = "inductor") -> nn.Module:
     for module in model.modules():
         if isinstance(module, Block):
             module.forward = torch.compile(module.forward, backend=backend)
+    plain_loss = isinstance(model, GPTNeoX) and model.lm_loss is lm_loss
+    if plain_loss and not model.cfg.lm_loss_chunk_size:
+        # Final norm, output layer and cross-entropy as one graph: the fp32 cast, log-softmax
+        # and its gradient fuse instead of each passing over (tokens x vocab) logits. The
+        # vocab-parallel loss (tensor parallelism) holds collectives and the chunked one its own
+        # autograd function: both stay eager.
+        model.loss = torch.compile(model.loss, backend=backend)
     return model
 
 

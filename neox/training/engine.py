@@ -1,4 +1,5 @@
-"""The DeepSpeed engine as neox builds it, with its per-tensor overflow check made one launch.
+"""The engine a run steps with: neox's flat engine for data parallelism alone, else DeepSpeed's with its per-tensor
+overflow check made one launch.
 
 DeepSpeed's ZeRO 1/2 optimizer checks for non-finite gradients before every step, tensor by
 tensor (amax, amin, two isfinite, two logical ops, an add: ~7 kernels and their host work per
@@ -21,16 +22,40 @@ from torch import nn
 log = logging.getLogger(__name__)
 
 
-def build_engine(ds_config: dict[str, Any], model: nn.Module, optimizer: Any, mpu: Any) -> Any:
-    """deepspeed.initialize with neox's DeepSpeed config, then the fast overflow check where it
-    applies."""
+def build_engine(
+    ds_config: dict[str, Any],
+    model: nn.Module,
+    optimizer: Any,
+    mpu: Any,
+    flat_engine: bool = True,
+) -> Any:
+    """neox's flat engine where it applies (neox.training.flat_engine), else deepspeed.initialize
+    with neox's DeepSpeed config and the fast overflow check."""
     import deepspeed
 
+    from neox.training.flat_engine import FlatEngine, unsupported_reason
+
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    dp = mpu.get_data_parallel_world_size() if mpu is not None else 1
+    reason = unsupported_reason(ds_config, optimizer, dp, world // dp)
+    if flat_engine and reason is None:
+        log.info("neox's flat engine (flat_engine: false for DeepSpeed's)")
+        return FlatEngine(ds_config, model, optimizer, mpu)
+    if flat_engine:
+        log.info("DeepSpeed's engine: the flat engine does not cover %s", reason)
     engine, _, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer, config=ds_config, mpu=mpu
     )
     fuse_overflow_check(engine.optimizer)
     return engine
+
+
+def handles_nonfinite(engine: Any) -> bool:
+    """Does the engine skip steps with inf/NaN gradients and report the gradient norm itself?
+    DeepSpeed's does only with ZeRO or a reduced precision."""
+    from neox.training.flat_engine import FlatEngine
+
+    return isinstance(engine, FlatEngine) or engine.zero_optimization_stage() > 0
 
 
 def fuse_overflow_check(optimizer: Any) -> bool:

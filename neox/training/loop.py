@@ -13,6 +13,7 @@ from neox.checkpoint.io import load_checkpoint, save_checkpoint, should_save
 from neox.config import write_config
 from neox.data.batch import Batch, build_batch
 from neox.parallel import pipeline_batch
+from neox.training.engine import handles_nonfinite
 from neox.training.metrics import (
     MetricsWriter,
     ModelFlops,
@@ -55,7 +56,7 @@ def train_step(run: Run, stream: Iterator, iteration: int) -> dict[str, float]:
     lr = run.schedule.apply(run.engine.optimizer, iteration)
     skipped_before = run.engine.skipped_steps
     grad_norm, skipped = None, False
-    own_norm = run.engine.zero_optimization_stage() == 0 and run.derived.precision == "fp32"
+    own_norm = not handles_nonfinite(run.engine) and run.derived.precision == "fp32"
     if run.is_pipeline:
         loss = run.engine.train_batch(data_iter=stream)
     else:

@@ -129,11 +129,13 @@ def drop_records_after(path: Path, step: int) -> None:
 
 
 def memory_metrics(device: torch.device) -> dict[str, float]:
-    """GPU memory allocated and reserved, or the process's resident memory on CPU (GB)."""
+    """GPU memory allocated, reserved and the peak allocated so far, or the process's resident
+    memory on CPU (GB)."""
     if device.type == "cuda":
         return {
             "mem_allocated_gb": torch.cuda.memory_allocated(device) / 2**30,
             "mem_reserved_gb": torch.cuda.memory_reserved(device) / 2**30,
+            "mem_peak_allocated_gb": torch.cuda.max_memory_allocated(device) / 2**30,
         }
     return {"rss_gb": psutil.Process().memory_info().rss / 2**30}
 

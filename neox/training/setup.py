@@ -88,7 +88,7 @@ def build_run(cfg: NeoXConfig) -> Run:
         checkpoint_activations=tr.checkpoint_activations,
         checkpoint_num_layers=tr.checkpoint_num_layers,
         checkpointing_options=ds_config["activation_checkpointing"],
-        torch_compile=tr.torch_compile,
+        torch_compile=device.type == "cuda" if tr.torch_compile is None else tr.torch_compile,
         torch_compile_backend=tr.torch_compile_backend,
         pipe_partition_method=cfg.parallel.pipe_partition_method,
         device=device,
@@ -98,6 +98,7 @@ def build_run(cfg: NeoXConfig) -> Run:
         model,
         build_optimizer(model, cfg.optimizer, derived.optimizer_type, derived.lr),
         engine_mpu(model, groups),
+        flat_engine=tr.flat_engine,
     )
     o = cfg.optimizer
     schedule = LRSchedule(

@@ -201,7 +201,7 @@ RECOMPUTED = {
     "schedule": r"(?<!derived)\.lr_decay_(?:iters|fraction)\b|\b(?:o|optimizer)\.warmup\b",
     "batch triple": r"\.(?:train_micro_batch_size_per_gpu|gradient_accumulation_steps)\b",
     "padded vocab": r"\.make_vocab_size_divisible_by\b",
-    "zero stage": r"\.get\(\s*[\"']stage[\"']|\.zero_stage\s+or\b",
+    "zero stage": r"zero_optimization\s+or\s+\{\}\s*\)\.get\(|\.zero_stage\s+or\b",
 }
 
 

@@ -5,6 +5,7 @@ import torch
 
 from neox.kernels.fused_softmax import (
     MAX_BLOCK_SIZE,
+    candidate_configs,
     fused_scaled_masked_softmax,
     scaled_masked_softmax,
     triton_available,
@@ -60,6 +61,16 @@ def test_full_causal_square_at_8192(dtype):
     torch.manual_seed(0)
     scores = (3 * torch.randn(1, 1, 8192, 8192, device="cuda")).to(dtype)
     check_against_float64(scores, 0.0884, True, None)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("sk,block_size", [(1024, None), (2048, None), (4096, None), (2048, 512)])
+def test_every_benchmarked_config_matches_float64_reference(dtype, sk, block_size):
+    """Each variant benchmarks/fused_softmax.py --sweep may pick is correct (causal, Sq = Sk)."""
+    torch.manual_seed(sk)
+    scores = (3 * torch.randn(1, 3, sk, sk, device="cuda")).to(dtype)
+    for config in candidate_configs(block_size or sk):
+        check_against_float64(scores, 0.125, True, None, block_size, config)
 
 
 def test_wrapper_takes_triton_path_on_cuda():

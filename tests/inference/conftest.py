@@ -36,17 +36,3 @@ def memorised(chars):
         opt.step()
     assert loss.item() < 0.05
     return model.eval()
-
-
-@pytest.fixture
-def one_rank_group():
-    """A one-rank gloo process group for code that asks torch.distributed, removed afterwards so
-    that later tests in this process start without one."""
-    import torch.distributed as dist
-
-    ours = not dist.is_initialized()
-    if ours:
-        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", world_size=1, rank=0)
-    yield
-    if ours:
-        dist.destroy_process_group()

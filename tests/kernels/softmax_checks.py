@@ -13,12 +13,12 @@ TOLERANCES = {
 }
 
 
-def check_against_float64(scores, scale, causal, padding_mask, block_size=None):
+def check_against_float64(scores, scale, causal, padding_mask, block_size=None, config=None):
     """Forward and backward of the Triton path vs the float64 reference on the same inputs."""
     torch.manual_seed(123)
     rtol, atol, grad_tol = TOLERANCES[scores.dtype]
     x = scores.detach().requires_grad_()
-    probs = fused_scaled_masked_softmax(x, scale, causal, padding_mask, block_size)
+    probs = fused_scaled_masked_softmax(x, scale, causal, padding_mask, block_size, config)
     grad_out = torch.randn(probs.shape, device=scores.device).to(scores.dtype)
     probs.backward(grad_out)
 

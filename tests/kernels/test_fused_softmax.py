@@ -10,6 +10,10 @@ import pytest
 import torch
 
 from neox.kernels.fused_softmax import (
+    CONFIG_ENV,
+    KernelConfig,
+    candidate_configs,
+    default_config,
     fused_scaled_masked_softmax,
     scaled_masked_softmax,
     triton_available,
@@ -78,3 +82,17 @@ def test_bad_inputs_name_the_fix():
         scaled_masked_softmax(scores, 1.0, padding_mask=torch.zeros(3, 1, 1, 4, dtype=torch.bool))
     with pytest.raises(ValueError, match="power of two"):
         fused_scaled_masked_softmax(scores, 1.0, block_size=6)
+
+
+def test_launch_config_defaults_and_override(monkeypatch):
+    monkeypatch.delenv(CONFIG_ENV, raising=False)
+    # Short rows share a program; every default keeps 16 elements per thread.
+    assert default_config(1024) == KernelConfig(rows=2, num_warps=4)
+    assert default_config(4096) == KernelConfig(rows=1, num_warps=8)
+    assert default_config(2048) in candidate_configs(2048)
+    monkeypatch.setenv(CONFIG_ENV, "rows=4, warps=8")
+    assert default_config(2048) == KernelConfig(rows=4, num_warps=8)
+    for bad in ("rows=3,warps=4", "rows=1", "warps=4,rows=1,x=2", "rows=a,warps=4"):
+        monkeypatch.setenv(CONFIG_ENV, bad)
+        with pytest.raises(ValueError, match="rows=R,warps=W"):
+            default_config(2048)

@@ -24,6 +24,7 @@ import triton  # noqa: E402, F401
 
 from neox.kernels import fused_softmax  # noqa: E402
 from neox.kernels.fused_softmax import (  # noqa: E402
+    KernelConfig,
     scaled_masked_softmax,
     triton_available,
 )
@@ -72,6 +73,30 @@ def test_half_precision_matches_float64_reference(dtype, block_size):
     scores = (4 * torch.randn(2, 2, 5, 19)).to(dtype)
     mask = make_padding_mask("keys", 2, 2, 5, 19)
     check_against_float64(scores, 0.5, True, mask, block_size)
+
+
+# Row lengths that are whole 16-byte vectors (loads rounded up past the causal bound), several
+# rows per program with a partial last program, and both with the two-pass loop.
+VECTOR_CASES = [
+    (torch.float32, 2, 3, 5, 16, None, KernelConfig(rows=4, num_warps=1)),
+    (torch.bfloat16, 1, 3, 7, 24, None, KernelConfig(rows=2, num_warps=2)),
+    (torch.float16, 2, 1, 9, 40, 16, KernelConfig(rows=4, num_warps=1)),
+    (torch.float32, 1, 2, 24, 24, 8, KernelConfig(rows=2, num_warps=1)),
+]
+
+
+@pytest.mark.parametrize("dtype,b,h,sq,sk,block_size,config", VECTOR_CASES)
+@pytest.mark.parametrize("padding", ["none", "keys"])
+def test_vector_loads_and_row_groups_match_float64_reference(
+    dtype, b, h, sq, sk, block_size, config, padding
+):
+    torch.manual_seed(sq * 10 + sk)
+    # NaN past the causal bound: the rounded-up loads read it, and it must not leak.
+    scores = 3 * torch.randn(b, h, sq, sk)
+    scores = scores.masked_fill(torch.ones(sq, sk, dtype=torch.bool).triu(sk - sq + 1), torch.nan)
+    mask = make_padding_mask(padding, b, h, sq, sk)
+    probs = check_against_float64(scores.to(dtype), 0.6, True, mask, block_size, config)
+    assert not torch.isnan(probs).any()
 
 
 @pytest.mark.parametrize("block_size", [None, 4])

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from neox.config.model import ModelConfig
-from neox.model.attention import Attention, allowed_mask, select_attention_impl
+from neox.model.attention import Attention, allowed_mask
 from neox.model.positional import alibi_slopes
 from neox.model.rotary import RotaryEmbedding
 
@@ -93,20 +93,6 @@ def test_padding_mask_hides_padded_keys():
         [[1, 0, 0, 0], [0, 1, 0, 0], [0, 1, 1, 0], [0, 1, 1, 1]], dtype=torch.bool
     )  # the padded query still sees itself, so no row is empty
     assert torch.equal(mask[0, 0], expected)
-
-
-def test_select_attention_impl():
-    cfg = ModelConfig(**TINY)
-    assert select_attention_impl(cfg, "global", "cpu") == "flash"
-    assert select_attention_impl(cfg, "global", "cuda") == "flash"
-    fused = ModelConfig(**TINY, scaled_upper_triang_masked_softmax_fusion=True)
-    assert select_attention_impl(fused, "global", "cuda") == "triton"
-    assert select_attention_impl(fused, "flash", "cuda") == "flash"
-    assert select_attention_impl(fused, "global", "cpu") == "flash"
-    masked = ModelConfig(**TINY, scaled_masked_softmax_fusion=True)
-    assert select_attention_impl(masked, "global", "cuda") == "triton"
-    forced = ModelConfig(**TINY, attention_impl="torch", scaled_masked_softmax_fusion=True)
-    assert select_attention_impl(forced, "global", "cuda") == "torch"
 
 
 def test_local_layers_need_a_window():

@@ -1,0 +1,252 @@
+#!/usr/bin/env python
+"""Training throughput on one host's GPUs through the real launcher: `deepy.py train.py` per
+run, each a short run whose metrics.jsonl is read back, printed as one table.
+
+python benchmarks/train_multi_gpu.py --vocab-file data/20B_tokenizer.json   # on 2 GPUs
+python benchmarks/train_multi_gpu.py --tiny --runs 1gpu dp2                  # CPU, 2 ranks
+
+Runs (configs/pythia/<M>.yml with bf16, no activation checkpointing, the micro batch below,
+random tokens): one GPU with ZeRO-1; DP=2 with ZeRO-1 (and its ratio to one GPU: issue 11's
+target is >= 1.9x); TP=2; PP=2 (4 micro batches per step, so the pipeline has work to overlap);
+DP=2 with ZeRO-3 (peak memory per GPU against DP=2 ZeRO-1). tokens/s is the mean of the logged
+steps from --first to the last (the first steps compile and warm up); memory is rank 0's peak
+allocated (ranks of one layout hold near-equal shares).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from neox.data.indexed import IndexedDatasetBuilder  # noqa: E402
+
+# Pythia shape -> micro batch per GPU (issue 11's one-GPU shapes; fits an 80 GB H100).
+MICRO_BATCH = {"410M": 8, "1-4B": 4}
+
+# Run name -> config keys on top of the model's file and OVERLAY.
+RUNS: dict[str, dict[str, Any]] = {
+    "1gpu": {"num_gpus": 1},
+    "dp2": {"num_gpus": 2},
+    "tp2": {"num_gpus": 2, "model_parallel_size": 2},
+    "pp2": {"num_gpus": 2, "pipe_parallel_size": 2, "gradient_accumulation_steps": 4},
+    "dp2_zero3": {"num_gpus": 2, "zero_optimization": {"stage": 3}},
+}
+# (model, run) in order; ZeRO-3 only where the issue asks for its memory (1.4B).
+DEFAULT_PLAN = [(m, r) for m in MICRO_BATCH for r in RUNS if r != "dp2_zero3" or m == "1-4B"]
+
+OVERLAY: dict[str, Any] = {
+    "bf16": {"enabled": True},
+    "fp16": {"enabled": False},
+    "checkpoint_activations": False,
+    "partition_activations": False,
+    "synchronize_each_layer": False,
+    "wall_clock_breakdown": False,
+    "gradient_accumulation_steps": 1,
+    "save": None,
+    "load": None,
+    "checkpoint_factor": None,
+    "extra_save_iters": None,
+    "tensorboard_dir": None,
+    "split": "100,0,0",
+    "eval_iters": 0,
+    "do_test": False,
+    "log_interval": 1,
+    "num_workers": 1,
+}
+
+TINY: dict[str, Any] = {
+    "num_layers": 2,
+    "attention_config": [[["flash"], 2]],
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "seq_length": 64,
+    "max_position_embeddings": 64,
+    "tokenizer_type": "CharLevelTokenizer",
+    "vocab_file": None,
+    "bf16": {"enabled": False},
+    "num_workers": 0,
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_random_tokens(prefix: Path, vocab: int, tokens: int, seed: int = 0) -> None:
+    """A .bin/.idx dataset of uniformly random ids in documents of 8192 tokens."""
+    rng = np.random.default_rng(seed)
+    builder = IndexedDatasetBuilder(str(prefix) + ".bin", np.uint16)
+    for _ in range(-(-tokens // 8192)):
+        builder.add_item(rng.integers(0, vocab, 8192, dtype=np.uint16))
+        builder.end_document()
+    builder.finalize(str(prefix) + ".idx")
+
+
+def run_config(args, model: str, run: str, work: Path, data: Path) -> Path:
+    """The overlay file of one run under `work`."""
+    cfg = {**OVERLAY, "train_micro_batch_size_per_gpu": args.micro_batch or MICRO_BATCH[model]}
+    cfg |= {"train_iters": args.iters, "lr_decay_iters": args.iters, "data_path": str(data)}
+    cfg |= {"log_dir": str(work / f"{model}_{run}"), "master_port": free_port()}
+    if args.vocab_file:
+        cfg["vocab_file"] = args.vocab_file
+    if args.tiny:
+        cfg |= TINY
+    cfg |= RUNS[run]
+    if run == "dp2_zero3":
+        # Stage 3 keeps the file's other ZeRO settings; the keys are merged over it.
+        base = yaml.safe_load((ROOT / "configs" / "pythia" / f"{model}.yml").read_text())
+        cfg["zero_optimization"] = {**base.get("zero_optimization", {}), "stage": 3}
+    path = work / f"{model}_{run}.yml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def launch(args, model: str, run: str, overlay: Path, log: Path) -> tuple[int, float]:
+    """`deepy.py train.py <model file> <overlay>`, output to `log`; (exit code, seconds)."""
+    cmd = [sys.executable, str(ROOT / "deepy.py"), "train.py"]
+    cmd += [str(ROOT / "configs" / "pythia" / f"{model}.yml"), str(overlay)]
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    )
+    if args.tiny:
+        env["DS_ACCELERATOR"] = "cpu"
+    tick = time.perf_counter()
+    with open(log, "w") as out:
+        try:
+            code = subprocess.run(
+                cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=args.timeout
+            ).returncode
+        except subprocess.TimeoutExpired:
+            code = 124
+    return code, time.perf_counter() - tick
+
+
+def summarize(metrics_file: Path, first: int) -> dict[str, Any]:
+    """Mean speed of the train records from step `first` on, and the peak memory logged."""
+    records = [json.loads(line) for line in metrics_file.read_text().splitlines()]
+    train = [r for r in records if r.get("split") == "train" and r["step"] >= first]
+    if not train:
+        raise ValueError(f"{metrics_file} has no train records from step {first}")
+    mean = lambda key: sum(r[key] for r in train) / len(train)  # noqa: E731
+    out = {"steps": f"{train[0]['step']}-{train[-1]['step']}", "tokens_per_s": mean("tokens_per_s")}
+    out["step_ms"] = 1000 * mean("step_time_s")
+    out["tflops_per_gpu"] = mean("tflops_per_gpu") if "tflops_per_gpu" in train[0] else None
+    out["mfu"] = mean("mfu") if "mfu" in train[0] else None
+    peaks = [r.get("mem_peak_allocated_gb", r.get("rss_gb")) for r in train]
+    out["peak_mem_gb"] = max(peaks) if None not in peaks else None
+    return out
+
+
+def measure(args, model: str, run: str, work: Path, data: Path) -> dict[str, Any]:
+    overlay = run_config(args, model, run, work, data)
+    log = work / f"{model}_{run}.log"
+    code, seconds = launch(args, model, run, overlay, log)
+    rec: dict[str, Any] = {"model": model, "run": run, "exit_code": code, "wall_s": seconds}
+    rec |= {"micro_batch": args.micro_batch or MICRO_BATCH[model], "config": RUNS[run]}
+    metrics = work / f"{model}_{run}" / "metrics.jsonl"
+    if code == 0 and metrics.is_file():
+        rec |= summarize(metrics, args.first)
+    else:
+        tail = log.read_text(errors="replace").splitlines()[-15:] if log.is_file() else []
+        rec["error"] = "\n".join(tail)
+    return rec
+
+
+def print_table(records: list[dict[str, Any]]) -> None:
+    print(
+        f"{'model':>6} {'run':>10} {'tok/s':>9} {'x 1gpu':>7} {'ms/step':>8} {'TFLOPS/gpu':>10} "
+        f"{'MFU':>6} {'peak GB':>8} {'wall s':>7}"
+    )
+    one = {
+        r["model"]: r["tokens_per_s"] for r in records if r["run"] == "1gpu" and "tokens_per_s" in r
+    }
+    for r in records:
+        if "tokens_per_s" not in r:
+            print(f"{r['model']:>6} {r['run']:>10} failed (exit {r['exit_code']}), see its log")
+            continue
+        ratio = f"{r['tokens_per_s'] / one[r['model']]:.2f}x" if r["model"] in one else "-"
+        tflops = f"{r['tflops_per_gpu']:.1f}" if r["tflops_per_gpu"] is not None else "-"
+        mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
+        mem = f"{r['peak_mem_gb']:.2f}" if r["peak_mem_gb"] is not None else "-"
+        print(
+            f"{r['model']:>6} {r['run']:>10} {r['tokens_per_s']:>9.0f} {ratio:>7} "
+            f"{r['step_ms']:>8.1f} {tflops:>10} {mfu:>6} {mem:>8} {r['wall_s']:>7.0f}"
+        )
+    by = {(r["model"], r["run"]): r for r in records if "tokens_per_s" in r}
+    for model in dict.fromkeys(r["model"] for r in records):
+        if (model, "dp2") in by and (model, "1gpu") in by:
+            ratio = by[(model, "dp2")]["tokens_per_s"] / by[(model, "1gpu")]["tokens_per_s"]
+            print(f"{model}: DP=2 ZeRO-1 / one GPU = {ratio:.2f}x (target >= 1.9x)")
+        zero1, zero3 = by.get((model, "dp2")), by.get((model, "dp2_zero3"))
+        if zero1 and zero3 and zero1["peak_mem_gb"] and zero3["peak_mem_gb"]:
+            print(
+                f"{model}: peak memory per GPU, DP=2 ZeRO-3 {zero3['peak_mem_gb']:.2f} GB vs "
+                f"ZeRO-1 {zero1['peak_mem_gb']:.2f} GB"
+            )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--models", nargs="+", choices=list(MICRO_BATCH), default=None)
+    p.add_argument("--runs", nargs="+", choices=list(RUNS), default=None)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--first", type=int, default=10, help="first logged step averaged")
+    p.add_argument("--micro-batch", type=int, default=None)
+    p.add_argument("--vocab-file", default="data/20B_tokenizer.json")
+    p.add_argument("--timeout", type=float, default=300, help="seconds per run")
+    p.add_argument("--work-dir", default=None, help="keep configs, logs and metrics here")
+    p.add_argument("--json", default=None, help="append one JSON record per run here")
+    p.add_argument("--tiny", action="store_true", help="2-layer model on 2 CPU ranks: a smoke test")
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.iters, args.first, args.vocab_file = min(args.iters, 6), min(args.first, 3), None
+    elif not (ROOT / args.vocab_file).is_file() and not Path(args.vocab_file).is_file():
+        p.error(
+            f"--vocab-file {args.vocab_file} not found: pass the GPT-NeoX-20B tokenizer json "
+            "(shared/data/20B_tokenizer.json), which sets the vocabulary Pythia trains with"
+        )
+    plan = [
+        (m, r)
+        for m, r in DEFAULT_PLAN
+        if (args.models is None or m in args.models) and (args.runs is None or r in args.runs)
+    ]
+    if args.runs and "dp2_zero3" in args.runs and args.models:
+        plan += [(m, "dp2_zero3") for m in args.models if (m, "dp2_zero3") not in plan]
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="neox_multi_gpu_"))
+    work.mkdir(parents=True, exist_ok=True)
+    data = work / "random_tokens"
+    batch = max(MICRO_BATCH.values()) if args.micro_batch is None else args.micro_batch
+    seq = 64 if args.tiny else 2048
+    # Enough for the largest step (DP=2 or PP's 4 micro batches) over every iteration.
+    write_random_tokens(data, 256 if args.tiny else 50277, 8 * batch * (seq + 1) * args.iters)
+    print(f"work dir: {work}", flush=True)
+    records = []
+    for model, run in plan:
+        rec = measure(args, model, run, work, data)
+        records.append(rec)
+        print(json.dumps(rec), flush=True)
+        if args.json:
+            with open(args.json, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+    print_table(records)
+    return 0 if all(r["exit_code"] == 0 for r in records) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,467 @@
+"""neox's own engine for data-parallel runs: flat buffers and an optimizer step of a few launches.
+
+Without model parallelism, DeepSpeed's ZeRO machinery costs host work per parameter tensor every
+step (gradient hooks and copies into its fp32 partition, a per-tensor norm and overflow check, a
+copy back into each bf16 parameter); on one H100 it made neox slower than a plain PyTorch loop.
+Here every parameter is a view into one flat buffer per parameter group, and so is every
+gradient. A step at the accumulation boundary is, per group: one reduce-scatter of the gradient
+buffer (each data-parallel rank owns one contiguous partition, as in ZeRO-1), the partition's
+gradient norm (all-reduced), one AdamW pass over the partition (neox.kernels.adamw on GPU: the
+clipping factor and the skip of a non-finite step applied inside, the bf16 weights written in
+the same pass; torch's fused AdamW elsewhere), and one all-gather of the updated bf16 weights.
+No host sync, no per-tensor launches.
+
+The semantics are DeepSpeed's ZeRO-1: bf16 parameters with fp32 master weights partitioned over
+the data-parallel ranks (fp32 runs train the parameters themselves), the loss divided by the
+accumulation steps, gradients averaged over ranks, clipping by the global norm with DeepSpeed's
+formula, a step with an inf/NaN gradient skipped and counted. Checkpoints are DeepSpeed's ZeRO-1
+files, key for key: `consolidate`, the export tools and DeepSpeed's engine read them, this
+engine resumes DeepSpeed's, and it resumes its own at another data-parallel size.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+MODEL_FILE = "mp_rank_00_model_states.pt"
+# DeepSpeed's ZeRO 1/2 engine reserves these checkpoint keys; the rest is the caller's state.
+ENGINE_KEYS = ("module", "skipped_steps", "global_steps", "dp_world_size", "mp_world_size")
+ENGINE_KEYS += ("data_sampler", "random_ltd", "lr_scheduler", "optimizer")
+# DeepSpeed pads each flat group to 4 bytes of bf16 times the data-parallel size, so that every
+# rank's partition starts 4-byte aligned and all partitions are the same size.
+ALIGNMENT = 2
+
+
+def optim_file(dp_rank: int, bf16: bool) -> str:
+    return ("bf16_" if bf16 else "") + f"zero_pp_rank_{dp_rank}_mp_rank_00_optim_states.pt"
+
+
+def unsupported_reason(
+    ds_config: dict[str, Any],
+    optimizer: Any,
+    data_parallel: int,
+    model_parallel: int,
+) -> Optional[str]:
+    """Why this engine cannot run a job (None if it can): it covers data parallelism alone,
+    bf16 or fp32, torch's Adam/AdamW, ZeRO 0-1 (0-2 on one rank) without offload."""
+    zero = ds_config.get("zero_optimization", {})
+    stage = zero.get("stage", 0)
+    if model_parallel > 1:
+        return "tensor or pipeline parallelism"
+    if ds_config.get("fp16", {}).get("enabled"):
+        return "fp16 (loss scaling)"
+    if stage > 2 or (stage == 2 and data_parallel > 1):
+        return f"ZeRO-{stage} (gradient or weight partitioning)"
+    if zero.get("offload_optimizer") or zero.get("offload_param"):
+        return "ZeRO offload"
+    if type(optimizer) not in (torch.optim.AdamW, torch.optim.Adam):
+        return f"optimizer {type(optimizer).__name__}"
+    if any(g.get("lr_scale", 1.0) != 1.0 for g in optimizer.param_groups):
+        return "per-group learning-rate scales"
+    return None
+
+
+def _one_pass_ok(optimizer: torch.optim.Optimizer) -> bool:
+    """Can neox.kernels.adamw stand in for this optimizer's step? (AdamW's plain options.)"""
+    import importlib.util
+
+    plain = all(not g["amsgrad"] and not g["maximize"] for g in optimizer.param_groups)
+    triton = importlib.util.find_spec("triton") is not None
+    return triton and plain and isinstance(optimizer, torch.optim.AdamW)
+
+
+class FlatGroup:
+    """One optimizer parameter group: parameters and gradients as views into flat buffers, and
+    this data-parallel rank's partition of them."""
+
+    def __init__(
+        self, named: list[tuple[str, nn.Parameter]], dtype: torch.dtype, dp: int, rank: int
+    ) -> None:
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        self.numel = sum(p.numel() for p in self.params)
+        padded = -(-self.numel // (ALIGNMENT * dp)) * ALIGNMENT * dp
+        device = self.params[0].device
+        self.flat = torch.zeros(padded, dtype=dtype, device=device)
+        self.grad = torch.zeros_like(self.flat)
+        self.offsets: list[int] = []
+        offset = 0
+        for p in self.params:
+            n = p.numel()
+            self.flat[offset : offset + n].copy_(p.data.reshape(-1))
+            p.data = self.flat[offset : offset + n].view_as(p)
+            # Autograd accumulates into an existing .grad in place, so gradients land here.
+            p.grad = self.grad[offset : offset + n].view_as(p)
+            self.offsets.append(offset)
+            offset += n
+        self.size = padded // dp  # every rank's partition
+        self.start = rank * self.size
+        self.rank, self.dp = rank, dp
+        # The padding inside this rank's partition (only the last rank's holds any).
+        self.padding = max(0, min(self.size, self.start + self.size - self.numel))
+        self.part = self.flat[self.start : self.start + self.size]
+        self.part_grad = self.grad[self.start : self.start + self.size]
+        # fp32 master weights of the partition, made from the bf16 values as DeepSpeed does.
+        self.master = self.part if dtype == torch.float32 else self.part.float()
+
+    def slice_mappings(self) -> OrderedDict:
+        """DeepSpeed's param_slice_mappings: each parameter's fragment in this partition."""
+        from deepspeed.utils.tensor_fragment import fragment_address
+
+        out = OrderedDict()
+        end = self.start + self.size
+        for name, p, off in zip(self.names, self.params, self.offsets):
+            lo, hi = max(off, self.start), min(off + p.numel(), end)
+            if lo < hi:
+                out[name] = fragment_address(numel=hi - lo, start=lo - self.start)
+        return out
+
+    def reduce_gradients(self, group: Any) -> None:
+        """Sum the gradient buffer over the data-parallel ranks into this rank's partition."""
+        if self.dp == 1:
+            return
+        if self.grad.is_cuda:
+            dist.reduce_scatter_tensor(self.part_grad, self.grad, group=group)
+        else:  # gloo has no reduce-scatter of one tensor
+            dist.all_reduce(self.grad, group=group)
+
+    def gather_weights(self, group: Any) -> None:
+        """Every rank's updated partition into every rank's flat weights."""
+        if self.dp == 1:
+            return
+        if self.flat.is_cuda:
+            dist.all_gather_into_tensor(self.flat, self.part, group=group)
+        else:
+            dist.all_gather(list(self.flat.chunk(self.dp)), self.part.clone(), group=group)
+
+
+class FlatEngine:
+    """The part of DeepSpeed's engine interface neox's loop and checkpoint code use."""
+
+    def __init__(
+        self, ds_config: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer, mpu
+    ) -> None:
+        self.config = ds_config
+        self.bf16 = bool(ds_config.get("bf16", {}).get("enabled"))
+        dtype = torch.bfloat16 if self.bf16 else torch.float32
+        self.module = model.to(dtype)
+        self.mpu = mpu
+        self.dp_group = mpu.get_data_parallel_group() if mpu is not None else None
+        self.dp = mpu.get_data_parallel_world_size() if mpu is not None else 1
+        self.dp_rank = mpu.get_data_parallel_rank() if mpu is not None else 0
+        self.grad_accum = int(ds_config.get("gradient_accumulation_steps", 1))
+        self.clip = float(ds_config.get("gradient_clipping") or 0.0)
+        self.micro_batch = int(ds_config["train_micro_batch_size_per_gpu"])
+        self.zero_stage = int(ds_config.get("zero_optimization", {}).get("stage", 0))
+        if self.dp > 1:
+            # Every rank starts from rank 0's weights, as DeepSpeed's engine broadcasts them.
+            for p in model.parameters():
+                dist.broadcast(p.data, dist.get_global_rank(self.dp_group, 0), group=self.dp_group)
+        names = {id(p): n for n, p in model.named_parameters()}
+        self.groups = [
+            FlatGroup([(names[id(p)], p) for p in g["params"]], dtype, self.dp, self.dp_rank)
+            for g in optimizer.param_groups
+            if g["params"]
+        ]
+        options = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        self.optimizer = type(optimizer)(
+            [dict(o, params=[g.master]) for o, g in zip(options, self.groups)]
+        )
+        for group in self.optimizer.param_groups:
+            group["fused"] = True  # one launch per group; grad_scale and found_inf are honoured
+        device = self.groups[0].flat.device
+        self.one_pass = self.bf16 and device.type == "cuda" and _one_pass_ok(self.optimizer)
+        self.global_steps = 0
+        self.global_samples = 0
+        self.micro_steps = 0
+        self._skipped = torch.zeros((), device=device)
+        self._norm: Optional[torch.Tensor] = None
+
+    # -- forward, backward, step --------------------------------------------------------------
+
+    def __call__(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def train(self, mode: bool = True) -> None:
+        self.module.train(mode)
+
+    def eval(self) -> None:
+        self.module.eval()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        # As DeepSpeed: each micro-batch's loss counts 1/accumulation-steps of the step's.
+        (loss / self.grad_accum if self.grad_accum > 1 else loss).backward()
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.grad_accum == 0
+
+    def step(self) -> None:
+        boundary = self.is_gradient_accumulation_boundary()
+        self.micro_steps += 1
+        if not boundary:
+            return
+        self._optimizer_step()
+        self.global_steps += 1
+        self.global_samples += self.micro_batch * self.grad_accum * self.dp
+
+    @torch.no_grad()
+    def _optimizer_step(self) -> None:
+        for g in self.groups:
+            g.reduce_gradients(self.dp_group)
+        # The partitions hold gradient sums over the ranks: the norm of their mean is the
+        # all-reduced sum of squares, square-rooted, over dp.
+        squares = torch.stack(
+            [torch.linalg.vector_norm(g.part_grad, dtype=torch.float32) ** 2 for g in self.groups]
+        ).sum()
+        if self.dp > 1:
+            dist.all_reduce(squares, group=self.dp_group)
+        norm = squares.sqrt() / self.dp
+        found_inf = (~torch.isfinite(norm)).float()
+        # The sums are divided by dp and, as DeepSpeed clips, by (norm + 1e-6) / clip where that
+        # exceeds 1: both through the optimizer's grad_scale, which also skips on found_inf.
+        scale = torch.full((), float(self.dp), device=norm.device)
+        if self.clip > 0:
+            ratio = (norm + 1e-6) / self.clip
+            scale = torch.where(ratio > 1, ratio * self.dp, scale)
+        if self.one_pass:
+            self._one_pass_step(scale, found_inf)
+        else:
+            self._torch_step(scale, found_inf)
+        for g in self.groups:
+            g.gather_weights(self.dp_group)
+            g.grad.zero_()
+        self._norm = norm
+        self._skipped += found_inf
+
+    def _one_pass_step(self, scale: torch.Tensor, found_inf: torch.Tensor) -> None:
+        """AdamW of neox.kernels.adamw: each partition's update in one pass over its buffers."""
+        from neox.kernels.adamw import adamw_step_
+
+        for g, group in zip(self.groups, self.optimizer.param_groups):
+            state = self.optimizer.state[g.master]
+            if not state:  # as torch's fused AdamW lays its state out, for the checkpoints
+                state["step"] = torch.zeros((), dtype=torch.float32, device=g.master.device)
+                state["exp_avg"] = torch.zeros_like(g.master)
+                state["exp_avg_sq"] = torch.zeros_like(g.master)
+            state["step"].add_(1 - found_inf)
+            adamw_step_(
+                g.part,
+                g.master,
+                g.part_grad,
+                state["exp_avg"],
+                state["exp_avg_sq"],
+                state["step"],
+                scale,
+                found_inf,
+                lr=group["lr"],
+                betas=group["betas"],
+                eps=group["eps"],
+                weight_decay=group["weight_decay"],
+            )
+
+    def _torch_step(self, scale: torch.Tensor, found_inf: torch.Tensor) -> None:
+        """torch's fused AdamW on fp32 gradients, then the master weights copied back."""
+        for g in self.groups:
+            g.master.grad = g.part_grad if g.master is g.part else g.part_grad.float()
+        self.optimizer.grad_scale = scale
+        self.optimizer.found_inf = found_inf
+        self.optimizer.step()
+        for g in self.groups:
+            g.master.grad = None
+            if g.master is not g.part:
+                g.part.copy_(g.master)
+
+    @property
+    def skipped_steps(self) -> int:
+        return int(self._skipped)
+
+    def get_global_grad_norm(self) -> Optional[float]:
+        return None if self._norm is None else float(self._norm)
+
+    def zero_optimization_stage(self) -> int:
+        return self.zero_stage
+
+    def zero_optimization_partition_weights(self) -> bool:
+        return False
+
+    # -- checkpoints, in DeepSpeed's ZeRO-1 layout -------------------------------------------
+
+    def save_checkpoint(
+        self, save_dir: str, tag: str, client_state: dict[str, Any], save_latest: bool = False
+    ) -> None:
+        """The model file (data-parallel rank 0) and this rank's optimizer partition."""
+        import deepspeed
+        from deepspeed.runtime.fp16.loss_scaler import LossScaler
+        from deepspeed.runtime.zero.config import ZeroStageEnum
+
+        path = Path(save_dir) / tag
+        path.mkdir(parents=True, exist_ok=True)
+        if self.dp_rank == 0:
+            state = {
+                "module": self.module.state_dict(),
+                "buffer_names": [n for n, _ in self.module.named_buffers()],
+                "optimizer": None,
+                "param_shapes": [
+                    OrderedDict((n, p.shape) for n, p in zip(g.names, g.params))
+                    for g in self.groups
+                ],
+                "frozen_param_shapes": None,
+                "shared_params": {},
+                "frozen_param_fragments": None,
+                "lr_scheduler": None,
+                "data_sampler": None,
+                "random_ltd": None,
+                "sparse_tensor_module_names": set(),
+                "skipped_steps": self.skipped_steps,
+                "global_steps": self.global_steps,
+                "global_samples": self.global_samples,
+                "dp_world_size": self.dp,
+                "mp_world_size": 1,
+                "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 1},
+                "ds_config": self.config,
+                "ds_version": deepspeed.__version__,
+                **client_state,
+            }
+            torch.save(state, path / MODEL_FILE)
+        optim = {
+            "loss_scaler": LossScaler(scale=1.0),
+            "dynamic_loss_scale": False,
+            "overflow": False,
+            "clip_grad": self.clip,
+            "base_optimizer_state": self.optimizer.state_dict(),
+            # DeepSpeed saves the fp32 partitions without the padding.
+            "single_partition_of_fp32_groups": [
+                g.master[: g.size - g.padding] for g in self.groups
+            ],
+            "zero_stage": ZeroStageEnum.optimizer_states,
+            "group_paddings": [g.padding for g in self.groups],
+            "param_alignment_paddings": [[0] * len(g.params) for g in self.groups],
+            "partition_count": [self.dp] * len(self.groups),
+            "ds_version": deepspeed.__version__,
+            "param_slice_mappings": [g.slice_mappings() for g in self.groups],
+        }
+        doc = {"optimizer_state_dict": optim, "ds_config": self.config}
+        doc["ds_version"] = deepspeed.__version__
+        torch.save(doc, path / optim_file(self.dp_rank, self.bf16))
+
+    @torch.no_grad()
+    def load_checkpoint(
+        self,
+        load_dir: str,
+        tag: Optional[str] = None,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = False,
+        load_module_only: bool = False,
+    ) -> tuple[Optional[str], Optional[dict[str, Any]]]:
+        """Load a ZeRO 0-2 checkpoint without model parallelism (DeepSpeed's or this engine's,
+        at any data-parallel size); returns (path, client state) as DeepSpeed's
+        load_checkpoint does, or (None, None) when there is none."""
+        if tag is None:
+            latest = Path(load_dir) / "latest"
+            if not latest.is_file():
+                return None, None
+            tag = latest.read_text().strip()
+        path = Path(load_dir) / tag
+        model_file = path / MODEL_FILE
+        if not model_file.is_file():
+            return None, None
+        state = torch.load(model_file, map_location="cpu", weights_only=False)
+        self.module.load_state_dict(state["module"], strict=True)
+        if load_module_only:
+            self._masters_from_weights()
+            return str(model_file), {k: v for k, v in state.items() if k != "module"}
+        self.global_steps = state["global_steps"]
+        self.global_samples = state.get("global_samples", 0)
+        self._skipped.fill_(state["skipped_steps"])
+        if load_optimizer_states:
+            self._load_optimizer(path, state)
+        else:
+            self._masters_from_weights()
+        skip = set(ENGINE_KEYS) - ({"optimizer"} if not load_optimizer_states else set())
+        return str(model_file), {k: v for k, v in state.items() if k not in skip}
+
+    def _masters_from_weights(self) -> None:
+        for g in self.groups:
+            if g.master is not g.part:
+                g.master.copy_(g.part)
+
+    def _load_optimizer(self, path: Path, state: dict[str, Any]) -> None:
+        """Every saved rank's partition joined into whole groups, then this rank's partition
+        taken: the same code reads a checkpoint of any data-parallel size."""
+        from neox.checkpoint.errors import CheckpointError
+
+        saved_dp = int(state.get("dp_world_size", 1))
+        if int(state.get("mp_world_size", 1)) != 1:
+            raise CheckpointError(
+                f"{path} was saved with model parallelism; set finetune: true to load its weights"
+            )
+        parts = []
+        for r in range(saved_dp):
+            files = [path / optim_file(r, True), path / optim_file(r, False)]
+            found = next((f for f in files if f.is_file()), None)
+            if found is None:
+                raise CheckpointError(
+                    f"{path} holds no ZeRO optimizer file {files[0].name} (dp_world_size "
+                    f"{saved_dp}); resume with the ZeRO stage it was saved with, or set "
+                    "no_load_optim: true"
+                )
+            doc = torch.load(found, map_location="cpu", weights_only=False)
+            parts.append(doc["optimizer_state_dict"])
+        mapped = [list(m) for m in parts[0].get("param_slice_mappings", [])]
+        if saved_dp == 1 and mapped and mapped != [g.names for g in self.groups]:
+            raise CheckpointError(
+                f"{path}: its parameter groups do not match this model's; resume with the "
+                "model config the checkpoint was saved with, or set finetune: true"
+            )
+        first = parts[0]["base_optimizer_state"]
+        if not first["state"]:  # saved before the first step: nothing but the weights
+            self._masters_from_weights()
+            return
+        if len(first["param_groups"]) != len(self.groups):
+            raise CheckpointError(
+                f"{path} has {len(first['param_groups'])} optimizer parameter groups, this run "
+                f"{len(self.groups)}; resume with the optimizer settings it was saved with"
+            )
+        groups_state = []
+        for i, g in enumerate(self.groups):
+
+            def whole(key: str, i: int = i, g: FlatGroup = g) -> torch.Tensor:
+                if key == "master":
+                    pieces = [p["single_partition_of_fp32_groups"][i] for p in parts]
+                else:
+                    pieces = [p["base_optimizer_state"]["state"][i][key] for p in parts]
+                full = torch.cat([t.reshape(-1).float() for t in pieces])[: g.numel]
+                if full.numel() != g.numel:
+                    raise CheckpointError(
+                        f"{path}: parameter group {i} holds {full.numel()} values, this model "
+                        f"{g.numel}; resume with the model config it was saved with"
+                    )
+                mine = torch.zeros(g.size)
+                lo, hi = g.start, min(g.start + g.size, g.numel)
+                if hi > lo:
+                    mine[: hi - lo] = full[lo:hi]
+                return mine
+
+            g.master.copy_(whole("master"))
+            step = first["state"][i]["step"]
+            groups_state.append(
+                {"step": step, "exp_avg": whole("exp_avg"), "exp_avg_sq": whole("exp_avg_sq")}
+            )
+        self.optimizer.load_state_dict(
+            {"state": dict(enumerate(groups_state)), "param_groups": first["param_groups"]}
+        )
+        for group in self.optimizer.param_groups:
+            group["fused"] = True  # the saved groups may say otherwise
+        for g in self.groups:
+            if g.master is not g.part:
+                g.part.copy_(g.master)
+            g.gather_weights(self.dp_group)

@@ -1,0 +1,54 @@
+"""benchmarks/train_multi_gpu.py --tiny: real deepy.py launches on 1 and 2 CPU ranks, metrics
+read back into the table, so the script cannot rot."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_tiny_one_rank_and_dp2_runs_fill_the_table(tmp_path):
+    out = tmp_path / "results.jsonl"
+    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=str(ROOT))
+    r = subprocess.run(
+        [sys.executable, "benchmarks/train_multi_gpu.py", "--tiny", "--models", "410M"]
+        + ["--runs", "1gpu", "dp2", "--json", str(out), "--work-dir", str(tmp_path / "work")],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    records = {rec["run"]: rec for rec in map(json.loads, out.read_text().splitlines())}
+    assert set(records) == {"1gpu", "dp2"}
+    for rec in records.values():
+        assert rec["exit_code"] == 0 and rec["steps"] == "3-6"
+        assert rec["tokens_per_s"] > 0 and rec["peak_mem_gb"] > 0
+    # Each run went through deepy.py: its own overlay, log and metrics.jsonl under the work dir.
+    assert "num_gpus: 2" in (tmp_path / "work" / "410M_dp2.yml").read_text()
+    assert (tmp_path / "work" / "410M_dp2" / "metrics.jsonl").stat().st_size > 0
+    assert "410M: DP=2 ZeRO-1 / one GPU = " in r.stdout
+
+
+def test_missing_tokenizer_is_named_before_any_launch(tmp_path):
+    r = subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/train_multi_gpu.py",
+            "--vocab-file",
+            str(tmp_path / "no.json"),
+        ],
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2 and "no.json not found" in r.stderr and "Traceback" not in r.stderr

@@ -1,0 +1,99 @@
+"""neox/attention_path.py: the kernel each layer type takes, that the model obeys it, and that
+`deepy.py --dry-run` reports it for the shipped configs that select each path."""
+
+import pytest
+import torch
+
+from neox.attention_path import describe_attention_paths, select_attention_path
+from neox.config import load_config
+from neox.config.model import ModelConfig
+from neox.model import attention as attention_module
+from neox.model.attention import Attention
+from tests.test_deepy import ROOT, deepy
+
+TINY = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16)
+FUSED = "scaled_upper_triang_masked_softmax_fusion"
+
+
+def test_auto_picks_triton_only_for_fused_global_layers_on_cuda():
+    plain = ModelConfig(**TINY)
+    assert select_attention_path(plain, "global", "cuda").impl == "flash"
+    fused = ModelConfig(**TINY, **{FUSED: True})
+    path = select_attention_path(fused, "global", "cuda")
+    assert path.impl == "triton" and FUSED in path.reason
+    assert select_attention_path(fused, "global", torch.device("cuda", 1)).impl == "triton"
+    assert select_attention_path(fused, "flash", "cuda").impl == "flash"
+    assert select_attention_path(fused, "global", "cpu").impl == "flash"
+    masked = ModelConfig(**TINY, scaled_masked_softmax_fusion=True)
+    assert select_attention_path(masked, "global", "cuda").impl == "triton"
+    forced = ModelConfig(**TINY, attention_impl="torch", scaled_masked_softmax_fusion=True)
+    path = select_attention_path(forced, "global", "cuda")
+    assert path.impl == "torch" and path.reason == "attention_impl: torch"
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"attention_impl": "torch"}, {"attention_impl": "triton"}, {FUSED: True}],
+)
+def test_the_model_runs_the_selected_path(monkeypatch, overrides):
+    cfg = ModelConfig(**TINY, **overrides)
+    attn = Attention(cfg)
+    ran = []
+    sdpa, scores = Attention._attend_sdpa, Attention._attend_scores
+    monkeypatch.setattr(Attention, "_attend_sdpa", lambda s, *a: ran.append("flash") or sdpa(s, *a))
+    monkeypatch.setattr(
+        Attention,
+        "_attend_scores",
+        lambda s, *a, fused: (
+            ran.append("triton" if fused else "torch") or scores(s, *a, fused=fused)
+        ),
+    )
+    attn(torch.randn(2, 8, 32))
+    assert ran == [select_attention_path(cfg, "global", "cpu").impl]
+    assert attn.impl_cuda == select_attention_path(cfg, "global", "cuda").impl
+    assert attention_module.select_attention_path is select_attention_path  # one decision
+
+
+def test_describe_names_counts_windows_and_cpu_fallback():
+    mixed = ModelConfig(
+        **{**TINY, "num_layers": 4},
+        attention_config=[[["global", "local"], 2]],
+        sliding_window_width=8,
+        **{FUSED: True},
+    )
+    lines = describe_attention_paths(mixed, cpu_ranks=True)
+    assert lines[0].startswith("global x2: Triton fused softmax (why: attention_impl auto, ")
+    assert "on these CPU ranks: torch SDPA (flash)" in lines[0]
+    assert lines[1].startswith("local x2: torch SDPA (flash)")
+    assert "sliding window 8" in lines[1] and "not its flash kernel" in lines[1]
+    assert describe_attention_paths(mixed)[0].endswith(FUSED + ")")  # GPU ranks: no CPU note
+
+
+@pytest.mark.parametrize(
+    "config,line",
+    [
+        ("configs/pythia/410M.yml", "flash x24: torch SDPA (flash)"),
+        (
+            "configs/20B.yml",
+            "global x44: Triton fused softmax (why: attention_impl auto, `global` layers + "
+            + FUSED,
+        ),
+        ("configs/llama2/7B.yml", "global x32: Triton fused softmax"),
+        ("configs/mistral/7B.yml", "flash x32: torch SDPA (flash)"),
+    ],
+)
+def test_dry_run_reports_each_shipped_path(config, line):
+    cfg = load_config([str(ROOT / config)]).config.model
+    assert any(text.startswith(line) for text in describe_attention_paths(cfg))
+    if config == "configs/20B.yml":  # one real dry run; the others share its code
+        r = deepy("train.py", config, "--dry-run")
+        assert r.returncode == 0, r.stderr
+        section = r.stdout.split("# attention per layer type", 1)[1].split("# estimate", 1)[0]
+        assert line in section
+
+
+def test_local_layers_without_a_window_stop_a_launch(tmp_path):
+    bad = tmp_path / "local.yml"
+    bad.write_text('attention_config: [[["global", "local"], 1]]\n')
+    r = deepy("train.py", "configs/tiny.yml", bad)
+    assert r.returncode == 2 and "sliding_window_width is unset" in r.stderr

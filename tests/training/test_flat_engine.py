@@ -1,0 +1,195 @@
+"""neox's flat engine on one rank against DeepSpeed's ZeRO-1 engine: same steps, same checkpoints."""
+
+import copy
+
+import pytest
+import torch
+
+from neox.config.model import ModelConfig
+from neox.model import build_model
+from neox.training.engine import build_engine
+from neox.training.flat_engine import FlatEngine, unsupported_reason
+from neox.training.optim import param_groups
+
+CFG = ModelConfig(
+    num_layers=2,
+    hidden_size=32,
+    num_attention_heads=4,
+    seq_length=16,
+    max_position_embeddings=16,
+    pos_emb="rotary",
+    rotary_pct=0.25,
+    gpt_j_residual=True,
+    no_weight_tying=True,
+)
+VOCAB = 64
+
+
+def ds_config(precision="bf16", accum=1, clip=0.05, stage=1):
+    cfg = {
+        "train_batch_size": 2 * accum,
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": accum,
+        "gradient_clipping": clip,
+        "zero_optimization": {"stage": stage, "overlap_comm": False},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**6,
+    }
+    if precision == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    return cfg
+
+
+def engine(kind, model, **cfg):
+    model = copy.deepcopy(model)
+    opt = torch.optim.AdamW(param_groups(model, 0.1), lr=3e-3, betas=(0.9, 0.95))
+    return build_engine(ds_config(**cfg), model, opt, None, flat_engine=kind == "own")
+
+
+def batches(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        text = torch.randint(0, VOCAB, (2, CFG.seq_length + 1), generator=g)
+        yield text[:, :-1], text[:, 1:]
+
+
+def train(eng, steps, accum=1, seed=0, lr=None):
+    losses, norms = [], []
+    device = next(eng.module.parameters()).device
+    for i, (tokens, labels) in enumerate(batches(steps * accum, seed)):
+        tokens, labels = tokens.to(device), labels.to(device)
+        if lr is not None:
+            for group in eng.optimizer.param_groups:
+                group["lr"] = lr
+        loss = eng(tokens, labels=labels)
+        eng.backward(loss)
+        eng.step()
+        losses.append(loss.item())
+        if (i + 1) % accum == 0:
+            norms.append(float(eng.get_global_grad_norm()))
+    return losses, norms
+
+
+def weights(eng):
+    return {k: v.float().cpu() for k, v in eng.module.state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def rank():
+    """One rank as DeepSpeed's engine wants it: a process group (one for the module: DeepSpeed
+    caches the groups it derives) and its launcher's variables; all removed afterwards."""
+    import torch.distributed as dist
+    from deepspeed.utils import groups
+
+    env = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in env.items():
+            mp.setenv(name, value)
+        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", world_size=1, rank=0)
+        yield
+        dist.destroy_process_group()
+        groups._WORLD_GROUP = groups._DATA_PARALLEL_GROUP = None
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_model(CFG, VOCAB, seed=3)
+
+
+@pytest.mark.parametrize(
+    "precision,accum,clip",
+    [("bf16", 1, 0.05), ("bf16", 2, 0.05), ("fp32", 1, 0.05), ("fp32", 2, 0.0)],
+)
+def test_steps_match_deepspeed_zero1(model, rank, precision, accum, clip):
+    own = engine("own", model, precision=precision, accum=accum, clip=clip)
+    ds = engine("ds", model, precision=precision, accum=accum, clip=clip)
+    assert isinstance(own, FlatEngine) and not isinstance(ds, FlatEngine)
+    own_losses, own_norms = train(own, 6, accum)
+    ds_losses, ds_norms = train(ds, 6, accum)
+    tol = dict(rel=1e-3) if precision == "bf16" else dict(rel=1e-5)
+    assert own_losses == pytest.approx(ds_losses, **tol)
+    assert own_norms == pytest.approx(ds_norms, **tol)
+    if clip:
+        assert max(own_norms) > clip  # clipping was active
+    a, b = weights(own), weights(ds)
+    for name in a:
+        torch.testing.assert_close(
+            a[name], b[name], **({} if precision == "fp32" else {"atol": 2e-3, "rtol": 1e-2})
+        )
+    assert own.skipped_steps == ds.skipped_steps == 0
+
+
+def test_a_non_finite_gradient_skips_the_step(model, rank):
+    check_non_finite_skip(model)
+
+
+def check_non_finite_skip(model):
+    own = engine("own", model)
+    train(own, 1)
+    before = weights(own)
+    state_before = {k: v["step"].clone() for k, v in own.optimizer.state.items()}
+    tokens, labels = next(batches(1, seed=9))
+    device = next(own.module.parameters()).device
+    loss = own(tokens.to(device), labels=labels.to(device))
+    own.backward(loss * float("nan"))
+    own.step()
+    assert own.skipped_steps == 1
+    assert own.get_global_grad_norm() != own.get_global_grad_norm()  # NaN
+    after = weights(own)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert all(torch.equal(state_before[k], own.optimizer.state[k]["step"]) for k in state_before)
+    train(own, 1, seed=4)  # and the next finite step trains again
+    assert not all(torch.equal(before[k], w) for k, w in weights(own).items())
+
+
+@pytest.mark.parametrize("writer,reader", [("own", "own"), ("own", "ds"), ("ds", "own")])
+def test_checkpoints_resume_across_engines(model, rank, tmp_path, writer, reader):
+    """A checkpoint of either engine resumes in the other: the continued steps equal those of
+    the writer going on uninterrupted (bit for bit when the same engine reads it back)."""
+    first = engine(writer, model)
+    train(first, 3, lr=3e-3)
+    first.save_checkpoint(str(tmp_path), tag="global_step3", client_state={"iteration": 3})
+    (tmp_path / "latest").write_text("global_step3")
+    going_on, _ = train(first, 3, seed=1, lr=1e-3)
+
+    second = engine(reader, build_model(CFG, VOCAB, seed=77))  # other weights until loaded
+    path, state = second.load_checkpoint(
+        str(tmp_path), tag=None, load_optimizer_states=True, load_lr_scheduler_states=False
+    )
+    assert path is not None and state["iteration"] == 3
+    assert second.global_steps == 3 and second.skipped_steps == 0
+    resumed, _ = train(second, 3, seed=1, lr=1e-3)
+    if writer == reader:
+        assert resumed == going_on
+        assert all(
+            torch.equal(a, b) for a, b in zip(weights(first).values(), weights(second).values())
+        )
+    else:
+        assert resumed == pytest.approx(going_on, rel=1e-3)
+
+
+def test_consolidate_reads_its_checkpoint(model, rank, tmp_path):
+    from neox.checkpoint.consolidate import read_shards
+
+    own = engine("own", model)
+    train(own, 2)
+    own.save_checkpoint(str(tmp_path), tag="global_step2", client_state={"iteration": 2})
+    (tmp_path / "latest").write_text("global_step2")
+    [state] = read_shards(tmp_path / "global_step2", 1, CFG.num_layers)
+    live = own.module.state_dict()
+    assert state.keys() == live.keys()
+    assert all(torch.equal(state[k].to(live[k].dtype), live[k]) for k in live)
+
+
+def test_what_it_does_not_cover_goes_to_deepspeed(model):
+    opt = torch.optim.AdamW(model.parameters())
+    assert unsupported_reason(ds_config(), opt, 1, 1) is None
+    assert unsupported_reason(ds_config(), opt, 4, 1) is None
+    assert unsupported_reason(ds_config(), opt, 2, 2) == "tensor or pipeline parallelism"
+    fp16 = {**ds_config("fp32"), "fp16": {"enabled": True}}
+    assert "fp16" in unsupported_reason(fp16, opt, 1, 1)
+    assert unsupported_reason(ds_config(stage=2), opt, 1, 1) is None  # one rank: as ZeRO-1
+    assert "ZeRO-2" in unsupported_reason(ds_config(stage=2), opt, 2, 1)
+    assert "ZeRO-3" in unsupported_reason(ds_config(stage=3), opt, 1, 1)
+    sgd = torch.optim.SGD(model.parameters(), lr=1)
+    assert "SGD" in unsupported_reason(ds_config(), sgd, 1, 1)
