@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout, uninstalled
 
 from neox.checkpoint.hf_map import hf_config_for, to_hf_state_dict  # noqa: E402
-from neox.config import load_config, pad_vocab_size  # noqa: E402
+from neox.config import load_config  # noqa: E402
+from neox.config.derived import padded_vocab  # noqa: E402
 from neox.inference.engine import Generator  # noqa: E402
 from neox.model import build_model  # noqa: E402
 
@@ -49,11 +50,12 @@ def build_pair(args: argparse.Namespace):
     """(our model, transformers' GPTNeoXForCausalLM with the same weights, vocab size)."""
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
-    cfg = load_config([args.config]).config.model
+    run_cfg = load_config([args.config]).config
+    cfg = run_cfg.model
     if args.tiny:
         cfg = cfg.model_copy(update=TINY)
     vocab = 512 if args.tiny else PYTHIA_VOCAB
-    padded = pad_vocab_size(vocab, cfg.make_vocab_size_divisible_by, 1)
+    padded = padded_vocab(run_cfg, vocab)
     dtype, device = DTYPES[args.dtype], torch.device(args.device)
     model = build_model(cfg, padded, seed=1234).to(device=device, dtype=dtype).eval()
     hf_cfg = GPTNeoXConfig(**hf_config_for(cfg, vocab, "gpt_neox"))

@@ -35,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from neox.config import load_config  # noqa: E402
+from neox.config.derived import model_shape, precision_of  # noqa: E402
 from neox.estimate import train_flops_per_token  # noqa: E402
 from neox.training.metrics import peak_tflops  # noqa: E402
 
@@ -177,15 +178,15 @@ def hf_step(cfg, vocab: int, micro_batch: int, device, compile_: bool):
     """HF GPTNeoXForCausalLM with SDPA, bf16 autocast and fused AdamW: the usual HF recipe."""
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
-    m = cfg.model
+    m, shape = cfg.model, model_shape(cfg.model)
     hf_cfg = GPTNeoXConfig(
         vocab_size=vocab,
         hidden_size=m.hidden_size,
         num_hidden_layers=m.num_layers,
         num_attention_heads=m.num_attention_heads,
-        intermediate_size=m.ffn_size,
+        intermediate_size=shape.ffn_size,
         rotary_pct=m.rotary_pct,
-        max_position_embeddings=m.max_position_embeddings,
+        max_position_embeddings=shape.max_positions,
         use_parallel_residual=m.gpt_j_residual,
         tie_word_embeddings=not m.no_weight_tying,
         hidden_act="gelu",
@@ -198,7 +199,7 @@ def hf_step(cfg, vocab: int, micro_batch: int, device, compile_: bool):
     )
     fwd = torch.compile(model) if compile_ else model
     batches = random_batches(vocab, micro_batch, m.seq_length, device)
-    bf16 = cfg.precision.bf16 is not None and cfg.precision.bf16.get("enabled", False)
+    bf16 = precision_of(cfg) == "bf16"
 
     def step(i: int) -> Any:
         tokens = batches[i % len(batches)]

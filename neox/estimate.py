@@ -8,6 +8,7 @@ persistent (unpartitioned) small tensors.
 
 from __future__ import annotations
 
+from neox.config.derived import model_shape
 from neox.config.model import ModelConfig
 
 
@@ -32,16 +33,17 @@ def block_tensor_sizes(cfg: ModelConfig, tp: int = 1) -> list[int]:
     Column-parallel layers (qkv, MLP up/gate) split weight and bias; row-parallel ones (attention
     dense, MLP down) split the weight and keep the bias whole; norms are replicated.
     """
-    h, hs = cfg.hidden_size, cfg.head_dim
-    qkv_out = (cfg.num_attention_heads + 2 * cfg.kv_heads) * hs // tp
+    shape = model_shape(cfg)
+    h, hs = cfg.hidden_size, shape.head_dim
+    qkv_out = (cfg.num_attention_heads + 2 * shape.kv_heads) * hs // tp
     attn_in = cfg.num_attention_heads * hs // tp
-    ffn = cfg.ffn_size // tp
+    ffn = shape.ffn_size // tp
     sizes = [qkv_out * h, attn_in * h]
     if cfg.use_bias_in_attn_linear:
         sizes += [qkv_out, h]
     if cfg.use_qk_layernorm:
         sizes += 2 * _norm_tensors(cfg, hs)
-    branches = 2 if cfg.gated_mlp else 1
+    branches = 2 if shape.gated_mlp else 1
     sizes += [ffn * h] * branches + [h * ffn]
     if cfg.use_bias_in_mlp:
         sizes += [ffn] * branches + [h]
@@ -75,7 +77,7 @@ def stage_tensor_sizes(
     if first:
         sizes.append(vocab_size // tp * h)
         if cfg.pos_emb == "learned":
-            sizes.append((cfg.max_positions + cfg.opt_pos_emb_offset) * h)
+            sizes.append(model_shape(cfg).position_rows * h)
     sizes += block_tensor_sizes(cfg, tp) * blocks_per_stage(cfg.num_layers, pp)[stage]
     if last:
         sizes += _norm_tensors(cfg, h)
@@ -97,7 +99,7 @@ def embedding_parameters(cfg: ModelConfig, vocab_size: int) -> int:
     h = cfg.hidden_size
     total = vocab_size * h * (2 if cfg.no_weight_tying else 1)
     if cfg.pos_emb == "learned":
-        total += (cfg.max_positions + cfg.opt_pos_emb_offset) * h
+        total += model_shape(cfg).position_rows * h
     return total
 
 

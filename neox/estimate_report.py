@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from neox.config.derived import Derived, pad_vocab_size
+from neox.config.derived import Derived, padded_vocab
 from neox.config.schema import NeoXConfig
 from neox.estimate import count_parameters, embedding_parameters, train_flops_per_token
 from neox.memory import GiB, MemoryEstimate, TrainingShape, estimate_memory, training_shape
@@ -42,10 +42,9 @@ def estimate_vocab(cfg: NeoXConfig, derived: Derived) -> tuple[int, str]:
     """(padded vocabulary, where it came from): the tokenizer's, or GPT-NeoX-20B's without one."""
     if derived.padded_vocab_size is not None:
         return derived.padded_vocab_size, "tokenizer"
-    padded = pad_vocab_size(
-        DEFAULT_VOCAB, cfg.model.make_vocab_size_divisible_by, derived.tensor_parallel
-    )
-    return padded, f"no tokenizer here: assumed GPT-NeoX-20B's {DEFAULT_VOCAB}"
+    return padded_vocab(
+        cfg, DEFAULT_VOCAB
+    ), f"no tokenizer here: assumed GPT-NeoX-20B's {DEFAULT_VOCAB}"
 
 
 def memory_by_stage(

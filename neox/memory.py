@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
 from neox.attention_path import select_attention_path
-from neox.config.derived import Derived
+from neox.config.derived import Derived, model_shape
 from neox.config.ds_config import zero_section
 from neox.config.model import ModelConfig
 from neox.config.schema import NeoXConfig
@@ -137,7 +137,6 @@ def training_shape(
     """The TrainingShape of a validated config (zero_stage overrides the configured stage)."""
     zero = zero_section(cfg, derived.data_parallel, zero_stage)
     t, spec = cfg.training, cfg.optimizer.optimizer
-    kind = (spec.type or cfg.optimizer.optimizer_type or "adam").lower()
     return TrainingShape(
         vocab_size=vocab_size,
         tp=derived.tensor_parallel,
@@ -148,7 +147,7 @@ def training_shape(
         precision=derived.precision,
         zero_stage=int(zero["stage"]),
         zero=zero,
-        optimizer=kind,
+        optimizer=derived.optimizer_type,
         sgd_momentum=bool(spec.params.get("momentum", 0)),
         checkpoint_activations=t.checkpoint_activations,
         checkpoint_num_layers=t.checkpoint_num_layers,
@@ -177,9 +176,10 @@ def block_activation_bytes(
     over tp), then per tp shard the attention's q, k, v, output and the dense layer's input, and
     the MLP's inner activations; plus whole-sequence terms for materialised scores and masks.
     """
-    h, hs = cfg.hidden_size, cfg.head_dim
-    nh, nkv = cfg.num_attention_heads // tp, cfg.kv_heads // tp
-    hq, hkv, ffn = nh * hs, nkv * hs, cfg.ffn_size // tp
+    shape = model_shape(cfg)
+    h, hs = cfg.hidden_size, shape.head_dim
+    nh, nkv = cfg.num_attention_heads // tp, shape.kv_heads // tp
+    hq, hkv, ffn = nh * hs, nkv * hs, shape.ffn_size // tp
     tokens = seq * micro_batch
     kernel = select_attention_path(cfg, layer_type, "cuda").impl
 
@@ -191,7 +191,7 @@ def block_activation_bytes(
     else:
         per_token = 2 * (shared + own)
     per_token += (1 if cfg.gpt_j_tied else 2) * k * h
-    mha = cfg.kv_heads == cfg.num_attention_heads
+    mha = shape.kv_heads == cfg.num_attention_heads
     rotary, qk_norm = cfg.pos_emb == "rotary", cfg.use_qk_layernorm
     kv = hkv if mha else hq  # GQA repeats k and v over the query group
     if kernel == "flash":
@@ -211,12 +211,12 @@ def block_activation_bytes(
         per_token += k * (hq + 2 * hkv) if qk_norm else 0
     if rotary:
         # Training passes position ids, so each layer gathers its own cos and sin (B, T, dim).
-        per_token += 2 * k * int(hs * cfg.rotary_pct)
+        per_token += 2 * k * shape.rotary_dims
     if qk_norm:
         q_shared, q_own = norm_activation_bytes(cfg, k, hs)
         per_token += (0 if mha else q_shared * nh) + q_own * (nh + nkv)
     # MLP inner activations.
-    if cfg.gated_mlp:
+    if shape.gated_mlp:
         per_token += 4 * k * ffn  # gate out, act(gate), up out, their product
     elif cfg.activation == "relu":
         per_token += k * ffn  # relu saves its output, which the down projection also saves
@@ -247,7 +247,7 @@ def activation_bytes(cfg: ModelConfig, shape: TrainingShape, stage: int = 0) -> 
     s, b, tp, pp = cfg.seq_length, shape.micro_batch, shape.tp, shape.pp
     counts = blocks_per_stage(cfg.num_layers, pp)
     first = sum(counts[:stage])
-    types = cfg.layer_attention_types()[first : first + counts[stage]]
+    types = model_shape(cfg).layer_types[first : first + counts[stage]]
     per_block = [block_activation_bytes(cfg, t, s, b, k, tp) for t in types]
     if shape.checkpoint_activations:
         # Only each chunk's input survives forward; backward recomputes one chunk at a time.

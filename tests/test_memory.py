@@ -125,3 +125,11 @@ def test_model_states_match_deepspeed_engine(engine_measurements):
         assert measured["optimizer_states"] == est.optimizer_states, case
         # Gradients and the ZeRO buckets they pass through are alive together in backward.
         assert measured["gradients_peak"] == est.gradients + est.buffers, case
+
+
+def test_training_shape_takes_the_optimizer_type_derive_resolved():
+    """gpt-neox's flat optimizer_type: sgd (no `optimizer` section) has no Adam moments."""
+    cfg = load_dict({"optimizer_type": "sgd"})
+    shape = training_shape(cfg, derive(cfg, 1), 512)
+    assert shape.optimizer == "sgd"
+    assert estimate_memory(cfg.model, shape).optimizer_states == 0

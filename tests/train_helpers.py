@@ -84,11 +84,6 @@ def run_deepy(
     script: str, *configs: Path, cpu: bool = True, stdin: str | None = None, check: bool = True
 ) -> subprocess.CompletedProcess:
     """`python deepy.py <script> <configs>`; asserts success unless check=False."""
-    env = dict(
-        os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
-    )
-    if cpu:
-        env["DS_ACCELERATOR"] = "cpu"
     r = subprocess.run(
         [sys.executable, str(ROOT / "deepy.py"), script, *map(str, configs)],
         input=stdin,
@@ -96,7 +91,7 @@ def run_deepy(
         text=True,
         timeout=400,
         cwd=ROOT,
-        env=env,
+        env=deepy_env(cpu=cpu),
     )
     if check:
         assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
@@ -108,12 +103,13 @@ def losses(log_dir: Path, split: str = "train") -> dict[int, float]:
     return {r["step"]: r["loss"] for r in records if r["split"] == split}
 
 
-def deepy_env(**extra: str) -> dict[str, str]:
+def deepy_env(cpu: bool = True, **extra: str) -> dict[str, str]:
     """The environment of a deepy.py child: this checkout first on PYTHONPATH, CPU ranks."""
     env = dict(
         os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
     )
-    env["DS_ACCELERATOR"] = "cpu"
+    if cpu:
+        env["DS_ACCELERATOR"] = "cpu"
     env.update(extra)
     return env
 

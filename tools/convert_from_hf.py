@@ -10,34 +10,29 @@ model.yml: the model and tokenizer keys with `finetune: true` and `load` set to 
 from __future__ import annotations
 
 import argparse
-import logging
 
 from neox.checkpoint.consolidate import CheckpointError
 from neox.checkpoint.hf_import import HFImportError, convert_from_hf
 from neox.checkpoint.staging import OutputDirError
+from neox.cli import add_directories, exit_on, tool_parser
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument(
-        "--input_dir", required=True, help="HF model directory (config.json and weights)"
+    p = tool_parser(__doc__)
+    add_directories(
+        p, "HF model directory (config.json and weights)", "neox checkpoint directory to write"
     )
-    p.add_argument("--output_dir", required=True, help="neox checkpoint directory to write")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (model_parallel_size)")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages (pipe_parallel_size)")
-    p.add_argument("--overwrite", action="store_true", help="replace a non-empty output_dir")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    try:
+    with exit_on("convert_from_hf", CheckpointError, HFImportError, OutputDirError):
         config, note = convert_from_hf(
             args.input_dir, args.output_dir, args.tp, args.pp, overwrite=args.overwrite
         )
-    except (CheckpointError, HFImportError, OutputDirError) as err:
-        raise SystemExit(f"convert_from_hf: error: {err}") from None
     print(f"wrote {args.output_dir} (tp={args.tp}, pp={args.pp}) and {config}")
     if note:
         print(f"note: {note}")

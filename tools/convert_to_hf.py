@@ -10,25 +10,20 @@ SPMTokenizer and TiktokenTokenizer runs are exported without tokenizer files.
 from __future__ import annotations
 
 import argparse
-import logging
 
 from neox.checkpoint.consolidate import CheckpointError
 from neox.checkpoint.export import ARCHITECTURES, PRECISIONS, ExportError, export_to_hf
 from neox.checkpoint.staging import OutputDirError
+from neox.cli import CHECKPOINT_INPUT, add_directories, add_iteration, exit_on, tool_parser
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument(
-        "--input_dir",
-        required=True,
-        help="checkpoint directory (uses its `latest`) or one global_stepN directory",
-    )
-    p.add_argument("--output_dir", required=True, help="HF model directory to write")
+    p = tool_parser(__doc__)
+    add_directories(p, CHECKPOINT_INPUT, "HF model directory to write")
+    add_iteration(p, "export")
     p.add_argument(
         "--config_file", help="neox config to use instead of the one saved in the checkpoint"
     )
-    p.add_argument("--iteration", type=int, help="export global_step<N> instead of `latest`")
     p.add_argument(
         "--precision",
         choices=PRECISIONS,
@@ -41,7 +36,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="neox",
         help="HF class: neox = GPTNeoXForCausalLM, llama = LlamaForCausalLM",
     )
-    p.add_argument("--overwrite", action="store_true", help="replace a non-empty output_dir")
     p.add_argument(
         "--verify",
         action="store_true",
@@ -53,8 +47,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    try:
+    with exit_on("convert_to_hf", CheckpointError, ExportError, OutputDirError):
         note = export_to_hf(
             args.input_dir,
             args.output_dir,
@@ -64,18 +57,14 @@ def main(argv: list[str] | None = None) -> None:
             architecture=args.architecture,
             overwrite=args.overwrite,
         )
-    except (CheckpointError, ExportError, OutputDirError) as err:
-        raise SystemExit(f"convert_to_hf: error: {err}") from None
     print(f"wrote {args.output_dir}")
     if note:
         print(f"note: {note}; only the model was written")
     if args.verify:
         from neox.checkpoint.verify import VerifyError, verify_export
 
-        try:
+        with exit_on("convert_to_hf", VerifyError, what="verification failed"):
             agreement = verify_export(args.output_dir, args.input_dir, args.iteration)
-        except VerifyError as err:
-            raise SystemExit(f"convert_to_hf: verification failed: {err}") from None
         print(agreement.describe())
 
 

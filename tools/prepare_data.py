@@ -10,9 +10,9 @@ Writes data/<name>/<name>.jsonl.zst and prints the commands that come next.
 from __future__ import annotations
 
 import argparse
-import logging
 import shlex
 
+from neox.cli import exit_on, tool_parser
 from neox.data.corpora import (
     CORPUS_NAMES,
     DEFAULT_CORPUS,
@@ -30,11 +30,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         [f"  {DEFAULT_CORPUS}: this Python's standard library sources (offline)"]
         + [f"  {c.name}: {c.about}" for c in REMOTE_CORPORA.values()]
     )
-    p = argparse.ArgumentParser(
-        description=__doc__,
-        epilog="corpora:\n" + names,
-        formatter_class=argparse.RawTextHelpFormatter,
-    )
+    p = tool_parser(__doc__)
+    p.epilog = "corpora:\n" + names
     p.add_argument(
         "source",
         nargs="*",
@@ -85,8 +82,7 @@ def next_commands(prepared: PreparedCorpus, args: argparse.Namespace) -> list[st
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    try:
+    with exit_on("prepare_data", CorpusDownloadError, ValueError, FileNotFoundError, InputError):
         prepared = prepare_corpus(
             args.source,
             args.output,
@@ -97,8 +93,6 @@ def main(argv: list[str] | None = None) -> None:
             timeout=args.timeout,
             jsonl_key=args.jsonl_key,
         )
-    except (CorpusDownloadError, ValueError, FileNotFoundError, InputError) as err:
-        raise SystemExit(f"prepare_data: error: {err}") from None
     mb = prepared.text_bytes / 1e6
     print(f"wrote {prepared.path}: {prepared.documents} documents, {mb:.1f} MB of text")
     print("next:")

@@ -9,16 +9,16 @@ Inputs are jsonl (plain or .zst/.gz/.xz), text files (one document each), direct
 from __future__ import annotations
 
 import argparse
-import logging
 import shlex
 
+from neox.cli import exit_on, tool_parser
 from neox.data.readers import InputError
 from neox.tokenizer import HFTokenizer
 from neox.tokenizer.train import DEFAULT_SPECIAL_TOKENS, train_bpe_tokenizer
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = tool_parser(__doc__)
     p.add_argument("inputs", nargs="+", help="files, directories or globs holding the text")
     p.add_argument("--output", required=True, help="path of the tokenizer JSON to write")
     p.add_argument(
@@ -37,8 +37,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    try:
+    with exit_on("train_tokenizer", ValueError, FileNotFoundError, InputError):
         path = train_bpe_tokenizer(
             args.inputs,
             args.output,
@@ -48,8 +47,6 @@ def main(argv: list[str] | None = None) -> None:
             progress=not args.no_progress,
         )
         tokenizer = HFTokenizer(str(path))
-    except (ValueError, FileNotFoundError, InputError) as err:
-        raise SystemExit(f"train_tokenizer: error: {err}") from None
     print(f"wrote {path} ({tokenizer.vocab_size} tokens, eod id {tokenizer.eod})")
     print("use it with: --tokenizer-type HFTokenizer --vocab-file " + shlex.quote(str(path)))
 

@@ -13,6 +13,7 @@ from typing import Any, Union
 
 import torch
 
+from neox.config.derived import model_shape
 from neox.config.model import ModelConfig
 from neox.model.mlp import activation_name
 
@@ -99,7 +100,7 @@ def check_exportable(cfg: ModelConfig, arch: str) -> None:
     """Raise ValueError listing every option the HF architecture `arch` cannot express."""
     if arch not in ARCHS:
         raise ValueError(f"unknown HF architecture {arch!r}; use one of {ARCHS}")
-    problems = []
+    problems, shape = [], model_shape(cfg)
     if cfg.pos_emb != "rotary":
         problems.append(f"pos_emb={cfg.pos_emb!r} (HF {arch} is rotary only)")
     if cfg.use_qk_layernorm:
@@ -109,16 +110,16 @@ def check_exportable(cfg: ModelConfig, arch: str) -> None:
     if arch == "gpt_neox":
         if cfg.norm != "layernorm" or not cfg.use_bias_in_norms:
             problems.append(f"norm={cfg.norm!r} (GPTNeoX needs layernorm with bias)")
-        if cfg.gated_mlp:
+        if shape.gated_mlp:
             problems.append(f"activation={cfg.activation!r} (GPTNeoX has no gated MLP)")
-        if cfg.kv_heads != cfg.num_attention_heads:
+        if shape.kv_heads != cfg.num_attention_heads:
             problems.append(f"num_kv_heads={cfg.num_kv_heads} (GPTNeoX has no GQA)")
         if not cfg.use_bias_in_mlp:
             problems.append("use_bias_in_mlp=false (GPTNeoX's MLP always has biases)")
     else:
         if cfg.norm != "rmsnorm":
             problems.append(f"norm={cfg.norm!r} (Llama needs rmsnorm)")
-        if not cfg.gated_mlp:
+        if not shape.gated_mlp:
             problems.append(f"activation={cfg.activation!r} (Llama needs swiglu or geglu)")
         if cfg.gpt_j_residual:
             problems.append("gpt_j_residual=true (Llama is sequential)")
@@ -135,14 +136,15 @@ def hf_config_for(cfg: ModelConfig, vocab_size: int, arch: str) -> dict[str, Any
     """The HF config.json content (a dict for transformers' config class) for this model."""
     check_exportable(cfg, arch)
     rope = {"rope_type": "default", "rope_theta": float(cfg.rotary_emb_base)}
+    shape = model_shape(cfg)
     common = {
         "vocab_size": vocab_size,
         "hidden_size": cfg.hidden_size,
         "num_hidden_layers": cfg.num_layers,
         "num_attention_heads": cfg.num_attention_heads,
-        "intermediate_size": cfg.ffn_size,
+        "intermediate_size": shape.ffn_size,
         "hidden_act": HF_ACTIVATIONS[activation_name(cfg)],
-        "max_position_embeddings": cfg.max_positions,
+        "max_position_embeddings": shape.max_positions,
         "initializer_range": cfg.init_method_std,
         "attention_dropout": cfg.attention_dropout,
         "attention_bias": cfg.use_bias_in_attn_linear,
@@ -165,8 +167,8 @@ def hf_config_for(cfg: ModelConfig, vocab_size: int, arch: str) -> dict[str, Any
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         **common,
-        "num_key_value_heads": cfg.kv_heads,
-        "head_dim": cfg.head_dim,
+        "num_key_value_heads": shape.kv_heads,
+        "head_dim": shape.head_dim,
         "rms_norm_eps": cfg.rms_norm_epsilon,
         "mlp_bias": cfg.use_bias_in_mlp,
         "rope_theta": float(cfg.rotary_emb_base),
@@ -192,7 +194,7 @@ def to_hf_state_dict(
 ) -> dict[str, torch.Tensor]:
     """Our state dict -> HF `arch` names and shapes, padded vocabulary rows dropped."""
     check_exportable(cfg, arch)
-    table = HF_KEYS[arch]
+    table, shape = HF_KEYS[arch], model_shape(cfg)
     out: dict[str, torch.Tensor] = {}
     for name, tensor in model_sd.items():
         module, suffix = name.rsplit(".", 1)
@@ -205,7 +207,7 @@ def to_hf_state_dict(
             tensor = resize_vocab(tensor, vocab_size_unpadded).clone()
         hf = table[template]
         if isinstance(hf, tuple):
-            parts = split_qkv(tensor, cfg.num_attention_heads, cfg.kv_heads, cfg.head_dim)
+            parts = split_qkv(tensor, cfg.num_attention_heads, shape.kv_heads, shape.head_dim)
             for hf_module, part in zip(hf, parts):
                 out[f"{hf_module.format(layer)}.{suffix}"] = part.contiguous()
         else:
@@ -263,7 +265,7 @@ def from_hf_state_dict(
     for ours_name, (q, k, v) in pending_qkv.items():
         if q is None or k is None or v is None:
             raise KeyError(f"HF checkpoint lacks one of q/k/v for {ours_name!r}")
-        out[ours_name] = fuse_qkv(q, k, v, cfg.num_attention_heads, cfg.kv_heads)
+        out[ours_name] = fuse_qkv(q, k, v, cfg.num_attention_heads, model_shape(cfg).kv_heads)
     if cfg.no_weight_tying and "embed_out.weight" not in out and "embed_in.weight" in out:
         # A tied HF checkpoint loaded into an untied model: both start from the embedding.
         out["embed_out.weight"] = out["embed_in.weight"].clone()

@@ -26,12 +26,12 @@ from neox.checkpoint.staging import check_output_dir, staged_directory
 from neox.checkpoint.writer import (
     WEIGHTS_ONLY,
     check_layout,
-    padded_vocab_for,
     resize_vocab_rows,
     with_layout,
     write_checkpoint,
 )
 from neox.config import NeoXConfig
+from neox.config.derived import padded_vocab
 
 log = logging.getLogger(__name__)
 
@@ -52,12 +52,12 @@ def reshape_checkpoint(
     check_layout(saved, tp, pp)
     try:
         cfg = with_layout(saved, tp, pp)
-        vocab = build_run_tokenizer(cfg.tokenizer).vocab_size
+        rows = padded_vocab(cfg, build_run_tokenizer(cfg.tokenizer).vocab_size)
     except (ValueError, OSError) as e:
         raise CheckpointError(f"cannot re-lay out {tag_dir}: {e}") from None
     check_output_dir(Path(output_dir), overwrite, protected=[tag_dir])
     _, sd = load_model_state(tag_dir, config=saved)
-    sd = resize_vocab_rows(sd, padded_vocab_for(cfg, vocab))
+    sd = resize_vocab_rows(sd, rows)
     step = int(tag_dir.name.removeprefix(TAG_PREFIX))
     with staged_directory(Path(output_dir), overwrite) as tmp:
         write_checkpoint(sd, cfg, tmp, step)
@@ -116,9 +116,9 @@ def checkpoint_for_run(load_dir: str, cfg: NeoXConfig, zero3: bool) -> Iterator[
                 relaid,
             )
             shutil.rmtree(relaid, ignore_errors=True)
-            vocab = build_run_tokenizer(cfg.tokenizer).vocab_size
+            rows = padded_vocab(cfg, build_run_tokenizer(cfg.tokenizer).vocab_size)
             _, sd = load_model_state(tag_dir, config=saved)
-            sd = resize_vocab_rows(sd, padded_vocab_for(cfg, vocab))
+            sd = resize_vocab_rows(sd, rows)
             write_checkpoint(sd, with_layout(saved, tp, pp), relaid, 0)
         except Exception as e:  # every rank raises it below, rather than waiting forever
             error[0] = f"{type(e).__name__}: {e}"

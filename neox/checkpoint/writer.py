@@ -20,20 +20,13 @@ import torch
 from neox.checkpoint.consolidate import CheckpointError, StateDict, partition_dim
 from neox.checkpoint.hf_map import VOCAB_MODULES, resize_vocab
 from neox.checkpoint.io import tag_for
-from neox.config import NeoXConfig, load_dict, pad_vocab_size, write_config
+from neox.config import NeoXConfig, load_dict, write_config
 from neox.parallel.layers import shard
+from neox.parallel.topology import Topology
 
 log = logging.getLogger(__name__)
 
 WEIGHTS_ONLY = "weights_only.txt"
-
-
-def padded_vocab_for(cfg: NeoXConfig, vocab_size: int) -> int:
-    """The embedding rows a run of `cfg` builds for a tokenizer of vocab_size ids (as derive)."""
-    if cfg.tokenizer.padded_vocab_size is not None:
-        return cfg.tokenizer.padded_vocab_size
-    tp = cfg.parallel.model_parallel_size
-    return pad_vocab_size(vocab_size, cfg.model.make_vocab_size_divisible_by, tp)
 
 
 def with_layout(cfg: NeoXConfig, tp: int, pp: int, **keys: Any) -> NeoXConfig:
@@ -47,19 +40,10 @@ def with_layout(cfg: NeoXConfig, tp: int, pp: int, **keys: Any) -> NeoXConfig:
 
 def check_layout(cfg: NeoXConfig, tp: int, pp: int) -> None:
     """Raise CheckpointError when the model cannot be split into tp shards and pp stages."""
-    m = cfg.model
-    problems = []
-    if tp < 1 or pp < 1:
-        problems.append("tp and pp must be >= 1")
-    elif m.num_attention_heads % tp or m.kv_heads % tp:
-        problems.append(
-            f"num_attention_heads={m.num_attention_heads} (kv heads {m.kv_heads}) not divisible "
-            f"by tp={tp}"
-        )
-    if pp > m.num_layers:
-        problems.append(f"pp={pp} exceeds num_layers={m.num_layers}")
-    if problems:
-        raise CheckpointError("cannot write this model at the asked layout: " + "; ".join(problems))
+    try:
+        Topology(tp=tp, pp=pp).check_model(cfg.model)
+    except ValueError as e:
+        raise CheckpointError(f"cannot write this model at the asked layout: {e}") from None
 
 
 def resize_vocab_rows(sd: StateDict, rows: int) -> StateDict:

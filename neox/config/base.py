@@ -1,6 +1,8 @@
-"""The base of every config group: strict, documented at the field."""
+"""The base of every config group: strict, documented at the field; and the checks many share."""
 
-from pydantic import BaseModel, ConfigDict
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 
 
 class ConfigGroup(BaseModel):
@@ -9,3 +11,26 @@ class ConfigGroup(BaseModel):
     model_config = ConfigDict(
         extra="forbid", use_attribute_docstrings=True, validate_assignment=True, frozen=False
     )
+
+
+def refuse_unless(*fields: str, allowed: tuple[Any, ...], message: str) -> Any:
+    """Field validator for gpt-neox keys whose feature neox lacks: a value outside `allowed`
+    (the feature-off values) raises `message`, formatted with {key} and {value}."""
+
+    def check(value: Any, info: ValidationInfo) -> Any:
+        if value not in allowed:
+            raise ValueError(message.format(key=info.field_name, value=value))
+        return value
+
+    return field_validator(*fields)(check)
+
+
+def at_least(*fields: str, least: float, hint: str = "") -> Any:
+    """Field validator: `key=value must be >= least` (an unset None passes)."""
+
+    def check(value: Any, info: ValidationInfo) -> Any:
+        if value is not None and value < least:
+            raise ValueError(f"{info.field_name}={value} must be >= {least}{hint}")
+        return value
+
+    return field_validator(*fields)(check)

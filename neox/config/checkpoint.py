@@ -2,9 +2,7 @@
 
 from typing import Literal, Optional
 
-from pydantic import field_validator
-
-from neox.config.base import ConfigGroup
+from neox.config.base import ConfigGroup, at_least, refuse_unless
 
 
 class CheckpointConfig(ConfigGroup):
@@ -47,28 +45,16 @@ class CheckpointConfig(ConfigGroup):
     save_iters: Optional[list[int]] = None
     """No-op (gpt-neox runtime key): save iterations follow checkpoint_factor/extra_save_iters."""
 
-    @field_validator("checkpoint_validation_with_forward_pass")
-    @classmethod
-    def _no_validation_pass(cls, v: bool) -> bool:
-        if v:
-            raise ValueError(
-                "checkpoint validation with a forward pass is not implemented in neox; set it false"
-            )
-        return v
-
-    @field_validator("checkpoint_factor")
-    @classmethod
-    def _factor_positive(cls, v: Optional[int]) -> Optional[int]:
-        if v is not None and v < 1:
-            raise ValueError(f"checkpoint_factor={v} must be >= 1 (or unset: save at the end)")
-        return v
-
-    @field_validator("no_save_optim")
-    @classmethod
-    def _no_optimizerless_saves(cls, v: bool) -> bool:
-        if v:
-            raise ValueError(
-                "no_save_optim is not implemented: DeepSpeed writes the optimizer state into "
-                "every checkpoint; leave it false (no_load_optim skips it when loading)"
-            )
-        return v
+    _no_validation_pass = refuse_unless(
+        "checkpoint_validation_with_forward_pass",
+        allowed=(False,),
+        message="checkpoint validation with a forward pass is not implemented in neox; set it "
+        "false",
+    )
+    _factor_positive = at_least("checkpoint_factor", least=1, hint=" (or unset: save at the end)")
+    _no_optimizerless_saves = refuse_unless(
+        "no_save_optim",
+        allowed=(False,),
+        message="no_save_optim is not implemented: DeepSpeed writes the optimizer state into "
+        "every checkpoint; leave it false (no_load_optim skips it when loading)",
+    )

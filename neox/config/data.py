@@ -4,7 +4,7 @@ from typing import Literal, Optional
 
 from pydantic import field_validator, model_validator
 
-from neox.config.base import ConfigGroup
+from neox.config.base import ConfigGroup, refuse_unless
 from neox.data.split import parse_split
 
 TokenizerType = Literal[
@@ -106,34 +106,23 @@ class DataConfig(ConfigGroup):
     short_seq_prob: float = 0.0
     """No-op (gpt-neox key): a BERT-era option gpt-neox does not read either."""
 
-    @field_validator("data_impl")
-    @classmethod
-    def _mmap_only(cls, v: str) -> str:
-        if v not in ("mmap", "infer"):
-            raise ValueError(
-                f"data_impl={v!r}: only the mmap .bin/.idx format is implemented in neox; use "
-                "mmap (re-tokenize with tools/preprocess_data.py)"
-            )
-        return v
-
-    @field_validator("dataset_impl")
-    @classmethod
-    def _gpt2_only(cls, v: str) -> str:
-        if v != "gpt2":
-            raise ValueError(
-                f"dataset_impl={v!r}: pairwise/reward/online datasets (DPO, reward models, RL) "
-                "are not implemented in neox; use gpt2"
-            )
-        return v
-
-    @field_validator("pack_impl")
-    @classmethod
-    def _packed_only(cls, v: str) -> str:
-        if v != "packed":
-            raise ValueError(
-                f"pack_impl={v!r}: unpacked samples are not implemented in neox; use packed"
-            )
-        return v
+    _mmap_only = refuse_unless(
+        "data_impl",
+        allowed=("mmap", "infer"),
+        message="data_impl={value!r}: only the mmap .bin/.idx format is implemented in neox; use "
+        "mmap (re-tokenize with tools/preprocess_data.py)",
+    )
+    _gpt2_only = refuse_unless(
+        "dataset_impl",
+        allowed=("gpt2",),
+        message="dataset_impl={value!r}: pairwise/reward/online datasets (DPO, reward models, "
+        "RL) are not implemented in neox; use gpt2",
+    )
+    _packed_only = refuse_unless(
+        "pack_impl",
+        allowed=("packed",),
+        message="pack_impl={value!r}: unpacked samples are not implemented in neox; use packed",
+    )
 
     @field_validator("split")
     @classmethod

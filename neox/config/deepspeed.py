@@ -2,9 +2,7 @@
 
 from typing import Any, Optional
 
-from pydantic import field_validator
-
-from neox.config.base import ConfigGroup
+from neox.config.base import ConfigGroup, refuse_unless
 
 
 class DeepSpeedConfig(ConfigGroup):
@@ -62,14 +60,12 @@ class DeepSpeedConfig(ConfigGroup):
     """gpt-neox key for DeepSpeed's sparse embedding gradients, which DeepSpeed has removed;
     must stay false."""
 
-    @field_validator("sparse_gradients")
-    @classmethod
-    def _no_sparse_gradients(cls, v: bool) -> bool:
-        if v:
-            raise ValueError(
-                "sparse_gradients: DeepSpeed no longer compresses embedding gradients; set it false"
-            )
-        return v
+    _no_sparse_gradients = refuse_unless(
+        "sparse_gradients",
+        allowed=(False,),
+        message="sparse_gradients: DeepSpeed no longer compresses embedding gradients; set it "
+        "false",
+    )
 
     dump_state: bool = False
     """Print DeepSpeed's state after initialisation."""
@@ -77,14 +73,11 @@ class DeepSpeedConfig(ConfigGroup):
     deepspeed: bool = True
     """gpt-neox key: neox always trains through DeepSpeed, so false is refused."""
 
-    @field_validator("deepspeed")
-    @classmethod
-    def _always_deepspeed(cls, v: bool) -> bool:
-        if not v:
-            raise ValueError(
-                "training without DeepSpeed is not implemented in neox; remove the key"
-            )
-        return v
+    _always_deepspeed = refuse_unless(
+        "deepspeed",
+        allowed=(True,),
+        message="training without DeepSpeed is not implemented in neox; remove the key",
+    )
 
     deepspeed_extra_args: Optional[dict[str, Any]] = None
     """Anything else, merged into the DeepSpeed config as given."""

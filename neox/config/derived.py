@@ -1,14 +1,23 @@
-"""Values computed from the config, never read from YAML: layout, batch triple, vocab, schedule."""
+"""Values computed from the config, never read from YAML: model shape, layout, batch triple,
+vocab, schedule. Everything else reads them from here rather than working them out again.
+
+The schema is imported for type hints only: `ModelConfig`'s own validation calls `model_shape`.
+"""
+
+from __future__ import annotations
 
 import logging
 import math
 from dataclasses import asdict, dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from neox.config.errors import ConfigError
 from neox.config.optimizer import OPTIMIZER_TYPES
-from neox.config.schema import NeoXConfig
 from neox.parallel.topology import Topology
+
+if TYPE_CHECKING:
+    from neox.config.model import ModelConfig
+    from neox.config.schema import NeoXConfig
 
 log = logging.getLogger(__name__)
 
@@ -31,15 +40,137 @@ class Derived:
     optimizer_type: str  # lower case: adam, adamw, cpu_adam, sgd, lion...
     lr: float  # peak learning rate
     samples: tuple[int, int, int]  # train, valid, test samples the whole run draws
+    zero_stage: int
+    model: ModelShape
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+# gpt-neox attention types neox runs; the sparse/linear/recurrent ones are refused by name.
+SUPPORTED_ATTENTION = ("global", "flash", "local")
+UNSUPPORTED_ATTENTION = {
+    "sparse_fixed": "sparse attention",
+    "sparse_variable": "sparse attention",
+    "bigbird": "sparse attention",
+    "bslongformer": "sparse attention",
+    "gmlp": "gMLP",
+    "amlp": "gMLP",
+    "rwkv": "RWKV",
+    "mamba": "Mamba layers",
+}
+GATED_ACTIVATIONS = ("swiglu", "geglu")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Sizes the model is built with, computed from a ModelConfig alone (so tools holding only a
+    checkpoint's model config get the same numbers as the run that wrote it)."""
+
+    head_dim: int
+    kv_heads: int  # key/value heads (num_kv_heads, or one per query head)
+    ffn_size: int  # MLP inner width, per branch for gated activations
+    gated_mlp: bool
+    rotary_dims: int  # dimensions of each head that rotary embeddings rotate
+    max_positions: int  # longest sequence the model supports
+    position_rows: int  # rows of the learned position table (OPT shifts ids by an offset)
+    layer_types: tuple[str, ...]  # attention type of each layer
+
+
+def model_shape(m: ModelConfig) -> ModelShape:
+    """The ModelShape of `m`; raises ValueError for an attention_config that does not fit."""
+    head_dim = m.hidden_size // m.num_attention_heads
+    max_positions = m.max_position_embeddings or m.seq_length
+    return ModelShape(
+        head_dim=head_dim,
+        kv_heads=m.num_kv_heads or m.num_attention_heads,
+        ffn_size=_ffn_size(m),
+        gated_mlp=m.activation in GATED_ACTIVATIONS,
+        rotary_dims=int(head_dim * m.rotary_pct),
+        max_positions=max_positions,
+        position_rows=max_positions + m.opt_pos_emb_offset,
+        layer_types=_layer_types(m),
+    )
+
+
+def _ffn_size(m: ModelConfig) -> int:
+    """Inner width of the MLP (per branch for gated activations), as gpt-neox derives it."""
+    if m.intermediate_size is not None:
+        width = m.intermediate_size
+    elif m.expansion_factor is not None:
+        width = int(m.expansion_factor * m.hidden_size)
+    else:
+        width = 4 * m.hidden_size
+    if m.activation in GATED_ACTIVATIONS:
+        # Equal parameters to the ungated MLP: two branches of 2/3 of the width, halved.
+        width = int(width * 2 / 3) // 2
+    k = m.mlp_multiple_of
+    return k * ((width + k - 1) // k)
+
+
+def _layer_types(m: ModelConfig) -> tuple[str, ...]:
+    """Attention type of each layer, expanded from attention_config (default: all global)."""
+    if not m.attention_config:
+        return ("global",) * m.num_layers
+    types: list[str] = []
+    for entry in m.attention_config:
+        if not (isinstance(entry, (list, tuple)) and len(entry) == 2):
+            raise ValueError(
+                f"attention_config entry {entry!r} must be [[types...], repeat], "
+                'e.g. [["flash"], 24]'
+            )
+        kinds, repeat = entry
+        kinds = [kinds] if isinstance(kinds, str) else list(kinds)
+        if repeat == "all":  # gpt-neox: the pattern repeats over every layer
+            repeat = m.num_layers // max(1, len(kinds))
+        if not isinstance(repeat, int):
+            raise ValueError(f'attention_config repeat {repeat!r} must be a whole number or "all"')
+        types.extend(kinds * repeat)
+    for kind in types:
+        if kind in UNSUPPORTED_ATTENTION:
+            raise ValueError(
+                f"attention type {kind!r} (attention_config) asks for "
+                f"{UNSUPPORTED_ATTENTION[kind]}, which is not implemented in neox; "
+                f"use one of {SUPPORTED_ATTENTION}"
+            )
+        if kind not in SUPPORTED_ATTENTION:
+            raise ValueError(
+                f"unknown attention type {kind!r} in attention_config; use one of "
+                f"{SUPPORTED_ATTENTION}"
+            )
+    if len(types) != m.num_layers:
+        raise ValueError(
+            f"attention_config describes {len(types)} layers but num_layers={m.num_layers}; "
+            f"make the repeats add up to {m.num_layers}"
+        )
+    return tuple(types)
 
 
 def pad_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel: int) -> int:
     """Round the vocabulary up so each tensor-parallel shard is a multiple of divisible_by."""
     multiple = divisible_by * tensor_parallel
     return multiple * math.ceil(vocab_size / multiple)
+
+
+def padded_vocab(cfg: NeoXConfig, vocab_size: Optional[int]) -> Optional[int]:
+    """Embedding rows of the model: padded_vocab_size, or the tokenizer's vocabulary padded
+    (None when neither is known yet, as in a dry run without tokenizer files)."""
+    padded = cfg.tokenizer.padded_vocab_size
+    tp = cfg.parallel.model_parallel_size
+    if vocab_size is not None:
+        if padded is None:
+            padded = pad_vocab_size(vocab_size, cfg.model.make_vocab_size_divisible_by, tp)
+        elif padded < vocab_size:
+            raise ConfigError(
+                f"padded_vocab_size={padded} is smaller than the tokenizer's vocabulary "
+                f"({vocab_size}); remove padded_vocab_size or raise it"
+            )
+    if padded is not None and padded % tp:
+        raise ConfigError(
+            f"padded_vocab_size={padded} is not divisible by model_parallel_size={tp}; "
+            "remove padded_vocab_size to derive it"
+        )
+    return padded
 
 
 def batch_triple(cfg: NeoXConfig, dp: int) -> tuple[int, int, int]:
@@ -99,6 +230,12 @@ def precision_of(cfg: NeoXConfig) -> str:
     return from_sections or named or "fp32"
 
 
+def zero_stage_of(cfg: NeoXConfig) -> int:
+    """ZeRO stage: zero_optimization.stage, else gpt-neox's zero_stage shorthand, else 0."""
+    ds = cfg.deepspeed
+    return int((ds.zero_optimization or {}).get("stage", ds.zero_stage or 0))
+
+
 def optimizer_type(cfg: NeoXConfig) -> str:
     """optimizer.type, or gpt-neox's flat optimizer_type when no `optimizer` section is given."""
     o = cfg.optimizer
@@ -127,12 +264,26 @@ def peak_lr(cfg: NeoXConfig) -> float:
 def sample_counts(cfg: NeoXConfig, global_batch: int) -> tuple[int, int, int]:
     """Samples of each split the run consumes, so the sample index is built once for all."""
     t = cfg.training
-    evals = (t.train_iters // t.eval_interval + 1) * t.eval_iters if t.do_valid else 0
+    # Every scheduled validation, and one more: the pass of an evaluation-only run.
+    evals = validations_before(cfg, t.train_iters) + 1 if t.do_valid else 0
     return (
         t.train_iters * global_batch,
-        evals * global_batch,
+        evals * t.eval_iters * global_batch,
         t.eval_iters * global_batch if t.do_test else 0,
     )
+
+
+def validations_before(cfg: NeoXConfig, iteration: int) -> int:
+    """Validation passes in a run's first `iteration` steps (one each eval_interval)."""
+    t = cfg.training
+    return iteration // t.eval_interval if t.do_valid else 0
+
+
+def consumed_samples(cfg: NeoXConfig, global_batch: int, iteration: int) -> tuple[int, int]:
+    """(train, valid) samples drawn in the first `iteration` steps: where a resumed run's data
+    streams continue."""
+    valid = validations_before(cfg, iteration) * cfg.training.eval_iters * global_batch
+    return iteration * global_batch, valid
 
 
 def schedule_iters(cfg: NeoXConfig) -> tuple[int, int]:
@@ -150,28 +301,16 @@ def derive(cfg: NeoXConfig, world_size: int, vocab_size: Optional[int] = None) -
     dp = check_layout(cfg, world_size).dp
     micro, gas, glob = batch_triple(cfg, dp)
     decay, warmup = schedule_iters(cfg)
-    padded = cfg.tokenizer.padded_vocab_size
-    tp = cfg.parallel.model_parallel_size
-    if vocab_size is not None:
-        if padded is None:
-            padded = pad_vocab_size(vocab_size, cfg.model.make_vocab_size_divisible_by, tp)
-        elif padded < vocab_size:
-            raise ConfigError(
-                f"padded_vocab_size={padded} is smaller than the tokenizer's vocabulary "
-                f"({vocab_size}); remove padded_vocab_size or raise it"
-            )
-    if padded is not None and padded % tp:
-        raise ConfigError(
-            f"padded_vocab_size={padded} is not divisible by model_parallel_size={tp}; "
-            "remove padded_vocab_size to derive it"
-        )
+    padded = padded_vocab(cfg, vocab_size)
     check_pipeline_clipping(cfg, precision_of(cfg))
     check_pipeline_inputs(cfg)
     check_as_gpt_neox_does(cfg)
     check_fused_loss(cfg)
+    samples = sample_counts(cfg, glob)
+    check_split_sources(cfg, samples)
     return Derived(
         world_size=world_size,
-        tensor_parallel=tp,
+        tensor_parallel=cfg.parallel.model_parallel_size,
         pipe_parallel=cfg.parallel.pp,
         data_parallel=dp,
         micro_batch=micro,
@@ -183,7 +322,9 @@ def derive(cfg: NeoXConfig, world_size: int, vocab_size: Optional[int] = None) -
         padded_vocab_size=padded,
         optimizer_type=optimizer_type(cfg),
         lr=peak_lr(cfg),
-        samples=sample_counts(cfg, glob),
+        samples=samples,
+        zero_stage=zero_stage_of(cfg),
+        model=model_shape(cfg.model),
     )
 
 
@@ -199,8 +340,7 @@ def check_layout(cfg: NeoXConfig, world_size: int) -> Topology:
 
 def check_pipeline_clipping(cfg: NeoXConfig, precision: str) -> None:
     """DeepSpeed 0.19's fp32 pipeline path without ZeRO clips with a wrong global norm."""
-    ds = cfg.deepspeed
-    stage = (ds.zero_optimization or {}).get("stage", ds.zero_stage or 0)
+    stage = zero_stage_of(cfg)
     t = cfg.training
     clip = t.clip_grad if t.clip_grad is not None else t.gradient_clipping
     if cfg.parallel.pp > 1 and precision == "fp32" and not stage and clip:
@@ -230,6 +370,22 @@ def check_fused_loss(cfg: NeoXConfig) -> None:
             f"lm_loss_chunk_size={chunk} needs model_parallel_size=1 and pipe_parallel_size=1 "
             f"(got {tp} and {pp}); set lm_loss_chunk_size 0 for this layout"
         )
+
+
+def check_split_sources(cfg: NeoXConfig, samples: tuple[int, int, int]) -> None:
+    """Per-split data paths cover every split the run draws samples from (gpt-neox asks for all
+    three), so the ranks never find a split missing after launch."""
+    d = cfg.data
+    if d.data_path or not d.train_data_paths:
+        return
+    off = {"valid": "do_valid: false (or eval_iters: 0)", "test": "do_test: false"}
+    for name, n in zip(("valid", "test"), samples[1:]):
+        if n and not getattr(d, f"{name}_data_paths"):
+            raise ConfigError(
+                f"train_data_paths is set but {name}_data_paths is not, and the run evaluates "
+                f"{n} {name} samples; add {name}_data_paths (gpt-neox requires all three) or "
+                f"set {off[name]}"
+            )
 
 
 def check_pipeline_inputs(cfg: NeoXConfig) -> None:

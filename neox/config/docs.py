@@ -11,6 +11,11 @@ Generated from the schema in `neox/config/` by `python -m neox.config.docs > doc
 a test fails when this file is stale. Keys are flat, as in gpt-neox: write `hidden_size: 512`
 (or `hidden-size`) at the top level of any config file. Files given to `deepy.py` merge in order,
 later files overriding earlier ones.
+
+Values computed from these keys (the model's head size, key/value heads, MLP width and layer
+types; the data-parallel size, batch triple, schedule iterations, padded vocabulary, precision
+and optimizer type) are never keys: `neox/config/derived.py` computes each once, and
+`deepy.py --dry-run` prints them under `# derived`.
 """
 
 

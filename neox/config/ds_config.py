@@ -2,7 +2,7 @@
 
 from typing import Any, Optional
 
-from neox.config.derived import Derived
+from neox.config.derived import Derived, zero_stage_of
 from neox.config.errors import ConfigError
 from neox.config.schema import NeoXConfig
 
@@ -20,7 +20,6 @@ def zero_section(
     ds = cfg.deepspeed
     zero = dict(ds.zero_optimization or {})
     for short, key in (
-        ("zero_stage", "stage"),
         ("zero_reduce_scatter", "reduce_scatter"),
         ("zero_contiguous_gradients", "contiguous_gradients"),
         ("zero_reduce_bucket_size", "reduce_bucket_size"),
@@ -32,9 +31,7 @@ def zero_section(
     # gpt-neox configs still say `cpu_offload`; DeepSpeed now wants offload_optimizer.
     if zero.pop("cpu_offload", False):
         zero.setdefault("offload_optimizer", {"device": "cpu"})
-    zero.setdefault("stage", 0)
-    if stage is not None:
-        zero["stage"] = stage
+    zero["stage"] = zero_stage_of(cfg) if stage is None else stage
     if data_parallel == 1 and zero["stage"] in (1, 2) and "offload_optimizer" not in zero:
         zero.update(overlap_comm=False, contiguous_gradients=False)
     return zero

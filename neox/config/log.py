@@ -2,9 +2,9 @@
 
 from typing import Optional
 
-from pydantic import ValidationInfo, field_validator, model_validator
+from pydantic import model_validator
 
-from neox.config.base import ConfigGroup
+from neox.config.base import ConfigGroup, at_least, refuse_unless
 
 
 class LoggingConfig(ConfigGroup):
@@ -86,23 +86,19 @@ class LoggingConfig(ConfigGroup):
     wandb_run_name: Optional[str] = None
     """Weights & Biases run name."""
 
-    @field_validator("log_param_norm", "log_grad_pct_zeros", "log_optimizer_states")
-    @classmethod
-    def _unimplemented_norms(cls, v: bool, info: ValidationInfo) -> bool:
-        if v:
-            raise ValueError(
-                f"{info.field_name} is not implemented in neox; set it false (log_grad_norm works)"
-            )
-        return v
-
-    @field_validator("memory_profiling")
-    @classmethod
-    def _no_memory_profiling(cls, v: bool) -> bool:
-        if v:
-            raise ValueError(
-                "CUDA memory snapshots (memory_profiling) are not implemented in neox; set it false"
-            )
-        return v
+    _unimplemented_norms = refuse_unless(
+        "log_param_norm",
+        "log_grad_pct_zeros",
+        "log_optimizer_states",
+        allowed=(False,),
+        message="{key} is not implemented in neox; set it false (log_grad_norm works)",
+    )
+    _no_memory_profiling = refuse_unless(
+        "memory_profiling",
+        allowed=(False,),
+        message="CUDA memory snapshots (memory_profiling) are not implemented in neox; set it false",
+    )
+    _interval_positive = at_least("log_interval", least=1)
 
     @model_validator(mode="after")
     def _check_profile_steps(self) -> "LoggingConfig":
@@ -112,10 +108,3 @@ class LoggingConfig(ConfigGroup):
                 f"{self.profile_step_stop} must satisfy 1 <= start <= stop"
             )
         return self
-
-    @field_validator("log_interval")
-    @classmethod
-    def _interval_positive(cls, v: int) -> int:
-        if v < 1:
-            raise ValueError(f"log_interval={v} must be >= 1")
-        return v

@@ -4,7 +4,8 @@ from typing import Any, Literal, Optional
 
 from pydantic import field_validator, model_validator
 
-from neox.config.base import ConfigGroup
+from neox.config.base import ConfigGroup, at_least, refuse_unless
+from neox.config.derived import model_shape
 
 InitMethod = Literal[
     "normal",
@@ -17,19 +18,6 @@ InitMethod = Literal[
     "small_init",
     "single_residual_scaled_normal",
 ]
-
-# gpt-neox attention types neox runs; the sparse/linear/recurrent ones are rejected by name.
-SUPPORTED_ATTENTION = ("global", "flash", "local")
-UNSUPPORTED_ATTENTION = {
-    "sparse_fixed": "sparse attention",
-    "sparse_variable": "sparse attention",
-    "bigbird": "sparse attention",
-    "bslongformer": "sparse attention",
-    "gmlp": "gMLP",
-    "amlp": "gMLP",
-    "rwkv": "RWKV",
-    "mamba": "Mamba layers",
-}
 
 
 class ModelConfig(ConfigGroup):
@@ -189,22 +177,13 @@ class ModelConfig(ConfigGroup):
     float32 rounding; needs model_parallel_size=1 (tensor parallelism keeps its vocab-split
     loss, whose logits are already split)."""
 
-    @field_validator("fp16_lm_cross_entropy")
-    @classmethod
-    def _no_fp16_cross_entropy(cls, v: bool) -> bool:
-        if v:
-            raise ValueError(
-                "fp16_lm_cross_entropy=true: a cross-entropy in fp16 is not implemented in neox "
-                "(the loss is always float32); remove the key"
-            )
-        return v
-
-    @field_validator("num_layers", "hidden_size", "num_attention_heads", "seq_length")
-    @classmethod
-    def _positive(cls, v: int) -> int:
-        if v < 1:
-            raise ValueError(f"must be >= 1, got {v}")
-        return v
+    _no_fp16_cross_entropy = refuse_unless(
+        "fp16_lm_cross_entropy",
+        allowed=(False,),
+        message="fp16_lm_cross_entropy=true: a cross-entropy in fp16 is not implemented in neox "
+        "(the loss is always float32); remove the key",
+    )
+    _positive = at_least("num_layers", "hidden_size", "num_attention_heads", "seq_length", least=1)
 
     @field_validator("hidden_dropout", "attention_dropout")
     @classmethod
@@ -229,10 +208,11 @@ class ModelConfig(ConfigGroup):
             )
         if not 0.0 < self.rotary_pct <= 1.0:
             raise ValueError(f"rotary_pct={self.rotary_pct} must be in (0, 1]")
-        if self.pos_emb == "rotary" and int(self.head_dim * self.rotary_pct) % 2:
+        shape = model_shape(self)  # also checks attention_config
+        if self.pos_emb == "rotary" and shape.rotary_dims % 2:
             raise ValueError(
-                f"rotary_pct={self.rotary_pct} rotates {self.head_dim * self.rotary_pct:g} of "
-                f"{self.head_dim} head dims; that must be an even whole number"
+                f"rotary_pct={self.rotary_pct} rotates {shape.head_dim * self.rotary_pct:g} of "
+                f"{shape.head_dim} head dims; that must be an even whole number"
             )
         if self.max_position_embeddings is not None and (
             self.seq_length > self.max_position_embeddings
@@ -243,78 +223,7 @@ class ModelConfig(ConfigGroup):
             )
         if self.gpt_j_tied and not self.gpt_j_residual:
             raise ValueError("gpt_j_tied=true needs gpt_j_residual=true")
-        self.layer_attention_types()  # validates attention_config
         return self
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
-
-    @property
-    def kv_heads(self) -> int:
-        return self.num_kv_heads or self.num_attention_heads
-
-    @property
-    def max_positions(self) -> int:
-        return self.max_position_embeddings or self.seq_length
-
-    @property
-    def gated_mlp(self) -> bool:
-        return self.activation in ("swiglu", "geglu")
-
-    @property
-    def ffn_size(self) -> int:
-        """Inner width of the MLP (per branch for gated activations), as gpt-neox derives it."""
-        if self.intermediate_size is not None:
-            width = self.intermediate_size
-        elif self.expansion_factor is not None:
-            width = int(self.expansion_factor * self.hidden_size)
-        else:
-            width = 4 * self.hidden_size
-        if self.gated_mlp:
-            # Equal parameters to the ungated MLP: two branches of 2/3 of the width, halved.
-            width = int(width * 2 / 3) // 2
-        m = self.mlp_multiple_of
-        return m * ((width + m - 1) // m)
-
-    def layer_attention_types(self) -> list[str]:
-        """Attention type of each layer, expanded from attention_config (default: all global)."""
-        if not self.attention_config:
-            return ["global"] * self.num_layers
-        types: list[str] = []
-        for entry in self.attention_config:
-            if not (isinstance(entry, (list, tuple)) and len(entry) == 2):
-                raise ValueError(
-                    f"attention_config entry {entry!r} must be [[types...], repeat], "
-                    'e.g. [["flash"], 24]'
-                )
-            kinds, repeat = entry
-            kinds = [kinds] if isinstance(kinds, str) else list(kinds)
-            if repeat == "all":  # gpt-neox: the pattern repeats over every layer
-                repeat = self.num_layers // max(1, len(kinds))
-            if not isinstance(repeat, int):
-                raise ValueError(
-                    f'attention_config repeat {repeat!r} must be a whole number or "all"'
-                )
-            types.extend(kinds * repeat)
-        for kind in types:
-            if kind in UNSUPPORTED_ATTENTION:
-                raise ValueError(
-                    f"attention type {kind!r} (attention_config) asks for "
-                    f"{UNSUPPORTED_ATTENTION[kind]}, which is not implemented in neox; "
-                    f"use one of {SUPPORTED_ATTENTION}"
-                )
-            if kind not in SUPPORTED_ATTENTION:
-                raise ValueError(
-                    f"unknown attention type {kind!r} in attention_config; use one of "
-                    f"{SUPPORTED_ATTENTION}"
-                )
-        if len(types) != self.num_layers:
-            raise ValueError(
-                f"attention_config describes {len(types)} layers but num_layers={self.num_layers}; "
-                f"make the repeats add up to {self.num_layers}"
-            )
-        return types
 
 
 def _divisors(n: int) -> list[int]:

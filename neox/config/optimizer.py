@@ -2,9 +2,9 @@
 
 from typing import Any, Literal, Optional
 
-from pydantic import field_validator
+from pydantic import field_validator, model_validator
 
-from neox.config.base import ConfigGroup
+from neox.config.base import ConfigGroup, refuse_unless
 
 OPTIMIZER_TYPES = ("adam", "adamw", "cpu_adam", "cpu_torch_adam", "sgd", "lion")
 
@@ -17,6 +17,19 @@ class OptimizerSpec(ConfigGroup):
 
     params: dict[str, Any] = {"lr": 6.0e-4, "betas": [0.9, 0.95], "eps": 1.0e-8}
     """Keyword arguments of the optimizer; `lr` is the peak learning rate."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _type_and_params(cls, data: Any) -> Any:
+        # As gpt-neox: a section without `type` would silently train with Adam.
+        if isinstance(data, dict):
+            missing = [k for k in ("type", "params") if k not in data]
+            if missing:
+                raise ValueError(
+                    f"the optimizer section lacks {' and '.join(missing)}; write it as "
+                    '{"type": "Adam", "params": {"lr": ...}} (or use optimizer_type and lr)'
+                )
+        return data
 
     @field_validator("type")
     @classmethod
@@ -40,7 +53,7 @@ class OptimizerSpec(ConfigGroup):
 class OptimizerConfig(ConfigGroup):
     """What updates the weights, and how the learning rate moves."""
 
-    optimizer: OptimizerSpec = OptimizerSpec()
+    optimizer: OptimizerSpec = OptimizerSpec.model_construct()
     """Optimizer type and parameters (gpt-neox layout)."""
 
     weight_decay: float = 0.01
@@ -82,15 +95,12 @@ class OptimizerConfig(ConfigGroup):
             raise ValueError(f"{info.field_name}={v} is negative; learning rates are >= 0")
         return v
 
-    @field_validator("use_checkpoint_lr_scheduler")
-    @classmethod
-    def _no_checkpoint_schedule(cls, v: bool) -> bool:
-        if v:
-            raise ValueError(
-                "use_checkpoint_lr_scheduler is not implemented: neox computes the schedule "
-                "from the config and the iteration; set the schedule keys to the checkpoint's"
-            )
-        return v
+    _no_checkpoint_schedule = refuse_unless(
+        "use_checkpoint_lr_scheduler",
+        allowed=(False,),
+        message="use_checkpoint_lr_scheduler is not implemented: neox computes the schedule "
+        "from the config and the iteration; set the schedule keys to the checkpoint's",
+    )
 
     @field_validator("warmup")
     @classmethod

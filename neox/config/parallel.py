@@ -2,9 +2,7 @@
 
 from typing import Literal
 
-from pydantic import field_validator
-
-from neox.config.base import ConfigGroup
+from neox.config.base import ConfigGroup, at_least, refuse_unless
 
 
 class ParallelConfig(ConfigGroup):
@@ -25,26 +23,13 @@ class ParallelConfig(ConfigGroup):
     distributed_backend: Literal["nccl", "gloo", "mpi"] = "nccl"
     """torch.distributed backend on GPUs; CPU ranks always use gloo."""
 
-    @field_validator("model_parallel_size")
-    @classmethod
-    def _tp_positive(cls, v: int) -> int:
-        if v < 1:
-            raise ValueError(f"model_parallel_size={v} must be >= 1")
-        return v
-
-    @field_validator("pipe_parallel_size")
-    @classmethod
-    def _pp_nonnegative(cls, v: int) -> int:
-        if v < 0:
-            raise ValueError(f"pipe_parallel_size={v} must be >= 0")
-        return v
-
-    @field_validator("sequence_parallel")
-    @classmethod
-    def _no_sequence_parallel(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("sequence_parallel is not implemented in neox; set it to false")
-        return v
+    _tp_positive = at_least("model_parallel_size", least=1)
+    _pp_nonnegative = at_least("pipe_parallel_size", least=0)
+    _no_sequence_parallel = refuse_unless(
+        "sequence_parallel",
+        allowed=(False,),
+        message="sequence_parallel is not implemented in neox; set it to false",
+    )
 
     @property
     def pp(self) -> int:

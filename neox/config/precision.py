@@ -2,6 +2,8 @@
 
 from typing import Any, Literal, Optional
 
+from pydantic import ValidationInfo, field_validator
+
 from neox.config.base import ConfigGroup
 
 
@@ -40,3 +42,16 @@ class PrecisionConfig(ConfigGroup):
 
     min_scale: float = 1.0
     """gpt-neox key: lowest loss scale (fp16.min_loss_scale wins)."""
+
+    @field_validator("fp16", "amp")
+    @classmethod
+    def _says_enabled(
+        cls, v: Optional[dict[str, Any]], info: ValidationInfo
+    ) -> Optional[dict[str, Any]]:
+        # gpt-neox refuses these sections without `enabled`; DeepSpeed would read them as off.
+        if v is not None and "enabled" not in v:
+            raise ValueError(
+                f"the {info.field_name} section has no `enabled` key; add enabled: true (or "
+                "false), as gpt-neox requires"
+            )
+        return v

@@ -2,9 +2,9 @@
 
 from typing import Optional
 
-from pydantic import NonNegativeInt, PositiveInt, field_validator
+from pydantic import NonNegativeInt, PositiveInt
 
-from neox.config.base import ConfigGroup
+from neox.config.base import ConfigGroup, at_least, refuse_unless
 
 
 class TrainingConfig(ConfigGroup):
@@ -118,53 +118,27 @@ class TrainingConfig(ConfigGroup):
     z_loss: float = 0.0
     """gpt-neox key for the z-loss auxiliary term; not implemented in neox, so it must be 0."""
 
-    @field_validator("train_iters")
-    @classmethod
-    def _iters_positive(cls, v: int) -> int:
-        if v < 0:
-            raise ValueError(f"train_iters={v} must be >= 0")
-        return v
-
-    @field_validator("eval_interval", "max_nonfinite_steps")
-    @classmethod
-    def _interval_positive(cls, v: int, info) -> int:
-        least = 0 if info.field_name == "max_nonfinite_steps" else 1
-        if v < least:
-            raise ValueError(f"{info.field_name}={v} must be >= {least}")
-        return v
-
-    @field_validator("train_epochs")
-    @classmethod
-    def _no_epochs(cls, v: Optional[int]) -> Optional[int]:
-        if v:
-            raise ValueError("train_epochs is not implemented in neox; set train_iters instead")
-        return v
-
-    @field_validator("deepspeed_activation_checkpointing")
-    @classmethod
-    def _deepspeed_checkpointing(cls, v: bool) -> bool:
-        if not v:
-            raise ValueError(
-                "activation checkpointing without DeepSpeed (torch.utils.checkpoint) is not "
-                "implemented in neox; remove the key (DeepSpeed's checkpointing is used)"
-            )
-        return v
-
-    @field_validator("char_level_ppl")
-    @classmethod
-    def _no_char_ppl(cls, v: bool) -> bool:
-        if v:
-            raise ValueError(
-                "character-level perplexity is not implemented in neox; remove the key "
-                "(eval.py reports bits per byte)"
-            )
-        return v
-
-    @field_validator("z_loss")
-    @classmethod
-    def _no_z_loss(cls, v: float) -> float:
-        if v:
-            raise ValueError(
-                f"z_loss={v}: the z-loss auxiliary term is not implemented in neox; set it to 0"
-            )
-        return v
+    _iters_nonnegative = at_least("train_iters", least=0)
+    _steps_nonnegative = at_least("max_nonfinite_steps", least=0)
+    _no_epochs = refuse_unless(
+        "train_epochs",
+        allowed=(None, 0),
+        message="train_epochs is not implemented in neox; set train_iters instead",
+    )
+    _deepspeed_checkpointing = refuse_unless(
+        "deepspeed_activation_checkpointing",
+        allowed=(True,),
+        message="activation checkpointing without DeepSpeed (torch.utils.checkpoint) is not "
+        "implemented in neox; remove the key (DeepSpeed's checkpointing is used)",
+    )
+    _no_char_ppl = refuse_unless(
+        "char_level_ppl",
+        allowed=(False,),
+        message="character-level perplexity is not implemented in neox; remove the key "
+        "(eval.py reports bits per byte)",
+    )
+    _no_z_loss = refuse_unless(
+        "z_loss",
+        allowed=(0,),
+        message="z_loss={value}: the z-loss auxiliary term is not implemented in neox; set it to 0",
+    )

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from neox.attention_path import layer_window, select_attention_path
+from neox.config.derived import model_shape
 from neox.config.model import ModelConfig
 from neox.model.norms import build_norm
 from neox.model.positional import alibi_bias, alibi_slopes
@@ -59,9 +60,10 @@ class Attention(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer_type: str = "global") -> None:
         super().__init__()
+        shape = model_shape(cfg)
         self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.kv_heads
-        self.head_dim = cfg.head_dim
+        self.num_kv_heads = shape.kv_heads
+        self.head_dim = hs = shape.head_dim
         self.layer_type = layer_type
         # Kernel on a CUDA device and elsewhere: the model may move after it is built.
         self.impl_cuda = select_attention_path(cfg, layer_type, "cuda").impl
@@ -69,17 +71,17 @@ class Attention(nn.Module):
         self.window = layer_window(cfg, layer_type)
         self.dropout = cfg.attention_dropout
         self.softmax_in_fp32 = cfg.attention_softmax_in_fp32
-        self.scale = 1.0 / math.sqrt(cfg.head_dim)
-        qkv_size = (cfg.num_attention_heads + 2 * cfg.kv_heads) * cfg.head_dim
+        self.scale = 1.0 / math.sqrt(hs)
+        qkv_size = (cfg.num_attention_heads + 2 * shape.kv_heads) * hs
         bias = cfg.use_bias_in_attn_linear
         self.query_key_value = nn.Linear(cfg.hidden_size, qkv_size, bias=bias)
-        self.dense = nn.Linear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, bias=bias)
-        self.q_layernorm = build_norm(cfg, cfg.head_dim) if cfg.use_qk_layernorm else None
-        self.k_layernorm = build_norm(cfg, cfg.head_dim) if cfg.use_qk_layernorm else None
+        self.dense = nn.Linear(cfg.num_attention_heads * hs, cfg.hidden_size, bias=bias)
+        self.q_layernorm = build_norm(cfg, hs) if cfg.use_qk_layernorm else None
+        self.k_layernorm = build_norm(cfg, hs) if cfg.use_qk_layernorm else None
         self.rotary = None
         if cfg.pos_emb == "rotary":
             self.rotary = RotaryEmbedding(
-                int(cfg.head_dim * cfg.rotary_pct), cfg.rotary_emb_base, cfg.max_positions
+                shape.rotary_dims, cfg.rotary_emb_base, shape.max_positions
             )
         self.alibi_slopes = (
             alibi_slopes(cfg.num_attention_heads) if cfg.pos_emb == "alibi" else None

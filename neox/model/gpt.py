@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from neox.config.derived import model_shape
 from neox.config.model import ModelConfig
 from neox.model.block import Block
 from neox.model.init import init_parameter
@@ -25,14 +26,14 @@ class GPTNeoX(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.vocab_size = vocab_size
-        hidden = cfg.hidden_size
+        hidden, shape = cfg.hidden_size, model_shape(cfg)
         self.embed_in = nn.Embedding(vocab_size, hidden)
         self.embed_pos = None
         if cfg.pos_emb == "learned":
             # OPT shifts position ids by opt_pos_emb_offset, so the table is that much longer.
-            self.embed_pos = nn.Embedding(cfg.max_positions + cfg.opt_pos_emb_offset, hidden)
+            self.embed_pos = nn.Embedding(shape.position_rows, hidden)
         self.emb_dropout = nn.Dropout(cfg.hidden_dropout)
-        self.layers = nn.ModuleList(Block(cfg, kind) for kind in cfg.layer_attention_types())
+        self.layers = nn.ModuleList(Block(cfg, kind) for kind in shape.layer_types)
         self.final_layer_norm = build_norm(cfg)
         # Tied (the gpt-neox default): logits use embed_in.weight, no second matrix.
         tied = not cfg.no_weight_tying

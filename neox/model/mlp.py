@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from neox.config.derived import model_shape
 from neox.config.model import ModelConfig
 
 
@@ -36,11 +37,12 @@ class MLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        bias = cfg.use_bias_in_mlp
+        bias, shape = cfg.use_bias_in_mlp, model_shape(cfg)
+        h, ffn = cfg.hidden_size, shape.ffn_size
         self.act = _ACTIVATIONS[activation_name(cfg)]
-        self.dense_h_to_4h = nn.Linear(cfg.hidden_size, cfg.ffn_size, bias=bias)
-        self.gate = nn.Linear(cfg.hidden_size, cfg.ffn_size, bias=bias) if cfg.gated_mlp else None
-        self.dense_4h_to_h = nn.Linear(cfg.ffn_size, cfg.hidden_size, bias=bias)
+        self.dense_h_to_4h = nn.Linear(h, ffn, bias=bias)
+        self.gate = nn.Linear(h, ffn, bias=bias) if shape.gated_mlp else None
+        self.dense_4h_to_h = nn.Linear(ffn, h, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (B, T, C) -> (B, T, C)."""

@@ -87,6 +87,9 @@ class Topology:
 
     def check_model(self, model: ModelConfig, source: str = "") -> None:
         """Raise ValueError, naming the key and the fix, when the model cannot be split this way."""
+        from neox.config.derived import model_shape  # neox.config.derived imports this module
+
+        shape = model_shape(model)
         where = f" ({source})" if source else ""
         tp, pp = self.tp, self.pp
         heads = model.num_attention_heads
@@ -95,14 +98,14 @@ class Topology:
                 f"num_attention_heads={heads} is not divisible by model_parallel_size={tp}{where}; "
                 f"use model_parallel_size {_divisors(heads)}"
             )
-        kv = model.kv_heads
+        kv = shape.kv_heads
         if kv % tp:
             raise ValueError(
                 f"num_kv_heads={kv} is not divisible by model_parallel_size={tp}{where}; each "
                 f"tensor-parallel rank needs whole key/value heads: use model_parallel_size "
                 f"{_divisors(kv)}, or raise num_kv_heads"
             )
-        ffn = model.ffn_size
+        ffn = shape.ffn_size
         if ffn % tp:
             raise ValueError(
                 f"the MLP width {ffn} (intermediate_size/expansion_factor) is not divisible by "

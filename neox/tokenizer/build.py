@@ -3,19 +3,14 @@
 from __future__ import annotations
 
 import logging
+from typing import get_args
 
+from neox.config.data import TokenizerType
 from neox.tokenizer.base import Tokenizer, require_file
 
 logger = logging.getLogger(__name__)
 
-TOKENIZER_TYPES = (
-    "GPT2BPETokenizer",
-    "HFTokenizer",
-    "HFGPT2Tokenizer",
-    "SPMTokenizer",
-    "CharLevelTokenizer",
-    "TiktokenTokenizer",
-)
+TOKENIZER_TYPES: tuple[str, ...] = get_args(TokenizerType)
 
 
 def build_tokenizer(

@@ -1,5 +1,6 @@
 """Which checkpoint a load directory resumes from, and the config comparison before launch."""
 
+import dataclasses
 import json
 
 import pytest
@@ -7,7 +8,7 @@ import torch
 
 from neox.checkpoint.compat import architecture_differences, check_resume
 from neox.checkpoint.find import checkpoint_problem, find_checkpoint
-from neox.config import ConfigError, Derived, load_dict, write_config
+from neox.config import ConfigError, Derived, derive, load_dict, write_config
 
 
 def save_step(root, step: int, with_manifest: bool = True) -> None:
@@ -63,7 +64,7 @@ def test_latest_naming_a_missing_directory_uses_the_newest_complete(tmp_path):
 
 
 def derived(padded: int) -> Derived:
-    return Derived(1, 1, 1, 1, 1, 1, 1, "fp32", 100, 1, padded, "adam", 1e-3, (100, 0, 0))
+    return dataclasses.replace(derive(load_dict({}), 1), padded_vocab_size=padded)
 
 
 def test_every_architecture_difference_is_listed():

@@ -31,7 +31,9 @@ def test_reshape_keeps_every_weight(trained, tmp_path, tp, pp):
 
 
 def test_reshape_refuses_before_writing(trained, tmp_path):
-    with pytest.raises(CheckpointError, match=r"num_attention_heads=4 .* not divisible by tp=3"):
+    with pytest.raises(
+        CheckpointError, match=r"num_attention_heads=4 is not divisible by model_parallel_size=3"
+    ):
         reshape_checkpoint(trained["tp2"], tmp_path / "out", 3, 1)
     assert not (tmp_path / "out").exists()
     r = subprocess.run(

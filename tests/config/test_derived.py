@@ -1,7 +1,18 @@
+import re
+from pathlib import Path
+
 import pytest
 
-from neox.config import ConfigError, derive, load_dict, pad_vocab_size
-from neox.config.derived import batch_triple, precision_of
+from neox.config import ConfigError, ModelConfig, derive, load_dict, pad_vocab_size
+from neox.config.derived import (
+    ModelShape,
+    batch_triple,
+    consumed_samples,
+    model_shape,
+    precision_of,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_pad_vocab_size_rounds_to_tp_multiple():
@@ -123,8 +134,90 @@ def test_pipeline_refuses_per_document_masks():
         derive(load_dict(flat), 2)
 
 
+def test_per_split_paths_must_cover_the_splits_a_run_evaluates():
+    paths = {"train_data_paths": ["a"], "valid_data_paths": ["b"]}
+    with pytest.raises(ConfigError, match="test_data_paths is not.*or set do_test: false"):
+        derive(load_dict(paths), 1)
+    derive(load_dict({**paths, "do_test": False}), 1)
+    derive(load_dict({**paths, "test_data_paths": ["c"]}), 1)
+    with pytest.raises(ConfigError, match="valid_data_paths is not"):
+        derive(load_dict({"train_data_paths": ["a"], "do_test": False}), 1)
+
+
+def test_a_resumed_run_continues_within_the_samples_the_run_draws():
+    cfg = load_dict({"train_iters": 10, "eval_interval": 4, "eval_iters": 2, "train_batch_size": 8})
+    d = derive(cfg, 1)
+    assert consumed_samples(cfg, d.global_batch, 9) == (9 * 8, 2 * 2 * 8)  # validated at 4, 8
+    for iteration in range(11):
+        train, valid = consumed_samples(cfg, d.global_batch, iteration)
+        assert train <= d.samples[0] and valid + 2 * 8 <= d.samples[1]  # room for the next pass
+    quiet = load_dict({"train_iters": 10, "do_valid": False})
+    assert consumed_samples(quiet, 8, 9)[1] == 0
+
+
 def test_sample_counts_cover_training_and_every_evaluation():
     cfg = load_dict({"train_iters": 10, "eval_interval": 4, "eval_iters": 2, "train_batch_size": 8})
     assert derive(cfg, 1).samples == (80, (10 // 4 + 1) * 2 * 8, 2 * 8)
     quiet = load_dict({"train_iters": 10, "do_valid": False, "do_test": False})
     assert derive(quiet, 1).samples[1:] == (0, 0)
+
+
+def test_model_shape_as_gpt_neox_derives_it():
+    gqa = load_dict({"hidden_size": 96, "num_attention_heads": 6, "num_kv_heads": 2,
+                     "activation": "swiglu", "mlp_multiple_of": 32, "rotary_pct": 0.25,
+                     "pos_emb": "rotary", "seq_length": 64, "max_position_embeddings": 256,
+                     "opt_pos_emb_offset": 2, "num_layers": 4,
+                     "attention_config": [[["global", "local"], "all"]],
+                     "sliding_window_width": 16})  # fmt: skip
+    shape = model_shape(gqa.model)
+    # Gated: 2/3 of 4 x 96 = 256 per two branches -> 128, already a multiple of 32.
+    assert shape == ModelShape(
+        head_dim=16,
+        kv_heads=2,
+        ffn_size=128,
+        gated_mlp=True,
+        rotary_dims=4,
+        max_positions=256,
+        position_rows=258,
+        layer_types=("global", "local") * 2,
+    )
+    assert derive(gqa, 1).model == shape  # a run's Derived carries the same shape
+    plain = model_shape(load_dict({"hidden_size": 64, "expansion_factor": 2.5}).model)
+    assert (plain.ffn_size, plain.kv_heads, plain.max_positions) == (160, 4, 128)
+
+
+# Each derived value's formula as it would look written again outside neox/config/derived.py.
+RECOMPUTED = {
+    "head_dim": r"hidden_size\s*//",
+    "kv_heads": r"\.num_kv_heads\s+or\b",
+    "max_positions": r"\.max_position_embeddings\s+or\b",
+    "ffn_size": r"\.intermediate_size\s+or\b|expansion_factor\s*\*|\*\s*[\w.]*expansion_factor",
+    "rotary_dims": r"int\(.*rotary_pct",
+    "gated_mlp": r"in\s*\(\s*[\"']swiglu[\"']",
+    "layer_types": r"\.attention_config\b",
+    "precision": r"\.(?:fp16|bf16)(?:\.get\(|\s+is\s+not\s+None)",
+    "optimizer_type": r"\.optimizer\.type\b|(?<![Dd]erived)\.optimizer_type\b",
+    "lr": r"\.optimizer\.lr\b",
+    "schedule": r"(?<!derived)\.lr_decay_(?:iters|fraction)\b|\b(?:o|optimizer)\.warmup\b",
+    "batch triple": r"\.(?:train_micro_batch_size_per_gpu|gradient_accumulation_steps)\b",
+    "padded vocab": r"\.make_vocab_size_divisible_by\b",
+    "zero stage": r"zero_optimization\s+or\s+\{\}\s*\)\.get\(|\.zero_stage\s+or\b",
+}
+
+
+@pytest.mark.parametrize("value", list(RECOMPUTED))
+def test_derived_values_are_computed_only_in_derived(value):
+    """Model, loop, optimizer, tools and benchmarks read Derived or model_shape; a second copy
+    of a formula drifts (memory.py once took optimizer.type's Adam default over sgd)."""
+    pattern = re.compile(RECOMPUTED[value])
+    files = [*ROOT.glob("neox/**/*.py"), *ROOT.glob("*.py"), *ROOT.glob("tools/*.py")]
+    files += ROOT.glob("benchmarks/*.py")
+    hits = [
+        f"{path.relative_to(ROOT)}:{i}"
+        for path in files
+        if path != ROOT / "neox/config/derived.py"
+        for i, line in enumerate(path.read_text().splitlines(), 1)
+        if pattern.search(line)
+    ]
+    assert not hits, f"{value} is worked out again at {hits}; use neox.config.derived instead"
+    assert not hasattr(ModelConfig, value), f"ModelConfig.{value}: derived values live apart"

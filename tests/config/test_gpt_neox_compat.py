@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from neox.config import ConfigError, derive, load_config, load_dict
+from neox.config.derived import model_shape
 from neox.config.ds_config import build_ds_config
 from neox.config.unsupported import FEATURE_OFF_DEFAULTS
 
@@ -97,13 +98,21 @@ def test_feature_keys_off_their_default_are_refused_by_feature(key, value, featu
 
 def test_attention_config_all_repeats_over_every_layer():
     cfg = load_dict({"num_layers": 4, "attention_config": [[["global", "local"], "all"]]})
-    assert cfg.model.layer_attention_types() == ["global", "local"] * 2
+    assert model_shape(cfg.model).layer_types == ("global", "local") * 2
 
 
 def test_values_gpt_neox_refuses_are_refused():
     for flat in ({"train_micro_batch_size_per_gpu": 0}, {"gradient_accumulation_steps": 0}):
         with pytest.raises(ConfigError, match="greater than 0"):
             load_dict(flat)
+    # gpt-neox's validate_types: sections that would otherwise be read silently as something.
+    with pytest.raises(ConfigError, match="fp16 section has no `enabled` key"):
+        load_dict({"fp16": {"loss_scale": 0}})
+    with pytest.raises(ConfigError, match="optimizer section lacks type"):
+        load_dict({"optimizer": {"params": {"lr": 1e-3}}})
+    with pytest.raises(ConfigError, match="optimizer section lacks params"):
+        load_dict({"optimizer": {"type": "SGD"}})
+    assert load_dict({}).optimizer.optimizer.type == "Adam"  # no section: the default
 
 
 def test_optimizer_type_applies_without_an_optimizer_section():
@@ -137,9 +146,11 @@ def test_the_same_key_twice_in_one_file_is_an_error(tmp_path):
 def test_deepy_flags_of_gpt_neox_set_their_keys(tmp_path):
     hostfile = tmp_path / "hosts"
     hostfile.write_text("localhost slots=2\n")
-    r = deepy("train.py", "configs/tiny.yml", "-H", hostfile, "--wandb_group", "g1", "--dry-run")
+    flags = ["-H", hostfile, "--wandb_group", "g1", "--wandb_team", "t1", "--dry-run"]
+    r = deepy("train.py", "configs/tiny.yml", *flags)
     assert r.returncode == 0, r.stderr
     assert f"--hostfile={hostfile}" in r.stdout and "wandb_group: g1" in r.stdout
+    assert "wandb_team: t1" in r.stdout
 
 
 def test_git_hash_is_filled_in_from_the_checkout():

@@ -2,15 +2,13 @@
 false: a clear error before any rank starts, and the checkpoints already there stay intact."""
 
 import hashlib
-import os
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.train_helpers import ROOT, make_dataset, train, write_config
+from tests.train_helpers import make_dataset, run_deepy, train, write_config
 
 pytestmark = pytest.mark.slow
 
@@ -52,15 +50,7 @@ def config(tmp: Path, fs: Path, **overrides) -> Path:
 
 
 def deepy(cfg: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=str(ROOT))
-    return subprocess.run(
-        [sys.executable, "deepy.py", "train.py", str(cfg)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return run_deepy("train.py", cfg, check=False)
 
 
 def test_read_only_checkpoint_dir_fails_before_launch(trained):

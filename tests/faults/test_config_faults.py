@@ -1,16 +1,13 @@
 """Bad configs, files and command lines given to deepy.py: one clear message, exit 2, no traceback,
 nothing launched or written. Each case: the fault, the promise, the assertion."""
 
-import os
-import subprocess
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.train_helpers import make_dataset
+from tests.train_helpers import make_dataset, run_deepy
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow  # each case starts deepy.py or preprocess_data.py
@@ -125,16 +122,8 @@ def test_config_fault(fault: Fault, tmp_path):
         (tmp_path / "ok.yml").write_text(data_config(tmp_path))
         names.append(str(tmp_path / "ok.yml"))
     script = fault.args[0] if fault.args else "train.py"
-    argv = [script, "configs/tiny.yml", *names] + (["--dry-run"] if fault.dry_run else [])
-    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=str(ROOT))
-    r = subprocess.run(
-        [sys.executable, "deepy.py", *argv],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    argv = ["configs/tiny.yml", *names] + (["--dry-run"] if fault.dry_run else [])
+    r = run_deepy(script, *argv, check=False)
     assert r.returncode == fault.code, r.stdout[-2000:] + r.stderr[-2000:]
     assert fault.message in r.stderr, r.stderr
     assert "Traceback" not in r.stderr + r.stdout
@@ -148,14 +137,7 @@ def test_foreign_vocab_in_a_dry_run_is_a_warning_not_a_traceback(tmp_path):
     (tmp_path / "merges.txt").write_text("#version: 0.2\nh e\n")
     bad = tmp_path / "bad.yml"
     bad.write_text(f"tokenizer_type: HFTokenizer\nvocab_file: {tmp_path}/merges.txt\n")
-    r = subprocess.run(
-        [sys.executable, "deepy.py", "train.py", "configs/tiny.yml", str(bad), "--dry-run"],
-        cwd=ROOT,
-        env=dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=str(ROOT)),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    r = run_deepy("train.py", "configs/tiny.yml", bad, "--dry-run", check=False)
     assert r.returncode == 0, r.stderr
     assert "a real launch would stop here" in r.stderr and "cannot read vocab_file" in r.stderr
     assert "Traceback" not in r.stderr
@@ -165,14 +147,7 @@ def test_master_addr_without_hostfile_is_reported(tmp_path):
     """Fault: master_addr with no hostfile. Promise: a warning that it is unused, not silence."""
     cfg = tmp_path / "addr.yml"
     cfg.write_text("master_addr: 10.1.2.3\n")
-    r = subprocess.run(
-        [sys.executable, "deepy.py", "train.py", "configs/tiny.yml", str(cfg), "--dry-run"],
-        cwd=ROOT,
-        env=dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=str(ROOT)),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    r = run_deepy("train.py", "configs/tiny.yml", cfg, "--dry-run", check=False)
     assert r.returncode == 0, r.stderr
     assert "master_addr=10.1.2.3 is not used" in r.stderr
 
