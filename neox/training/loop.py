@@ -11,6 +11,7 @@ import torch
 
 from neox.checkpoint.io import load_checkpoint, save_checkpoint, should_save
 from neox.config import write_config
+from neox.config.derived import consumed_samples
 from neox.data.batch import Batch, build_batch
 from neox.parallel import pipeline_batch
 from neox.training.engine import handles_nonfinite
@@ -156,12 +157,8 @@ def train(
     """
     cfg, d = run.cfg, run.derived
     t = cfg.training
-    evals_done = start_iteration // t.eval_interval if t.do_valid else 0
-    data = build_data(
-        run,
-        consumed_train_samples=start_iteration * d.global_batch,
-        consumed_valid_samples=evals_done * t.eval_iters * d.global_batch,
-    )
+    train_done, valid_done = consumed_samples(cfg, d.global_batch, start_iteration)
+    data = build_data(run, consumed_train_samples=train_done, consumed_valid_samples=valid_done)
     train_stream = pipeline_stream(run, data.train) if run.is_pipeline else data.train
     valid_stream = None
     if data.valid is not None:

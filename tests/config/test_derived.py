@@ -202,6 +202,7 @@ RECOMPUTED = {
     "batch triple": r"\.(?:train_micro_batch_size_per_gpu|gradient_accumulation_steps)\b",
     "padded vocab": r"\.make_vocab_size_divisible_by\b",
     "zero stage": r"zero_optimization\s+or\s+\{\}\s*\)\.get\(|\.zero_stage\s+or\b",
+    "resume position": r"//\s*[\w.]*eval_interval",
 }
 
 
