@@ -32,6 +32,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks import overlays  # noqa: E402
 from neox.data.indexed import IndexedDatasetBuilder  # noqa: E402
 
 # Pythia shape -> micro batch per GPU (issue 11's one-GPU shapes; fits an 80 GB H100).
@@ -49,18 +50,12 @@ RUNS: dict[str, dict[str, Any]] = {
 DEFAULT_PLAN = [(m, r) for m in MICRO_BATCH for r in RUNS if r != "dp2_zero3" or m == "1-4B"]
 
 OVERLAY: dict[str, Any] = {
-    "bf16": {"enabled": True},
-    "fp16": {"enabled": False},
-    "checkpoint_activations": False,
-    "partition_activations": False,
+    **overlays.OVERLAY,
     "synchronize_each_layer": False,
     "wall_clock_breakdown": False,
     "gradient_accumulation_steps": 1,
-    "save": None,
-    "load": None,
     "checkpoint_factor": None,
     "extra_save_iters": None,
-    "tensorboard_dir": None,
     "split": "100,0,0",
     "eval_iters": 0,
     "do_test": False,
@@ -68,18 +63,7 @@ OVERLAY: dict[str, Any] = {
     "num_workers": 1,
 }
 
-TINY: dict[str, Any] = {
-    "num_layers": 2,
-    "attention_config": [[["flash"], 2]],
-    "hidden_size": 64,
-    "num_attention_heads": 4,
-    "seq_length": 64,
-    "max_position_embeddings": 64,
-    "tokenizer_type": "CharLevelTokenizer",
-    "vocab_file": None,
-    "bf16": {"enabled": False},
-    "num_workers": 0,
-}
+TINY: dict[str, Any] = {**overlays.TINY, "num_workers": 0}
 
 
 def free_port() -> int:

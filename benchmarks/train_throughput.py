@@ -34,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from benchmarks import overlays  # noqa: E402
 from neox.config import load_config  # noqa: E402
 from neox.config.derived import model_shape, precision_of  # noqa: E402
 from neox.estimate import train_flops_per_token  # noqa: E402
@@ -44,30 +45,12 @@ MICRO_BATCH = {"160M": 16, "410M": 8, "1-4B": 4}
 
 # Overlay on configs/pythia/<M>.yml: bf16, no recompute, nothing written to disk.
 OVERLAY: dict[str, Any] = {
-    "bf16": {"enabled": True},
-    "fp16": {"enabled": False},
-    "checkpoint_activations": False,
-    "partition_activations": False,
-    "save": None,
-    "load": None,
+    **overlays.OVERLAY,
     "log_dir": None,
-    "tensorboard_dir": None,
     "train_iters": 100,
     "log_interval": 10**6,
 }
-
-TINY: dict[str, Any] = {
-    "num_layers": 2,
-    "attention_config": [[["flash"], 2]],
-    "hidden_size": 64,
-    "num_attention_heads": 4,
-    "seq_length": 64,
-    "max_position_embeddings": 64,
-    "tokenizer_type": "CharLevelTokenizer",
-    "vocab_file": None,
-    "bf16": {"enabled": False},
-    "zero_optimization": {"stage": 1},
-}
+TINY: dict[str, Any] = {**overlays.TINY, "zero_optimization": {"stage": 1}}
 
 
 def free_port() -> int:

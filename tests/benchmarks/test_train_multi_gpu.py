@@ -2,30 +2,19 @@
 read back into the table, so the script cannot rot."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.benchmarks.bench_helpers import run_benchmark
 
 
 @pytest.mark.slow
 def test_tiny_one_rank_and_dp2_runs_fill_the_table(tmp_path):
     out = tmp_path / "results.jsonl"
-    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=str(ROOT))
-    r = subprocess.run(
-        [sys.executable, "benchmarks/train_multi_gpu.py", "--tiny", "--models", "410M"]
-        + ["--runs", "1gpu", "dp2", "--json", str(out), "--work-dir", str(tmp_path / "work")],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    args = ["--tiny", "--models", "410M", "--runs", "1gpu", "dp2", "--json", out]
+    r = run_benchmark(
+        "train_multi_gpu.py", *args, "--work-dir", tmp_path / "work", DS_ACCELERATOR="cpu"
     )
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     records = {rec["run"]: rec for rec in map(json.loads, out.read_text().splitlines())}
     assert set(records) == {"1gpu", "dp2"}
     for rec in records.values():
@@ -38,17 +27,5 @@ def test_tiny_one_rank_and_dp2_runs_fill_the_table(tmp_path):
 
 
 def test_missing_tokenizer_is_named_before_any_launch(tmp_path):
-    r = subprocess.run(
-        [
-            sys.executable,
-            "benchmarks/train_multi_gpu.py",
-            "--vocab-file",
-            str(tmp_path / "no.json"),
-        ],
-        cwd=ROOT,
-        env=dict(os.environ, PYTHONPATH=str(ROOT)),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    r = run_benchmark("train_multi_gpu.py", "--vocab-file", tmp_path / "no.json", check=False)
     assert r.returncode == 2 and "no.json not found" in r.stderr and "Traceback" not in r.stderr

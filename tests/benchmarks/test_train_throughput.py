@@ -1,28 +1,18 @@
 """benchmarks/train_throughput.py --tiny on CPU: neox's real step and HF's, so the script cannot rot."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.benchmarks.bench_helpers import run_benchmark
 
 
 def test_tiny_run_reports_both_implementations(tmp_path):
     out = tmp_path / "results.jsonl"
-    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=str(ROOT))
-    r = subprocess.run(
-        [sys.executable, "benchmarks/train_throughput.py", "--tiny", "--models", "160M"]
-        + ["--json", str(out), "--profile-dir", str(tmp_path / "prof")]
-        + ["--attention", "flash", "triton"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    r = run_benchmark(
+        "train_throughput.py",
+        *["--tiny", "--models", "160M", "--json", out, "--profile-dir", tmp_path / "prof"],
+        *["--attention", "flash", "triton"],
+        DS_ACCELERATOR="cpu",
     )
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     records = {
         (rec["impl"], rec["attention"]): rec
         for rec in map(json.loads, out.read_text().splitlines())

@@ -1,9 +1,6 @@
 """The public wrapper: its Triton path (through the interpreter, in a fresh process), its
 fallback to the torch reference, and its input errors."""
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,20 +16,14 @@ from neox.kernels.fused_softmax import (
     triton_available,
 )
 from neox.kernels.softmax_reference import scaled_masked_softmax_reference
+from tests.kernels.interpreter import run_interpreter_cases
 
 INTERPRETER_CASES = Path(__file__).with_name("triton_interpreter_cases.py")
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_triton_kernels_under_interpreter_match_float64_reference():
     """Runs triton_interpreter_cases.py where TRITON_INTERPRET=1 precedes the triton import."""
-    pytest.importorskip("triton", reason="triton is not installed")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "pytest", str(INTERPRETER_CASES), "-q", "-p", "no:cacheprovider"]
-    result = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True)
-    report = result.stdout[-6000:] + result.stderr[-2000:]
-    assert result.returncode == 0, f"interpreter cases failed:\n{report}"
-    assert " passed" in result.stdout and "skipped" not in result.stdout, report
+    run_interpreter_cases(INTERPRETER_CASES)
 
 
 def make_key_padding(b: int, sk: int) -> torch.Tensor:
