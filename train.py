@@ -20,6 +20,7 @@ def main(argv: list[str]) -> int:
         print(f"train.py: config error:\n{e}", file=sys.stderr)
         return 2
     from neox.training.loop import NonFiniteSteps
+    from neox.training.stop import ignore_further_stops
 
     try:
         run_training(cfg)
@@ -27,6 +28,7 @@ def main(argv: list[str]) -> int:
         # Every rank meets the same problem; one line each, no traceback.
         print(f"train.py: {e}", file=sys.stderr)
         return 1
+    ignore_further_stops()  # the run is over: a late stop signal must not fail the exit
     leave_together()
     return 0
 

@@ -33,3 +33,12 @@ class StopSignal:
     def agreed(self) -> Optional[int]:
         """The stop signal any rank received (the same answer on every rank), or None."""
         return all_ranks_max(self.received or 0) or None
+
+
+def ignore_further_stops() -> None:
+    """After the run has ended (saved or not), a late SIGTERM/SIGINT (a pdsh reaper's, a
+    scheduler's second) must not kill the rank while it leaves: Python restores the default,
+    fatal, handlers during interpreter shutdown, but keeps an ignore."""
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
