@@ -32,7 +32,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks import overlays  # noqa: E402
+from benchmarks import common  # noqa: E402
 from neox.data.indexed import IndexedDatasetBuilder  # noqa: E402
 
 # Pythia shape -> micro batch per GPU (issue 11's one-GPU shapes; fits an 80 GB H100).
@@ -50,7 +50,7 @@ RUNS: dict[str, dict[str, Any]] = {
 DEFAULT_PLAN = [(m, r) for m in MICRO_BATCH for r in RUNS if r != "dp2_zero3" or m == "1-4B"]
 
 OVERLAY: dict[str, Any] = {
-    **overlays.OVERLAY,
+    **common.OVERLAY,
     "synchronize_each_layer": False,
     "wall_clock_breakdown": False,
     "gradient_accumulation_steps": 1,
@@ -63,7 +63,7 @@ OVERLAY: dict[str, Any] = {
     "num_workers": 1,
 }
 
-TINY: dict[str, Any] = {**overlays.TINY, "num_workers": 0}
+TINY: dict[str, Any] = {**common.TINY, "num_workers": 0}
 
 
 def free_port() -> int:
@@ -224,10 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     for model, run in plan:
         rec = measure(args, model, run, work, data)
         records.append(rec)
-        print(json.dumps(rec), flush=True)
-        if args.json:
-            with open(args.json, "a") as f:
-                f.write(json.dumps(rec) + "\n")
+        common.emit(rec, args.json)
     print_table(records)
     return 0 if all(r["exit_code"] == 0 for r in records) else 1
 

@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from benchmarks import overlays  # noqa: E402
+from benchmarks import common  # noqa: E402
 from neox.config import load_config  # noqa: E402
 from neox.config.derived import model_shape, precision_of  # noqa: E402
 from neox.estimate import train_flops_per_token  # noqa: E402
@@ -45,12 +45,12 @@ MICRO_BATCH = {"160M": 16, "410M": 8, "1-4B": 4}
 
 # Overlay on configs/pythia/<M>.yml: bf16, no recompute, nothing written to disk.
 OVERLAY: dict[str, Any] = {
-    **overlays.OVERLAY,
+    **common.OVERLAY,
     "log_dir": None,
     "train_iters": 100,
     "log_interval": 10**6,
 }
-TINY: dict[str, Any] = {**overlays.TINY, "zero_optimization": {"stage": 1}}
+TINY: dict[str, Any] = {**common.TINY, "zero_optimization": {"stage": 1}}
 
 
 def free_port() -> int:
@@ -326,10 +326,7 @@ def main(argv: list[str] | None = None) -> int:
         rec = run_one(args, model, impl, device, attention)
         rec["device"] = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         records.append(rec)
-        print(json.dumps(rec), flush=True)
-        if args.json:
-            with open(args.json, "a") as f:
-                f.write(json.dumps(rec) + "\n")
+        common.emit(rec, args.json)
     print_table(records)
     return 0
 

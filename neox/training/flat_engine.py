@@ -34,8 +34,10 @@ log = logging.getLogger(__name__)
 
 MODEL_FILE = "mp_rank_00_model_states.pt"
 # DeepSpeed's ZeRO 1/2 engine reserves these checkpoint keys; the rest is the caller's state.
-ENGINE_KEYS = ("module", "skipped_steps", "global_steps", "dp_world_size", "mp_world_size")
-ENGINE_KEYS += ("data_sampler", "random_ltd", "lr_scheduler", "optimizer")
+ENGINE_KEYS = {
+    *("module", "skipped_steps", "global_steps", "dp_world_size", "mp_world_size"),
+    *("data_sampler", "random_ltd", "lr_scheduler", "optimizer"),
+}
 # DeepSpeed pads each flat group to 4 bytes of bf16 times the data-parallel size, so that every
 # rank's partition starts 4-byte aligned and all partitions are the same size.
 ALIGNMENT = 2
@@ -386,7 +388,7 @@ class FlatEngine:
             self._load_optimizer(path, state)
         else:
             self._masters_from_weights()
-        skip = set(ENGINE_KEYS) - ({"optimizer"} if not load_optimizer_states else set())
+        skip = ENGINE_KEYS - ({"optimizer"} if not load_optimizer_states else set())
         return str(model_file), {k: v for k, v in state.items() if k not in skip}
 
     def _masters_from_weights(self) -> None:
@@ -433,28 +435,13 @@ class FlatEngine:
             )
         groups_state = []
         for i, g in enumerate(self.groups):
-
-            def whole(key: str, i: int = i, g: FlatGroup = g) -> torch.Tensor:
-                if key == "master":
-                    pieces = [p["single_partition_of_fp32_groups"][i] for p in parts]
-                else:
-                    pieces = [p["base_optimizer_state"]["state"][i][key] for p in parts]
-                full = torch.cat([t.reshape(-1).float() for t in pieces])[: g.numel]
-                if full.numel() != g.numel:
-                    raise CheckpointError(
-                        f"{path}: parameter group {i} holds {full.numel()} values, this model "
-                        f"{g.numel}; resume with the model config it was saved with"
-                    )
-                mine = torch.zeros(g.size)
-                lo, hi = g.start, min(g.start + g.size, g.numel)
-                if hi > lo:
-                    mine[: hi - lo] = full[lo:hi]
-                return mine
-
-            g.master.copy_(whole("master"))
-            step = first["state"][i]["step"]
+            g.master.copy_(self._my_partition(path, parts, i, "master"))
             groups_state.append(
-                {"step": step, "exp_avg": whole("exp_avg"), "exp_avg_sq": whole("exp_avg_sq")}
+                {
+                    "step": first["state"][i]["step"],
+                    "exp_avg": self._my_partition(path, parts, i, "exp_avg"),
+                    "exp_avg_sq": self._my_partition(path, parts, i, "exp_avg_sq"),
+                }
             )
         self.optimizer.load_state_dict(
             {"state": dict(enumerate(groups_state)), "param_groups": first["param_groups"]}
@@ -465,3 +452,25 @@ class FlatEngine:
             if g.master is not g.part:
                 g.part.copy_(g.master)
             g.gather_weights(self.dp_group)
+
+    def _my_partition(self, path: Path, parts: list[dict], i: int, key: str) -> torch.Tensor:
+        """Group i's `key` ("master" or a moment) joined over the saved ranks' partitions, then
+        cut to this rank's partition (zero-padded)."""
+        from neox.checkpoint.errors import CheckpointError
+
+        g = self.groups[i]
+        if key == "master":
+            pieces = [p["single_partition_of_fp32_groups"][i] for p in parts]
+        else:
+            pieces = [p["base_optimizer_state"]["state"][i][key] for p in parts]
+        full = torch.cat([t.reshape(-1).float() for t in pieces])[: g.numel]
+        if full.numel() != g.numel:
+            raise CheckpointError(
+                f"{path}: parameter group {i} holds {full.numel()} values, this model "
+                f"{g.numel}; resume with the model config it was saved with"
+            )
+        mine = torch.zeros(g.size)
+        lo, hi = g.start, min(g.start + g.size, g.numel)
+        if hi > lo:
+            mine[: hi - lo] = full[lo:hi]
+        return mine

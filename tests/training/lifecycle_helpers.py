@@ -46,6 +46,17 @@ class BackgroundRun:
             self.kill_all()
             raise
 
+    def kill_9_deepy(self, timeout: float = 60) -> float:
+        """kill -9 deepy.py, then wait until no process of the run is left (asserting that);
+        returns the seconds that took."""
+        os.kill(self.proc.pid, 9)
+        killed = time.monotonic()
+        assert self.wait() == -9
+        while self.pids() and time.monotonic() - killed < timeout:
+            time.sleep(0.2)
+        assert self.pids() == [], self.text()[-3000:]
+        return time.monotonic() - killed
+
     def pids(self) -> list[int]:
         """Processes alive with this run's mark (zombies excluded), deepy.py included."""
         tag = f"\0{MARK}={self.mark}\0".encode()

@@ -1,7 +1,9 @@
-"""What the training benchmarks lay over configs/pythia/<M>.yml: bf16, no recompute, nothing
-saved (OVERLAY), and the 2-layer CPU shape of their smoke runs (TINY)."""
+"""What the training benchmarks share: the overlay on configs/pythia/<M>.yml (bf16, no
+recompute, nothing saved), the 2-layer CPU shape of their smoke runs, and how a result is
+reported."""
 
-from typing import Any
+import json
+from typing import Any, Optional
 
 OVERLAY: dict[str, Any] = {
     "bf16": {"enabled": True},
@@ -24,3 +26,12 @@ TINY: dict[str, Any] = {
     "vocab_file": None,
     "bf16": {"enabled": False},
 }
+
+
+def emit(record: dict[str, Any], json_path: Optional[str]) -> None:
+    """Print one result as a JSON line, and append it to json_path if given."""
+    line = json.dumps(record)
+    print(line, flush=True)
+    if json_path:
+        with open(json_path, "a") as f:
+            f.write(line + "\n")
