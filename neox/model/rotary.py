@@ -36,12 +36,21 @@ class RotaryEmbedding(nn.Module):
         """cos and sin tables of shape (n, dim), n >= length, cached per device and dtype."""
         length = max(length, self.max_positions)
         if torch.compiler.is_compiling():
-            # Inside a compiled graph the table is a few fused ops; a cache would be a side effect.
+            # A graph may read the table `prepare` built before compilation, but not cache one
+            # (a side effect). Rebuilt inside the graph, the table fuses into the rotation as a
+            # pow, cos and sin per element of q and k: 5% of a 1.4B step on an H100.
+            table = self._cache.get((device, torch.float32))
+            if table is not None and table[0].shape[0] >= length:
+                return table[0].to(dtype), table[1].to(dtype)
             return self._table(length, device, dtype)
         cached = self._cache.get((device, dtype))
         if cached is None or cached[0].shape[0] < length:
             cached = self._cache[(device, dtype)] = self._table(length, device, dtype)
         return cached
+
+    def prepare(self, device: torch.device) -> None:
+        """Build the fp32 table on `device` for torch.compile'd forwards to read (any dtype)."""
+        self.cos_sin(self.max_positions, device, torch.float32)
 
     def _table(
         self, length: int, device: torch.device, dtype: torch.dtype

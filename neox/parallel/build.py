@@ -11,6 +11,7 @@ from torch import nn
 from neox.config.model import ModelConfig
 from neox.model import GPTNeoX, build_model, lm_loss
 from neox.model.block import Block
+from neox.model.rotary import RotaryEmbedding
 from neox.parallel.checkpointing import checkpoint_blocks, configure_checkpointing
 from neox.parallel.pipeline import to_pipeline
 from neox.parallel.tensor import (
@@ -59,7 +60,7 @@ def parallelize(
             checkpoint_num_layers=checkpoint_num_layers,
             device=device,
         )
-        return compile_blocks(pipe, torch_compile_backend) if torch_compile else pipe
+        return compile_blocks(pipe, torch_compile_backend, device) if torch_compile else pipe
     model = build_model(model_cfg, vocab_size, seed, device="meta")
     apply_tensor_parallel(model, groups, model_cfg, copy_weights=False)
     init_tensor_parallel(model, model_cfg, seed, groups, device=device)
@@ -67,19 +68,22 @@ def parallelize(
         use_tensor_parallel_rng(model)
     if torch_compile:
         # Before checkpointing, which then recomputes through the compiled forward.
-        compile_blocks(model, torch_compile_backend)
+        compile_blocks(model, torch_compile_backend, device)
     if checkpoint_activations:
         checkpoint_blocks(model.layers, checkpoint_num_layers)
     _register_head_weight(model)
     return model
 
 
-def compile_blocks(model: nn.Module, backend: str = "inductor") -> nn.Module:
+def compile_blocks(model: nn.Module, backend: str = "inductor", device: Any = None) -> nn.Module:
     """torch.compile each Block's forward in place: one graph per block (the same code for every
-    layer, so one compilation serves them all), names and state dict keys unchanged."""
+    layer, so one compilation serves them all), names and state dict keys unchanged. Rotary
+    tables are built on `device` first, so the graphs read them instead of recomputing them."""
     for module in model.modules():
         if isinstance(module, Block):
             module.forward = torch.compile(module.forward, backend=backend)
+        if isinstance(module, RotaryEmbedding) and device is not None:
+            module.prepare(torch.device(device))
     plain_loss = isinstance(model, GPTNeoX) and model.lm_loss is lm_loss
     if plain_loss and not model.cfg.lm_loss_chunk_size:
         # Final norm, output layer and cross-entropy as one graph: the fp32 cast, log-softmax

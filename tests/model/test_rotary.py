@@ -49,3 +49,33 @@ def test_sequence_longer_than_max_positions_grows_the_table():
     a, _ = rot(q, k)
     b, _ = RotaryEmbedding(dim=4, base=10000, max_positions=6)(q, k)
     torch.testing.assert_close(a, b)
+
+
+def _graphs_of_compiled_rotary(prepare: bool) -> tuple[list[str], torch.Tensor, torch.Tensor]:
+    """The code of the graphs torch.compile traces for one rotation, and its output vs eager."""
+    graphs: list[str] = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm.code)
+        return gm.forward
+
+    rot = RotaryEmbedding(dim=4, base=10000, max_positions=16)
+    if prepare:
+        rot.prepare(torch.device("cpu"))
+    q, k = qk()
+    pos = torch.arange(6).expand(2, 6)
+    compiled = torch.compile(lambda q, k, p: rot(q, k, p), backend=capture, fullgraph=True)
+    torch._dynamo.reset()
+    out = compiled(q.bfloat16(), k.bfloat16(), pos)[0]
+    eager = RotaryEmbedding(dim=4, base=10000, max_positions=16)(q.bfloat16(), k.bfloat16(), pos)
+    return graphs, out, eager[0]
+
+
+def test_compiled_rotation_reads_the_prepared_table_instead_of_recomputing_it():
+    """Recomputed in the graph, the table costs a pow, cos and sin per element of q and k."""
+    graphs, out, eager = _graphs_of_compiled_rotary(prepare=True)
+    assert graphs and not any(".cos()" in code or ".sin()" in code for code in graphs)
+    torch.testing.assert_close(out, eager, rtol=0, atol=0)  # the same bf16 table values
+    graphs, out, eager = _graphs_of_compiled_rotary(prepare=False)
+    assert any(".cos()" in code for code in graphs)  # unprepared: built inside the graph
+    torch.testing.assert_close(out, eager, rtol=0, atol=0)
