@@ -91,7 +91,7 @@ def measure(name: str, steps: int) -> dict:
 
     batches = stream()
     for i in range(steps):
-        metrics = train_step(run, batches, i)
+        metrics = train_step(run, batches, i).read()
     derived = derive(cfg, 1, VOCAB)
     est = estimate_memory(cfg.model, training_shape(cfg, derived, VOCAB))
     out = dict(shape=name, loss=metrics["loss"], estimate=est.as_dict(), device=str(run.device))

@@ -88,16 +88,21 @@ def sync(device: torch.device) -> None:
 
 
 def time_steps(step: Callable[[int], Any], iters: int, warmup: int, device) -> list[float]:
-    """Seconds per step for steps warmup..iters (the first ones compile and warm caches)."""
-    times = []
-    for i in range(iters):
-        sync(device)
-        t0 = time.perf_counter()
+    """Seconds per step for steps warmup..iters (the first ones compile and warm caches).
+
+    Steps run back to back, as in a training loop: the host may queue a step while the device
+    still runs the one before, so each step's time is the interval between the ends of two
+    calls, and the device is synchronised once, after the last."""
+    for i in range(warmup):
         step(i)
-        sync(device)
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-    return times
+    sync(device)
+    ends = [time.perf_counter()]
+    for i in range(warmup, iters):
+        step(i)
+        if i == iters - 1:
+            sync(device)
+        ends.append(time.perf_counter())
+    return [b - a for a, b in zip(ends, ends[1:])]
 
 
 def count_syncs(step: Callable[[int], Any], i: int, device) -> Counter:
@@ -121,18 +126,28 @@ def count_syncs(step: Callable[[int], Any], i: int, device) -> Counter:
 
 def profile_steps(step: Callable[[int], Any], start: int, out_dir: Path, name: str, device) -> None:
     """A torch.profiler trace of two steps, plus the top ops by self CPU and device time."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     out_dir.mkdir(parents=True, exist_ok=True)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sync(device)
+    tick = time.perf_counter()
     with profile(activities=acts) as prof:
         for i in range(start, start + 2):
             step(i)
         sync(device)
+    wall_ms = (time.perf_counter() - tick) * 1e3 / 2
     prof.export_chrome_trace(str(out_dir / f"{name}.trace.json"))
     avg = prof.key_averages()
     dev_key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    # Kernels of one stream do not overlap, so their summed time is the device's busy time;
+    # the rest of the step's wall time the device waited for the host.
+    kernels = [e for e in prof.events() if e.device_type != DeviceType.CPU]
+    busy_ms = sum(e.time_range.elapsed_us() for e in kernels) / 1e3 / 2
+    print(f"{name}: device busy {busy_ms:.1f} ms of {wall_ms:.1f} ms per profiled step")
     with open(out_dir / f"{name}.ops.txt", "w") as f:
+        f.write(f"device busy {busy_ms:.1f} ms of {wall_ms:.1f} ms per step\n\n")
         f.write(avg.table(sort_by="self_cpu_time_total", row_limit=40))
         f.write("\n\n")
         f.write(avg.table(sort_by=dev_key, row_limit=40))
@@ -148,8 +163,12 @@ def neox_step(cfg, device) -> tuple[Callable[[int], Any], Any, Callable[[], None
     batches = random_batches(run.tokenizer.vocab_size, d.micro_batch, cfg.model.seq_length, device)
     stream = cycle([{"text": b} for b in batches])
 
+    pending = []
+
     def step(i: int) -> Any:
-        return train_step(run, stream, i)
+        # As the loop (StepRecords): read a step's metrics once the next one is queued.
+        pending.append(train_step(run, stream, i))
+        return pending.pop(0).read() if len(pending) > 1 else None
 
     def close() -> None:
         run.engine.destroy() if hasattr(run.engine, "destroy") else None

@@ -15,7 +15,9 @@ from neox.config.derived import consumed_samples
 from neox.data.batch import Batch, build_batch
 from neox.parallel import pipeline_batch
 from neox.training.engine import handles_nonfinite
+from neox.training.flat_engine import FlatEngine
 from neox.training.metrics import (
+    DeviceScalars,
     MetricsWriter,
     ModelFlops,
     Throughput,
@@ -52,10 +54,12 @@ def forward_loss(run: Run, batch: Batch) -> torch.Tensor:
     return run.engine(b.tokens, b.position_ids, b.attention_mask, b.labels, b.loss_mask)
 
 
-def train_step(run: Run, stream: Iterator, iteration: int) -> dict[str, float]:
-    """One optimizer step over gradient_accumulation_steps micro-batches."""
+def train_step(run: Run, stream: Iterator, iteration: int) -> DeviceScalars:
+    """One optimizer step over gradient_accumulation_steps micro-batches. Its metrics stay on
+    the device until read: nothing here waits for the device on the flat engine."""
     lr = run.schedule.apply(run.engine.optimizer, iteration)
-    skipped_before = run.engine.skipped_steps
+    on_device = isinstance(run.engine, FlatEngine)  # reports skips and the norm as tensors
+    skipped_before = None if on_device else run.engine.skipped_steps
     grad_norm, skipped = None, False
     own_norm = not handles_nonfinite(run.engine) and run.derived.precision == "fp32"
     if run.is_pipeline:
@@ -74,17 +78,20 @@ def train_step(run: Run, stream: Iterator, iteration: int) -> dict[str, float]:
                     continue
             run.engine.step()
         loss = torch.stack(losses).mean()
-    skipped = skipped or run.engine.skipped_steps > skipped_before
-    metrics = {"loss": reduce_mean(run, loss), "lr": lr}
+    if on_device:
+        skipped = run.engine.last_step_skipped
+    else:
+        skipped = skipped or run.engine.skipped_steps > skipped_before
+    metrics = {"loss": data_parallel_mean(run, loss), "lr": lr}
     if grad_norm is None:
         grad_norm = run.engine.get_global_grad_norm()
-    if grad_norm is not None and run.cfg.logging.log_grad_norm:
-        metrics["grad_norm"] = float(grad_norm)
-    metrics["skipped"] = float(skipped)
+    if run.cfg.logging.log_grad_norm:
+        metrics["grad_norm"] = grad_norm
+    metrics["skipped"] = skipped
     scale = getattr(run.engine.optimizer, "cur_scale", None)
     if run.derived.precision == "fp16" and scale is not None:
         metrics["loss_scale"] = float(scale)
-    return metrics
+    return DeviceScalars(metrics)
 
 
 def stage0_grad_norm(run: Run) -> Optional[float]:
@@ -119,12 +126,17 @@ def skip_step(engine) -> None:
         del optimizer.step
 
 
-def reduce_mean(run: Run, loss: torch.Tensor) -> float:
-    """Mean of a loss over the data-parallel ranks."""
+def data_parallel_mean(run: Run, loss: torch.Tensor) -> torch.Tensor:
+    """Mean of a loss over the data-parallel ranks, left on the device."""
     loss = loss.detach().float().clone()
     group = run.groups.get_data_parallel_group()
     torch.distributed.all_reduce(loss, group=group)
-    return loss.item() / torch.distributed.get_world_size(group=group)
+    return loss / torch.distributed.get_world_size(group=group)
+
+
+def reduce_mean(run: Run, loss: torch.Tensor) -> float:
+    """Mean of a loss over the data-parallel ranks."""
+    return data_parallel_mean(run, loss).item()
 
 
 @torch.no_grad()
@@ -148,6 +160,63 @@ class NonFiniteSteps(RuntimeError):
     """Too many steps in a row with a non-finite loss or gradient: the run stops unsaved."""
 
 
+class StepRecords:
+    """What the host does with each finished step: counters, the guard against non-finite
+    steps, the progress bar, log lines and metrics files. It runs one step behind the device
+    (step i is recorded once step i+1 is queued, see DeviceScalars); `flush` records the last
+    step before anything that needs it: evaluation, a save, a stop, the end."""
+
+    def __init__(self, run: Run, writer: MetricsWriter, progress: Progress, start: int) -> None:
+        self.run, self.writer, self.progress = run, writer, progress
+        t = run.cfg.training
+        self.speed = Throughput(start, t.train_iters)
+        self.flops = ModelFlops(run.cfg, run.derived, run.device)
+        self.in_a_row = 0
+        self.last: dict[str, float] = {}
+        self.pending: Optional[tuple[int, DeviceScalars]] = None
+        self.tick = time.perf_counter()
+
+    def queued(self, iteration: int, scalars: DeviceScalars) -> None:
+        """Step `iteration` is queued on the device: record the one before it."""
+        previous, self.pending = self.pending, (iteration, scalars)
+        if previous is not None:
+            self._record(*previous)
+
+    def flush(self) -> None:
+        if self.pending is not None:
+            previous, self.pending = self.pending, None
+            self._record(*previous)
+
+    def restart_clock(self) -> None:
+        """Evaluation and saving are timed apart from training."""
+        self.tick = time.perf_counter()
+
+    def _record(self, iteration: int, scalars: DeviceScalars) -> None:
+        run, t = self.run, self.run.cfg.training
+        metrics = scalars.read()
+        now = time.perf_counter()  # the read waited for the step: device time, one step late
+        self.speed.add(now - self.tick)
+        self.tick = now
+        self.last = metrics
+        nonfinite = not math.isfinite(metrics["loss"]) or (
+            metrics["skipped"] and run.derived.precision != "fp16"
+        )
+        run.counters["skipped_steps"] += int(metrics.pop("skipped"))
+        run.counters["nonfinite_steps"] += int(nonfinite)
+        self.in_a_row = self.in_a_row + 1 if nonfinite else 0
+        if t.max_nonfinite_steps and self.in_a_row >= t.max_nonfinite_steps:
+            raise NonFiniteSteps(
+                f"{self.in_a_row} steps in a row with a non-finite loss or gradient (iterations "
+                f"{iteration - self.in_a_row + 1} to {iteration}); stopping without saving. "
+                "Lower lr, raise warmup, or resume from the last checkpoint with another seed"
+            )
+        self.progress.update(metrics)
+        if iteration % run.cfg.logging.log_interval == 0 or iteration == t.train_iters:
+            metrics.update(step_metrics(run, iteration, self.speed, self.flops))
+            self.progress.log(format_line(iteration, t.train_iters, metrics))
+            self.writer.write(iteration, metrics)
+
+
 def train(
     run: Run, start_iteration: int, writer: MetricsWriter, stop: Optional[StopSignal] = None
 ) -> dict[str, float]:
@@ -164,57 +233,44 @@ def train(
     if data.valid is not None:
         valid_stream = pipeline_stream(run, data.valid) if run.is_pipeline else data.valid
     stop = stop or StopSignal()
-    speed = Throughput(start_iteration, t.train_iters)
     progress = Progress(run, start_iteration)
-    last: dict[str, float] = {}
+    records = StepRecords(run, writer, progress, start_iteration)
     iteration = start_iteration
-    flops = ModelFlops(cfg, d, run.device)
     profiler = StepProfiler(cfg.logging, run.rank, run.device)
     if not t.do_train:
         log.info("do_train=false: evaluating the loaded weights only")
         if valid_stream is not None and t.do_valid:
             eval_loss = evaluate(run, valid_stream, t.eval_iters)
             writer.write(iteration, {"loss": eval_loss}, prefix="valid")
-    in_a_row, stopping = 0, None
+    stopping = None
     while t.do_train and iteration < t.train_iters:
         profiler.step(iteration + 1)
-        tick = time.perf_counter()
-        metrics = train_step(run, train_stream, iteration)
-        speed.add(time.perf_counter() - tick)  # the loss's .item() has synchronized the device
+        scalars = train_step(run, train_stream, iteration)
         iteration += 1
-        last = metrics
-        nonfinite = not math.isfinite(metrics["loss"]) or (
-            metrics["skipped"] and d.precision != "fp16"
-        )
-        run.counters["skipped_steps"] += int(metrics.pop("skipped"))
-        run.counters["nonfinite_steps"] += int(nonfinite)
-        in_a_row = in_a_row + 1 if nonfinite else 0
-        if t.max_nonfinite_steps and in_a_row >= t.max_nonfinite_steps:
-            raise NonFiniteSteps(
-                f"{in_a_row} steps in a row with a non-finite loss or gradient (iterations "
-                f"{iteration - in_a_row + 1} to {iteration}); stopping without saving. Lower lr, "
-                "raise warmup, or resume from the last checkpoint with another seed"
-            )
-        progress.update(metrics)
-        if iteration % cfg.logging.log_interval == 0 or iteration == t.train_iters:
-            metrics.update(step_metrics(run, iteration, speed, flops))
-            progress.log(format_line(iteration, t.train_iters, metrics))
-            writer.write(iteration, metrics)
+        records.queued(iteration, scalars)
         if valid_stream is not None and t.do_valid and iteration % t.eval_interval == 0:
+            records.flush()
             tick = time.perf_counter()
             eval_loss = evaluate(run, valid_stream, t.eval_iters)
             eval_s = time.perf_counter() - tick
             progress.log(f"validation at iter {iteration}: loss {eval_loss:.4f} ({eval_s:.1f} s)")
             writer.write(iteration, {"loss": eval_loss, "eval_time_s": eval_s}, prefix="valid")
+            records.restart_clock()
         stopping = stop.agreed()
-        if should_save(cfg, iteration) or (stopping and cfg.checkpoint.save):
+        exiting = bool(t.exit_interval) and iteration % t.exit_interval == 0
+        saving = should_save(cfg, iteration) or (stopping and cfg.checkpoint.save)
+        if saving or stopping or exiting or iteration == t.train_iters:
+            records.flush()
+        if saving:
             save(run, iteration, writer)
+            records.restart_clock()
         if stopping:
             progress.log(f"stopped by {signal.Signals(stopping).name} at iteration {iteration}")
             break
-        if t.exit_interval and iteration % t.exit_interval == 0:
+        if exiting:
             log.info("exit_interval=%d reached at iteration %d", t.exit_interval, iteration)
             break
+    records.flush()
     profiler.close()
     progress.close()
     done = iteration >= t.train_iters
@@ -226,7 +282,7 @@ def train(
         writer.write(iteration, {"loss": test_loss}, prefix="test")
         if run.is_logging_rank:
             log.info("test loss %.4f", test_loss)
-    return last
+    return records.last
 
 
 def step_metrics(

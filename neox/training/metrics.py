@@ -140,6 +140,38 @@ def memory_metrics(device: torch.device) -> dict[str, float]:
     return {"rss_gb": psutil.Process().memory_info().rss / 2**30}
 
 
+class DeviceScalars:
+    """A step's scalars, read on the host only when needed. Tensors on a GPU are copied to
+    pinned host memory as the step's last work, so `read` waits for this step alone and not
+    for the steps queued after it: the loop reads step i once step i+1 is queued, and the
+    device never idles while the host logs."""
+
+    def __init__(self, values: dict[str, Any]) -> None:
+        self._order = [k for k, v in values.items() if v is not None]
+        on_gpu = {
+            k for k in self._order if isinstance(values[k], torch.Tensor) and values[k].is_cuda
+        }
+        self._plain = {k: float(values[k]) for k in self._order if k not in on_gpu}
+        self._names = [k for k in self._order if k in on_gpu]
+        self._host: Optional[torch.Tensor] = None
+        self._event = None
+        if not self._names:
+            return
+        stacked = torch.stack([values[k].detach().float().reshape(()) for k in self._names])
+        self._host = torch.empty(stacked.shape, dtype=torch.float32, pin_memory=True)
+        self._host.copy_(stacked, non_blocking=True)
+        self._event = torch.cuda.Event()
+        self._event.record()
+
+    def read(self) -> dict[str, float]:
+        if self._event is not None:
+            self._event.synchronize()
+        values = dict(self._plain)
+        if self._host is not None:
+            values.update(zip(self._names, self._host.tolist()))
+        return {k: values[k] for k in self._order}
+
+
 class Throughput:
     """Training time only (evaluation and saving are timed apart), per log interval."""
 

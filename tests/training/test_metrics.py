@@ -3,8 +3,15 @@
 import json
 
 import pytest
+import torch
 
-from neox.training.metrics import MetricsWriter, Throughput, drop_records_after, format_line
+from neox.training.metrics import (
+    DeviceScalars,
+    MetricsWriter,
+    Throughput,
+    drop_records_after,
+    format_line,
+)
 
 
 def test_resume_drops_records_logged_after_the_checkpoint(tmp_path):
@@ -62,3 +69,13 @@ def test_line_holds_every_value_compactly():
         "scale 6.55e+04 | skipped 2 nonfinite 1 | 250 ms/step 13.1k tok/s (1.64k/gpu) | "
         "mem 1.50/2.00 GB | eta 1:02:05"
     )
+
+
+def test_device_scalars_keep_order_drop_none_and_read_tensors():
+    scalars = DeviceScalars(
+        {"loss": torch.tensor(2.5), "lr": 1e-3, "grad_norm": None, "skipped": False}
+    )
+    read = scalars.read()
+    assert list(read) == ["loss", "lr", "skipped"]
+    assert read == {"loss": 2.5, "lr": 1e-3, "skipped": 0.0}
+    assert all(type(v) is float for v in read.values())
