@@ -198,9 +198,13 @@ def fork_tensor_parallel_rng() -> contextlib.AbstractContextManager:
 
 def use_tensor_parallel_rng(model: nn.Module) -> None:
     """Run every attention forward (whose only randomness, attention dropout, acts on this
-    rank's heads) under the tp rank's own RNG stream; hidden dropout outside stays shared."""
+    rank's heads) under the tp rank's own RNG stream; hidden dropout outside stays shared.
+
+    Without attention dropout there is nothing to draw, and no fork: swapping RNG states is a
+    graph break that would split every compiled block in three."""
     for _, module in model.named_modules():
-        if hasattr(module, "query_key_value") and hasattr(module, "num_kv_heads"):
+        is_attention = hasattr(module, "query_key_value") and hasattr(module, "num_kv_heads")
+        if is_attention and getattr(module, "dropout", 0.0) > 0:
             _wrap_forward(module, _forward_in_tp_rng)
 
 

@@ -37,3 +37,20 @@ def test_vocab_parallel_cross_entropy_single_rank_is_cross_entropy():
         torch.testing.assert_close(z.grad, zr.grad)
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_attention_forks_the_tensor_parallel_rng_only_when_it_draws(dropout):
+    """The fork is a graph break under torch.compile: only attention dropout needs it."""
+    from neox.config.model import ModelConfig
+    from neox.model import build_model
+    from neox.parallel.tensor import use_tensor_parallel_rng
+
+    cfg = ModelConfig(
+        num_layers=1, hidden_size=16, num_attention_heads=2, seq_length=8,
+        max_position_embeddings=8, attention_dropout=dropout,
+    )  # fmt: skip
+    model = build_model(cfg, 32, seed=0)
+    use_tensor_parallel_rng(model)
+    wrapped = ["forward" in vars(m) for m in model.modules() if hasattr(m, "query_key_value")]
+    assert wrapped == [dropout > 0]
