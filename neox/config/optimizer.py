@@ -16,7 +16,8 @@ class OptimizerSpec(ConfigGroup):
     """Adam/AdamW (fused on GPU), CPU_Adam, SGD, Lion (case-insensitive)."""
 
     params: dict[str, Any] = {"lr": 6.0e-4, "betas": [0.9, 0.95], "eps": 1.0e-8}
-    """Keyword arguments of the optimizer; `lr` is the peak learning rate."""
+    """Keyword arguments of the optimizer; `lr` is the peak learning rate. Adam's `betas`, when
+    a section's params leave them out, are torch's (0.9, 0.999), as in gpt-neox."""
 
     @model_validator(mode="before")
     @classmethod
@@ -54,7 +55,8 @@ class OptimizerConfig(ConfigGroup):
     """What updates the weights, and how the learning rate moves."""
 
     optimizer: OptimizerSpec = OptimizerSpec.model_construct()
-    """Optimizer type and parameters (gpt-neox layout)."""
+    """Optimizer type and parameters (gpt-neox layout). Adam's betas, where params leave them
+    out, are torch's (0.9, 0.999), as in gpt-neox."""
 
     weight_decay: float = 0.01
     """Decoupled weight decay; biases and norm weights are exempt."""

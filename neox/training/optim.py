@@ -32,8 +32,9 @@ def build_optimizer(
     groups = param_groups(model, cfg.weight_decay)
     on_gpu = any(p.is_cuda for g in groups for p in g["params"])
     if kind in ("adam", "adamw"):
-        params.setdefault("betas", (0.9, 0.95))
-        params["betas"] = tuple(params["betas"])
+        # Params without betas get torch's (0.9, 0.999), as gpt-neox's Adam does.
+        if "betas" in params:
+            params["betas"] = tuple(params["betas"])
         params.pop("weight_decay", None)
         # fused=True runs one kernel for all parameters on GPU (as apex/DeepSpeed FusedAdam).
         return torch.optim.AdamW(groups, fused=on_gpu or None, **params)
