@@ -68,7 +68,9 @@ def describe_engines(cfg: NeoXConfig, derived: Derived) -> str:
     names = {"flat": "neox's flat engine", "deepspeed": "DeepSpeed's"}
     engines = "; ".join(f"{names[e]} at ZeRO {', '.join(s)}" for e, s in by_engine.items())
     engine, reason = engine_for(cfg, derived)
-    if engine == "deepspeed":
+    if not cfg.training.flat_engine:
+        engines += " (flat_engine: false)"
+    elif engine == "deepspeed":
         engines += f" (the flat engine does not cover {reason})"
     tp, pp = derived.tensor_parallel, derived.pipe_parallel
     compiled = torch_compile_enabled(cfg.training.torch_compile, "cuda", tp)

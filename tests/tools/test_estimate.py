@@ -93,3 +93,22 @@ def test_bf16_report_names_the_flat_engine_and_compiled_loss(tmp_path):
 
     assert row("ZeRO gradient buckets")[:2] == [0.0, 0.0] and row("ZeRO gradient buckets")[2] > 0
     assert row("optimizer-step fp32 grads")[:2] == [0.0, 0.0]
+
+
+def test_engine_line_says_why_deepspeed_runs():
+    from neox.config import load_dict
+    from neox.estimate_report import describe_engines
+
+    def line(world, **overrides):
+        cfg = load_dict({"precision": "bfloat16", **overrides})
+        return describe_engines(cfg, derive(cfg, world, 512))
+
+    assert line(1, flat_engine=False, lm_loss_chunk_size=64) == (
+        "engine: DeepSpeed's at ZeRO 0, 1, 2, 3 (flat_engine: false); "
+        "loss: chunked, 64 tokens at a time"
+    )
+    tp2 = line(2, model_parallel_size=2)
+    assert "(the flat engine does not cover tensor or pipeline parallelism)" in tp2
+    assert tp2.endswith("loss: eager, fp32 log-softmax over the logits")  # vocab-parallel loss
+    one_rank = line(1)  # ZeRO-2 without a second rank to partition over: still the flat engine
+    assert one_rank.startswith("engine: neox's flat engine at ZeRO 0, 1, 2; DeepSpeed's at ZeRO 3")
