@@ -16,6 +16,7 @@ import torch
 from neox.config import derive, load_dict
 from neox.config.model import ModelConfig
 from neox.memory import (
+    FLAT_ALIGNMENT,
     TrainingShape,
     activation_bytes,
     block_activation_bytes,
@@ -184,6 +185,7 @@ def test_flat_engine_buffers_match_estimate_on_one_rank(precision):
     """The flat engine after a step, in process: its weight, gradient, master and moment
     buffers byte for byte, and the step's fp32 gradient copy it makes on CPU."""
     from neox.config import build_ds_config
+    from neox.training import flat_engine
     from neox.training.flat_engine import FlatEngine
     from neox.training.optim import build_optimizer
 
@@ -213,5 +215,6 @@ def test_flat_engine_buffers_match_estimate_on_one_rank(precision):
     cast = sum(4 * g.size for g in groups) if precision == "bf16" else 0
     assert est.step_transient == cast
     assert sum(g.numel for g in groups) % 2  # odd: the padding was counted
+    assert FLAT_ALIGNMENT == flat_engine.ALIGNMENT  # the torch-free copy of the engine's
     on_gpu = estimate_memory(cfg.model, training_shape(cfg, derived, 512))
     assert on_gpu.step_transient == 0 and on_gpu.model_states == est.model_states
