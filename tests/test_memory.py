@@ -105,6 +105,42 @@ def test_loss_peak_matches_tracked_memory(chunk, dtype):
     assert logits_bytes(cfg, shape) + head == pytest.approx(measured, rel=0.01)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_compiled_loss_saves_the_logits_in_the_compute_dtype(dtype):
+    """compile_blocks' graph of final norm, output layer and loss saves for backward the logits
+    in the compute dtype and fp32 row statistics (no fp32 log-softmax), beside the head's
+    inputs. aot_eager_decomp_partition partitions the graph as inductor does, without
+    generating code; inductor's backward then writes the logits' gradient into their buffer."""
+    from neox.parallel.build import compile_blocks
+
+    cfg = ModelConfig(**{**TINY, "seq_length": 64})
+    vocab, batch, k = 4096, 4, 4 if dtype == torch.float32 else 2
+    model = build_model(cfg, vocab, seed=0).to(dtype)
+    compile_blocks(model, backend="aot_eager_decomp_partition")
+    x = torch.randn(batch, cfg.seq_length, cfg.hidden_size, dtype=dtype, requires_grad=True)
+    labels = torch.randint(0, vocab, (batch, cfg.seq_length), generator=torch.Generator())
+    skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in skip:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model.loss(x, labels).backward()
+    tokens = batch * cfg.seq_length
+    shared, own = norm_activation_bytes(cfg, k, cfg.hidden_size)
+    head = tokens * (shared + own + k * cfg.hidden_size)
+    precision = "fp32" if k == 4 else "bf16"
+    shape = TrainingShape(vocab_size=vocab, micro_batch=batch, precision=precision)
+    shape = replace(shape, loss="compiled")
+    # The estimate also charges what the backward allocates beside the logits' gradient: the
+    # head weight's and the hidden states' gradients (not saved tensors).
+    grads = k * (tokens + vocab) * cfg.hidden_size
+    assert head + logits_bytes(cfg, shape) - grads == pytest.approx(sum(seen.values()), rel=0.02)
+
+
 ENGINE_MODEL = dict(
     num_layers=2,
     hidden_size=64,
