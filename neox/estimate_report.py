@@ -10,7 +10,7 @@ from typing import Optional
 
 from neox.config.derived import Derived, padded_vocab
 from neox.config.schema import NeoXConfig
-from neox.engine_choice import engine_for, loss_path, torch_compile_enabled
+from neox.engine_choice import engine_for
 from neox.estimate import count_parameters, embedding_parameters, train_flops_per_token
 from neox.memory import GiB, MemoryEstimate, TrainingShape, estimate_memory, training_shape
 
@@ -60,11 +60,12 @@ def memory_by_stage(
     return out
 
 
-def describe_engines(cfg: NeoXConfig, derived: Derived) -> str:
+def describe_engines(cfg: NeoXConfig, derived: Derived, vocab_size: int) -> str:
     """One line: the engine each ZeRO column assumes and how the loss runs on a GPU."""
+    shapes = [training_shape(cfg, derived, vocab_size, zero_stage=s) for s in range(4)]
     by_engine: dict[str, list[str]] = {}
-    for stage in range(4):
-        by_engine.setdefault(engine_for(cfg, derived, stage)[0], []).append(str(stage))
+    for shape in shapes:
+        by_engine.setdefault(shape.engine, []).append(str(shape.zero_stage))
     names = {"flat": "neox's flat engine", "deepspeed": "DeepSpeed's"}
     engines = "; ".join(f"{names[e]} at ZeRO {', '.join(s)}" for e, s in by_engine.items())
     engine, reason = engine_for(cfg, derived)
@@ -72,15 +73,12 @@ def describe_engines(cfg: NeoXConfig, derived: Derived) -> str:
         engines += " (flat_engine: false)"
     elif engine == "deepspeed":
         engines += f" (the flat engine does not cover {reason})"
-    tp, pp = derived.tensor_parallel, derived.pipe_parallel
-    compiled = torch_compile_enabled(cfg.training.torch_compile, "cuda", tp)
-    loss = loss_path(compiled, tp, pp, cfg.model.lm_loss_chunk_size)
     words = {
         "compiled": f"compiled with the output layer (torch_compile), {derived.precision} logits",
         "chunked": f"chunked, {cfg.model.lm_loss_chunk_size} tokens at a time",
         "eager": "eager, fp32 log-softmax over the logits",
     }
-    return f"engine: {engines}; loss: {words[loss]}"
+    return f"engine: {engines}; loss: {words[shapes[0].loss]}"
 
 
 def tokens_per_second(
@@ -120,7 +118,7 @@ def estimate_report(
         "",
         f"memory per GPU, GiB (ZeRO stage configured: {configured}; activation checkpointing "
         f"{'on' if ckpt else 'off'})",
-        describe_engines(cfg, derived),
+        describe_engines(cfg, derived, vocab_size),
         f"{'':32}" + "".join(f"  ZeRO-{s}{'*' if s == configured else ' '}" for s in range(4)),
     ]
     table = memory_by_stage(cfg, derived, vocab_size, ckpt)

@@ -101,7 +101,7 @@ def test_engine_line_says_why_deepspeed_runs():
 
     def line(world, **overrides):
         cfg = load_dict({"precision": "bfloat16", **overrides})
-        return describe_engines(cfg, derive(cfg, world, 512))
+        return describe_engines(cfg, derive(cfg, world, 512), 512)
 
     assert line(1, flat_engine=False, lm_loss_chunk_size=64) == (
         "engine: DeepSpeed's at ZeRO 0, 1, 2, 3 (flat_engine: false); "
