@@ -5,10 +5,12 @@
     python benchmarks/estimate_memory.py --tiny     # a tiny shape on CPU: the table, no GPU numbers
 
 Each shape runs in its own process: neox's real setup (neox.training.setup.build_run, as
-train.py) builds the model inside DeepSpeed, loop.train_step trains --steps steps on random
+train.py) builds the model and its engine, loop.train_step trains --steps steps on random
 tokens, then torch.cuda.max_memory_allocated/reserved are compared with the estimate's
 peak_allocated/peak_reserved. Shapes: bf16, ZeRO-1, seq 2048, no activation checkpointing,
-flash (SDPA) attention, micro batch 16/8/4; the vocabulary is GPT-NeoX-20B's padded 50304.
+flash (SDPA) attention, micro batch 16/8/4; the vocabulary is GPT-NeoX-20B's padded 50304;
+neox's defaults otherwise (on a GPU: the flat engine, torch_compile on). The table names the
+engine and loss the estimate assumed (for the device the shape ran on) and the engine built.
 """
 
 from __future__ import annotations
@@ -93,8 +95,16 @@ def measure(name: str, steps: int) -> dict:
     for i in range(steps):
         metrics = train_step(run, batches, i).read()
     derived = derive(cfg, 1, VOCAB)
-    est = estimate_memory(cfg.model, training_shape(cfg, derived, VOCAB))
-    out = dict(shape=name, loss=metrics["loss"], estimate=est.as_dict(), device=str(run.device))
+    shape = training_shape(cfg, derived, VOCAB, device=run.device.type)
+    est = estimate_memory(cfg.model, shape)
+    out = dict(
+        shape=name,
+        loss=metrics["loss"],
+        estimate=est.as_dict(),
+        device=str(run.device),
+        assumed=f"{shape.engine} engine, {shape.loss} loss",
+        engine_built=type(run.engine).__name__,
+    )
     if on_gpu:
         out["max_allocated"] = torch.cuda.max_memory_allocated()
         out["max_reserved"] = torch.cuda.max_memory_reserved()
@@ -120,7 +130,7 @@ def format_table(results: list[dict]) -> str:
     gib = 1024**3
     lines = [
         f"{'shape':6} {'est alloc':>10} {'measured':>10} {'ratio':>6} "
-        f"{'est reserved':>13} {'measured':>10} {'ratio':>6}  (GiB)"
+        f"{'est reserved':>13} {'measured':>10} {'ratio':>6}  (GiB)  estimate assumed / built"
     ]
     for r in results:
         est = r["estimate"]
@@ -135,7 +145,8 @@ def format_table(results: list[dict]) -> str:
         lines.append(
             f"{r['shape']:6} {est['peak_allocated'] / gib:10.2f} {cell(alloc)} "
             f"{ratio(est['peak_allocated'], alloc)} {est['peak_reserved'] / gib:13.2f} "
-            f"{cell(reserved)} {ratio(est['peak_reserved'], reserved)}"
+            f"{cell(reserved)} {ratio(est['peak_reserved'], reserved)}         "
+            f"{r['assumed']} / {r['engine_built']}"
         )
     device = results[0].get("gpu") or results[0]["device"]
     lines.append(f"device: {device}; loss after the last step: {results[-1]['loss']:.3f}")

@@ -38,18 +38,33 @@ def block_tensor_sizes(cfg: ModelConfig, tp: int = 1) -> list[int]:
     qkv_out = (cfg.num_attention_heads + 2 * shape.kv_heads) * hs // tp
     attn_in = cfg.num_attention_heads * hs // tp
     ffn = shape.ffn_size // tp
-    sizes = [qkv_out * h, attn_in * h]
+    branches = 2 if shape.gated_mlp else 1
+    matrices = [qkv_out * h, attn_in * h] + [ffn * h] * branches + [h * ffn]
+    return matrices + block_vector_sizes(cfg, tp)
+
+
+def block_vector_sizes(cfg: ModelConfig, tp: int = 1) -> list[int]:
+    """Elements of each bias and norm gain (the 1-D tensors) of one block on one tensor-parallel
+    rank; neox's optimizer puts them in the group without weight decay."""
+    shape = model_shape(cfg)
+    h, hs = cfg.hidden_size, shape.head_dim
+    qkv_out = (cfg.num_attention_heads + 2 * shape.kv_heads) * hs // tp
+    ffn = shape.ffn_size // tp
+    sizes = []
     if cfg.use_bias_in_attn_linear:
         sizes += [qkv_out, h]
     if cfg.use_qk_layernorm:
         sizes += 2 * _norm_tensors(cfg, hs)
-    branches = 2 if shape.gated_mlp else 1
-    sizes += [ffn * h] * branches + [h * ffn]
     if cfg.use_bias_in_mlp:
-        sizes += [ffn] * branches + [h]
+        sizes += [ffn] * (2 if shape.gated_mlp else 1) + [h]
     for _ in range(1 if cfg.gpt_j_tied else 2):
         sizes += _norm_tensors(cfg, h)
     return sizes
+
+
+def vector_parameters(cfg: ModelConfig) -> int:
+    """Elements of the whole model's biases and norm gains (tp = pp = 1)."""
+    return cfg.num_layers * sum(block_vector_sizes(cfg)) + sum(_norm_tensors(cfg, cfg.hidden_size))
 
 
 def layer_parameters(cfg: ModelConfig, tp: int = 1) -> int:

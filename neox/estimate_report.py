@@ -10,6 +10,7 @@ from typing import Optional
 
 from neox.config.derived import Derived, padded_vocab
 from neox.config.schema import NeoXConfig
+from neox.engine_choice import engine_for
 from neox.estimate import count_parameters, embedding_parameters, train_flops_per_token
 from neox.memory import GiB, MemoryEstimate, TrainingShape, estimate_memory, training_shape
 
@@ -31,7 +32,7 @@ MEMORY_ROWS = (
     ("gathered_params", "ZeRO-3 gathered params"),
     ("step_transient", "optimizer-step fp32 grads"),
     ("activations", "activations"),
-    ("logits", "logits + fp32 loss"),
+    ("logits", "loss over the logits"),
     ("peak_allocated", "peak allocated"),
     ("peak_reserved", "peak reserved"),
     ("total", "total incl. CUDA context"),
@@ -57,6 +58,27 @@ def memory_by_stage(
         shape = dataclasses.replace(shape, checkpoint_activations=checkpoint_activations)
         out.append(estimate_memory(cfg.model, shape))
     return out
+
+
+def describe_engines(cfg: NeoXConfig, derived: Derived, vocab_size: int) -> str:
+    """One line: the engine each ZeRO column assumes and how the loss runs on a GPU."""
+    shapes = [training_shape(cfg, derived, vocab_size, zero_stage=s) for s in range(4)]
+    by_engine: dict[str, list[str]] = {}
+    for shape in shapes:
+        by_engine.setdefault(shape.engine, []).append(str(shape.zero_stage))
+    names = {"flat": "neox's flat engine", "deepspeed": "DeepSpeed's"}
+    engines = "; ".join(f"{names[e]} at ZeRO {', '.join(s)}" for e, s in by_engine.items())
+    engine, reason = engine_for(cfg, derived)
+    if not cfg.training.flat_engine:
+        engines += " (flat_engine: false)"
+    elif engine == "deepspeed":
+        engines += f" (the flat engine does not cover {reason})"
+    words = {
+        "compiled": f"compiled with the output layer (torch_compile), {derived.precision} logits",
+        "chunked": f"chunked, {cfg.model.lm_loss_chunk_size} tokens at a time",
+        "eager": "eager, fp32 log-softmax over the logits",
+    }
+    return f"engine: {engines}; loss: {words[shapes[0].loss]}"
 
 
 def tokens_per_second(
@@ -96,6 +118,7 @@ def estimate_report(
         "",
         f"memory per GPU, GiB (ZeRO stage configured: {configured}; activation checkpointing "
         f"{'on' if ckpt else 'off'})",
+        describe_engines(cfg, derived, vocab_size),
         f"{'':32}" + "".join(f"  ZeRO-{s}{'*' if s == configured else ' '}" for s in range(4)),
     ]
     table = memory_by_stage(cfg, derived, vocab_size, ckpt)

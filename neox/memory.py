@@ -1,35 +1,51 @@
-"""GPU memory of one training rank, computed without torch, the way DeepSpeed 0.19 allocates it.
+"""GPU memory of one training rank, computed without torch, as neox's engines allocate it.
 
 Every quantity is bytes on the busiest rank (the largest pipeline stage for parameters, the
-stage whose activations and loss peak highest). The parts, and where each comes from:
+stage whose activations and loss peak highest). Which engine runs is neox.engine_choice's
+decision, as on the ranks: neox's flat engine (neox/training/flat_engine.py) for data
+parallelism alone in bf16/fp32 with Adam at ZeRO 0-1, else DeepSpeed 0.19's. The parts, and
+where each comes from:
 
-- weights: the low-precision (or fp32) parameters the model computes with. ZeRO-3 keeps 1/dp of
-  each tensor, except tensors smaller than stage3_param_persistence_threshold, kept whole.
-- gradients: the most backward holds at once. Stage 0 and 1 hold a full-size gradient per
-  parameter until backward ends; stage 2 and 3 keep this rank's partition in one contiguous
-  buffer, plus the gradient just produced (at most the largest tensor's) awaiting its bucket.
-- master weights: fp32 copies the optimizer updates (FP16_Optimizer at stage 0 with fp16/bf16;
-  ZeRO 1-3 always, 1/dp of them, even in fp32, where DeepSpeed still clones its partition).
+- weights: the low-precision (or fp32) parameters the model computes with. Flat engine: one
+  buffer per optimizer group (matrices; biases and norms), each padded to a multiple of 2 x dp.
+  ZeRO-3 keeps 1/dp of each tensor, except tensors smaller than
+  stage3_param_persistence_threshold, kept whole.
+- gradients: the most backward holds at once. The flat engine and ZeRO 0-1 hold a full-size
+  gradient per parameter (the flat engine in buffers shaped as its weights'); stage 2 and 3
+  keep this rank's partition in one contiguous buffer, plus the gradient just produced (at
+  most the largest tensor's) awaiting its bucket.
+- master weights: fp32 copies the optimizer updates (flat engine: this rank's 1/dp partition,
+  none in fp32, where it steps the weights themselves; DeepSpeed: FP16_Optimizer at stage 0
+  with fp16/bf16, ZeRO 1-3 always, 1/dp of them, even in fp32, where it clones its partition).
 - optimizer states: Adam's two fp32 moments (Lion and SGD with momentum one) over what the
-  optimizer owns: all parameters at stage 0, 1/dp from stage 1 on.
+  optimizer owns: all parameters at DeepSpeed's stage 0, 1/dp from stage 1 on and always in
+  the flat engine.
 - buffers: ZeRO's gradient buckets (reduce_bucket_size elements, two when overlap_comm at
-  stage 1/2), alive during backward.
+  stage 1/2), alive during backward. None in the flat engine.
 - gathered params: ZeRO-3's parameters gathered whole for compute: one block plus
   stage3_prefetch_bucket_size (at most stage3_max_live_parameters, at least the largest tensor).
 - step transient: the fp32 flat gradient the optimizer steps on (FP16_Optimizer: the full
-  model; ZeRO 1/2: this rank's partition; ZeRO-3: its largest sub-group).
+  model; ZeRO 1/2: this rank's partition; ZeRO-3: its largest sub-group). The flat engine's
+  one-pass AdamW (neox/kernels/adamw.py, bf16 on a GPU) reads the bf16 gradient itself: none;
+  otherwise (torch's fused AdamW) an fp32 copy of the gradient partition in bf16.
 - activations: what autograd saves for backward, tensor by tensor as neox's model runs
   (`block_activation_bytes`), for every micro-batch in flight (1F1B: stage i holds
   min(pp - i, accumulation)), or only the block inputs plus one recomputed chunk under
   activation checkpointing; with pp > 1, of the stage where activations plus loss peak.
-- logits: the loss runs in fp32; at the start of backward the saved log-softmax, its gradient
-  and the gradient of the logits coexist: LOSS_BYTES_PER_LOGIT x b x s x V/tp.
+- logits: the loss's peak on the last stage (`logits_bytes`), by how it runs
+  (neox.engine_choice.loss_path). Eager: fp32; at the start of backward the saved
+  log-softmax, its gradient and the gradient of the logits coexist (LOSS_BYTES_PER_LOGIT per
+  logit). Compiled (torch_compile, the GPU default without model parallelism): the logits in
+  the compute dtype are all the graph saves, and its backward writes their gradient into the
+  same buffer (AOTAutograd donates saved buffers to the backward graph), next to the gradients
+  of the head weight and of the hidden states. Chunked (lm_loss_chunk_size): one chunk's fp32
+  softmax and its gradient, and the fp32 head-weight gradient kept for backward.
 - overheads (documented constants): the CUDA context and the caching allocator's slack.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Optional
 
 from neox.attention_path import select_attention_path
@@ -37,13 +53,23 @@ from neox.config.derived import Derived, model_shape
 from neox.config.ds_config import zero_section
 from neox.config.model import ModelConfig
 from neox.config.schema import NeoXConfig
-from neox.estimate import blocks_per_stage, layer_parameters, stage_tensor_sizes
+from neox.engine_choice import FLAT_OPTIMIZERS, engine_for, loss_path, torch_compile_enabled
+from neox.estimate import (
+    blocks_per_stage,
+    layer_parameters,
+    stage_tensor_sizes,
+    vector_parameters,
+)
 
 GiB = 1024**3
 
-# Bytes per logit at the loss's peak (start of backward): fp32 log-softmax kept for backward,
-# its incoming gradient and the gradient of the logits (4 + 4 + 4).
+# Bytes per logit at the eager loss's peak (start of backward): fp32 log-softmax kept for
+# backward, its incoming gradient and the gradient of the logits (4 + 4 + 4).
 LOSS_BYTES_PER_LOGIT = 12
+# Bytes per token the compiled loss saves besides the logits: fp32 row max and logsumexp.
+COMPILED_LOSS_BYTES_PER_TOKEN = 8
+# The flat engine pads each group to a multiple of this times dp (flat_engine.ALIGNMENT).
+FLAT_ALIGNMENT = 2
 # CUDA context, cuBLAS/cuDNN workspaces and NCCL buffers: outside torch's allocator, so absent
 # from max_memory_reserved but part of what the GPU must hold. Measured ~0.5-0.8 GiB on H100.
 CUDA_CONTEXT_BYTES = int(0.75 * GiB)
@@ -82,6 +108,10 @@ class TrainingShape:
     checkpoint_activations: bool = False
     checkpoint_num_layers: int = 1
     partition_activations: bool = False
+    engine: str = "deepspeed"  # or "flat": neox's flat engine (neox.engine_choice)
+    loss: str = "eager"  # or "compiled", "chunked" (neox.engine_choice.loss_path)
+    loss_chunk: int = 0  # tokens per chunk of the chunked loss (lm_loss_chunk_size)
+    one_pass_adamw: bool = True  # flat engine: AdamW in one pass over the bf16 gradient (GPU)
 
     def zero_setting(self, key: str) -> Any:
         zero = self.zero or {}
@@ -132,15 +162,25 @@ class MemoryEstimate:
 
 
 def training_shape(
-    cfg: NeoXConfig, derived: Derived, vocab_size: int, zero_stage: Optional[int] = None
+    cfg: NeoXConfig,
+    derived: Derived,
+    vocab_size: int,
+    zero_stage: Optional[int] = None,
+    device: str = "cuda",
 ) -> TrainingShape:
-    """The TrainingShape of a validated config (zero_stage overrides the configured stage)."""
+    """The TrainingShape of a validated config run on `device` ("cuda" or "cpu": torch_compile's
+    default and the flat engine's AdamW kernel depend on it); zero_stage overrides the
+    configured stage."""
     zero = zero_section(cfg, derived.data_parallel, zero_stage)
     t, spec = cfg.training, cfg.optimizer.optimizer
+    tp, pp = derived.tensor_parallel, derived.pipe_parallel
+    compiled = torch_compile_enabled(t.torch_compile, device, tp)
+    # neox.kernels.adamw stands in for plain AdamW on a GPU (flat_engine._one_pass_ok).
+    plain = not (spec.params.get("amsgrad") or spec.params.get("maximize"))
     return TrainingShape(
         vocab_size=vocab_size,
-        tp=derived.tensor_parallel,
-        pp=derived.pipe_parallel,
+        tp=tp,
+        pp=pp,
         dp=derived.data_parallel,
         micro_batch=derived.micro_batch,
         grad_accum=derived.grad_accum,
@@ -152,6 +192,10 @@ def training_shape(
         checkpoint_activations=t.checkpoint_activations,
         checkpoint_num_layers=t.checkpoint_num_layers,
         partition_activations=t.partition_activations,
+        engine=engine_for(cfg, derived, zero_stage)[0],
+        loss=loss_path(compiled, tp, pp, cfg.model.lm_loss_chunk_size),
+        loss_chunk=cfg.model.lm_loss_chunk_size,
+        one_pass_adamw=device == "cuda" and derived.optimizer_type in FLAT_OPTIMIZERS and plain,
     )
 
 
@@ -266,12 +310,66 @@ def activation_bytes(cfg: ModelConfig, shape: TrainingShape, stage: int = 0) -> 
 
 
 def logits_bytes(cfg: ModelConfig, shape: TrainingShape) -> int:
-    """The fp32 loss's peak on the last stage, at the start of backward."""
-    return LOSS_BYTES_PER_LOGIT * cfg.seq_length * shape.micro_batch * shape.vocab_size // shape.tp
+    """The loss's peak on the last stage, beyond the activations (which count the final norm's
+    and the output layer's inputs): at the start of backward, or within a chunk."""
+    k, h = BYTES[shape.precision], cfg.hidden_size
+    tokens, vocab = cfg.seq_length * shape.micro_batch, shape.vocab_size // shape.tp
+    if shape.loss == "compiled":
+        # At the end of its backward: the logits' gradient in their buffer, beside the head
+        # weight's and the hidden states' gradients.
+        return tokens * (k * vocab + COMPILED_LOSS_BYTES_PER_TOKEN + k * h) + k * vocab * h
+    if shape.loss == "chunked":
+        # dh (saved for backward) takes the place of the output layer's input; the fp32 head
+        # gradient dw is kept too. Forward: a chunk's fp32 logits, softmax, its scaled copy
+        # and that cast to the weights' dtype (no copy in fp32); backward: dh and dw scaled by
+        # the incoming gradient, dw's cast.
+        cast = 0 if k == 4 else k
+        rows = min(shape.loss_chunk, tokens)
+        chunk = (12 + cast) * rows * vocab
+        backward = k * tokens * h + (4 + cast) * vocab * h
+        return 4 * vocab * h + max(chunk, backward)
+    return LOSS_BYTES_PER_LOGIT * tokens * vocab
+
+
+def flat_engine_states(cfg: ModelConfig, shape: TrainingShape) -> MemoryEstimate:
+    """The model-state parts of neox's flat engine: per optimizer group (matrices; biases and
+    norms) a padded bf16/fp32 weight buffer and gradient buffer, and fp32 master weights and
+    Adam moments of this rank's 1/dp partition; no buckets. Activations and logits are 0."""
+    k, dp = BYTES[shape.precision], shape.dp
+    total = sum(stage_tensor_sizes(cfg, shape.vocab_size))
+    vectors = vector_parameters(cfg)
+    unit = FLAT_ALIGNMENT * dp
+    padded = sum(-(-n // unit) * unit for n in (total - vectors, vectors))
+    part = padded // dp
+    mixed = shape.precision != "fp32"
+    return MemoryEstimate(
+        weights=k * padded,
+        gradients=k * padded,
+        master_weights=4 * part if mixed else 0,  # fp32 steps the weight partition itself
+        optimizer_states=4 * 2 * part,
+        buffers=0,
+        gathered_params=0,
+        # torch's fused AdamW steps fp32 gradients: a copy of the bf16 partition.
+        step_transient=4 * part if mixed and not shape.one_pass_adamw else 0,
+        activations=0,
+        logits=0,
+    )
 
 
 def estimate_memory(cfg: ModelConfig, shape: TrainingShape) -> MemoryEstimate:
     """Memory of the busiest rank for this model and training shape."""
+    # The busiest stage in backward: the first holds the most micro-batches, the last the loss.
+    last = shape.pp - 1
+    activations, logits = max(
+        (
+            (activation_bytes(cfg, shape, i), logits_bytes(cfg, shape) if i == last else 0)
+            for i in range(shape.pp)
+        ),
+        key=sum,
+    )
+    if shape.engine == "flat":
+        states = flat_engine_states(cfg, shape)
+        return replace(states, activations=activations, logits=logits)
     k = BYTES[shape.precision]
     mixed = shape.precision != "fp32"
     dp, stage = shape.dp, shape.zero_stage
@@ -317,15 +415,6 @@ def estimate_memory(cfg: ModelConfig, shape: TrainingShape) -> MemoryEstimate:
         step = 4 * part
     else:
         step = 4 * min(part, shape.zero_setting("sub_group_size"))
-    # The busiest stage in backward: the first holds the most micro-batches, the last the loss.
-    last = shape.pp - 1
-    activations, logits = max(
-        (
-            (activation_bytes(cfg, shape, i), logits_bytes(cfg, shape) if i == last else 0)
-            for i in range(shape.pp)
-        ),
-        key=sum,
-    )
     return MemoryEstimate(
         weights=weights,
         gradients=gradients,

@@ -1,9 +1,10 @@
-"""Rank body of tests/test_memory.py: a real DeepSpeed engine on CPU, its tensors measured.
+"""Rank body of tests/test_memory.py: a real engine on CPU, its tensors measured.
 
-Each rank builds the tiny model through neox's own parallelize/build_optimizer/build_ds_config,
-runs one forward/backward and one optimizer step, and measures the bytes of the tensors
-DeepSpeed actually holds: parameters, the gradients left after backward, the fp32 master
-copies and the optimizer states. Rank 0 writes them as JSON for the test to compare.
+Each rank builds the tiny model through neox's own parallelize/build_optimizer/build_ds_config
+and the engine build_engine picks (DeepSpeed's or neox's flat engine), runs one
+forward/backward and one optimizer step, and measures the bytes of the tensors the engine
+actually holds: parameters, the gradients left after backward, the fp32 master copies and the
+optimizer states. Rank 0 writes them as JSON for the test to compare.
 """
 
 from __future__ import annotations
@@ -104,10 +105,9 @@ def measure_all(rank: int, world: int, flats: list[dict], out: str) -> None:
 
 
 def measure(rank: int, world: int, flat: dict) -> dict:
-    import deepspeed
-
     from neox.config import build_ds_config, derive, load_dict
     from neox.parallel import ProcessGroups, Topology, engine_mpu, parallelize
+    from neox.training.engine import build_engine
     from neox.training.optim import build_optimizer
 
     cfg = load_dict(flat)
@@ -117,11 +117,12 @@ def measure(rank: int, world: int, flat: dict) -> dict:
         Topology(derived.tensor_parallel, derived.pipe_parallel, derived.data_parallel)
     )
     model = parallelize(cfg.model, vocab, groups, cfg.training.seed)
-    engine, *_ = deepspeed.initialize(
-        model=model,
-        optimizer=build_optimizer(model, cfg.optimizer, derived.optimizer_type, derived.lr),
-        config=build_ds_config(cfg, derived),
-        mpu=engine_mpu(model, groups),
+    engine = build_engine(
+        build_ds_config(cfg, derived),
+        model,
+        build_optimizer(model, cfg.optimizer, derived.optimizer_type, derived.lr),
+        engine_mpu(model, groups),
+        flat_engine=cfg.training.flat_engine,
     )
     params = list(engine.module.parameters())
     if derived.precision == "bf16":
@@ -151,10 +152,12 @@ def measure(rank: int, world: int, flat: dict) -> dict:
 
     inner = inner_optimizer(engine)
     model_storages = {t.untyped_storage().data_ptr() for t in weights}
+    # The flat engine keeps its fp32 partitions on its groups (in fp32, views of the weights).
+    flat_masters = [g.master for g in getattr(engine, "groups", [])]
     masters = [
         t
-        for name in MASTER_ATTRIBUTES
-        for t in _tensors(getattr(engine.optimizer, name, None))
+        for t in flat_masters
+        + [t for name in MASTER_ATTRIBUTES for t in _tensors(getattr(engine.optimizer, name, None))]
         if t.untyped_storage().data_ptr() not in model_storages
     ]
     states = [
@@ -164,6 +167,7 @@ def measure(rank: int, world: int, flat: dict) -> dict:
         if isinstance(t, torch.Tensor) and t.numel() > 1
     ]
     return dict(
+        engine=type(engine).__name__,
         optimizer_class=type(engine.optimizer).__name__,
         dtype_ok=dtype_ok,
         weights=weight_bytes,

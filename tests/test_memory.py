@@ -1,12 +1,14 @@
-"""neox/memory.py against what really runs: autograd's saved tensors and a real DeepSpeed engine.
+"""neox/memory.py against what really runs: autograd's saved tensors and the real engines.
 
 Activations: every tensor autograd saves in a block's forward, captured with
-saved_tensors_hooks, must add up to block_activation_bytes. Model states: a real DeepSpeed
-engine on two CPU ranks (ZeRO 0-3, bf16 and fp32) must hold exactly the parameter, master-weight
-and optimizer-state bytes the estimate names, and its gradients at their peak in backward.
+saved_tensors_hooks, must add up to block_activation_bytes. Model states: the engine
+build_engine picks on two CPU ranks (DeepSpeed's at ZeRO 0-3, neox's flat engine at ZeRO 0-1,
+bf16 and fp32) must hold exactly the parameter, master-weight and optimizer-state bytes the
+estimate names, and its gradients at their peak in backward; so must the flat engine on one.
 """
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -14,11 +16,13 @@ import torch
 from neox.config import derive, load_dict
 from neox.config.model import ModelConfig
 from neox.memory import (
+    FLAT_ALIGNMENT,
     TrainingShape,
     activation_bytes,
     block_activation_bytes,
     estimate_memory,
     logits_bytes,
+    norm_activation_bytes,
     training_shape,
 )
 from neox.model import build_model
@@ -70,6 +74,73 @@ def test_whole_model_activations_and_loss_match_saved_tensors(name):
     assert estimated == pytest.approx(measured, rel=0.02), (measured, estimated)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("chunk", [0, 64, 1000], ids=["eager", "chunked", "one_chunk"])
+def test_loss_peak_matches_tracked_memory(chunk, dtype):
+    """The eager and the chunked loss from the final hidden states, forward and backward on CPU:
+    the most activation and temporary bytes alive at once, as torch's MemTracker follows every
+    storage, against logits_bytes plus the head's saved inputs. (The compiled loss's graph keeps
+    the logits in the compute dtype: measured on a GPU, docs/benchmarks.md.)"""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    cfg = ModelConfig(**{**TINY, "seq_length": 64, "lm_loss_chunk_size": chunk})
+    vocab, batch, k = 4096, 4, 4 if dtype == torch.float32 else 2
+    model = build_model(cfg, vocab, seed=0).to(dtype)
+    x = torch.randn(batch, cfg.seq_length, cfg.hidden_size, dtype=dtype, requires_grad=True)
+    labels = torch.randint(0, vocab, (batch, cfg.seq_length), generator=torch.Generator())
+    model.loss(x, labels).backward()  # gradients exist, as after the first step
+    tracker = MemTracker()
+    tracker.track_external(model, x)
+    with tracker:
+        model.loss(x, labels).backward()
+    (peak,) = tracker.get_tracker_snapshot("peak").values()
+    measured = sum(
+        v for key, v in peak.items() if getattr(key, "value", "") in ("Activation", "Temp")
+    )
+    precision = "fp32" if k == 4 else "bf16"
+    shape = TrainingShape(vocab_size=vocab, micro_batch=batch, precision=precision)
+    shape = replace(shape, loss="chunked" if chunk else "eager", loss_chunk=chunk)
+    shared, own = norm_activation_bytes(cfg, k, cfg.hidden_size)
+    head = batch * cfg.seq_length * (shared + own + k * cfg.hidden_size)
+    assert logits_bytes(cfg, shape) + head == pytest.approx(measured, rel=0.01)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_compiled_loss_saves_the_logits_in_the_compute_dtype(dtype):
+    """compile_blocks' graph of final norm, output layer and loss saves for backward the logits
+    in the compute dtype and fp32 row statistics (no fp32 log-softmax), beside the head's
+    inputs. aot_eager_decomp_partition partitions the graph as inductor does, without
+    generating code; inductor's backward then writes the logits' gradient into their buffer."""
+    from neox.parallel.build import compile_blocks
+
+    cfg = ModelConfig(**{**TINY, "seq_length": 64})
+    vocab, batch, k = 4096, 4, 4 if dtype == torch.float32 else 2
+    model = build_model(cfg, vocab, seed=0).to(dtype)
+    compile_blocks(model, backend="aot_eager_decomp_partition")
+    x = torch.randn(batch, cfg.seq_length, cfg.hidden_size, dtype=dtype, requires_grad=True)
+    labels = torch.randint(0, vocab, (batch, cfg.seq_length), generator=torch.Generator())
+    skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in skip:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model.loss(x, labels).backward()
+    tokens = batch * cfg.seq_length
+    shared, own = norm_activation_bytes(cfg, k, cfg.hidden_size)
+    head = tokens * (shared + own + k * cfg.hidden_size)
+    precision = "fp32" if k == 4 else "bf16"
+    shape = TrainingShape(vocab_size=vocab, micro_batch=batch, precision=precision)
+    shape = replace(shape, loss="compiled")
+    # The estimate also charges what the backward allocates beside the logits' gradient: the
+    # head weight's and the hidden states' gradients (not saved tensors).
+    grads = k * (tokens + vocab) * cfg.hidden_size
+    assert head + logits_bytes(cfg, shape) - grads == pytest.approx(sum(seen.values()), rel=0.02)
+
+
 ENGINE_MODEL = dict(
     num_layers=2,
     hidden_size=64,
@@ -85,9 +156,14 @@ ENGINE_MODEL = dict(
 )
 
 
+# scalenorm's one-element gains make the group of biases and norms odd-sized, so that the flat
+# engine's padding shows.
+FLAT_MODEL = dict(ENGINE_MODEL, norm="scalenorm")
+
+
 def engine_configs() -> list[dict]:
-    """ZeRO 0-3 in bf16 and fp32; small buckets and no ZeRO-3 persistence, so that partitioning
-    shows at this size."""
+    """DeepSpeed's engine at ZeRO 0-3 and the flat engine at ZeRO 0-1, in bf16 and fp32; small
+    buckets and no ZeRO-3 persistence, so that partitioning shows at this size."""
     flats = []
     for precision in ("bf16", "fp32"):
         for stage in range(4):
@@ -96,10 +172,13 @@ def engine_configs() -> list[dict]:
                 "reduce_bucket_size": 5000,
                 "stage3_param_persistence_threshold": 0,
             }
-            flat = dict(ENGINE_MODEL, zero_optimization=zero)
-            if precision == "bf16":
-                flat["bf16"] = {"enabled": True}
-            flats.append(flat)
+            cases = [dict(ENGINE_MODEL, zero_optimization=zero, flat_engine=False)]
+            if stage < 2:
+                cases.append(dict(FLAT_MODEL, zero_optimization=zero))
+            for flat in cases:
+                if precision == "bf16":
+                    flat["bf16"] = {"enabled": True}
+                flats.append(flat)
     return flats
 
 
@@ -117,8 +196,10 @@ def test_model_states_match_deepspeed_engine(engine_measurements):
     for flat, measured in engine_measurements:
         cfg = load_dict(flat)
         derived = derive(cfg, 2, 512)
-        est = estimate_memory(cfg.model, training_shape(cfg, derived, 512))
+        shape = training_shape(cfg, derived, 512, device="cpu")
+        est = estimate_memory(cfg.model, shape)
         case = f"{derived.precision} ZeRO-{flat['zero_optimization']['stage']}: {measured}"
+        assert measured["engine"] == ("FlatEngine" if shape.engine == "flat" else "DeepSpeedEngine")
         assert measured["dtype_ok"], case
         assert measured["weights"] == est.weights, case
         assert measured["master_weights"] == est.master_weights, case
@@ -133,3 +214,43 @@ def test_training_shape_takes_the_optimizer_type_derive_resolved():
     shape = training_shape(cfg, derive(cfg, 1), 512)
     assert shape.optimizer == "sgd"
     assert estimate_memory(cfg.model, shape).optimizer_states == 0
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_flat_engine_buffers_match_estimate_on_one_rank(precision):
+    """The flat engine after a step, in process: its weight, gradient, master and moment
+    buffers byte for byte, and the step's fp32 gradient copy it makes on CPU."""
+    from neox.config import build_ds_config
+    from neox.training import flat_engine
+    from neox.training.flat_engine import FlatEngine
+    from neox.training.optim import build_optimizer
+
+    flat = dict(FLAT_MODEL, zero_optimization={"stage": 1})
+    if precision == "bf16":
+        flat["bf16"] = {"enabled": True}
+    cfg = load_dict(flat)
+    derived = derive(cfg, 1, 512)
+    shape = training_shape(cfg, derived, 512, device="cpu")
+    assert shape.engine == "flat" and shape.loss == "eager" and not shape.one_pass_adamw
+    model = build_model(cfg.model, 512, seed=0)
+    optimizer = build_optimizer(model, cfg.optimizer, derived.optimizer_type, derived.lr)
+    engine = FlatEngine(build_ds_config(cfg, derived), model, optimizer, None)
+    ids = torch.randint(0, 512, (2, cfg.model.seq_length), generator=torch.Generator())
+    engine.backward(engine(ids, labels=ids))
+    engine.step()
+
+    groups = engine.groups
+    states = [engine.optimizer.state[g.master] for g in groups]
+    est = estimate_memory(cfg.model, shape)
+    assert est.weights == sum(g.flat.nbytes for g in groups)
+    assert est.gradients == sum(g.grad.nbytes for g in groups)
+    assert est.master_weights == sum(g.master.nbytes for g in groups if g.master is not g.part)
+    assert est.optimizer_states == sum(s["exp_avg"].nbytes + s["exp_avg_sq"].nbytes for s in states)
+    assert est.buffers == est.gathered_params == 0
+    # Off the GPU kernel, torch's fused AdamW steps on part_grad.float() (bf16 only).
+    cast = sum(4 * g.size for g in groups) if precision == "bf16" else 0
+    assert est.step_transient == cast
+    assert sum(g.numel for g in groups) % 2  # odd: the padding was counted
+    assert FLAT_ALIGNMENT == flat_engine.ALIGNMENT  # the torch-free copy of the engine's
+    on_gpu = estimate_memory(cfg.model, training_shape(cfg, derived, 512))
+    assert on_gpu.step_transient == 0 and on_gpu.model_states == est.model_states

@@ -7,14 +7,16 @@
 Takes the same config arguments as deepy.py. Prints:
   parameters   total, non-embedding, and the most one tensor/pipeline-parallel rank holds
   FLOPs        training FLOPs per token, 6N + 12 L h s (as the MFU in the training logs)
-  memory       per GPU for ZeRO stages 0-3 (the configured one starred), as DeepSpeed 0.19
-               allocates it: weights, gradients, fp32 master weights, optimizer states, ZeRO
-               buckets (ZeRO-3: gathered parameters), the optimizer step's fp32 gradients,
-               activations saved for backward (flash or materialised attention, parallel
-               residual, gated MLPs, GQA, tensor-parallel shards, pipeline micro-batches in
-               flight; with and without activation checkpointing) and the fp32 loss over the
-               logits; peak allocated (torch.cuda.max_memory_allocated), reserved (plus the
-               caching allocator's slack) and total (plus the CUDA context).
+  memory       per GPU for ZeRO stages 0-3 (the configured one starred), as the engine a GPU
+               run of that stage uses allocates it (neox's flat engine or DeepSpeed 0.19's;
+               a line names it per stage): weights, gradients, fp32 master weights,
+               optimizer states, ZeRO buckets (ZeRO-3: gathered parameters), the optimizer
+               step's fp32 gradients, activations saved for backward (flash or materialised
+               attention, parallel residual, gated MLPs, GQA, tensor-parallel shards, pipeline
+               micro-batches in flight; with and without activation checkpointing) and the
+               loss over the logits (compiled, chunked or eager fp32); peak allocated
+               (torch.cuda.max_memory_allocated), reserved (plus the caching allocator's
+               slack) and total (plus the CUDA context).
   throughput   tokens/s of all GPUs at --mfu of --peak-tflops (default per --gpu).
 Not included: CPU/NVMe offload, pipeline communication buffers, ALiBi/sliding-window masks
 beyond one (heads, s, s) tensor per layer. docs/estimate.md lists the constants and sources.

@@ -45,6 +45,7 @@ LAUNCH = "neox/launcher/plan.py"
 DERIVED = "neox/config/derived.py"
 DS = "neox/config/ds_config.py"
 SETUP = "neox/training/setup.py"
+MEMORY = "neox/memory.py"  # the estimate assumes what these keys make a run allocate
 LOOP = "neox/training/loop.py"
 CKPT = "neox/checkpoint/io.py"
 METRICS = "neox/training/metrics.py"
@@ -101,7 +102,7 @@ KEYS: dict[str, Status] = {
     "output_layer_parallelism": _reads(PAR + "tensor.py"),
     "use_cpu_initialization": NoOp(),
     "fp16_lm_cross_entropy": Refused("cross-entropy in fp16 is not implemented", True),
-    "lm_loss_chunk_size": _reads(MODEL + "gpt.py", DERIVED),
+    "lm_loss_chunk_size": _reads(MODEL + "gpt.py", DERIVED, MEMORY),
     "opt_pos_emb_offset": _reads(MODEL + "gpt.py"),
     "fused_kernels_build_path": NoOp(),
     # parallel
@@ -190,8 +191,8 @@ KEYS: dict[str, Status] = {
     "char_level_ppl": Refused("character-level perplexity", True),
     "iteration": _reads("neox/inference/loading.py", EVALUATION),
     "z_loss": Refused("z-loss auxiliary term is not implemented", 0.1),
-    "torch_compile": _reads(SETUP),
-    "flat_engine": _reads(SETUP),
+    "torch_compile": _reads(SETUP, MEMORY),
+    "flat_engine": _reads(SETUP, "neox/engine_choice.py"),
     "torch_compile_backend": _reads(SETUP),
     # checkpoint
     "save": _reads(CKPT),

@@ -30,6 +30,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from neox.engine_choice import flat_engine_unsupported
+
 log = logging.getLogger(__name__)
 
 MODEL_FILE = "mp_rank_00_model_states.pt"
@@ -53,23 +55,16 @@ def unsupported_reason(
     data_parallel: int,
     model_parallel: int,
 ) -> Optional[str]:
-    """Why this engine cannot run a job (None if it can): it covers data parallelism alone,
-    bf16 or fp32, torch's Adam/AdamW, ZeRO 0-1 (0-2 on one rank) without offload."""
-    zero = ds_config.get("zero_optimization", {})
-    stage = zero.get("stage", 0)
-    if model_parallel > 1:
-        return "tensor or pipeline parallelism"
-    if ds_config.get("fp16", {}).get("enabled"):
-        return "fp16 (loss scaling)"
-    if stage > 2 or (stage == 2 and data_parallel > 1):
-        return f"ZeRO-{stage} (gradient or weight partitioning)"
-    if zero.get("offload_optimizer") or zero.get("offload_param"):
-        return "ZeRO offload"
-    if type(optimizer) not in (torch.optim.AdamW, torch.optim.Adam):
-        return f"optimizer {type(optimizer).__name__}"
-    if any(g.get("lr_scale", 1.0) != 1.0 for g in optimizer.param_groups):
-        return "per-group learning-rate scales"
-    return None
+    """Why this engine cannot run a job (None if it can), decided by
+    neox.engine_choice.flat_engine_unsupported from this optimizer's type and groups."""
+    torch_adam = {torch.optim.AdamW: "adamw", torch.optim.Adam: "adam"}
+    return flat_engine_unsupported(
+        ds_config,
+        torch_adam.get(type(optimizer), type(optimizer).__name__),
+        any(g.get("lr_scale", 1.0) != 1.0 for g in optimizer.param_groups),
+        data_parallel,
+        model_parallel,
+    )
 
 
 def _one_pass_ok(optimizer: torch.optim.Optimizer) -> bool:

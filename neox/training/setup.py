@@ -9,6 +9,7 @@ import torch
 
 from neox.config import Derived, NeoXConfig, build_ds_config, derive
 from neox.data.loader import DataLoaders, build_train_valid_test_loaders
+from neox.engine_choice import torch_compile_enabled
 from neox.launcher.port import free_port
 from neox.launcher.rank_env import rank_env_from_launcher
 from neox.tokenizer import Tokenizer, build_tokenizer
@@ -66,13 +67,6 @@ def init_distributed(cfg: NeoXConfig) -> torch.device:
     return torch.device(accel.device_name(), local_rank)
 
 
-def compile_by_default(device: torch.device, derived: Derived) -> bool:
-    """torch_compile unset: on for GPU runs without tensor parallelism, where it was measured
-    faster (docs/benchmarks.md); a tensor-parallel run on two H200 did not reach its first step
-    within 120 s with it, so there it stays opt-in."""
-    return device.type == "cuda" and derived.tensor_parallel == 1
-
-
 def build_run(cfg: NeoXConfig) -> Run:
     """Tokenizer, derived values, the parallel model inside DeepSpeed, and the schedule."""
     from neox.parallel import ProcessGroups, Topology, engine_mpu, parallelize
@@ -95,9 +89,7 @@ def build_run(cfg: NeoXConfig) -> Run:
         checkpoint_activations=tr.checkpoint_activations,
         checkpoint_num_layers=tr.checkpoint_num_layers,
         checkpointing_options=ds_config["activation_checkpointing"],
-        torch_compile=compile_by_default(device, derived)
-        if tr.torch_compile is None
-        else tr.torch_compile,
+        torch_compile=torch_compile_enabled(tr.torch_compile, device.type, derived.tensor_parallel),
         torch_compile_backend=tr.torch_compile_backend,
         pipe_partition_method=cfg.parallel.pipe_partition_method,
         device=device,

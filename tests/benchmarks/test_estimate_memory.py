@@ -26,3 +26,7 @@ def test_tiny_shape_trains_and_prints_the_table(tmp_path):
     assert result["loss"] > 0  # two real steps ran
     est = result["estimate"]
     assert est["peak_allocated"] >= est["weights"] + est["optimizer_states"] > 0
+    # The estimate assumed the engine build_run built (on CPU: no compile, so an eager loss).
+    assert result["engine_built"] == "FlatEngine"
+    assert result["assumed"] == "flat engine, eager loss"
+    assert "flat engine, eager loss / FlatEngine" in r.stdout

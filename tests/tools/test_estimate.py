@@ -32,6 +32,7 @@ def test_pythia_160m_report():
     assert "tp 1 x pp 1 x dp 8" in out
     # The table: one row per part, four ZeRO stages, the configured stage (1) starred.
     assert "ZeRO-1*" in out
+    assert "engine: DeepSpeed's at ZeRO 0, 1, 2, 3 (the flat engine does not cover fp16" in out
     weights = re.search(r"^weights\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)$", out, re.M)
     assert weights, out
     stage0, _, _, stage3 = (float(x) for x in weights.groups())
@@ -72,3 +73,42 @@ def test_fit_warning_names_the_fixes():
     warning = fit_warning(cfg, derived, 50304, need // 2)
     assert warning is not None
     assert f"{need / GiB:.1f} GiB" in warning and "train_micro_batch_size_per_gpu" in warning
+
+
+def test_bf16_report_names_the_flat_engine_and_compiled_loss(tmp_path):
+    """Pythia in bf16 on 8 GPUs: neox's flat engine at ZeRO 0-1 (no buckets, no fp32 gradient
+    copy at the step), DeepSpeed's at 2-3; the loss compiled, as on a GPU by default."""
+    overlay = tmp_path / "bf16.yml"
+    overlay.write_text("precision: bfloat16\nfp16: {enabled: false}\n")
+    r = run_tool("configs/pythia/160M.yml", str(overlay), "--gpus", "8")
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert (
+        "engine: neox's flat engine at ZeRO 0, 1; DeepSpeed's at ZeRO 2, 3; loss: compiled" in out
+    )
+
+    def row(label):
+        found = re.search(rf"^{label}\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)$", out, re.M)
+        return [float(x) for x in found.groups()]
+
+    assert row("ZeRO gradient buckets")[:2] == [0.0, 0.0] and row("ZeRO gradient buckets")[2] > 0
+    assert row("optimizer-step fp32 grads")[:2] == [0.0, 0.0]
+
+
+def test_engine_line_says_why_deepspeed_runs():
+    from neox.config import load_dict
+    from neox.estimate_report import describe_engines
+
+    def line(world, **overrides):
+        cfg = load_dict({"precision": "bfloat16", **overrides})
+        return describe_engines(cfg, derive(cfg, world, 512), 512)
+
+    assert line(1, flat_engine=False, lm_loss_chunk_size=64) == (
+        "engine: DeepSpeed's at ZeRO 0, 1, 2, 3 (flat_engine: false); "
+        "loss: chunked, 64 tokens at a time"
+    )
+    tp2 = line(2, model_parallel_size=2)
+    assert "(the flat engine does not cover tensor or pipeline parallelism)" in tp2
+    assert tp2.endswith("loss: eager, fp32 log-softmax over the logits")  # vocab-parallel loss
+    one_rank = line(1)  # ZeRO-2 without a second rank to partition over: still the flat engine
+    assert one_rank.startswith("engine: neox's flat engine at ZeRO 0, 1, 2; DeepSpeed's at ZeRO 3")
