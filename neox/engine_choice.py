@@ -55,7 +55,9 @@ def flat_engine_unsupported(
 def torch_compile_enabled(setting: Optional[bool], device_type: str, tensor_parallel: int) -> bool:
     """The torch_compile setting, or when unset: on for GPU runs without tensor parallelism,
     where it was measured faster (docs/benchmarks.md); a tensor-parallel run on two H200 did not
-    reach its first step within 120 s with it, so there it stays opt-in."""
+    reach its first step within 120 s with it. Its likely cause, an RNG fork around every
+    attention (a graph break), is gone; until a GPU run measures TP with compile, it stays
+    opt-in there."""
     if setting is not None:
         return setting
     return device_type == "cuda" and tensor_parallel == 1
