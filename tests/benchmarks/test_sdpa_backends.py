@@ -1,0 +1,15 @@
+"""benchmarks/sdpa_backends.py --tiny on CPU: a record per shape and backend, so the GPU script
+cannot rot."""
+
+import json
+
+from tests.benchmarks.bench_helpers import run_benchmark
+
+
+def test_tiny_run_times_default_and_math_at_every_shape():
+    r = run_benchmark("sdpa_backends.py", "--tiny")
+    records = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    assert {(x["shape"], x["backend"]) for x in records} == {
+        (shape, backend) for shape in ("160M", "410M", "1-4B") for backend in ("default", "math")
+    }
+    assert all(x["ms"] > 0 and x["tflops"] > 0 for x in records)
