@@ -7,7 +7,7 @@ python benchmarks/train_multi_gpu.py --tiny --runs 1gpu dp2                  # C
 
 Runs (configs/pythia/<M>.yml with bf16, no activation checkpointing, the micro batch below,
 random tokens): one GPU with ZeRO-1; DP=2 with ZeRO-1 (and its ratio to one GPU: issue 11's
-target is >= 1.9x); TP=2; PP=2 (4 micro batches per step, so the pipeline has work to overlap);
+target is >= 1.9x); TP=2, without and with torch_compile; PP=2 (4 micro batches per step, so the pipeline has work to overlap);
 DP=2 with ZeRO-3 (peak memory per GPU against DP=2 ZeRO-1). tokens/s is the mean of the logged
 steps from --first to the last (the first steps compile and warm up); memory is rank 0's peak
 allocated (ranks of one layout hold near-equal shares).
@@ -43,6 +43,8 @@ RUNS: dict[str, dict[str, Any]] = {
     "1gpu": {"num_gpus": 1},
     "dp2": {"num_gpus": 2},
     "tp2": {"num_gpus": 2, "model_parallel_size": 2},
+    # torch_compile stays opt-in under TP until this run measures it faster.
+    "tp2_compile": {"num_gpus": 2, "model_parallel_size": 2, "torch_compile": True},
     "pp2": {"num_gpus": 2, "pipe_parallel_size": 2, "gradient_accumulation_steps": 4},
     "dp2_zero3": {"num_gpus": 2, "zero_optimization": {"stage": 3}},
 }
@@ -154,7 +156,7 @@ def measure(args, model: str, run: str, work: Path, data: Path) -> dict[str, Any
 
 def print_table(records: list[dict[str, Any]]) -> None:
     print(
-        f"{'model':>6} {'run':>10} {'tok/s':>9} {'x 1gpu':>7} {'ms/step':>8} {'TFLOPS/gpu':>10} "
+        f"{'model':>6} {'run':>11} {'tok/s':>9} {'x 1gpu':>7} {'ms/step':>8} {'TFLOPS/gpu':>10} "
         f"{'MFU':>6} {'peak GB':>8} {'wall s':>7}"
     )
     one = {
@@ -162,14 +164,14 @@ def print_table(records: list[dict[str, Any]]) -> None:
     }
     for r in records:
         if "tokens_per_s" not in r:
-            print(f"{r['model']:>6} {r['run']:>10} failed (exit {r['exit_code']}), see its log")
+            print(f"{r['model']:>6} {r['run']:>11} failed (exit {r['exit_code']}), see its log")
             continue
         ratio = f"{r['tokens_per_s'] / one[r['model']]:.2f}x" if r["model"] in one else "-"
         tflops = f"{r['tflops_per_gpu']:.1f}" if r["tflops_per_gpu"] is not None else "-"
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
         mem = f"{r['peak_mem_gb']:.2f}" if r["peak_mem_gb"] is not None else "-"
         print(
-            f"{r['model']:>6} {r['run']:>10} {r['tokens_per_s']:>9.0f} {ratio:>7} "
+            f"{r['model']:>6} {r['run']:>11} {r['tokens_per_s']:>9.0f} {ratio:>7} "
             f"{r['step_ms']:>8.1f} {tflops:>10} {mfu:>6} {mem:>8} {r['wall_s']:>7.0f}"
         )
     by = {(r["model"], r["run"]): r for r in records if "tokens_per_s" in r}
