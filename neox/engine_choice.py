@@ -52,6 +52,12 @@ def flat_engine_unsupported(
     return None
 
 
+def one_pass_adamw(adamw: bool, amsgrad: bool, maximize: bool, device_type: str) -> bool:
+    """Whether the flat engine steps with neox.kernels.adamw (one Triton pass over the bf16
+    gradient) rather than torch's fused AdamW on an fp32 copy: plain AdamW on a GPU."""
+    return device_type == "cuda" and adamw and not (amsgrad or maximize)
+
+
 def torch_compile_enabled(setting: Optional[bool], device_type: str, tensor_parallel: int) -> bool:
     """The torch_compile setting, or when unset: on for GPU runs without tensor parallelism,
     where it was measured faster (docs/benchmarks.md); a tensor-parallel run on two H200 did not

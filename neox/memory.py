@@ -53,7 +53,13 @@ from neox.config.derived import Derived, model_shape
 from neox.config.ds_config import zero_section
 from neox.config.model import ModelConfig
 from neox.config.schema import NeoXConfig
-from neox.engine_choice import FLAT_OPTIMIZERS, engine_for, loss_path, torch_compile_enabled
+from neox.engine_choice import (
+    FLAT_OPTIMIZERS,
+    engine_for,
+    loss_path,
+    one_pass_adamw,
+    torch_compile_enabled,
+)
 from neox.estimate import (
     blocks_per_stage,
     layer_parameters,
@@ -175,8 +181,6 @@ def training_shape(
     t, spec = cfg.training, cfg.optimizer.optimizer
     tp, pp = derived.tensor_parallel, derived.pipe_parallel
     compiled = torch_compile_enabled(t.torch_compile, device, tp)
-    # neox.kernels.adamw stands in for plain AdamW on a GPU (flat_engine._one_pass_ok).
-    plain = not (spec.params.get("amsgrad") or spec.params.get("maximize"))
     return TrainingShape(
         vocab_size=vocab_size,
         tp=tp,
@@ -195,7 +199,12 @@ def training_shape(
         engine=engine_for(cfg, derived, zero_stage)[0],
         loss=loss_path(compiled, tp, pp, cfg.model.lm_loss_chunk_size),
         loss_chunk=cfg.model.lm_loss_chunk_size,
-        one_pass_adamw=device == "cuda" and derived.optimizer_type in FLAT_OPTIMIZERS and plain,
+        one_pass_adamw=one_pass_adamw(
+            derived.optimizer_type in FLAT_OPTIMIZERS,  # neox builds torch's AdamW for both
+            bool(spec.params.get("amsgrad")),
+            bool(spec.params.get("maximize")),
+            device,
+        ),
     )
 
 

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from neox.engine_choice import flat_engine_unsupported
+from neox.engine_choice import flat_engine_unsupported, one_pass_adamw
 
 log = logging.getLogger(__name__)
 
@@ -67,13 +67,17 @@ def unsupported_reason(
     )
 
 
-def _one_pass_ok(optimizer: torch.optim.Optimizer) -> bool:
-    """Can neox.kernels.adamw stand in for this optimizer's step? (AdamW's plain options.)"""
+def _one_pass_ok(optimizer: torch.optim.Optimizer, device: torch.device) -> bool:
+    """Can neox.kernels.adamw stand in for this optimizer's step on `device`?"""
     import importlib.util
 
-    plain = all(not g["amsgrad"] and not g["maximize"] for g in optimizer.param_groups)
-    triton = importlib.util.find_spec("triton") is not None
-    return triton and plain and isinstance(optimizer, torch.optim.AdamW)
+    groups = optimizer.param_groups
+    return importlib.util.find_spec("triton") is not None and one_pass_adamw(
+        isinstance(optimizer, torch.optim.AdamW),
+        any(g["amsgrad"] for g in groups),
+        any(g["maximize"] for g in groups),
+        device.type,
+    )
 
 
 class FlatGroup:
@@ -176,7 +180,7 @@ class FlatEngine:
         for group in self.optimizer.param_groups:
             group["fused"] = True  # one launch per group; grad_scale and found_inf are honoured
         device = self.groups[0].flat.device
-        self.one_pass = self.bf16 and device.type == "cuda" and _one_pass_ok(self.optimizer)
+        self.one_pass = self.bf16 and _one_pass_ok(self.optimizer, device)
         self.global_steps = 0
         self.global_samples = 0
         self.micro_steps = 0
