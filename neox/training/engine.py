@@ -50,6 +50,16 @@ def build_engine(
     return engine
 
 
+def skipped_count(engine: Any) -> Any:
+    """The engine's count of skipped steps, read without waiting for the device: the flat
+    engine keeps it on the device (a copy, as the engine adds to its own)."""
+    from neox.training.flat_engine import FlatEngine
+
+    if isinstance(engine, FlatEngine):
+        return engine.skipped_steps_tensor.clone()
+    return engine.skipped_steps
+
+
 def handles_nonfinite(engine: Any) -> bool:
     """Does the engine skip steps with inf/NaN gradients and report the gradient norm itself?
     DeepSpeed's does only with ZeRO or a reduced precision."""

@@ -186,8 +186,6 @@ class FlatEngine:
         self.micro_steps = 0
         self._skipped = torch.zeros((), device=device)
         self._norm: Optional[torch.Tensor] = None
-        # 1.0 when the last optimizer step was skipped; read by the loop without a sync.
-        self.last_step_skipped = torch.zeros((), device=device)
 
     # -- forward, backward, step --------------------------------------------------------------
 
@@ -244,7 +242,6 @@ class FlatEngine:
             g.grad.zero_()
         self._norm = norm
         self._skipped += found_inf
-        self.last_step_skipped = found_inf
 
     def _one_pass_step(self, scale: torch.Tensor, found_inf: torch.Tensor) -> None:
         """AdamW of neox.kernels.adamw: each partition's update in one pass over its buffers."""
@@ -287,6 +284,11 @@ class FlatEngine:
     @property
     def skipped_steps(self) -> int:
         return int(self._skipped)
+
+    @property
+    def skipped_steps_tensor(self) -> torch.Tensor:
+        """skipped_steps as a 0-d device tensor (reading it would wait for the device)."""
+        return self._skipped
 
     def get_global_grad_norm(self) -> Optional[torch.Tensor]:
         """The last step's norm as a 0-d device tensor (reading it would wait for the device)."""

@@ -14,8 +14,7 @@ from neox.config import write_config
 from neox.config.derived import consumed_samples
 from neox.data.batch import Batch, build_batch
 from neox.parallel import pipeline_batch
-from neox.training.engine import handles_nonfinite
-from neox.training.flat_engine import FlatEngine
+from neox.training.engine import handles_nonfinite, skipped_count
 from neox.training.metrics import (
     DeviceScalars,
     MetricsWriter,
@@ -58,8 +57,7 @@ def train_step(run: Run, stream: Iterator, iteration: int) -> DeviceScalars:
     """One optimizer step over gradient_accumulation_steps micro-batches. Its metrics stay on
     the device until read: nothing here waits for the device on the flat engine."""
     lr = run.schedule.apply(run.engine.optimizer, iteration)
-    on_device = isinstance(run.engine, FlatEngine)  # reports skips and the norm as tensors
-    skipped_before = None if on_device else run.engine.skipped_steps
+    skipped_before = skipped_count(run.engine)
     grad_norm, skipped = None, False
     own_norm = not handles_nonfinite(run.engine) and run.derived.precision == "fp32"
     if run.is_pipeline:
@@ -78,10 +76,7 @@ def train_step(run: Run, stream: Iterator, iteration: int) -> DeviceScalars:
                     continue
             run.engine.step()
         loss = torch.stack(losses).mean()
-    if on_device:
-        skipped = run.engine.last_step_skipped
-    else:
-        skipped = skipped or run.engine.skipped_steps > skipped_before
+    skipped = skipped or skipped_count(run.engine) > skipped_before
     metrics = {"loss": data_parallel_mean(run, loss), "lr": lr}
     if grad_norm is None:
         grad_norm = run.engine.get_global_grad_norm()
