@@ -37,19 +37,40 @@ def tagged_pids(launch_id: str) -> list[int]:
     return pids
 
 
+def _alive(pid: int) -> bool:
+    """Not gone and not a zombie (a zombie has exited; only its parent's wait is missing)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def reap(launch_id: str, grace_s: float = 5.0) -> int:
-    """SIGTERM the launch's processes, SIGKILL what is left after grace_s; returns how many."""
-    pids = tagged_pids(launch_id)
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in tagged_pids(launch_id):
-            try:
-                os.kill(pid, sig)
-            except OSError:
-                pass
-        deadline = time.monotonic() + grace_s
-        while tagged_pids(launch_id) and time.monotonic() < deadline:
+    """SIGTERM the launch's processes, SIGKILL what is left after grace_s; returns how many.
+
+    Each phase signals every process it finds at each look, not just those of the first: a
+    parent signalled while it forks leaves a child that appears only afterwards. SIGKILL is
+    waited on for at least 10 s, as a large process under load can take seconds to go."""
+    seen = set()
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, max(grace_s, 10.0))):
+        signalled = set()
+        deadline = time.monotonic() + wait_s
+        while True:
+            alive = [pid for pid in tagged_pids(launch_id) if _alive(pid)]
+            if not alive or time.monotonic() > deadline:
+                break
+            seen.update(alive)
+            for pid in alive:
+                if pid in signalled and sig == signal.SIGTERM:
+                    continue  # one stop request each; the SIGKILL phase follows
+                signalled.add(pid)
+                try:
+                    os.kill(pid, sig)
+                except OSError:
+                    pass
             time.sleep(0.1)
-    return len(pids)
+    return len(seen)
 
 
 def _cmdline(pid) -> list[bytes]:
