@@ -28,6 +28,7 @@ SHORT_RUN = dict(
 
 def make_dataset(prefix: Path, docs: int = 60, seed: int = 0) -> None:
     rng = np.random.default_rng(seed)
+    prefix.parent.mkdir(parents=True, exist_ok=True)
     builder = IndexedDatasetBuilder(str(prefix) + ".bin", np.uint16)
     for _ in range(docs):
         # Char-level ids; 0 is the end-of-document token.
