@@ -43,7 +43,6 @@ class TrainedRuns:
 
     def __init__(self, tmp: Path, tokenizer: Path) -> None:
         self.tmp, self.tokenizer, self.saves = tmp, tokenizer, {}
-        (tmp / "data").mkdir()
         make_dataset(tmp / "data" / "chars")
 
     def __getitem__(self, name: str) -> Path:

@@ -35,7 +35,6 @@ def trained(tmp_path_factory) -> Iterator[tuple[Path, Path]]:
     if r.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here (needs root): {r.stderr.strip()}")
     try:
-        (tmp / "data").mkdir()
         make_dataset(tmp / "data" / "chars")
         train(config(tmp, fs, train_iters=3))
         yield tmp, fs

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from tests.train_helpers import ROOT, deepy_env, make_dataset, write_config
+from tests.train_helpers import ROOT, SHORT_RUN, deepy_env, make_dataset, write_config
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -22,14 +22,9 @@ def test_loop_syncs_fewer_times_than_it_steps(tmp_path):
         tmp_path,
         "syncs",
         num_gpus=1,
-        train_iters=ITERS,
+        **{**SHORT_RUN, "train_iters": ITERS},
         gradient_accumulation_steps=1,
-        eval_interval=1000,
-        checkpoint_factor=None,
-        save=None,
-        load=None,
         log_interval=4,
-        do_test=False,
         bf16={"enabled": True},
         torch_compile=False,
     )

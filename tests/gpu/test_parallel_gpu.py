@@ -15,7 +15,6 @@ COMMON = dict(SHORT_RUN, distributed_backend="nccl")
 
 @pytest.fixture
 def data(tmp_path):
-    (tmp_path / "data").mkdir()
     make_dataset(tmp_path / "data" / "chars")
     return tmp_path
 

@@ -17,7 +17,6 @@ EAGER_DEEPSPEED = dict(flat_engine=False, torch_compile=False)
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("speed_gpu")
-    (tmp / "data").mkdir()
     make_dataset(tmp / "data" / "chars")
     return tmp
 

@@ -42,7 +42,6 @@ def deepy(script: str, *configs: Path) -> subprocess.CompletedProcess:
 def run(tmp_path_factory):
     """A 2-step tiny char-level run on 2 ranks, its checkpoint, and eval inputs beside it."""
     tmp = tmp_path_factory.mktemp("eval")
-    (tmp / "data").mkdir()
     make_dataset(tmp / "data" / "chars")
     cfg = write_config(tmp, "run", train_iters=2, checkpoint_factor=2, eval_interval=100)
     train(cfg)

@@ -25,7 +25,6 @@ ROW_KEYS = {"context", "text", "length", "finished", "tokens", "duration_seconds
 def trained(tmp_path_factory) -> Path:
     """The config of a tiny char-level run trained for 6 steps on one rank (checkpoints 3, 6)."""
     tmp = tmp_path_factory.mktemp("gen")
-    (tmp / "data").mkdir()
     make_dataset(tmp / "data" / "chars")
     cfg = write_config(
         tmp, "tp1", num_gpus=1, gradient_accumulation_steps=1, eval_interval=100, lr=5e-3

@@ -65,7 +65,6 @@ def two_node_training(sshd, tmp_path) -> dict:
     from tests.train_helpers import make_dataset
     from tests.training.lifecycle_helpers import MARK
 
-    (tmp_path / "data").mkdir()
     make_dataset(tmp_path / "data" / "chars")
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("localhost slots=1\n127.0.0.1 slots=1\n")

@@ -8,7 +8,6 @@ pytestmark = pytest.mark.slow
 
 
 def test_parallel_layouts_match_one_rank(tmp_path):
-    (tmp_path / "data").mkdir()
     make_dataset(tmp_path / "data" / "chars")
     # ZeRO-1 where unset: DeepSpeed 0.19.8 clips fp32 pipeline gradients wrongly without ZeRO.
     # The dense run accumulates 2 micro-batches of 2; DP=2 runs one micro-batch of 2 per rank:

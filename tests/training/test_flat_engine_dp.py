@@ -22,7 +22,6 @@ def only_step3(src: Path, dst: Path) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("flat_dp")
-    (tmp / "data").mkdir()
     make_dataset(tmp / "data" / "chars")
     out = {}
     for name, flat in (("flat", True), ("ds", False)):

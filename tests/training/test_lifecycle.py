@@ -37,7 +37,6 @@ def ok(r: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
 def runs(tmp_path_factory):
     """A directory for this module's runs, with their dataset in data/."""
     tmp = tmp_path_factory.mktemp("life")
-    (tmp / "data").mkdir()
     make_dataset(tmp / "data" / "chars")
     return tmp
 

@@ -48,7 +48,6 @@ def read_all(master: int, proc: subprocess.Popen, timeout: float) -> str:
 
 @pytest.mark.slow
 def test_deepy_on_a_terminal_shows_the_bar_with_the_log_lines_above_it(tmp_path):
-    (tmp_path / "data").mkdir()
     make_dataset(tmp_path / "data" / "chars")
     cfg = write_config(tmp_path, "tty", num_gpus=1, **SHORT_RUN)
     master, slave = open_terminal(columns=120)

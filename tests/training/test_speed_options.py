@@ -24,7 +24,6 @@ DP2 = dict(SHORT_RUN, gradient_accumulation_steps=1)
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("speed")
-    (tmp / "data").mkdir()
     make_dataset(tmp / "data" / "chars")
     train(write_config(tmp, "ref", **DP2))
     return tmp, losses(tmp / "ref" / "logs")

@@ -12,7 +12,6 @@ pytestmark = pytest.mark.slow
 
 
 def test_train_checkpoint_and_exact_resume(tmp_path):
-    (tmp_path / "data").mkdir()
     make_dataset(tmp_path / "data" / "chars")
 
     # One uninterrupted run of 6 steps.
