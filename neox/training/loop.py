@@ -254,7 +254,7 @@ def train(
         stopping = stop.agreed()
         exiting = bool(t.exit_interval) and iteration % t.exit_interval == 0
         saving = should_save(cfg, iteration) or (stopping and cfg.checkpoint.save)
-        if saving or stopping or exiting or iteration == t.train_iters:
+        if saving or stopping or exiting:
             records.flush()
         if saving:
             save(run, iteration, writer)
