@@ -111,7 +111,13 @@ class RankWatch:
         for proc in self._rank_processes() if len(self.ranks) < self.world_size else []:
             if proc.pid not in self.ranks:
                 try:
-                    self.ranks[proc.pid] = int(proc.environ().get("RANK", -1))
+                    # Between fork and exec a child still shows launch.py's command line and
+                    # environment (no RANK): it is learnt at a later poll, once it has exec'd.
+                    if _LAUNCH_MODULE in proc.cmdline():
+                        continue
+                    rank = proc.environ().get("RANK")
+                    if rank is not None:
+                        self.ranks[proc.pid] = int(rank)
                 except (psutil.Error, ValueError):
                     continue
 
