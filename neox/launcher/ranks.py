@@ -71,9 +71,9 @@ class RankWatch:
         if self.stop_signal is not None:
             self._signal_new_ranks()
         if self.first_failure is None:
-            # Only a zombie tells its exit status; a rank already reaped by launch.py is left to
-            # the launcher's own exit code. When several are seen dead at once, one killed by a
-            # signal is the likelier cause: the others then fail on its closed connections.
+            # Only a zombie tells its exit status; a rank already reaped by launch.py is noted as
+            # vanished, for settle(). When several are seen dead at once, one killed by a signal
+            # is the likelier cause: the others then fail on its closed connections.
             dead = [
                 RankExit(rank, pid, self.host, status)
                 for pid, rank in self.ranks.items()
@@ -81,23 +81,26 @@ class RankWatch:
             ]
             if dead:
                 self.first_failure = min(dead, key=lambda d: (not d.status & 0x7F, d.rank))
-            self.vanished += [
-                pid for pid in self.ranks if pid not in self.vanished and not psutil.pid_exists(pid)
-            ]
+            gone = [p for p in self.ranks if p not in self.vanished and not psutil.pid_exists(p)]
+            self.vanished += sorted(gone, key=self.ranks.__getitem__)
         return self.first_failure
 
-    def describe_missed(self, launch_code: int) -> Optional[str]:
-        """For a failed launch whose dead rank was reaped unseen: the first rank to disappear,
-        with the status DeepSpeed's launcher passed on (it exits with the rank's -N as 256-N)."""
-        if self.first_failure is not None or not self.vanished or launch_code == 0:
-            return None
+    def settle(self, launch_code: int) -> Optional[RankExit]:
+        """The first failed rank, once launch.py has exited with launch_code.
+
+        launch.py polls its ranks once a second and exits with the status of the first failed
+        one it reaps (a rank's -N as 256-N), after reaping the rest. A rank it reaped before a
+        poll here saw it dead is therefore the first failure when launch.py's status is not that
+        of the rank seen dead here; its status is then the one launch.py reported.
+        """
+        if launch_code == 0 or not self.vanished:
+            return self.first_failure
+        status = 256 - launch_code if launch_code > 128 + 64 else launch_code << 8
+        seen = self.first_failure
+        if seen is not None and seen.status == status:
+            return seen
         pid = self.vanished[0]
-        if launch_code > 128 + 64:
-            sig = signal.Signals(256 - launch_code)
-            how = f"was killed by {sig.name} (signal {sig.value})"
-        else:
-            how = f"ended first; the launch exited with status {launch_code}"
-        return f"rank {self.ranks[pid]} on {self.host} (pid {pid}) {how}"
+        return RankExit(self.ranks[pid], pid, self.host, status)
 
     def signal_ranks(self, sig: int) -> None:
         """Send sig to every local rank (not to DeepSpeed's launcher, which would kill them),

@@ -109,9 +109,12 @@ def launch(plan: LaunchPlan, *, grace_s: float = 5.0) -> LaunchResult:
             _stop(plan, proc)
         if watch is not None:
             watch.thread.join(timeout=5)
-        missed = ranks.describe_missed(code) if ranks is not None else None
-        if missed:
-            log.error("%s", missed)
+        if ranks is not None and ranks.first_failure is None and code != 0:
+            # launch.py exited before a poll here saw its failed rank: name it from the status.
+            missed = ranks.settle(code)
+            if missed is not None:
+                log.error("%s", missed.describe())
+                code = missed.exit_code
         if not plan.multi_node:
             # Whatever outlived the runner (a rank whose launcher died first) goes now.
             reap.reap(plan.launch_id, grace_s=2)
@@ -166,6 +169,13 @@ def _wait(
             pass
         failed = ranks.poll() if ranks is not None else None
         if failed is not None:
+            if ranks.vanished:
+                # A rank launch.py reaped before a poll saw it may have died first: launch.py
+                # names it by its exit status, once it has ended the others (about a second).
+                try:
+                    failed = ranks.settle(_shell_status(proc.wait(timeout=3)))
+                except subprocess.TimeoutExpired:
+                    pass
             # The others may be blocked in a collective with the dead rank: end them now.
             log.error("%s; stopping the other ranks", failed.describe())
             _signal_group(proc, signal.SIGKILL)
@@ -184,6 +194,10 @@ def _wait(
                 return failed_code or 1
     if watch is not None and watch.failed is not None and code == 0:
         code = watch.failed[1]
+    return _shell_status(code)
+
+
+def _shell_status(code: int) -> int:
     # A runner killed by a signal reports -N; shells say 128+N, and 0 must never mean failure.
     return 128 - code if code < 0 else code
 
