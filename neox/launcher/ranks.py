@@ -27,7 +27,8 @@ class RankExit:
     def describe(self) -> str:
         if self.status & 0x7F:
             sig = self.status & 0x7F
-            how = f"was killed by {signal.Signals(sig).name} (signal {sig}"
+            name = {s.value: s.name for s in signal.Signals}.get(sig, "a real-time signal")
+            how = f"was killed by {name} (signal {sig}"
             how += "; the kernel's OOM killer sends SIGKILL)" if sig == signal.SIGKILL else ")"
         else:
             how = f"exited with status {self.status >> 8}"
