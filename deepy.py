@@ -12,13 +12,13 @@ from pathlib import Path
 
 import yaml
 
-from neox.attention_path import describe_attention_paths
 from neox.checkpoint.compat import check_resume, describe_stop
 from neox.config import ConfigError, build_ds_config, derive, encode, load_config
-from neox.config.preflight import NEEDS_CHECKPOINT, check_save_dir, git_hash, preflight
-from neox.estimate_report import estimate_report, estimate_vocab, fit_warning
 from neox.launcher import LaunchError, build_launch, launch
 from neox.launcher.reach import check_nodes_reachable
+from neox.plan.attention_path import describe_attention_paths
+from neox.plan.preflight import NEEDS_CHECKPOINT, check_save_dir, git_hash, preflight
+from neox.plan.report import estimate_report, estimate_vocab, fit_warning
 
 # gpt-neox's deepy.py flags that set a config key (flag -> key).
 KEY_FLAGS = {

@@ -10,8 +10,8 @@ import json
 import sys
 
 from neox.config import ConfigError
-from neox.data.readers import InputError
 from neox.entry import leave_together, rank_config
+from neox.prep.readers import InputError
 
 
 def main(argv: list[str]) -> int:

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Memory estimate (neox/memory.py) against measured peak GPU memory of real training steps.
+"""Memory estimate (neox/plan/memory.py) against measured peak GPU memory of real training steps.
 
     python benchmarks/estimate_memory.py            # Pythia 160M/410M/1.4B shapes, one GPU each
     python benchmarks/estimate_memory.py --tiny     # a tiny shape on CPU: the table, no GPU numbers
@@ -77,7 +77,7 @@ def measure(name: str, steps: int) -> dict:
     import torch
 
     from neox.config import derive, load_dict
-    from neox.memory import estimate_memory, training_shape
+    from neox.plan.memory import estimate_memory, training_shape
     from neox.training.loop import train_step
     from neox.training.setup import build_run
 

@@ -26,7 +26,7 @@ os.environ["RAYON_NUM_THREADS"] = "1"
 
 import zstandard  # noqa: E402
 
-from neox.data.preprocess import PreprocessConfig, preprocess  # noqa: E402
+from neox.prep.preprocess import PreprocessConfig, preprocess  # noqa: E402
 
 DATA = Path(
     os.environ.get("NEOX_DATA_DIR", Path(__file__).resolve().parents[2] / "shared" / "data")

@@ -7,7 +7,7 @@ python benchmarks/train_throughput.py --models 410M --impls neox --profile-dir p
 python benchmarks/train_throughput.py --models 410M --impls neox --attention flash triton
 python benchmarks/train_throughput.py --tiny                                       # CPU smoke run
 
-Prints tokens/s, TFLOPS, MFU (neox.estimate.train_flops_per_token), peak memory, and neox's
+Prints tokens/s, TFLOPS, MFU (neox.plan.estimate.train_flops_per_token), peak memory, and neox's
 ratio to each HF variant; --json appends one record per run. Results go in docs/benchmarks.md.
 --attention runs neox once per attention kernel (attention_impl: flash = torch SDPA, triton =
 scores + the Triton fused softmax, as global layers with the gpt-neox fusion flags take it) at
@@ -37,7 +37,7 @@ import torch  # noqa: E402
 from benchmarks import common  # noqa: E402
 from neox.config import load_config  # noqa: E402
 from neox.config.derived import model_shape, precision_of  # noqa: E402
-from neox.estimate import train_flops_per_token  # noqa: E402
+from neox.plan.estimate import train_flops_per_token  # noqa: E402
 from neox.training.metrics import peak_tflops  # noqa: E402
 
 # Pythia shape -> micro batch that fits one 80 GB H100 without activation checkpointing.

@@ -28,8 +28,8 @@ import argparse
 import sys
 
 from neox.config import ConfigError, derive, load_config
-from neox.config.preflight import tokenizer_vocab_size
-from neox.estimate_report import GPUS, estimate_report, estimate_vocab
+from neox.plan.preflight import tokenizer_vocab_size
+from neox.plan.report import GPUS, estimate_report, estimate_vocab
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

@@ -13,7 +13,7 @@ import argparse
 import shlex
 
 from neox.cli import exit_on, tool_parser
-from neox.data.corpora import (
+from neox.prep.corpora import (
     CORPUS_NAMES,
     DEFAULT_CORPUS,
     DOWNLOAD_TIMEOUT_S,
@@ -22,7 +22,7 @@ from neox.data.corpora import (
     PreparedCorpus,
     prepare_corpus,
 )
-from neox.data.readers import InputError
+from neox.prep.readers import InputError
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -14,8 +14,8 @@ import logging
 import signal
 import sys
 
-from neox.data.preprocess import PreprocessConfig, preprocess
-from neox.data.readers import SUPPORTED_SUFFIXES
+from neox.prep.preprocess import PreprocessConfig, preprocess
+from neox.prep.readers import SUPPORTED_SUFFIXES
 from neox.tokenizer import TOKENIZER_TYPES
 
 logger = logging.getLogger("preprocess_data")

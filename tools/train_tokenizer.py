@@ -12,9 +12,9 @@ import argparse
 import shlex
 
 from neox.cli import exit_on, tool_parser
-from neox.data.readers import InputError
+from neox.prep.readers import InputError
+from neox.prep.tokenizer_training import DEFAULT_SPECIAL_TOKENS, train_bpe_tokenizer
 from neox.tokenizer import HFTokenizer
-from neox.tokenizer.train import DEFAULT_SPECIAL_TOKENS, train_bpe_tokenizer
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

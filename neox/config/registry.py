@@ -45,14 +45,14 @@ LAUNCH = "neox/launcher/plan.py"
 DERIVED = "neox/config/derived.py"
 DS = "neox/config/ds_config.py"
 SETUP = "neox/training/setup.py"
-MEMORY = "neox/memory.py"  # the estimate assumes what these keys make a run allocate
+MEMORY = "neox/plan/memory.py"  # the estimate assumes what these keys make a run allocate
 LOOP = "neox/training/loop.py"
 CKPT = "neox/checkpoint/io.py"
 METRICS = "neox/training/metrics.py"
 GENERATE = "neox/inference/modes.py"
 EVALUATION = "neox/inference/evaluation.py"
 LM_EVAL = "neox/inference/lm_eval_adapter.py"
-PREFLIGHT = "neox/config/preflight.py"
+PREFLIGHT = "neox/plan/preflight.py"
 
 KEYS: dict[str, Status] = {
     # model
@@ -65,7 +65,7 @@ KEYS: dict[str, Status] = {
     "expansion_factor": _reads(DERIVED),
     "seq_length": _reads(SETUP),
     "max_position_embeddings": _reads(DERIVED),
-    "sliding_window_width": _reads("neox/attention_path.py"),
+    "sliding_window_width": _reads("neox/plan/attention_path.py"),
     "norm": _reads(MODEL + "norms.py"),
     "layernorm_epsilon": _reads(MODEL + "norms.py"),
     "rms_norm_epsilon": _reads(MODEL + "norms.py"),
@@ -88,9 +88,9 @@ KEYS: dict[str, Status] = {
     "output_layer_init_method": _reads(MODEL + "init.py"),
     "init_method_std": _reads(MODEL + "init.py"),
     "attention_config": _reads(DERIVED),
-    "attention_impl": _reads("neox/attention_path.py"),
-    "scaled_upper_triang_masked_softmax_fusion": _reads("neox/attention_path.py"),
-    "scaled_masked_softmax_fusion": _reads("neox/attention_path.py"),
+    "attention_impl": _reads("neox/plan/attention_path.py"),
+    "scaled_upper_triang_masked_softmax_fusion": _reads("neox/plan/attention_path.py"),
+    "scaled_masked_softmax_fusion": _reads("neox/plan/attention_path.py"),
     "attention_softmax_in_fp32": _reads(MODEL + "attention.py"),
     "apply_query_key_layer_scaling": NoOp(),
     "bias_gelu_fusion": _reads(MODEL + "mlp.py"),
@@ -192,7 +192,7 @@ KEYS: dict[str, Status] = {
     "iteration": _reads("neox/inference/loading.py", EVALUATION),
     "z_loss": Refused("z-loss auxiliary term is not implemented", 0.1),
     "torch_compile": _reads(SETUP, MEMORY),
-    "flat_engine": _reads(SETUP, "neox/engine_choice.py"),
+    "flat_engine": _reads(SETUP, "neox/plan/engine_choice.py"),
     "torch_compile_backend": _reads(SETUP),
     # checkpoint
     "save": _reads(CKPT),

@@ -20,11 +20,11 @@ import torch.distributed as dist
 from neox.checkpoint.consolidate import load_model, resolve_checkpoint
 from neox.config import ConfigError, NeoXConfig
 from neox.config.derived import precision_of
-from neox.data.readers import InputError, iter_documents
 from neox.inference.lambada import LambadaSums, lambada_metrics, score_lambada, split_last_word
 from neox.inference.loading import generation_dtype
 from neox.inference.perplexity import TextSums, score_texts, text_metrics
 from neox.model import GPTNeoX
+from neox.prep.readers import InputError, iter_documents
 from neox.tokenizer import Tokenizer, build_tokenizer
 
 log = logging.getLogger(__name__)

@@ -7,10 +7,10 @@ from typing import Optional
 import torch
 
 from neox.config.model import ModelConfig
-from neox.estimate import count_parameters
 from neox.model.gpt import GPTNeoX
 from neox.model.init import init_parameter
 from neox.model.loss import lm_loss
+from neox.plan.estimate import count_parameters
 
 __all__ = ["GPTNeoX", "build_model", "count_parameters", "init_parameter", "lm_loss"]
 

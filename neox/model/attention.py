@@ -9,12 +9,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from neox.attention_path import layer_window, select_attention_path
 from neox.config.derived import model_shape
 from neox.config.model import ModelConfig
 from neox.model.norms import build_norm
 from neox.model.positional import alibi_bias, alibi_slopes
 from neox.model.rotary import RotaryEmbedding
+from neox.plan.attention_path import layer_window, select_attention_path
 
 if TYPE_CHECKING:
     from neox.inference.cache import LayerKVCache

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from neox.engine_choice import flat_engine_unsupported, one_pass_adamw
+from neox.plan.engine_choice import flat_engine_unsupported, one_pass_adamw
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ def unsupported_reason(
     model_parallel: int,
 ) -> Optional[str]:
     """Why this engine cannot run a job (None if it can), decided by
-    neox.engine_choice.flat_engine_unsupported from this optimizer's type and groups."""
+    neox.plan.engine_choice.flat_engine_unsupported from this optimizer's type and groups."""
     torch_adam = {torch.optim.AdamW: "adamw", torch.optim.Adam: "adam"}
     return flat_engine_unsupported(
         ds_config,

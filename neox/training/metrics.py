@@ -40,11 +40,11 @@ def peak_tflops(device: Any) -> Optional[float]:
 
 
 class ModelFlops:
-    """TFLOPS per GPU and MFU from tokens/s, with neox.estimate's FLOPs per token (6N + 12Lhs,
+    """TFLOPS per GPU and MFU from tokens/s, with neox.plan.estimate's FLOPs per token (6N + 12Lhs,
     model FLOPs: activation recomputation is not counted, as MFU defines it)."""
 
     def __init__(self, cfg: Any, derived: Any, device: Any) -> None:
-        from neox.estimate import train_flops_per_token
+        from neox.plan.estimate import train_flops_per_token
 
         self.flops_per_token = train_flops_per_token(cfg.model, derived.padded_vocab_size)
         self.world_size = derived.world_size

@@ -9,9 +9,9 @@ import torch
 
 from neox.config import Derived, NeoXConfig, build_ds_config, derive
 from neox.data.loader import DataLoaders, build_train_valid_test_loaders
-from neox.engine_choice import torch_compile_enabled
 from neox.launcher.port import free_port
 from neox.launcher.rank_env import rank_env_from_launcher
+from neox.plan.engine_choice import torch_compile_enabled
 from neox.tokenizer import Tokenizer, build_tokenizer
 from neox.training.engine import build_engine
 from neox.training.optim import build_optimizer

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from neox.tokenizer.train import train_bpe_tokenizer
+from neox.prep.tokenizer_training import train_bpe_tokenizer
 from tests.train_helpers import ROOT, make_dataset, train, write_config
 
 # One tiny untied (Pythia-like) model, trained 3 steps and saved at step 3 in every layout.

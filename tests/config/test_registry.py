@@ -40,7 +40,7 @@ def code_files() -> dict[str, str]:
         group_module = rel.startswith("neox/config/") and rel not in (
             "neox/config/derived.py",
             "neox/config/ds_config.py",
-            "neox/config/preflight.py",
+            "neox/plan/preflight.py",
         )
         if not group_module or rel == "neox/config/model.py":
             out[rel] = path.read_text()

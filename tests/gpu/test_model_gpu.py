@@ -46,8 +46,8 @@ def test_flash_and_triton_attention_agree_on_pythia_410m():
 
 
 def test_triton_attention_is_the_fused_kernel_on_gpu():
-    from neox.attention_path import select_attention_path
     from neox.kernels import triton_available
+    from neox.plan.attention_path import select_attention_path
 
     cfg = load_config([str(ROOT / "configs" / "pythia" / "410M.yml")]).config.model
     device = torch.device("cuda")

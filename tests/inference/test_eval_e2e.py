@@ -12,10 +12,10 @@ import torch
 import yaml
 
 from neox.config import load_config
-from neox.data.readers import iter_documents
 from neox.inference.evaluation import load_eval_model, split_texts
 from neox.inference.lambada import lambada_metrics, score_lambada
 from neox.inference.perplexity import score_texts, text_metrics
+from neox.prep.readers import iter_documents
 from neox.tokenizer import build_tokenizer
 from tests.train_helpers import ROOT, make_dataset, train, write_config
 

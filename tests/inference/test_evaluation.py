@@ -5,7 +5,6 @@ import json
 import pytest
 
 from neox.config import load_dict
-from neox.data.readers import InputError
 from neox.inference.evaluation import (
     file_texts,
     results_path,
@@ -14,6 +13,7 @@ from neox.inference.evaluation import (
     take_shard,
     write_results,
 )
+from neox.prep.readers import InputError
 from neox.tokenizer import build_tokenizer
 from tests.train_helpers import make_dataset
 

@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 
-from neox.data.readers import iter_documents
 from neox.inference.lambada import lambada_metrics, score_lambada, split_last_word
 from neox.inference.scoring import encode_pair
 from neox.model import build_model
+from neox.prep.readers import iter_documents
 from neox.tokenizer import build_tokenizer
 from tests.inference.conftest import KNOWN, MEMORISED_CFG
 

@@ -169,7 +169,7 @@ def test_tokens_bpe_never_builds_are_not_ranked(tmp_path):
 
 
 def test_a_tokenizer_trained_here_takes_the_fast_path_with_the_same_ids(shared_data, tmp_path):
-    from neox.tokenizer.train import train_bpe_tokenizer
+    from neox.prep.tokenizer_training import train_bpe_tokenizer
 
     text = (shared_data / "tinyshakespeare.txt").read_text(encoding="utf-8")
     path = train_bpe_tokenizer([str(shared_data / "tinyshakespeare.txt")], tmp_path / "t.json", 800)

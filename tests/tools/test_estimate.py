@@ -6,9 +6,9 @@ import sys
 from pathlib import Path
 
 from neox.config import derive, load_config
-from neox.estimate import train_flops_per_token
-from neox.estimate_report import fit_warning, tokens_per_second
-from neox.memory import GiB, estimate_memory, training_shape
+from neox.plan.estimate import train_flops_per_token
+from neox.plan.memory import GiB, estimate_memory, training_shape
+from neox.plan.report import fit_warning, tokens_per_second
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -97,7 +97,7 @@ def test_bf16_report_names_the_flat_engine_and_compiled_loss(tmp_path):
 
 def test_engine_line_says_why_deepspeed_runs():
     from neox.config import load_dict
-    from neox.estimate_report import describe_engines
+    from neox.plan.report import describe_engines
 
     def line(world, **overrides):
         cfg = load_dict({"precision": "bfloat16", **overrides})

@@ -134,7 +134,7 @@ def check_eval(loaded: LoadedConfig) -> None:
             f"seq_length={cfg.model.seq_length}; use at most seq_length"
         )
     if e.eval_input_file:
-        from neox.data.readers import InputError, expand_inputs
+        from neox.prep.readers import InputError, expand_inputs
 
         try:
             expand_inputs(e.eval_input_file)
@@ -289,7 +289,7 @@ def git_hash() -> Optional[str]:
 
 def checkpoint_bytes(cfg, derived) -> int:
     """A lower bound of one checkpoint's size: the weights in their training precision."""
-    from neox.estimate import count_parameters
+    from neox.plan.estimate import count_parameters
 
     params = count_parameters(cfg.model, derived.padded_vocab_size or 0)
     return params * (2 if derived.precision in ("fp16", "bf16") else 4)

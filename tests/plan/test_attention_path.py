@@ -1,14 +1,14 @@
-"""neox/attention_path.py: the kernel each layer type takes, that the model obeys it, and that
+"""neox/plan/attention_path.py: the kernel each layer type takes, that the model obeys it, and that
 `deepy.py --dry-run` reports it for the shipped configs that select each path."""
 
 import pytest
 import torch
 
-from neox.attention_path import describe_attention_paths, select_attention_path
 from neox.config import load_config
 from neox.config.model import ModelConfig
 from neox.model import attention as attention_module
 from neox.model.attention import Attention
+from neox.plan.attention_path import describe_attention_paths, select_attention_path
 from tests.test_deepy import ROOT, deepy
 
 TINY = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16)

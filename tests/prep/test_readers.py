@@ -1,4 +1,4 @@
-"""Tests for neox/data/readers.py: formats, file:line accounting of bad input, corrupt files."""
+"""Tests for neox/prep/readers.py: formats, file:line accounting of bad input, corrupt files."""
 
 import gzip
 import io
@@ -10,7 +10,7 @@ import lm_dataformat
 import pytest
 import zstandard
 
-from neox.data.readers import (
+from neox.prep.readers import (
     InputError,
     Issues,
     expand_inputs,

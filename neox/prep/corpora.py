@@ -23,7 +23,7 @@ from pathlib import Path
 
 import zstandard
 
-from neox.data.readers import SUPPORTED_SUFFIXES, expand_inputs, iter_documents
+from neox.prep.readers import SUPPORTED_SUFFIXES, expand_inputs, iter_documents
 
 logger = logging.getLogger(__name__)
 

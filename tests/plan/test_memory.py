@@ -1,4 +1,4 @@
-"""neox/memory.py against what really runs: autograd's saved tensors and the real engines.
+"""neox/plan/memory.py against what really runs: autograd's saved tensors and the real engines.
 
 Activations: every tensor autograd saves in a block's forward, captured with
 saved_tensors_hooks, must add up to block_activation_bytes. Model states: the engine
@@ -15,7 +15,8 @@ import torch
 
 from neox.config import derive, load_dict
 from neox.config.model import ModelConfig
-from neox.memory import (
+from neox.model import build_model
+from neox.plan.memory import (
     FLAT_ALIGNMENT,
     TrainingShape,
     activation_bytes,
@@ -25,7 +26,6 @@ from neox.memory import (
     norm_activation_bytes,
     training_shape,
 )
-from neox.model import build_model
 from tests.memory_worker import measure_all, saved_activation_bytes
 from tests.parallel.parallel_harness import run_ranks
 

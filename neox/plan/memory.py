@@ -1,7 +1,7 @@
 """GPU memory of one training rank, computed without torch, as neox's engines allocate it.
 
 Every quantity is bytes on the busiest rank (the largest pipeline stage for parameters, the
-stage whose activations and loss peak highest). Which engine runs is neox.engine_choice's
+stage whose activations and loss peak highest). Which engine runs is neox.plan.engine_choice's
 decision, as on the ranks: neox's flat engine (neox/training/flat_engine.py) for data
 parallelism alone in bf16/fp32 with Adam at ZeRO 0-1, else DeepSpeed 0.19's. The parts, and
 where each comes from:
@@ -33,7 +33,7 @@ where each comes from:
   min(pp - i, accumulation)), or only the block inputs plus one recomputed chunk under
   activation checkpointing; with pp > 1, of the stage where activations plus loss peak.
 - logits: the loss's peak on the last stage (`logits_bytes`), by how it runs
-  (neox.engine_choice.loss_path). Eager: fp32; at the start of backward the saved
+  (neox.plan.engine_choice.loss_path). Eager: fp32; at the start of backward the saved
   log-softmax, its gradient and the gradient of the logits coexist (LOSS_BYTES_PER_LOGIT per
   logit). Compiled (torch_compile, the GPU default without model parallelism): the logits in
   the compute dtype are all the graph saves, and its backward writes their gradient into the
@@ -48,19 +48,19 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Optional
 
-from neox.attention_path import select_attention_path
 from neox.config.derived import Derived, model_shape
 from neox.config.ds_config import zero_section
 from neox.config.model import ModelConfig
 from neox.config.schema import NeoXConfig
-from neox.engine_choice import (
+from neox.plan.attention_path import select_attention_path
+from neox.plan.engine_choice import (
     FLAT_OPTIMIZERS,
     engine_for,
     loss_path,
     one_pass_adamw,
     torch_compile_enabled,
 )
-from neox.estimate import (
+from neox.plan.estimate import (
     blocks_per_stage,
     layer_parameters,
     stage_tensor_sizes,
@@ -114,8 +114,8 @@ class TrainingShape:
     checkpoint_activations: bool = False
     checkpoint_num_layers: int = 1
     partition_activations: bool = False
-    engine: str = "deepspeed"  # or "flat": neox's flat engine (neox.engine_choice)
-    loss: str = "eager"  # or "compiled", "chunked" (neox.engine_choice.loss_path)
+    engine: str = "deepspeed"  # or "flat": neox's flat engine (neox.plan.engine_choice)
+    loss: str = "eager"  # or "compiled", "chunked" (neox.plan.engine_choice.loss_path)
     loss_chunk: int = 0  # tokens per chunk of the chunked loss (lm_loss_chunk_size)
     one_pass_adamw: bool = True  # flat engine: AdamW in one pass over the bf16 gradient (GPU)
 

@@ -10,9 +10,9 @@ from typing import Optional
 
 from neox.config.derived import Derived, padded_vocab
 from neox.config.schema import NeoXConfig
-from neox.engine_choice import engine_for
-from neox.estimate import count_parameters, embedding_parameters, train_flops_per_token
-from neox.memory import GiB, MemoryEstimate, TrainingShape, estimate_memory, training_shape
+from neox.plan.engine_choice import engine_for
+from neox.plan.estimate import count_parameters, embedding_parameters, train_flops_per_token
+from neox.plan.memory import GiB, MemoryEstimate, TrainingShape, estimate_memory, training_shape
 
 # Dense bf16/fp16 tensor-core peak per GPU, TFLOPS (no sparsity), and memory in GiB.
 GPUS = {

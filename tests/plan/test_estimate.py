@@ -1,18 +1,18 @@
-"""neox/estimate.py: parameter counts against built models, whole and per tp/pp rank."""
+"""neox/plan/estimate.py: parameter counts against built models, whole and per tp/pp rank."""
 
 import json
 
 import pytest
 
 from neox.config.model import ModelConfig
-from neox.estimate import (
+from neox.model import build_model
+from neox.plan.estimate import (
     blocks_per_stage,
     count_parameters,
     embedding_parameters,
     stage_tensor_sizes,
 )
-from neox.memory import block_activation_bytes
-from neox.model import build_model
+from neox.plan.memory import block_activation_bytes
 from tests.estimate_worker import count_rank_parameters
 from tests.parallel.parallel_harness import run_ranks
 

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
+from neox.prep.tokenizer_training import train_bpe_tokenizer
 from neox.tokenizer import HFTokenizer
-from neox.tokenizer.train import train_bpe_tokenizer
 
 
 def test_trained_tokenizer_loads_and_round_trips(shared_data, tmp_path):

@@ -1,4 +1,4 @@
-"""Tests for neox/data/preprocess.py with the real GPT-2 BPE and 20B tokenizers."""
+"""Tests for neox/prep/preprocess.py with the real GPT-2 BPE and 20B tokenizers."""
 
 import json
 import os
@@ -9,8 +9,8 @@ import pytest
 import zstandard
 
 from neox.data.indexed import IndexedDataset, merge_datasets
-from neox.data.preprocess import PreprocessConfig, preprocess
-from neox.data.readers import InputError
+from neox.prep.preprocess import PreprocessConfig, preprocess
+from neox.prep.readers import InputError
 
 
 def corpus_lines(shared_data, n=40):

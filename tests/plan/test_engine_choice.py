@@ -1,13 +1,13 @@
-"""neox/engine_choice.py: the torch-free decisions agree with what the ranks build from objects."""
+"""neox/plan/engine_choice.py: the torch-free decisions agree with what the ranks build from objects."""
 
 import pytest
 import torch
 
 from neox.config import build_ds_config, derive, load_dict
 from neox.config.model import ModelConfig
-from neox.engine_choice import engine_for, flat_engine_unsupported, loss_path
 from neox.model import build_model
 from neox.parallel.build import compile_blocks
+from neox.plan.engine_choice import engine_for, flat_engine_unsupported, loss_path
 from neox.training.flat_engine import unsupported_reason
 from neox.training.optim import build_optimizer
 

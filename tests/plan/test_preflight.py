@@ -1,9 +1,9 @@
-"""neox/config/preflight.py: what deepy.py checks on disk before launch, from headers and sizes."""
+"""neox/plan/preflight.py: what deepy.py checks on disk before launch, from headers and sizes."""
 
 import pytest
 
 from neox.config import ConfigError, load_config
-from neox.config.preflight import (
+from neox.plan.preflight import (
     check_data,
     check_script,
     check_tokenizer_files,

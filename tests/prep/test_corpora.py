@@ -11,7 +11,7 @@ import zipfile
 import pytest
 import zstandard
 
-from neox.data.corpora import (
+from neox.prep.corpora import (
     REMOTE_CORPORA,
     CorpusDownloadError,
     prepare_corpus,

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from neox.data.indexed import IndexedDatasetBuilder, best_dtype, data_path, index_path
-from neox.data.readers import Issues, RawBatch, expand_inputs, iter_raw_batches, parse_batch
+from neox.prep.readers import Issues, RawBatch, expand_inputs, iter_raw_batches, parse_batch
 
 logger = logging.getLogger(__name__)
 
@@ -159,7 +159,7 @@ class _Encoder:
         # A document that yields no tokens would be an empty sequence (gpt-neox fails on it).
         for _ in range(sum(1 for x in ids if not x)):
             if self.config.strict:
-                from neox.data.readers import InputError
+                from neox.prep.readers import InputError
 
                 raise InputError(f"{batch.source}: a document of key {key!r} yields no tokens")
             where = f"key {key!r}, in the batch from this line on"
@@ -354,7 +354,7 @@ def preprocess(config: PreprocessConfig) -> PreprocessReport:
 
 def _check_not_empty(writers: dict[str, _ShardedWriter], report: PreprocessReport) -> None:
     """A dataset without documents trains nothing: say why instead of writing it."""
-    from neox.data.readers import InputError
+    from neox.prep.readers import InputError
 
     empty = [key for key, w in writers.items() if w.documents == 0]
     if not empty:

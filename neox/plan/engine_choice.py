@@ -1,6 +1,6 @@
 """Which engine steps a run, whether torch_compile is on and how the loss runs: the decisions
 that neox/training (engine.py, setup.py) and neox/parallel act on and the memory estimate
-(neox/memory.py) assumes.
+(neox/plan/memory.py) assumes.
 
 Torch-free, from config-level facts, so that ``deepy.py --dry-run`` and tools/estimate.py
 answer without torch and can never disagree with what a rank builds.

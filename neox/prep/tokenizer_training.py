@@ -27,7 +27,7 @@ def train_bpe_tokenizer(
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from neox.data.corpora import local_documents
+    from neox.prep.corpora import local_documents
 
     special_tokens = list(dict.fromkeys(special_tokens))  # drop repeats, keep order
     smallest = BYTE_ALPHABET_SIZE + len(special_tokens)
