@@ -1,4 +1,4 @@
-"""Rank body of tests/test_estimate.py: count each rank's parameters in real tp/pp builds."""
+"""Rank body of tests/plan/test_estimate.py: count each rank's parameters in real tp/pp builds."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Rank body of tests/test_memory.py: a real engine on CPU, its tensors measured.
+"""Rank body of tests/plan/test_memory.py: a real engine on CPU, its tensors measured.
 
 Each rank builds the tiny model through neox's own parallelize/build_optimizer/build_ds_config
 and the engine build_engine picks (DeepSpeed's or neox's flat engine), runs one
