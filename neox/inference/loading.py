@@ -45,8 +45,10 @@ def build_generation_model(
     device: torch.device,
     dtype: torch.dtype,
     state: Optional[dict[str, torch.Tensor]] = None,
-) -> tuple[nn.Module, Callable[[torch.Tensor], torch.Tensor]]:
-    """(model in eval mode, gather of vocab-split logits) with the trained weights.
+) -> tuple[nn.Module, Optional[Callable[[torch.Tensor], torch.Tensor]]]:
+    """(model in eval mode, gather of vocab-split logits or None without tensor parallelism)
+    with the trained weights. None, not an identity function, so that the Generator knows it
+    may replay decode steps as CUDA graphs.
 
     The padded vocabulary of this layout may differ from the training one's (it is a multiple
     of model_parallel_size): embedding rows are cut or zero-padded to fit; padded ids are never
@@ -73,5 +75,5 @@ def build_generation_model(
     apply_tensor_parallel(model, groups, cfg.model, copy_weights=True)
     group = groups.tensor
     if groups.get_tensor_model_parallel_world_size() == 1:
-        return model, lambda logits: logits
+        return model, None
     return model, lambda logits: gather_from_tensor_parallel(logits, group)

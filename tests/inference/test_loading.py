@@ -52,3 +52,24 @@ def test_a_checkpoint_of_another_shape_is_named(tmp_path, one_rank_group):
     groups = ProcessGroups(Topology(1, 1, 1))
     with pytest.raises(ConfigError, match="does not fit this model config.*config.yml"):
         build_generation_model(cfg, 128, groups, torch.device("cpu"), torch.float32, state)
+
+
+def test_one_tensor_parallel_rank_gets_no_gather_so_decode_can_use_cuda_graphs(
+    tmp_path, one_rank_group
+):
+    """generate.py hands the Generator this gather; only None lets it replay decode steps as
+    CUDA graphs (an identity function here kept generate.py off the graph path)."""
+    from neox.inference.engine import Generator
+    from neox.parallel import ProcessGroups, Topology
+
+    shape = {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4}
+    state = build_model(ModelConfig(**shape), 128).state_dict()
+    cfg = load_dict({**shape, "load": str(tmp_path)})
+    groups = ProcessGroups(Topology(1, 1, 1))
+    model, gather = build_generation_model(
+        cfg, 128, groups, torch.device("cpu"), torch.float32, state
+    )
+    assert gather is None
+    gen = Generator(model, 100, 0, gather_logits=gather)
+    out = gen.generate([[1, 2, 3]], 4)
+    assert len(out) == 1 and gen.cuda_graphs is False  # CPU: the device is the only reason left
