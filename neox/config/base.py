@@ -1,6 +1,6 @@
 """The base of every config group: strict, documented at the field; and the checks many share."""
 
-from typing import Any
+from typing import Any, Optional
 
 from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 
@@ -11,6 +11,14 @@ class ConfigGroup(BaseModel):
     model_config = ConfigDict(
         extra="forbid", use_attribute_docstrings=True, validate_assignment=True, frozen=False
     )
+
+    def model_copy(self, *, update: Optional[dict[str, Any]] = None, deep: bool = False) -> Any:
+        """A copy; with `update`, validated like a new config (pydantic's own copy would skip
+        the checks and leave derived values such as ModelConfig.shape stale)."""
+        if not update:
+            return super().model_copy(deep=deep)
+        explicit = {k: getattr(self, k) for k in self.model_fields_set if k not in update}
+        return type(self)(**explicit, **update)
 
 
 def refuse_unless(*fields: str, allowed: tuple[Any, ...], message: str) -> Any:

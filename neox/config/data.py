@@ -1,11 +1,11 @@
 """Training data and tokenizer."""
 
+import math
 from typing import Literal, Optional
 
 from pydantic import field_validator, model_validator
 
 from neox.config.base import ConfigGroup, refuse_unless
-from neox.data.split import parse_split
 
 TokenizerType = Literal[
     "GPT2BPETokenizer",
@@ -147,6 +147,20 @@ class DataConfig(ConfigGroup):
             )
         return self
 
-    @property
-    def split_weights(self) -> list[float]:
-        return parse_split(self.split)
+
+def parse_split(split: str) -> list[float]:
+    """Weights of train, valid and test from "949,50,1" (or "949/50/1"), normalised to sum to 1."""
+    parts = [p.strip() for p in split.replace("/", ",").split(",")]
+    try:
+        values = [float(p) for p in parts]
+    except ValueError:
+        raise ValueError(
+            f"split {split!r} must be up to three comma-separated numbers, e.g. '949,50,1'"
+        ) from None
+    if len(values) > 3:
+        raise ValueError(f"split {split!r} has {len(values)} parts; give train,valid,test")
+    values += [0.0] * (3 - len(values))
+    if not all(math.isfinite(v) and v >= 0 for v in values) or sum(values) <= 0:
+        raise ValueError(f"split {split!r} must be non-negative numbers that are not all zero")
+    total = sum(values)
+    return [v / total for v in values]

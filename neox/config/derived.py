@@ -1,7 +1,8 @@
 """Values computed from the config, never read from YAML: model shape, layout, batch triple,
 vocab, schedule. Everything else reads them from here rather than working them out again.
 
-The schema is imported for type hints only: `ModelConfig`'s own validation calls `model_shape`.
+The schema is imported for type hints only: `ModelConfig`'s own validation calls `model_shape`
+once and carries the result as `ModelConfig.shape`, which every other module reads.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from typing import TYPE_CHECKING, Optional
 
 from neox.config.errors import ConfigError
 from neox.config.optimizer import OPTIMIZER_TYPES
-from neox.parallel.topology import Topology
 
 if TYPE_CHECKING:
     from neox.config.model import ModelConfig
@@ -298,7 +298,7 @@ def schedule_iters(cfg: NeoXConfig) -> tuple[int, int]:
 
 def derive(cfg: NeoXConfig, world_size: int, vocab_size: Optional[int] = None) -> Derived:
     """Compute layout, batch, precision, schedule and padded vocab; raise ConfigError when off."""
-    dp = check_layout(cfg, world_size).dp
+    dp = check_layout(cfg, world_size)
     micro, gas, glob = batch_triple(cfg, dp)
     decay, warmup = schedule_iters(cfg)
     padded = padded_vocab(cfg, vocab_size)
@@ -324,18 +324,72 @@ def derive(cfg: NeoXConfig, world_size: int, vocab_size: Optional[int] = None) -
         lr=peak_lr(cfg),
         samples=samples,
         zero_stage=zero_stage_of(cfg),
-        model=model_shape(cfg.model),
+        model=cfg.model.shape,
     )
 
 
-def check_layout(cfg: NeoXConfig, world_size: int) -> Topology:
-    """World, heads, kv heads, MLP width and layers against the parallel sizes, every degree named."""
-    try:
-        return Topology.validate(
-            cfg.model, world_size, cfg.parallel.model_parallel_size, cfg.parallel.pp
+def check_layout(cfg: NeoXConfig, world_size: int) -> int:
+    """World, heads, kv heads, MLP width and layers against the parallel sizes, every degree
+    named; returns the data-parallel size."""
+    tp, pp = cfg.parallel.model_parallel_size, cfg.parallel.pp
+    dp = data_parallel_size(world_size, tp, pp)
+    check_model_split(cfg.model, tp, pp)
+    return dp
+
+
+def _divisors(n: int) -> str:
+    ds = [str(d) for d in range(1, n + 1) if n % d == 0]
+    return ", ".join(ds[:-1]) + " or " + ds[-1] if len(ds) > 1 else ds[0]
+
+
+def data_parallel_size(world_size: int, tp: int = 1, pp: int = 1) -> int:
+    """world_size / (tp * pp); raises ConfigError when the ranks do not divide evenly."""
+    pp = max(1, pp)  # gpt-neox reads pipe_parallel_size=0 as "no pipeline"
+    if tp < 1:
+        raise ConfigError(f"model_parallel_size={tp} must be >= 1")
+    if world_size < 1 or world_size % (tp * pp):
+        raise ConfigError(
+            f"world size {world_size} is not divisible by model_parallel_size={tp} x "
+            f"pipe_parallel_size={pp} = {tp * pp}; use a world size that is a multiple of "
+            f"{tp * pp}, or choose model_parallel_size x pipe_parallel_size among the divisors "
+            f"of {world_size} ({_divisors(world_size)})"
         )
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    return world_size // (tp * pp)
+
+
+def check_model_split(m: ModelConfig, tp: int, pp: int, source: str = "") -> None:
+    """Raise ConfigError, naming the key and the fix, when the model cannot be cut into `tp`
+    tensor-parallel shards and `pp` pipeline stages.
+
+    Args:
+        source: where the values came from (a config path), quoted in the messages.
+    """
+    where = f" ({source})" if source else ""
+    heads, pp = m.num_attention_heads, max(1, pp)
+    if heads % tp:
+        raise ConfigError(
+            f"num_attention_heads={heads} is not divisible by model_parallel_size={tp}{where}; "
+            f"use model_parallel_size {_divisors(heads)}"
+        )
+    kv = m.shape.kv_heads
+    if kv % tp:
+        raise ConfigError(
+            f"num_kv_heads={kv} is not divisible by model_parallel_size={tp}{where}; each "
+            f"tensor-parallel rank needs whole key/value heads: use model_parallel_size "
+            f"{_divisors(kv)}, or raise num_kv_heads"
+        )
+    ffn = m.shape.ffn_size
+    if ffn % tp:
+        raise ConfigError(
+            f"the MLP width {ffn} (intermediate_size/expansion_factor) is not divisible by "
+            f"model_parallel_size={tp}{where}; use model_parallel_size {_divisors(ffn)} or "
+            f"set mlp_multiple_of to a multiple of {tp}"
+        )
+    if m.num_layers < pp:
+        raise ConfigError(
+            f"num_layers={m.num_layers} is smaller than pipe_parallel_size={pp}{where}; "
+            f"every stage needs a block: use pipe_parallel_size <= {m.num_layers}"
+        )
 
 
 def check_pipeline_clipping(cfg: NeoXConfig, precision: str) -> None:

@@ -2,10 +2,10 @@
 
 from typing import Any, Literal, Optional
 
-from pydantic import field_validator, model_validator
+from pydantic import PrivateAttr, field_validator, model_validator
 
 from neox.config.base import ConfigGroup, at_least, refuse_unless
-from neox.config.derived import model_shape
+from neox.config.derived import ModelShape, model_shape
 
 InitMethod = Literal[
     "normal",
@@ -177,6 +177,14 @@ class ModelConfig(ConfigGroup):
     float32 rounding; needs model_parallel_size=1 (tensor parallelism keeps its vocab-split
     loss, whose logits are already split)."""
 
+    _shape: ModelShape = PrivateAttr()
+
+    @property
+    def shape(self) -> ModelShape:
+        """The sizes the model is built with (head size, kv heads, MLP width, rotary dims, layer
+        types...), derived once when this config is validated (again on assignment)."""
+        return self._shape
+
     _no_fp16_cross_entropy = refuse_unless(
         "fp16_lm_cross_entropy",
         allowed=(False,),
@@ -208,7 +216,7 @@ class ModelConfig(ConfigGroup):
             )
         if not 0.0 < self.rotary_pct <= 1.0:
             raise ValueError(f"rotary_pct={self.rotary_pct} must be in (0, 1]")
-        shape = model_shape(self)  # also checks attention_config
+        self._shape = shape = model_shape(self)  # also checks attention_config
         if self.pos_emb == "rotary" and shape.rotary_dims % 2:
             raise ValueError(
                 f"rotary_pct={self.rotary_pct} rotates {shape.head_dim * self.rotary_pct:g} of "

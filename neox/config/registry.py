@@ -56,7 +56,7 @@ PREFLIGHT = "neox/plan/preflight.py"
 
 KEYS: dict[str, Status] = {
     # model
-    "num_layers": _reads(MODEL + "init.py", PAR + "topology.py"),
+    "num_layers": _reads(MODEL + "init.py", DERIVED),
     "hidden_size": _reads(MODEL + "gpt.py", MODEL + "attention.py"),
     "num_attention_heads": _reads(MODEL + "attention.py"),
     "num_kv_heads": _reads(DERIVED),

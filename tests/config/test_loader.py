@@ -3,7 +3,6 @@ import json
 import pytest
 
 from neox.config import ConfigError, load_config, load_dict
-from neox.config.derived import model_shape
 
 GPT_NEOX_STYLE = """
 # a gpt-neox config: a YAML flow mapping with comments, trailing commas and True/False
@@ -37,7 +36,7 @@ def test_gpt_neox_flow_mapping_parses(tmp_path):
     cfg = load_config([write(tmp_path, "a.yml", GPT_NEOX_STYLE)]).config
     assert cfg.model.num_layers == 4
     assert cfg.model.gpt_j_residual is True
-    assert model_shape(cfg.model).layer_types == ("flash",) * 4
+    assert cfg.model.shape.layer_types == ("flash",) * 4
     # `6e-4` is YAML 1.1's string form; it must reach DeepSpeed/torch as a float.
     assert cfg.optimizer.optimizer.params["lr"] == pytest.approx(6e-4)
     assert isinstance(cfg.optimizer.optimizer.params["eps"], float)
