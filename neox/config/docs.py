@@ -3,6 +3,7 @@
 import json
 import typing
 
+from neox.config.base import NoOp, Reads, Refused, status_of
 from neox.config.schema import GROUPS
 
 HEADER = """# Configuration reference
@@ -27,6 +28,29 @@ def _type_name(annotation) -> str:
     return text.replace("|", "\\|") if "Literal" not in text else text
 
 
+def _bounds(field) -> str:
+    """` >= 1, <= 4096`: the range a numeric key allows."""
+    signs = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
+    parts = [
+        f"{sign} {getattr(mark, name)}"
+        for mark in field.metadata
+        for name, sign in signs.items()
+        if getattr(mark, name, None) is not None
+    ]
+    return f" ({', '.join(parts)})" if parts else ""
+
+
+def _status(field) -> str:
+    status = status_of(field)
+    if isinstance(status, Reads):
+        return "read by " + ", ".join(m.removeprefix("neox/") for m in status.modules)
+    if isinstance(status, NoOp):
+        return "no-op"
+    if isinstance(status, Refused):
+        return f"refused unless {' or '.join(json.dumps(a) for a in status.allowed)}"
+    return "undeclared"
+
+
 def _default(field) -> str:
     value = field.default
     if hasattr(value, "model_dump"):
@@ -39,10 +63,12 @@ def render() -> str:
     out = [HEADER]
     for name, cls in GROUPS.items():
         out.append(f"\n## {name}: {cls.__name__}\n\n{(cls.__doc__ or '').strip()}\n")
-        out.append("| key | type | default | description |\n| --- | --- | --- | --- |")
+        out.append("| key | type | default | status | description |")
+        out.append("| --- | --- | --- | --- | --- |")
         for key, field in cls.model_fields.items():
             doc = " ".join((field.description or "").split()).replace("|", "\\|")
-            out.append(f"| `{key}` | {_type_name(field.annotation)} | {_default(field)} | {doc} |")
+            kind = _type_name(field.annotation) + _bounds(field)
+            out.append(f"| `{key}` | {kind} | {_default(field)} | {_status(field)} | {doc} |")
     return "\n".join(out) + "\n"
 
 

@@ -98,11 +98,11 @@ def test_cross_field_error_names_the_fix(tmp_path):
     "flat, message",
     [
         ({"seq_length": 4096, "max_position_embeddings": 2048}, "exceeds max_position_embeddings"),
-        ({"rotary_pct": 1.5}, r"rotary_pct=1.5 must be in \(0, 1\]"),
+        ({"rotary_pct": 1.5}, r"rotary_pct=1.5 must be <= 1.0 \(allowed: \(0, 1\]\)"),
         ({"num_attention_heads": 4, "num_kv_heads": 3}, "not divisible by num_kv_heads=3"),
         ({"split": "a,b"}, "split .a,b. must be up to three comma-separated numbers"),
         ({"train_data_paths": ["a"], "train_data_weights": [1.0, 2.0]}, "one weight per path"),
-        ({"hidden_dropout": 1.5}, "dropout must be in"),
+        ({"hidden_dropout": 1.5}, r"hidden_dropout=1.5 must be < 1.0 \(allowed: \[0, 1\)\)"),
         ({"launcher": "ssh"}, "launcher"),
     ],
 )
