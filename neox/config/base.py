@@ -11,6 +11,7 @@ where the field is defined. The status is one of:
 tests/config/test_registry.py checks each declaration against the code; docs/config.md shows it.
 """
 
+import math
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
@@ -100,3 +101,16 @@ def status_of(field: FieldInfo) -> Optional[Status]:
         if isinstance(mark, Reads):
             return mark
     return None
+
+
+def check_finite(value: Any, path: str) -> None:
+    """Raise ValueError naming `path` (e.g. `fp16.loss_scale`) at the first NaN or infinity in a
+    section passed through as written, so DeepSpeed never receives one."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{path}={value} must be a finite number")
+    if isinstance(value, dict):
+        for k, v in value.items():
+            check_finite(v, f"{path}.{k}")
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            check_finite(v, f"{path}[{i}]")

@@ -6,6 +6,9 @@ from pydantic import Field
 
 from neox.config.base import MAX_COUNT, ConfigGroup, Reads, Refused
 
+# Iteration 0 is the initial weights (Pythia ships step0).
+Iteration = Annotated[int, Field(ge=0, le=MAX_COUNT)]
+
 
 class CheckpointConfig(ConfigGroup):
     """Where checkpoints go, when they are written and what they hold."""
@@ -24,7 +27,7 @@ class CheckpointConfig(ConfigGroup):
     checkpoint_scale: Annotated[Literal["linear", "log"], Reads("neox/checkpoint/io.py")] = "linear"
     """Spacing of checkpoints."""
 
-    extra_save_iters: Annotated[Optional[list[int]], Reads("neox/checkpoint/io.py")] = None
+    extra_save_iters: Annotated[Optional[list[Iteration]], Reads("neox/checkpoint/io.py")] = None
     """Iterations saved in addition to the regular ones."""
 
     keep_last_n_checkpoints: Annotated[Optional[int], Reads("neox/checkpoint/io.py")] = Field(
@@ -69,5 +72,5 @@ class CheckpointConfig(ConfigGroup):
     """Check a loaded checkpoint with a forward pass (gpt-neox key; not implemented: must be
     false)."""
 
-    save_iters: Optional[list[int]] = None
+    save_iters: Optional[list[Iteration]] = None
     """No-op (gpt-neox runtime key): save iterations follow checkpoint_factor/extra_save_iters."""

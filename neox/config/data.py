@@ -17,6 +17,10 @@ TokenizerType = Literal[
 ]
 
 
+# A blending weight: the weights of a split are normalised, so any finite non-negative number.
+Weight = Annotated[float, Field(ge=0, le=1e12)]
+
+
 class TokenizerConfig(ConfigGroup):
     """Which tokenizer turns text into ids, and the vocabulary the model is built for."""
 
@@ -59,13 +63,13 @@ class DataConfig(ConfigGroup):
     test_data_paths: Annotated[Optional[list[str]], Reads("neox/training/setup.py")] = None
     """Prefixes of test datasets."""
 
-    train_data_weights: Annotated[Optional[list[float]], Reads("neox/training/setup.py")] = None
+    train_data_weights: Annotated[Optional[list[Weight]], Reads("neox/training/setup.py")] = None
     """Blending weights of train_data_paths (default: equal)."""
 
-    valid_data_weights: Annotated[Optional[list[float]], Reads("neox/training/setup.py")] = None
+    valid_data_weights: Annotated[Optional[list[Weight]], Reads("neox/training/setup.py")] = None
     """Blending weights of valid_data_paths."""
 
-    test_data_weights: Annotated[Optional[list[float]], Reads("neox/training/setup.py")] = None
+    test_data_weights: Annotated[Optional[list[Weight]], Reads("neox/training/setup.py")] = None
     """Blending weights of test_data_paths."""
 
     weight_by_num_documents: Annotated[bool, Reads("neox/training/setup.py")] = False
@@ -161,6 +165,8 @@ class DataConfig(ConfigGroup):
         for name in ("train", "valid", "test"):
             paths = getattr(self, f"{name}_data_paths")
             weights = getattr(self, f"{name}_data_weights")
+            if weights is not None and not any(weights):
+                raise ValueError(f"{name}_data_weights={weights} are all zero; give one weight > 0")
             if weights is not None and (paths is None or len(weights) != len(paths)):
                 raise ValueError(
                     f"{name}_data_weights has {len(weights)} entries but {name}_data_paths has "

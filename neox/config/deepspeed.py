@@ -2,9 +2,9 @@
 
 from typing import Annotated, Any, Optional
 
-from pydantic import Field
+from pydantic import Field, ValidationInfo, field_validator
 
-from neox.config.base import MAX_COUNT, MAX_RANKS, ConfigGroup, Reads, Refused
+from neox.config.base import MAX_COUNT, MAX_RANKS, ConfigGroup, Reads, Refused, check_finite
 
 
 class DeepSpeedConfig(ConfigGroup):
@@ -100,3 +100,21 @@ class DeepSpeedConfig(ConfigGroup):
         None
     )
     """Anything else, merged into the DeepSpeed config as given."""
+
+    @field_validator("*")
+    @classmethod
+    def _sections_finite(cls, v: Any, info: ValidationInfo) -> Any:
+        check_finite(v, info.field_name)
+        return v
+
+    @field_validator("zero_optimization")
+    @classmethod
+    def _zero_stage(cls, v: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+        # DeepSpeed's own DeepSpeedZeroConfig imports torch, which `neox.config` must not; its
+        # stage range is the one rule a dry run needs (the rest DeepSpeed checks at initialise).
+        stage = (v or {}).get("stage", 0)
+        if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
+            raise ValueError(
+                f"zero_optimization.stage={stage!r} is not a ZeRO stage; use 0, 1, 2 or 3"
+            )
+        return v

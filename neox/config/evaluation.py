@@ -2,7 +2,7 @@
 
 from typing import Annotated, Literal, Optional
 
-from pydantic import Field, model_validator
+from pydantic import Field
 
 from neox.config.base import MAX_BATCH, MAX_COUNT, MAX_POSITIONS, ConfigGroup, Reads
 
@@ -63,14 +63,6 @@ class EvalConfig(ConfigGroup):
     eval_results_prefix: Annotated[str, Reads("neox/inference/evaluation.py")] = ""
     """Prefix of the results file, <log_dir>/<prefix>_eval_results_<time>.json (or the current
     directory without log_dir)."""
-
-    @model_validator(mode="after")
-    def _positive(self) -> "EvalConfig":
-        for key in ("eval_stride", "eval_limit", "eval_batch_size"):
-            value = getattr(self, key)
-            if value is not None and value < 1:
-                raise ValueError(f"{key}={value} must be at least 1")
-        return self
 
     @property
     def has_work(self) -> bool:

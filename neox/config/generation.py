@@ -4,7 +4,7 @@ from typing import Annotated, Literal, Optional
 
 from pydantic import Field
 
-from neox.config.base import ConfigGroup, Reads
+from neox.config.base import MAX_COUNT, MAX_POSITIONS, MAX_VOCAB, ConfigGroup, Reads
 
 
 class GenerationConfig(ConfigGroup):
@@ -24,13 +24,15 @@ class GenerationConfig(ConfigGroup):
     """Nucleus sampling: sample among the most likely tokens whose probability reaches top_p
     (0: off)."""
 
-    top_k: Annotated[int, Reads("neox/inference/modes.py")] = Field(0, ge=0)
+    top_k: Annotated[int, Reads("neox/inference/modes.py")] = Field(0, ge=0, le=MAX_VOCAB)
     """Sample among the k most likely tokens (0: off)."""
 
     return_logits: Annotated[bool, Reads("neox/inference/modes.py")] = False
     """Add `logits` to each output row: the raw logit of each generated token."""
 
-    maximum_tokens: Annotated[int, Reads("neox/inference/modes.py")] = Field(64, ge=1)
+    maximum_tokens: Annotated[int, Reads("neox/inference/modes.py")] = Field(
+        64, ge=1, le=MAX_POSITIONS
+    )
     """Tokens to generate per prompt (fewer when prompt + continuation would pass
     max_position_embeddings)."""
 
@@ -45,7 +47,7 @@ class GenerationConfig(ConfigGroup):
     text, length, finished (ended by the end-of-document token), tokens, duration_seconds
     (null: print them). Interactive mode prints to the terminal instead."""
 
-    num_samples: Annotated[int, Reads("neox/inference/modes.py")] = Field(1, ge=1)
+    num_samples: Annotated[int, Reads("neox/inference/modes.py")] = Field(1, ge=1, le=MAX_COUNT)
     """Unconditional samples to generate."""
 
     recompute: Annotated[bool, Reads("neox/inference/modes.py")] = False

@@ -5,7 +5,7 @@ from typing import Annotated, Literal, Optional
 
 from pydantic import Field, model_validator
 
-from neox.config.base import ConfigGroup, Reads
+from neox.config.base import MAX_RANKS, ConfigGroup, Reads
 
 
 class LauncherConfig(ConfigGroup):
@@ -20,7 +20,7 @@ class LauncherConfig(ConfigGroup):
     exclude: Annotated[Optional[str], Reads("neox/launcher/plan.py")] = None
     """Hosts and slots to leave out, DeepSpeed syntax: `host1:0@host2`."""
 
-    num_nodes: Annotated[int, Reads("neox/launcher/plan.py")] = -1
+    num_nodes: Annotated[int, Reads("neox/launcher/plan.py")] = Field(-1, ge=-1, le=MAX_RANKS)
     """Number of nodes to use from the hostfile (-1: all)."""
 
     num_gpus: Annotated[Optional[int], Reads("neox/launcher/plan.py")] = Field(None, ge=1, le=1024)
@@ -70,9 +70,7 @@ class LauncherConfig(ConfigGroup):
 
     @model_validator(mode="after")
     def _check_counts(self) -> "LauncherConfig":
-        if self.num_gpus is not None and self.num_gpus < 1:
-            raise ValueError(f"num_gpus={self.num_gpus} must be >= 1 (or left unset for all GPUs)")
-        if self.num_nodes == 0 or self.num_nodes < -1:
+        if self.num_nodes == 0:
             raise ValueError(f"num_nodes={self.num_nodes} must be >= 1, or -1 for every host")
         bad = [n for n in self.export_env if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", n)]
         if bad:

@@ -2,7 +2,7 @@
 
 from typing import Annotated, Optional
 
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from neox.config.base import MAX_COUNT, ConfigGroup, Reads, Refused
 
@@ -127,6 +127,17 @@ class LoggingConfig(ConfigGroup):
 
     wandb_run_name: Annotated[Optional[str], Reads("neox/training/progress.py")] = None
     """Weights & Biases run name."""
+
+    @field_validator("wandb_project", "wandb_team")
+    @classmethod
+    def _wandb_name(cls, v: Optional[str], info: ValidationInfo) -> Optional[str]:
+        # W&B refuses these names at wandb.init, on rank 0 after launch.
+        if v is not None and (not v or len(v) > 128 or set(v) & set("/\\#?%:")):
+            raise ValueError(
+                f"{info.field_name}={v!r} is not a W&B name: 1 to 128 characters, none of "
+                "/ \\ # ? % :"
+            )
+        return v
 
     @model_validator(mode="after")
     def _check_profile_steps(self) -> "LoggingConfig":

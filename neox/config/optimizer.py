@@ -102,7 +102,7 @@ class OptimizerConfig(ConfigGroup):
     )
     """Decay over this fraction of train_iters instead of lr_decay_iters."""
 
-    min_lr: Annotated[float, Reads("neox/training/setup.py")] = Field(0.0, le=MAX_LR)
+    min_lr: Annotated[float, Reads("neox/training/setup.py")] = Field(0.0, ge=0, le=MAX_LR)
     """Floor of the decayed learning rate."""
 
     warmup: Annotated[float, Reads("neox/config/derived.py")] = Field(0.01, ge=0, le=1)
@@ -130,7 +130,7 @@ class OptimizerConfig(ConfigGroup):
     """gpt-neox's flat spelling of optimizer.type; used when no `optimizer` section is given, and
     an error when it contradicts one."""
 
-    lr: Annotated[Optional[float], Reads("neox/config/derived.py")] = Field(None, le=MAX_LR)
+    lr: Annotated[Optional[float], Reads("neox/config/derived.py")] = Field(None, ge=0, le=MAX_LR)
     """gpt-neox's top-level peak learning rate; overrides optimizer.params.lr."""
 
     @field_validator("min_lr", "lr")

@@ -2,7 +2,7 @@
 
 from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from neox.config.base import MAX_RANKS, ConfigGroup, Reads, Refused
 
@@ -38,6 +38,17 @@ class ParallelConfig(ConfigGroup):
         Literal["nccl", "gloo", "mpi"], Reads("neox/training/setup.py")
     ] = "nccl"
     """torch.distributed backend on GPUs; CPU ranks always use gloo."""
+
+    @field_validator("pipe_partition_method")
+    @classmethod
+    def _partition_method(cls, v: str) -> str:
+        # DeepSpeed's PipelineModule would refuse any other value on every rank after launch.
+        if v not in ("parameters", "uniform") and not (v.startswith("type:") and len(v) > 5):
+            raise ValueError(
+                f"pipe_partition_method={v!r} is not a DeepSpeed partition method; use "
+                "type:Block, parameters or uniform"
+            )
+        return v
 
     @property
     def pp(self) -> int:

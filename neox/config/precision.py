@@ -4,7 +4,7 @@ from typing import Annotated, Any, Literal, Optional
 
 from pydantic import Field, ValidationInfo, field_validator
 
-from neox.config.base import MAX_COUNT, ConfigGroup, Reads
+from neox.config.base import MAX_COUNT, ConfigGroup, Reads, check_finite
 
 
 class PrecisionConfig(ConfigGroup):
@@ -52,6 +52,12 @@ class PrecisionConfig(ConfigGroup):
 
     min_scale: Annotated[float, Reads("neox/config/ds_config.py")] = Field(1.0, gt=0, le=2.0**64)
     """gpt-neox key: lowest loss scale (fp16.min_loss_scale wins)."""
+
+    @field_validator("fp16", "bf16", "amp")
+    @classmethod
+    def _section_finite(cls, v: Any, info: ValidationInfo) -> Any:
+        check_finite(v, info.field_name)
+        return v
 
     @field_validator("fp16", "amp")
     @classmethod
