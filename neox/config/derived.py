@@ -1,8 +1,11 @@
 """Values computed from the config, never read from YAML: model shape, layout, batch triple,
 vocab, schedule. Everything else reads them from here rather than working them out again.
 
-The schema is imported for type hints only: `ModelConfig`'s own validation calls `model_shape`
-once and carries the result as `ModelConfig.shape`, which every other module reads.
+Every rule across keys lives here too (a rule on one key sits at its field): `check_model`
+runs when a ModelConfig is validated (its shape depends on it) and carries the result as
+`ModelConfig.shape`, which every other module reads; `check_config` runs when a NeoXConfig is
+validated; the rules of a run (world size and layout, batch, precision, pipeline) run in `derive`,
+and `Topology.validate` applies the same layout rules. The schema is imported for type hints only.
 """
 
 from __future__ import annotations
@@ -144,6 +147,68 @@ def _layer_types(m: ModelConfig) -> tuple[str, ...]:
             f"make the repeats add up to {m.num_layers}"
         )
     return tuple(types)
+
+
+def check_model(m: ModelConfig) -> ModelShape:
+    """The model's own cross-field rules (run when a ModelConfig is validated, since its shape
+    depends on them); returns the shape. Raises ValueError naming the keys and the fix."""
+    if m.hidden_size % m.num_attention_heads:
+        raise ValueError(
+            f"hidden_size={m.hidden_size} is not divisible by "
+            f"num_attention_heads={m.num_attention_heads}; pick heads among "
+            f"{_divisor_list(m.hidden_size)}"
+        )
+    kv = m.num_kv_heads
+    if kv is not None and m.num_attention_heads % kv:
+        raise ValueError(
+            f"num_attention_heads={m.num_attention_heads} is not divisible by "
+            f"num_kv_heads={kv}; use one of {_divisor_list(m.num_attention_heads)}"
+        )
+    shape = model_shape(m)  # also checks attention_config
+    if m.pos_emb == "rotary" and shape.rotary_dims % 2:
+        raise ValueError(
+            f"rotary_pct={m.rotary_pct} rotates {shape.head_dim * m.rotary_pct:g} of "
+            f"{shape.head_dim} head dims; that must be an even whole number"
+        )
+    if m.max_position_embeddings is not None and m.seq_length > m.max_position_embeddings:
+        raise ValueError(
+            f"seq_length={m.seq_length} exceeds max_position_embeddings="
+            f"{m.max_position_embeddings}; raise max_position_embeddings or shorten seq_length"
+        )
+    if m.gpt_j_tied and not m.gpt_j_residual:
+        raise ValueError("gpt_j_tied=true needs gpt_j_residual=true")
+    return shape
+
+
+def _divisor_list(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0][:12]
+
+
+def check_config(cfg: NeoXConfig) -> None:
+    """Rules across keys of different groups, or of a group about its data sources and
+    profiling (run when a NeoXConfig is validated; the run's own rules are in `derive`)."""
+    d = cfg.data
+    for name in ("train", "valid", "test"):
+        paths = getattr(d, f"{name}_data_paths")
+        weights = getattr(d, f"{name}_data_weights")
+        if weights is not None and not any(weights):
+            raise ValueError(f"{name}_data_weights={weights} are all zero; give one weight > 0")
+        if weights is not None and (paths is None or len(weights) != len(paths)):
+            raise ValueError(
+                f"{name}_data_weights has {len(weights)} entries but {name}_data_paths has "
+                f"{0 if paths is None else len(paths)}; give one weight per path"
+            )
+    if d.train_data_paths and d.data_path:
+        raise ValueError(
+            "data_path and train_data_paths are both set; use data_path (with split) or "
+            "train/valid/test_data_paths, not both"
+        )
+    lg = cfg.logging
+    if lg.profile and not lg.profile_step_start <= lg.profile_step_stop:
+        raise ValueError(
+            f"profile_step_start={lg.profile_step_start} and profile_step_stop="
+            f"{lg.profile_step_stop} must satisfy 1 <= start <= stop"
+        )
 
 
 def pad_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel: int) -> int:
@@ -303,6 +368,7 @@ def derive(cfg: NeoXConfig, world_size: int, vocab_size: Optional[int] = None) -
     decay, warmup = schedule_iters(cfg)
     padded = padded_vocab(cfg, vocab_size)
     check_pipeline_clipping(cfg, precision_of(cfg))
+    check_loss_scale(cfg, precision_of(cfg))
     check_pipeline_inputs(cfg)
     check_as_gpt_neox_does(cfg)
     check_fused_loss(cfg)
@@ -402,6 +468,23 @@ def check_pipeline_clipping(cfg: NeoXConfig, precision: str) -> None:
             f"pipe_parallel_size={cfg.parallel.pp} with fp32, ZeRO stage 0 and gradient_clipping="
             f"{clip}: DeepSpeed computes the clipping norm from stage 0's parameters only in this "
             "mode; use zero_optimization.stage 1 (or fp16/bf16), or gradient_clipping 0"
+        )
+
+
+def check_loss_scale(cfg: NeoXConfig, precision: str) -> None:
+    """fp16's dynamic_loss_scale against a static loss scale (gpt-neox's two spellings)."""
+    p = cfg.precision
+    static = p.loss_scale or (p.fp16 or {}).get("loss_scale")
+    if precision != "fp16":
+        return
+    if p.dynamic_loss_scale and static:
+        raise ConfigError(
+            f"dynamic_loss_scale=true contradicts a static loss_scale={static}; drop one of them"
+        )
+    if p.dynamic_loss_scale is False and not static:
+        raise ConfigError(
+            "dynamic_loss_scale=false needs a static loss scale; set loss_scale (e.g. 1024) "
+            "or drop dynamic_loss_scale"
         )
 
 

@@ -3,7 +3,7 @@
 import re
 from typing import Annotated, Literal, Optional
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator
 
 from neox.config.base import MAX_RANKS, ConfigGroup, Reads
 
@@ -68,14 +68,20 @@ class LauncherConfig(ConfigGroup):
     export_env: Annotated[list[str], Reads("neox/launcher/plan.py")] = []
     """Extra environment variable names exported to every node (besides PYTHONPATH, NCCL_*, DS_*...)."""
 
-    @model_validator(mode="after")
-    def _check_counts(self) -> "LauncherConfig":
-        if self.num_nodes == 0:
-            raise ValueError(f"num_nodes={self.num_nodes} must be >= 1, or -1 for every host")
-        bad = [n for n in self.export_env if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", n)]
+    @field_validator("num_nodes")
+    @classmethod
+    def _some_nodes(cls, v: int) -> int:
+        if v == 0:
+            raise ValueError(f"num_nodes={v} must be >= 1, or -1 for every host")
+        return v
+
+    @field_validator("export_env")
+    @classmethod
+    def _variable_names(cls, v: list[str]) -> list[str]:
+        bad = [n for n in v if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", n)]
         if bad:
             raise ValueError(
                 f"export_env names {bad} are not environment variable names (letters, digits "
                 "and '_', not starting with a digit)"
             )
-        return self
+        return v

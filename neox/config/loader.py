@@ -245,11 +245,16 @@ def _explain(error: ValidationError, flat: dict[str, Any], sources: dict[str, st
             else:
                 lines.append(f"{where}: {path}={flat[key]!r}: {msg}")
         else:
-            # A check across several keys (e.g. hidden_size vs heads): name the files involved.
+            # A check across several keys (e.g. hidden_size vs heads): name the files involved,
+            # those of the group's keys, or for a check across groups, of the keys it names.
             group = loc[0] if loc else ""
             involved = sorted(
-                {sources[k] for k in flat if KEY_OWNER.get(k) == group and k in sources}
+                sources[k]
+                for k in flat
+                if k in sources
+                and (KEY_OWNER.get(k) == group if group else re.search(rf"\b{k}\b", msg))
             )
+            involved = sorted(set(involved))
             lines.append(f"{', '.join(involved) or 'defaults'}: {msg}")
     return "\n".join(lines)
 

@@ -2,7 +2,7 @@
 
 from typing import Annotated, Optional
 
-from pydantic import Field, ValidationInfo, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator
 
 from neox.config.base import MAX_COUNT, ConfigGroup, Reads, Refused
 
@@ -138,12 +138,3 @@ class LoggingConfig(ConfigGroup):
                 "/ \\ # ? % :"
             )
         return v
-
-    @model_validator(mode="after")
-    def _check_profile_steps(self) -> "LoggingConfig":
-        if self.profile and not 1 <= self.profile_step_start <= self.profile_step_stop:
-            raise ValueError(
-                f"profile_step_start={self.profile_step_start} and profile_step_stop="
-                f"{self.profile_step_stop} must satisfy 1 <= start <= stop"
-            )
-        return self

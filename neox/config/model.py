@@ -14,7 +14,7 @@ from neox.config.base import (
     Reads,
     Refused,
 )
-from neox.config.derived import ModelShape, model_shape
+from neox.config.derived import ModelShape, check_model
 
 InitMethod = Literal[
     "normal",
@@ -245,35 +245,5 @@ class ModelConfig(ConfigGroup):
 
     @model_validator(mode="after")
     def _check_shape(self) -> "ModelConfig":
-        if self.hidden_size % self.num_attention_heads:
-            raise ValueError(
-                f"hidden_size={self.hidden_size} is not divisible by "
-                f"num_attention_heads={self.num_attention_heads}; pick heads among "
-                f"{_divisors(self.hidden_size)}"
-            )
-        kv = self.num_kv_heads
-        if kv is not None and self.num_attention_heads % kv:
-            raise ValueError(
-                f"num_attention_heads={self.num_attention_heads} is not divisible by "
-                f"num_kv_heads={kv}; use one of {_divisors(self.num_attention_heads)}"
-            )
-        self._shape = shape = model_shape(self)  # also checks attention_config
-        if self.pos_emb == "rotary" and shape.rotary_dims % 2:
-            raise ValueError(
-                f"rotary_pct={self.rotary_pct} rotates {shape.head_dim * self.rotary_pct:g} of "
-                f"{shape.head_dim} head dims; that must be an even whole number"
-            )
-        if self.max_position_embeddings is not None and (
-            self.seq_length > self.max_position_embeddings
-        ):
-            raise ValueError(
-                f"seq_length={self.seq_length} exceeds max_position_embeddings="
-                f"{self.max_position_embeddings}; raise max_position_embeddings or shorten seq_length"
-            )
-        if self.gpt_j_tied and not self.gpt_j_residual:
-            raise ValueError("gpt_j_tied=true needs gpt_j_residual=true")
+        self._shape = check_model(self)
         return self
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0][:12]

@@ -224,8 +224,8 @@ def test_derived_values_are_computed_only_in_derived(value):
 
 
 def test_the_model_shape_is_computed_once_and_carried():
-    """Only ModelConfig's validation calls model_shape; every other module reads `.shape`,
-    which follows the config through assignment and validated copies."""
+    """Only check_model (ModelConfig's validation) calls model_shape; every other module reads
+    `.shape`, which follows the config through assignment and validated copies."""
     pattern = re.compile(r"\bmodel_shape\(")
     files = [*ROOT.glob("neox/**/*.py"), *ROOT.glob("*.py"), *ROOT.glob("tools/*.py")]
     files += [*ROOT.glob("benchmarks/*.py"), *ROOT.glob("tests/**/*.py")]
@@ -234,7 +234,9 @@ def test_the_model_shape_is_computed_once_and_carried():
         for path in files
         if path.name != "test_derived.py" and pattern.search(path.read_text())
     )
-    assert callers == ["neox/config/derived.py", "neox/config/model.py"], callers
+    assert callers == ["neox/config/derived.py"], callers
+    derived = (ROOT / "neox/config/derived.py").read_text()
+    assert len(pattern.findall(derived)) == 2, "model_shape: its definition and check_model's call"
     m = load_dict({"hidden_size": 64, "num_attention_heads": 4}).model
     assert m.shape.head_dim == 16
     m.num_attention_heads = 8
