@@ -2,7 +2,7 @@
 
 from typing import Annotated, Optional
 
-from pydantic import Field, NonNegativeInt, PositiveInt
+from pydantic import Field
 
 from neox.config.base import MAX_BATCH, MAX_COUNT, MAX_LAYERS, ConfigGroup, Reads, Refused
 
@@ -10,22 +10,22 @@ from neox.config.base import MAX_BATCH, MAX_COUNT, MAX_LAYERS, ConfigGroup, Read
 class TrainingConfig(ConfigGroup):
     """How long to train, on what batch, and what to trade for memory."""
 
-    train_micro_batch_size_per_gpu: Annotated[
-        Optional[PositiveInt], Reads("neox/config/derived.py")
-    ] = Field(None, gt=0, le=MAX_BATCH)
+    train_micro_batch_size_per_gpu: Annotated[Optional[int], Reads("neox/config/derived.py")] = (
+        Field(None, gt=0, le=MAX_BATCH)
+    )
     """Sequences per rank per forward pass (DeepSpeed key)."""
 
-    gradient_accumulation_steps: Annotated[
-        Optional[PositiveInt], Reads("neox/config/derived.py")
-    ] = Field(None, gt=0, le=MAX_BATCH)
+    gradient_accumulation_steps: Annotated[Optional[int], Reads("neox/config/derived.py")] = Field(
+        None, gt=0, le=MAX_BATCH
+    )
     """Micro batches per optimizer step (DeepSpeed key)."""
 
-    train_batch_size: Annotated[Optional[PositiveInt], Reads("neox/config/derived.py")] = Field(
+    train_batch_size: Annotated[Optional[int], Reads("neox/config/derived.py")] = Field(
         None, gt=0, le=MAX_BATCH
     )
     """Sequences per optimizer step over all data-parallel ranks (DeepSpeed key)."""
 
-    batch_size: Annotated[Optional[PositiveInt], Reads("neox/config/derived.py")] = Field(
+    batch_size: Annotated[Optional[int], Reads("neox/config/derived.py")] = Field(
         None, gt=0, le=MAX_BATCH
     )
     """gpt-neox alias of train_micro_batch_size_per_gpu."""
@@ -49,14 +49,10 @@ class TrainingConfig(ConfigGroup):
     seed: Annotated[int, Reads("neox/training/setup.py")] = Field(1234, ge=0, le=2**32 - 1)
     """Seed of weights, data order and dropout."""
 
-    eval_interval: Annotated[PositiveInt, Reads("neox/training/loop.py")] = Field(
-        1000, ge=1, le=MAX_COUNT
-    )
+    eval_interval: Annotated[int, Reads("neox/training/loop.py")] = Field(1000, ge=1, le=MAX_COUNT)
     """Evaluate on the validation set every N iterations."""
 
-    eval_iters: Annotated[NonNegativeInt, Reads("neox/training/loop.py")] = Field(
-        10, ge=0, le=MAX_COUNT
-    )
+    eval_iters: Annotated[int, Reads("neox/training/loop.py")] = Field(10, ge=0, le=MAX_COUNT)
     """Validation batches per evaluation."""
 
     max_nonfinite_steps: Annotated[int, Reads("neox/training/loop.py")] = Field(
@@ -65,7 +61,7 @@ class TrainingConfig(ConfigGroup):
     """Stop (saving nothing) after this many steps in a row whose loss or gradient is not finite;
     each such step is skipped and counted (0: never stop)."""
 
-    exit_interval: Annotated[Optional[PositiveInt], Reads("neox/training/loop.py")] = Field(
+    exit_interval: Annotated[Optional[int], Reads("neox/training/loop.py")] = Field(
         None, ge=1, le=MAX_COUNT
     )
     """Stop (after saving) once the iteration is a multiple of this."""
@@ -113,7 +109,7 @@ class TrainingConfig(ConfigGroup):
     """Recompute activations in the backward pass to save memory."""
 
     checkpoint_num_layers: Annotated[
-        PositiveInt, Reads("neox/training/setup.py", "neox/config/ds_config.py")
+        int, Reads("neox/training/setup.py", "neox/config/ds_config.py")
     ] = Field(1, ge=1, le=MAX_LAYERS)
     """Blocks per activation checkpoint."""
 
