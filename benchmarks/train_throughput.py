@@ -36,7 +36,7 @@ import torch  # noqa: E402
 
 from benchmarks import common  # noqa: E402
 from neox.config import load_config  # noqa: E402
-from neox.config.derived import model_shape, precision_of  # noqa: E402
+from neox.config.derived import precision_of  # noqa: E402
 from neox.plan.estimate import train_flops_per_token  # noqa: E402
 from neox.training.metrics import peak_tflops  # noqa: E402
 
@@ -180,7 +180,7 @@ def hf_step(cfg, vocab: int, micro_batch: int, device, compile_: bool):
     """HF GPTNeoXForCausalLM with SDPA, bf16 autocast and fused AdamW: the usual HF recipe."""
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
-    m, shape = cfg.model, model_shape(cfg.model)
+    m, shape = cfg.model, cfg.model.shape
     hf_cfg = GPTNeoXConfig(
         vocab_size=vocab,
         hidden_size=m.hidden_size,

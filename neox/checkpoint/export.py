@@ -23,7 +23,7 @@ from neox.checkpoint.hf_map import check_exportable, hf_config_for, to_hf_state_
 from neox.checkpoint.hf_tokenizer import build_run_tokenizer, export_problem, save_hf_tokenizer
 from neox.checkpoint.staging import check_output_dir, staged_directory
 from neox.config import ConfigError, NeoXConfig, read_saved_config
-from neox.config.derived import model_shape, precision_of
+from neox.config.derived import precision_of
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ def export_to_hf(
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
         (tmp / "generation_config.json").write_text(json.dumps(special, indent=2) + "\n")
         if note is None:
-            save_hf_tokenizer(cfg.tokenizer, tokenizer, tmp, model_shape(cfg.model).max_positions)
+            save_hf_tokenizer(cfg.tokenizer, tokenizer, tmp, cfg.model.shape.max_positions)
     log.info("exported %s as HF %s (%s) to %s", tag_dir, arch, dtype, output_dir)
     if note:
         log.warning("%s; the model was written without tokenizer files", note)

@@ -13,7 +13,6 @@ from typing import Any, Union
 
 import torch
 
-from neox.config.derived import model_shape
 from neox.config.model import ModelConfig
 from neox.model.mlp import activation_name
 
@@ -100,7 +99,7 @@ def check_exportable(cfg: ModelConfig, arch: str) -> None:
     """Raise ValueError listing every option the HF architecture `arch` cannot express."""
     if arch not in ARCHS:
         raise ValueError(f"unknown HF architecture {arch!r}; use one of {ARCHS}")
-    problems, shape = [], model_shape(cfg)
+    problems, shape = [], cfg.shape
     if cfg.pos_emb != "rotary":
         problems.append(f"pos_emb={cfg.pos_emb!r} (HF {arch} is rotary only)")
     if cfg.use_qk_layernorm:
@@ -136,7 +135,7 @@ def hf_config_for(cfg: ModelConfig, vocab_size: int, arch: str) -> dict[str, Any
     """The HF config.json content (a dict for transformers' config class) for this model."""
     check_exportable(cfg, arch)
     rope = {"rope_type": "default", "rope_theta": float(cfg.rotary_emb_base)}
-    shape = model_shape(cfg)
+    shape = cfg.shape
     common = {
         "vocab_size": vocab_size,
         "hidden_size": cfg.hidden_size,
@@ -194,7 +193,7 @@ def to_hf_state_dict(
 ) -> dict[str, torch.Tensor]:
     """Our state dict -> HF `arch` names and shapes, padded vocabulary rows dropped."""
     check_exportable(cfg, arch)
-    table, shape = HF_KEYS[arch], model_shape(cfg)
+    table, shape = HF_KEYS[arch], cfg.shape
     out: dict[str, torch.Tensor] = {}
     for name, tensor in model_sd.items():
         module, suffix = name.rsplit(".", 1)
@@ -265,7 +264,7 @@ def from_hf_state_dict(
     for ours_name, (q, k, v) in pending_qkv.items():
         if q is None or k is None or v is None:
             raise KeyError(f"HF checkpoint lacks one of q/k/v for {ours_name!r}")
-        out[ours_name] = fuse_qkv(q, k, v, cfg.num_attention_heads, model_shape(cfg).kv_heads)
+        out[ours_name] = fuse_qkv(q, k, v, cfg.num_attention_heads, cfg.shape.kv_heads)
     if cfg.no_weight_tying and "embed_out.weight" not in out and "embed_in.weight" in out:
         # A tied HF checkpoint loaded into an untied model: both start from the embedding.
         out["embed_out.weight"] = out["embed_in.weight"].clone()

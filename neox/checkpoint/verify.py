@@ -14,7 +14,6 @@ from typing import Optional
 import torch
 
 from neox.checkpoint.consolidate import load_model
-from neox.config.derived import model_shape
 
 SAMPLE_TEXT = "The quick brown fox jumps over the lazy dog.\ndef main():\n    return 0\n"
 
@@ -64,7 +63,7 @@ def verify_export(
     tokenizer = build_tokenizer(t.tokenizer_type, t.vocab_file, t.merge_file)
     vocab = tokenizer.vocab_size
     hf = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
-    ids = tokenizer.encode(text)[: model_shape(cfg.model).max_positions - new_tokens]
+    ids = tokenizer.encode(text)[: cfg.model.shape.max_positions - new_tokens]
     tokenizer_checked = (Path(hf_dir) / "tokenizer_config.json").is_file()
     if tokenizer_checked:
         hf_ids = AutoTokenizer.from_pretrained(str(hf_dir))(text)["input_ids"]

@@ -18,8 +18,8 @@ from typing import Any, Optional
 import torch
 
 from neox.checkpoint.consolidate import CheckpointError, StateDict, partition_dim
+from neox.checkpoint.find import tag_for
 from neox.checkpoint.hf_map import VOCAB_MODULES, resize_vocab
-from neox.checkpoint.io import tag_for
 from neox.config import NeoXConfig, load_dict, write_config
 from neox.parallel.layers import shard
 from neox.parallel.topology import Topology

@@ -1,36 +1,116 @@
-"""The base of every config group: strict, documented at the field; and the checks many share."""
+"""The base of every config group, and how a field declares its status.
 
-from typing import Any
+A key is one declaration: its type (with its bounds), default, docstring and status, written
+where the field is defined. The status is one of:
 
-from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
+- read: `Annotated[int, Reads("neox/model/gpt.py")]` names the modules that implement it;
+- no-op: a gpt-neox key with no meaning in neox; its docstring starts with "No-op" and says why;
+- refused: `Annotated[bool, Refused(feature, example, message)]` fails validation for any value
+  but the feature-off ones, naming the feature.
+
+tests/config/test_registry.py checks each declaration against the code; docs/config.md shows it.
+"""
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, GetCoreSchemaHandler, ValidationInfo
+from pydantic.fields import FieldInfo
+from pydantic_core import core_schema
+
+# Upper bounds of sizes and counts: far above any run that fits in memory, low enough that a
+# typo (an extra few zeros) is refused here rather than failing an allocation on every rank.
+MAX_LAYERS = 1 << 12
+MAX_WIDTH = 1 << 20  # hidden size and heads: one hidden x hidden weight is then 2**40 elements
+MAX_MLP_WIDTH = 1 << 22
+MAX_POSITIONS = 1 << 24  # tokens in a sequence: 16M, beyond every released context length
+MAX_VOCAB = 1 << 24
+MAX_BATCH = 1 << 24  # sequences in a batch
+MAX_COUNT = 1 << 40  # iterations, intervals, bucket sizes: past int64 arithmetic trouble
+MAX_RANKS = 1 << 20
+MAX_LR = 10.0  # a learning rate above this diverges with every optimizer neox has
 
 
 class ConfigGroup(BaseModel):
     """One concern's settings; unknown keys are errors and field docstrings are the docs."""
 
     model_config = ConfigDict(
-        extra="forbid", use_attribute_docstrings=True, validate_assignment=True, frozen=False
+        extra="forbid",
+        use_attribute_docstrings=True,
+        validate_assignment=True,
+        frozen=False,
+        allow_inf_nan=False,  # NaN or inf in a float key is always a mistake
     )
 
+    def model_copy(self, *, update: Optional[dict[str, Any]] = None, deep: bool = False) -> Any:
+        """A copy; with `update`, validated like a new config (pydantic's own copy would skip
+        the checks and leave derived values such as ModelConfig.shape stale)."""
+        if not update:
+            return super().model_copy(deep=deep)
+        explicit = {k: getattr(self, k) for k in self.model_fields_set if k not in update}
+        return type(self)(**explicit, **update)
 
-def refuse_unless(*fields: str, allowed: tuple[Any, ...], message: str) -> Any:
-    """Field validator for gpt-neox keys whose feature neox lacks: a value outside `allowed`
-    (the feature-off values) raises `message`, formatted with {key} and {value}."""
 
-    def check(value: Any, info: ValidationInfo) -> Any:
-        if value not in allowed:
-            raise ValueError(message.format(key=info.field_name, value=value))
+@dataclass(frozen=True, init=False)
+class Reads:
+    """Implemented: read by these modules (paths from the repository root)."""
+
+    modules: tuple[str, ...]
+
+    def __init__(self, *modules: str) -> None:
+        object.__setattr__(self, "modules", modules)
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A gpt-neox feature neox does not implement: a value outside `allowed` (the feature-off
+    values) fails validation with `message` (formatted with {key} and {value}), which names
+    `feature`; `example` is a value that asks for it."""
+
+    feature: str
+    example: Any
+    message: str
+    allowed: tuple[Any, ...] = (False,)
+
+    def __get_pydantic_core_schema__(self, source: Any, handler: GetCoreSchemaHandler) -> Any:
+        return core_schema.with_info_after_validator_function(self._check, handler(source))
+
+    def _check(self, value: Any, info: ValidationInfo) -> Any:
+        if value not in self.allowed:
+            raise ValueError(self.message.format(key=info.field_name, value=value))
         return value
 
-    return field_validator(*fields)(check)
+
+@dataclass(frozen=True)
+class NoOp:
+    """A gpt-neox key with no meaning in neox: accepted, documented as a no-op, read nowhere."""
 
 
-def at_least(*fields: str, least: float, hint: str = "") -> Any:
-    """Field validator: `key=value must be >= least` (an unset None passes)."""
+Status = Union[Reads, NoOp, Refused]
 
-    def check(value: Any, info: ValidationInfo) -> Any:
-        if value is not None and value < least:
-            raise ValueError(f"{info.field_name}={value} must be >= {least}{hint}")
-        return value
 
-    return field_validator(*fields)(check)
+def status_of(field: FieldInfo) -> Optional[Status]:
+    """The status a field declares (None: it declares none, which the registry test refuses)."""
+    for mark in field.metadata:
+        if isinstance(mark, Refused):
+            return mark
+    if (field.description or "").startswith("No-op"):
+        return NoOp()
+    for mark in field.metadata:
+        if isinstance(mark, Reads):
+            return mark
+    return None
+
+
+def check_finite(value: Any, path: str) -> None:
+    """Raise ValueError naming `path` (e.g. `fp16.loss_scale`) at the first NaN or infinity in a
+    section passed through as written, so DeepSpeed never receives one."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{path}={value} must be a finite number")
+    if isinstance(value, dict):
+        for k, v in value.items():
+            check_finite(v, f"{path}.{k}")
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            check_finite(v, f"{path}[{i}]")

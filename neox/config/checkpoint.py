@@ -1,60 +1,76 @@
 """Saving and loading checkpoints."""
 
-from typing import Literal, Optional
+from typing import Annotated, Literal, Optional
 
-from neox.config.base import ConfigGroup, at_least, refuse_unless
+from pydantic import Field
+
+from neox.config.base import MAX_COUNT, ConfigGroup, Reads, Refused
+
+# Iteration 0 is the initial weights (Pythia ships step0).
+Iteration = Annotated[int, Field(ge=0, le=MAX_COUNT)]
 
 
 class CheckpointConfig(ConfigGroup):
     """Where checkpoints go, when they are written and what they hold."""
 
-    save: Optional[str] = None
+    save: Annotated[Optional[str], Reads("neox/checkpoint/io.py")] = None
     """Directory checkpoints are saved to (None: never save)."""
 
-    load: Optional[str] = None
+    load: Annotated[Optional[str], Reads("neox/checkpoint/io.py", "neox/plan/preflight.py")] = None
     """Directory to resume from; one with no checkpoint starts from scratch (save = load is usual)."""
 
-    checkpoint_factor: Optional[int] = None
+    checkpoint_factor: Annotated[Optional[int], Reads("neox/checkpoint/io.py")] = Field(
+        None, ge=1, le=MAX_COUNT
+    )
     """Save every N iterations (linear scale) or at powers of N (log scale); gpt-neox's save-interval."""
 
-    checkpoint_scale: Literal["linear", "log"] = "linear"
+    checkpoint_scale: Annotated[Literal["linear", "log"], Reads("neox/checkpoint/io.py")] = "linear"
     """Spacing of checkpoints."""
 
-    extra_save_iters: Optional[list[int]] = None
+    extra_save_iters: Annotated[Optional[list[Iteration]], Reads("neox/checkpoint/io.py")] = None
     """Iterations saved in addition to the regular ones."""
 
-    keep_last_n_checkpoints: Optional[int] = None
+    keep_last_n_checkpoints: Annotated[Optional[int], Reads("neox/checkpoint/io.py")] = Field(
+        None, ge=1, le=MAX_COUNT
+    )
     """Delete older checkpoints, keeping this many."""
 
-    no_save_optim: bool = False
+    no_save_optim: Annotated[
+        bool,
+        Refused(
+            feature="no_save_optim is not implemented",
+            example=True,
+            allowed=(False,),
+            message=(
+                "no_save_optim is not implemented: DeepSpeed writes the optimizer state into "
+                "every checkpoint; leave it false (no_load_optim skips it when loading)"
+            ),
+        ),
+    ] = False
     """gpt-neox key: not implemented (DeepSpeed always writes the optimizer state), must be false."""
 
-    no_save_rng: bool = False
+    no_save_rng: Annotated[bool, Reads("neox/checkpoint/io.py")] = False
     """Leave RNG state out of checkpoints."""
 
-    no_load_optim: bool = False
+    no_load_optim: Annotated[bool, Reads("neox/checkpoint/io.py")] = False
     """Do not restore optimizer state."""
 
-    no_load_rng: bool = False
+    no_load_rng: Annotated[bool, Reads("neox/checkpoint/io.py")] = False
     """Do not restore RNG state."""
 
-    checkpoint_validation_with_forward_pass: bool = False
+    checkpoint_validation_with_forward_pass: Annotated[
+        bool,
+        Refused(
+            feature="checkpoint validation",
+            example=True,
+            allowed=(False,),
+            message=(
+                "checkpoint validation with a forward pass is not implemented in neox; set it false"
+            ),
+        ),
+    ] = False
     """Check a loaded checkpoint with a forward pass (gpt-neox key; not implemented: must be
     false)."""
 
-    save_iters: Optional[list[int]] = None
+    save_iters: Optional[list[Iteration]] = None
     """No-op (gpt-neox runtime key): save iterations follow checkpoint_factor/extra_save_iters."""
-
-    _no_validation_pass = refuse_unless(
-        "checkpoint_validation_with_forward_pass",
-        allowed=(False,),
-        message="checkpoint validation with a forward pass is not implemented in neox; set it "
-        "false",
-    )
-    _factor_positive = at_least("checkpoint_factor", least=1, hint=" (or unset: save at the end)")
-    _no_optimizerless_saves = refuse_unless(
-        "no_save_optim",
-        allowed=(False,),
-        message="no_save_optim is not implemented: DeepSpeed writes the optimizer state into "
-        "every checkpoint; leave it false (no_load_optim skips it when loading)",
-    )

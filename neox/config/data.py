@@ -1,11 +1,11 @@
 """Training data and tokenizer."""
 
-from typing import Literal, Optional
+import math
+from typing import Annotated, Literal, Optional
 
-from pydantic import field_validator, model_validator
+from pydantic import Field, field_validator
 
-from neox.config.base import ConfigGroup, refuse_unless
-from neox.data.split import parse_split
+from neox.config.base import MAX_VOCAB, ConfigGroup, Reads, Refused
 
 TokenizerType = Literal[
     "GPT2BPETokenizer",
@@ -17,19 +17,31 @@ TokenizerType = Literal[
 ]
 
 
+# A blending weight: the weights of a split are normalised, so any finite non-negative number.
+Weight = Annotated[float, Field(ge=0, le=1e12)]
+
+
 class TokenizerConfig(ConfigGroup):
     """Which tokenizer turns text into ids, and the vocabulary the model is built for."""
 
-    tokenizer_type: TokenizerType = "GPT2BPETokenizer"
+    tokenizer_type: Annotated[
+        TokenizerType, Reads("neox/training/setup.py", "neox/plan/preflight.py")
+    ] = "GPT2BPETokenizer"
     """Tokenizer class (gpt-neox names)."""
 
-    vocab_file: Optional[str] = None
+    vocab_file: Annotated[
+        Optional[str], Reads("neox/training/setup.py", "neox/plan/preflight.py")
+    ] = None
     """vocab.json (GPT2BPE), tokenizers JSON (HFTokenizer), or SentencePiece model (SPM)."""
 
-    merge_file: Optional[str] = None
+    merge_file: Annotated[
+        Optional[str], Reads("neox/training/setup.py", "neox/plan/preflight.py")
+    ] = None
     """merges.txt for GPT2BPETokenizer."""
 
-    padded_vocab_size: Optional[int] = None
+    padded_vocab_size: Annotated[Optional[int], Reads("neox/config/derived.py")] = Field(
+        None, ge=1, le=MAX_VOCAB
+    )
     """Model vocabulary; derived from the tokenizer when unset (rounded up to
     make_vocab_size_divisible_by x model_parallel_size). Set it to pin the size a checkpoint has."""
 
@@ -37,92 +49,110 @@ class TokenizerConfig(ConfigGroup):
 class DataConfig(ConfigGroup):
     """Where the tokenized (.bin/.idx) data lives and how samples are drawn."""
 
-    data_path: Optional[str] = None
+    data_path: Annotated[
+        Optional[str], Reads("neox/training/setup.py", "neox/plan/preflight.py")
+    ] = None
     """Prefix of one dataset (path without .bin/.idx), split by `split`."""
 
-    train_data_paths: Optional[list[str]] = None
+    train_data_paths: Annotated[Optional[list[str]], Reads("neox/training/setup.py")] = None
     """Prefixes of training datasets, blended by train_data_weights."""
 
-    valid_data_paths: Optional[list[str]] = None
+    valid_data_paths: Annotated[Optional[list[str]], Reads("neox/training/setup.py")] = None
     """Prefixes of validation datasets."""
 
-    test_data_paths: Optional[list[str]] = None
+    test_data_paths: Annotated[Optional[list[str]], Reads("neox/training/setup.py")] = None
     """Prefixes of test datasets."""
 
-    train_data_weights: Optional[list[float]] = None
+    train_data_weights: Annotated[Optional[list[Weight]], Reads("neox/training/setup.py")] = None
     """Blending weights of train_data_paths (default: equal)."""
 
-    valid_data_weights: Optional[list[float]] = None
+    valid_data_weights: Annotated[Optional[list[Weight]], Reads("neox/training/setup.py")] = None
     """Blending weights of valid_data_paths."""
 
-    test_data_weights: Optional[list[float]] = None
+    test_data_weights: Annotated[Optional[list[Weight]], Reads("neox/training/setup.py")] = None
     """Blending weights of test_data_paths."""
 
-    weight_by_num_documents: bool = False
+    weight_by_num_documents: Annotated[bool, Reads("neox/training/setup.py")] = False
     """Weight datasets by document count, flattened by weighted_sampler_alpha (overrides weights)."""
 
-    weighted_sampler_alpha: float = 1.0
+    weighted_sampler_alpha: Annotated[float, Reads("neox/training/setup.py")] = Field(
+        1.0, ge=0, le=1
+    )
     """Exponent of the document-count weighting (1: proportional, 0: uniform)."""
 
-    split: str = "969,30,1"
+    split: Annotated[str, Reads("neox/training/setup.py")] = "969,30,1"
     """Train/valid/test proportions of data_path's documents, e.g. "949,50,1"."""
 
-    data_impl: str = "mmap"
+    data_impl: Annotated[
+        str,
+        Refused(
+            feature="only the mmap .bin/.idx format",
+            example="cached",
+            allowed=("mmap", "infer"),
+            message=(
+                "data_impl={value!r}: only the mmap .bin/.idx format is implemented in neox; use "
+                "mmap (re-tokenize with tools/preprocess_data.py)"
+            ),
+        ),
+    ] = "mmap"
     """No-op (gpt-neox key) for "mmap" and "infer": the mmap .bin/.idx format is the one format
     read (preflight checks each .idx header); gpt-neox's older "cached" format is refused."""
 
-    dataset_impl: str = "gpt2"
+    dataset_impl: Annotated[
+        str,
+        Refused(
+            feature="pairwise/reward/online datasets",
+            example="pairwise",
+            allowed=("gpt2",),
+            message=(
+                "dataset_impl={value!r}: pairwise/reward/online datasets (DPO, reward models, RL)"
+                " are not implemented in neox; use gpt2"
+            ),
+        ),
+    ] = "gpt2"
     """Dataset kind (gpt-neox key): only "gpt2" language modelling; pairwise/reward/online data
     (DPO, reward models, RL) is refused."""
 
-    pack_impl: str = "packed"
+    pack_impl: Annotated[
+        str,
+        Refused(
+            feature="unpacked samples",
+            example="unpacked",
+            allowed=("packed",),
+            message=(
+                "pack_impl={value!r}: unpacked samples are not implemented in neox; use packed"
+            ),
+        ),
+    ] = "packed"
     """Sample packing (gpt-neox key): documents are packed into full sequences; "unpacked" and
     "pack_until_overflow" are refused."""
 
     allow_chopped: bool = True
     """No-op (gpt-neox key): it only matters for unpacked samples, which neox refuses."""
 
-    eod_mask_loss: bool = False
+    eod_mask_loss: Annotated[bool, Reads("neox/training/loop.py")] = False
     """Exclude end-of-document tokens from the loss."""
 
-    reset_position_ids: bool = False
+    reset_position_ids: Annotated[bool, Reads("neox/training/loop.py")] = False
     """Restart position ids at each document inside a sample."""
 
-    reset_attention_mask: bool = False
+    reset_attention_mask: Annotated[bool, Reads("neox/training/loop.py")] = False
     """Stop attention across documents inside a sample."""
 
-    num_workers: int = 2
+    num_workers: Annotated[int, Reads("neox/training/setup.py")] = Field(2, ge=0, le=1024)
     """DataLoader worker processes per rank."""
 
-    data_cache_dir: Optional[str] = None
+    data_cache_dir: Annotated[Optional[str], Reads("neox/training/setup.py")] = None
     """Where sample indices are cached (default: beside the data)."""
 
     mmap_warmup: bool = False
     """No-op (gpt-neox key): gpt-neox ignores it too; pages are read on demand."""
 
-    use_shared_fs: bool = True
+    use_shared_fs: Annotated[bool, Reads("neox/training/setup.py")] = True
     """All nodes see the same data directory (index files are then built once, by global rank 0)."""
 
-    short_seq_prob: float = 0.0
+    short_seq_prob: float = Field(0.0, ge=0, le=1)
     """No-op (gpt-neox key): a BERT-era option gpt-neox does not read either."""
-
-    _mmap_only = refuse_unless(
-        "data_impl",
-        allowed=("mmap", "infer"),
-        message="data_impl={value!r}: only the mmap .bin/.idx format is implemented in neox; use "
-        "mmap (re-tokenize with tools/preprocess_data.py)",
-    )
-    _gpt2_only = refuse_unless(
-        "dataset_impl",
-        allowed=("gpt2",),
-        message="dataset_impl={value!r}: pairwise/reward/online datasets (DPO, reward models, "
-        "RL) are not implemented in neox; use gpt2",
-    )
-    _packed_only = refuse_unless(
-        "pack_impl",
-        allowed=("packed",),
-        message="pack_impl={value!r}: unpacked samples are not implemented in neox; use packed",
-    )
 
     @field_validator("split")
     @classmethod
@@ -130,23 +160,20 @@ class DataConfig(ConfigGroup):
         parse_split(v)
         return v
 
-    @model_validator(mode="after")
-    def _weights_match(self) -> "DataConfig":
-        for name in ("train", "valid", "test"):
-            paths = getattr(self, f"{name}_data_paths")
-            weights = getattr(self, f"{name}_data_weights")
-            if weights is not None and (paths is None or len(weights) != len(paths)):
-                raise ValueError(
-                    f"{name}_data_weights has {len(weights)} entries but {name}_data_paths has "
-                    f"{0 if paths is None else len(paths)}; give one weight per path"
-                )
-        if self.train_data_paths and self.data_path:
-            raise ValueError(
-                "data_path and train_data_paths are both set; use data_path (with split) or "
-                "train/valid/test_data_paths, not both"
-            )
-        return self
 
-    @property
-    def split_weights(self) -> list[float]:
-        return parse_split(self.split)
+def parse_split(split: str) -> list[float]:
+    """Weights of train, valid and test from "949,50,1" (or "949/50/1"), normalised to sum to 1."""
+    parts = [p.strip() for p in split.replace("/", ",").split(",")]
+    try:
+        values = [float(p) for p in parts]
+    except ValueError:
+        raise ValueError(
+            f"split {split!r} must be up to three comma-separated numbers, e.g. '949,50,1'"
+        ) from None
+    if len(values) > 3:
+        raise ValueError(f"split {split!r} has {len(values)} parts; give train,valid,test")
+    values += [0.0] * (3 - len(values))
+    if not all(math.isfinite(v) and v >= 0 for v in values) or sum(values) <= 0:
+        raise ValueError(f"split {split!r} must be non-negative numbers that are not all zero")
+    total = sum(values)
+    return [v / total for v in values]

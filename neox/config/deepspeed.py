@@ -1,83 +1,120 @@
 """DeepSpeed sections neox does not interpret: passed into the DeepSpeed config as written."""
 
-from typing import Any, Optional
+from typing import Annotated, Any, Optional
 
-from neox.config.base import ConfigGroup, refuse_unless
+from pydantic import Field, ValidationInfo, field_validator
+
+from neox.config.base import MAX_COUNT, MAX_RANKS, ConfigGroup, Reads, Refused, check_finite
 
 
 class DeepSpeedConfig(ConfigGroup):
     """DeepSpeed's own config sections and gpt-neox's shorthands for them."""
 
-    zero_optimization: Optional[dict[str, Any]] = None
+    zero_optimization: Annotated[
+        Optional[dict[str, Any]], Reads("neox/config/ds_config.py", "neox/config/derived.py")
+    ] = None
     """DeepSpeed ZeRO section, e.g. {"stage": 1, "overlap_comm": true}."""
 
-    zero_stage: Optional[int] = None
+    zero_stage: Annotated[Optional[int], Reads("neox/config/derived.py")] = Field(None, ge=0, le=3)
     """gpt-neox shorthand for zero_optimization.stage."""
 
-    zero_reduce_scatter: Optional[bool] = None
+    zero_reduce_scatter: Annotated[Optional[bool], Reads("neox/config/ds_config.py")] = None
     """gpt-neox shorthand for zero_optimization.reduce_scatter."""
 
-    zero_contiguous_gradients: Optional[bool] = None
+    zero_contiguous_gradients: Annotated[Optional[bool], Reads("neox/config/ds_config.py")] = None
     """gpt-neox shorthand for zero_optimization.contiguous_gradients."""
 
-    zero_reduce_bucket_size: Optional[int] = None
+    zero_reduce_bucket_size: Annotated[Optional[int], Reads("neox/config/ds_config.py")] = Field(
+        None, ge=1, le=MAX_COUNT
+    )
     """gpt-neox shorthand for zero_optimization.reduce_bucket_size."""
 
-    zero_allgather_bucket_size: Optional[int] = None
+    zero_allgather_bucket_size: Annotated[Optional[int], Reads("neox/config/ds_config.py")] = Field(
+        None, ge=1, le=MAX_COUNT
+    )
     """gpt-neox shorthand for zero_optimization.allgather_bucket_size."""
 
-    activation_checkpointing: Optional[dict[str, Any]] = None
+    activation_checkpointing: Annotated[
+        Optional[dict[str, Any]], Reads("neox/config/ds_config.py")
+    ] = None
     """DeepSpeed activation checkpointing section (derived from checkpoint_* keys when unset)."""
 
-    flops_profiler: Optional[dict[str, Any]] = None
+    flops_profiler: Annotated[Optional[dict[str, Any]], Reads("neox/config/ds_config.py")] = None
     """DeepSpeed flops profiler section."""
 
-    comms_logger: Optional[dict[str, Any]] = None
+    comms_logger: Annotated[Optional[dict[str, Any]], Reads("neox/config/ds_config.py")] = None
     """DeepSpeed communication logger section."""
 
-    autotuning: Optional[dict[str, Any]] = None
+    autotuning: Annotated[Optional[dict[str, Any]], Reads("neox/config/ds_config.py")] = None
     """DeepSpeed autotuning section."""
 
-    elasticity: Optional[dict[str, Any]] = None
+    elasticity: Annotated[Optional[dict[str, Any]], Reads("neox/config/ds_config.py")] = None
     """DeepSpeed elasticity section."""
 
-    csv_monitor: Optional[dict[str, Any]] = None
+    csv_monitor: Annotated[Optional[dict[str, Any]], Reads("neox/config/ds_config.py")] = None
     """DeepSpeed CSV monitor section."""
 
-    checkpoint: Optional[dict[str, Any]] = None
+    checkpoint: Annotated[Optional[dict[str, Any]], Reads("neox/config/ds_config.py")] = None
     """DeepSpeed checkpoint section (e.g. {"use_node_local_storage": true})."""
 
-    data_types: Optional[dict[str, Any]] = None
+    data_types: Annotated[Optional[dict[str, Any]], Reads("neox/config/ds_config.py")] = None
     """DeepSpeed data_types section (e.g. {"grad_accum_dtype": "fp32"})."""
 
-    prescale_gradients: bool = False
+    prescale_gradients: Annotated[bool, Reads("neox/config/ds_config.py")] = False
     """Scale gradients before the all-reduce."""
 
-    gradient_predivide_factor: float = 1.0
+    gradient_predivide_factor: Annotated[float, Reads("neox/config/ds_config.py")] = Field(
+        1.0, gt=0, le=MAX_RANKS
+    )
     """Divide gradients by this before the all-reduce."""
 
-    sparse_gradients: bool = False
+    sparse_gradients: Annotated[
+        bool,
+        Refused(
+            feature="DeepSpeed no longer",
+            example=True,
+            allowed=(False,),
+            message=(
+                "sparse_gradients: DeepSpeed no longer compresses embedding gradients; set it false"
+            ),
+        ),
+    ] = False
     """gpt-neox key for DeepSpeed's sparse embedding gradients, which DeepSpeed has removed;
     must stay false."""
 
-    _no_sparse_gradients = refuse_unless(
-        "sparse_gradients",
-        allowed=(False,),
-        message="sparse_gradients: DeepSpeed no longer compresses embedding gradients; set it "
-        "false",
-    )
-
-    dump_state: bool = False
+    dump_state: Annotated[bool, Reads("neox/config/ds_config.py")] = False
     """Print DeepSpeed's state after initialisation."""
 
-    deepspeed: bool = True
+    deepspeed: Annotated[
+        bool,
+        Refused(
+            feature="training without DeepSpeed",
+            example=False,
+            allowed=(True,),
+            message=("training without DeepSpeed is not implemented in neox; remove the key"),
+        ),
+    ] = True
     """gpt-neox key: neox always trains through DeepSpeed, so false is refused."""
 
-    _always_deepspeed = refuse_unless(
-        "deepspeed",
-        allowed=(True,),
-        message="training without DeepSpeed is not implemented in neox; remove the key",
+    deepspeed_extra_args: Annotated[Optional[dict[str, Any]], Reads("neox/config/ds_config.py")] = (
+        None
     )
-
-    deepspeed_extra_args: Optional[dict[str, Any]] = None
     """Anything else, merged into the DeepSpeed config as given."""
+
+    @field_validator("*")
+    @classmethod
+    def _sections_finite(cls, v: Any, info: ValidationInfo) -> Any:
+        check_finite(v, info.field_name)
+        return v
+
+    @field_validator("zero_optimization")
+    @classmethod
+    def _zero_stage(cls, v: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+        # DeepSpeed's own DeepSpeedZeroConfig imports torch, which `neox.config` must not; its
+        # stage range is the one rule a dry run needs (the rest DeepSpeed checks at initialise).
+        stage = (v or {}).get("stage", 0)
+        if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
+            raise ValueError(
+                f"zero_optimization.stage={stage!r} is not a ZeRO stage; use 0, 1, 2 or 3"
+            )
+        return v

@@ -1,7 +1,11 @@
 """Values computed from the config, never read from YAML: model shape, layout, batch triple,
 vocab, schedule. Everything else reads them from here rather than working them out again.
 
-The schema is imported for type hints only: `ModelConfig`'s own validation calls `model_shape`.
+Every rule across keys lives here too (a rule on one key sits at its field): `check_model`
+runs when a ModelConfig is validated (its shape depends on it) and carries the result as
+`ModelConfig.shape`, which every other module reads; `check_config` runs when a NeoXConfig is
+validated; the rules of a run (world size and layout, batch, precision, pipeline) run in `derive`,
+and `Topology.validate` applies the same layout rules. The schema is imported for type hints only.
 """
 
 from __future__ import annotations
@@ -13,7 +17,6 @@ from typing import TYPE_CHECKING, Optional
 
 from neox.config.errors import ConfigError
 from neox.config.optimizer import OPTIMIZER_TYPES
-from neox.parallel.topology import Topology
 
 if TYPE_CHECKING:
     from neox.config.model import ModelConfig
@@ -144,6 +147,68 @@ def _layer_types(m: ModelConfig) -> tuple[str, ...]:
             f"make the repeats add up to {m.num_layers}"
         )
     return tuple(types)
+
+
+def check_model(m: ModelConfig) -> ModelShape:
+    """The model's own cross-field rules (run when a ModelConfig is validated, since its shape
+    depends on them); returns the shape. Raises ValueError naming the keys and the fix."""
+    if m.hidden_size % m.num_attention_heads:
+        raise ValueError(
+            f"hidden_size={m.hidden_size} is not divisible by "
+            f"num_attention_heads={m.num_attention_heads}; pick heads among "
+            f"{_divisor_list(m.hidden_size)}"
+        )
+    kv = m.num_kv_heads
+    if kv is not None and m.num_attention_heads % kv:
+        raise ValueError(
+            f"num_attention_heads={m.num_attention_heads} is not divisible by "
+            f"num_kv_heads={kv}; use one of {_divisor_list(m.num_attention_heads)}"
+        )
+    shape = model_shape(m)  # also checks attention_config
+    if m.pos_emb == "rotary" and shape.rotary_dims % 2:
+        raise ValueError(
+            f"rotary_pct={m.rotary_pct} rotates {shape.head_dim * m.rotary_pct:g} of "
+            f"{shape.head_dim} head dims; that must be an even whole number"
+        )
+    if m.max_position_embeddings is not None and m.seq_length > m.max_position_embeddings:
+        raise ValueError(
+            f"seq_length={m.seq_length} exceeds max_position_embeddings="
+            f"{m.max_position_embeddings}; raise max_position_embeddings or shorten seq_length"
+        )
+    if m.gpt_j_tied and not m.gpt_j_residual:
+        raise ValueError("gpt_j_tied=true needs gpt_j_residual=true")
+    return shape
+
+
+def _divisor_list(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0][:12]
+
+
+def check_config(cfg: NeoXConfig) -> None:
+    """Rules across keys of different groups, or of a group about its data sources and
+    profiling (run when a NeoXConfig is validated; the run's own rules are in `derive`)."""
+    d = cfg.data
+    for name in ("train", "valid", "test"):
+        paths = getattr(d, f"{name}_data_paths")
+        weights = getattr(d, f"{name}_data_weights")
+        if weights is not None and not any(weights):
+            raise ValueError(f"{name}_data_weights={weights} are all zero; give one weight > 0")
+        if weights is not None and (paths is None or len(weights) != len(paths)):
+            raise ValueError(
+                f"{name}_data_weights has {len(weights)} entries but {name}_data_paths has "
+                f"{0 if paths is None else len(paths)}; give one weight per path"
+            )
+    if d.train_data_paths and d.data_path:
+        raise ValueError(
+            "data_path and train_data_paths are both set; use data_path (with split) or "
+            "train/valid/test_data_paths, not both"
+        )
+    lg = cfg.logging
+    if lg.profile and not lg.profile_step_start <= lg.profile_step_stop:
+        raise ValueError(
+            f"profile_step_start={lg.profile_step_start} and profile_step_stop="
+            f"{lg.profile_step_stop} must satisfy 1 <= start <= stop"
+        )
 
 
 def pad_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel: int) -> int:
@@ -298,11 +363,12 @@ def schedule_iters(cfg: NeoXConfig) -> tuple[int, int]:
 
 def derive(cfg: NeoXConfig, world_size: int, vocab_size: Optional[int] = None) -> Derived:
     """Compute layout, batch, precision, schedule and padded vocab; raise ConfigError when off."""
-    dp = check_layout(cfg, world_size).dp
+    dp = check_layout(cfg, world_size)
     micro, gas, glob = batch_triple(cfg, dp)
     decay, warmup = schedule_iters(cfg)
     padded = padded_vocab(cfg, vocab_size)
     check_pipeline_clipping(cfg, precision_of(cfg))
+    check_loss_scale(cfg, precision_of(cfg))
     check_pipeline_inputs(cfg)
     check_as_gpt_neox_does(cfg)
     check_fused_loss(cfg)
@@ -324,18 +390,72 @@ def derive(cfg: NeoXConfig, world_size: int, vocab_size: Optional[int] = None) -
         lr=peak_lr(cfg),
         samples=samples,
         zero_stage=zero_stage_of(cfg),
-        model=model_shape(cfg.model),
+        model=cfg.model.shape,
     )
 
 
-def check_layout(cfg: NeoXConfig, world_size: int) -> Topology:
-    """World, heads, kv heads, MLP width and layers against the parallel sizes, every degree named."""
-    try:
-        return Topology.validate(
-            cfg.model, world_size, cfg.parallel.model_parallel_size, cfg.parallel.pp
+def check_layout(cfg: NeoXConfig, world_size: int) -> int:
+    """World, heads, kv heads, MLP width and layers against the parallel sizes, every degree
+    named; returns the data-parallel size."""
+    tp, pp = cfg.parallel.model_parallel_size, cfg.parallel.pp
+    dp = data_parallel_size(world_size, tp, pp)
+    check_model_split(cfg.model, tp, pp)
+    return dp
+
+
+def _divisors(n: int) -> str:
+    ds = [str(d) for d in range(1, n + 1) if n % d == 0]
+    return ", ".join(ds[:-1]) + " or " + ds[-1] if len(ds) > 1 else ds[0]
+
+
+def data_parallel_size(world_size: int, tp: int = 1, pp: int = 1) -> int:
+    """world_size / (tp * pp); raises ConfigError when the ranks do not divide evenly."""
+    pp = max(1, pp)  # gpt-neox reads pipe_parallel_size=0 as "no pipeline"
+    if tp < 1:
+        raise ConfigError(f"model_parallel_size={tp} must be >= 1")
+    if world_size < 1 or world_size % (tp * pp):
+        raise ConfigError(
+            f"world size {world_size} is not divisible by model_parallel_size={tp} x "
+            f"pipe_parallel_size={pp} = {tp * pp}; use a world size that is a multiple of "
+            f"{tp * pp}, or choose model_parallel_size x pipe_parallel_size among the divisors "
+            f"of {world_size} ({_divisors(world_size)})"
         )
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    return world_size // (tp * pp)
+
+
+def check_model_split(m: ModelConfig, tp: int, pp: int, source: str = "") -> None:
+    """Raise ConfigError, naming the key and the fix, when the model cannot be cut into `tp`
+    tensor-parallel shards and `pp` pipeline stages.
+
+    Args:
+        source: where the values came from (a config path), quoted in the messages.
+    """
+    where = f" ({source})" if source else ""
+    heads, pp = m.num_attention_heads, max(1, pp)
+    if heads % tp:
+        raise ConfigError(
+            f"num_attention_heads={heads} is not divisible by model_parallel_size={tp}{where}; "
+            f"use model_parallel_size {_divisors(heads)}"
+        )
+    kv = m.shape.kv_heads
+    if kv % tp:
+        raise ConfigError(
+            f"num_kv_heads={kv} is not divisible by model_parallel_size={tp}{where}; each "
+            f"tensor-parallel rank needs whole key/value heads: use model_parallel_size "
+            f"{_divisors(kv)}, or raise num_kv_heads"
+        )
+    ffn = m.shape.ffn_size
+    if ffn % tp:
+        raise ConfigError(
+            f"the MLP width {ffn} (intermediate_size/expansion_factor) is not divisible by "
+            f"model_parallel_size={tp}{where}; use model_parallel_size {_divisors(ffn)} or "
+            f"set mlp_multiple_of to a multiple of {tp}"
+        )
+    if m.num_layers < pp:
+        raise ConfigError(
+            f"num_layers={m.num_layers} is smaller than pipe_parallel_size={pp}{where}; "
+            f"every stage needs a block: use pipe_parallel_size <= {m.num_layers}"
+        )
 
 
 def check_pipeline_clipping(cfg: NeoXConfig, precision: str) -> None:
@@ -348,6 +468,23 @@ def check_pipeline_clipping(cfg: NeoXConfig, precision: str) -> None:
             f"pipe_parallel_size={cfg.parallel.pp} with fp32, ZeRO stage 0 and gradient_clipping="
             f"{clip}: DeepSpeed computes the clipping norm from stage 0's parameters only in this "
             "mode; use zero_optimization.stage 1 (or fp16/bf16), or gradient_clipping 0"
+        )
+
+
+def check_loss_scale(cfg: NeoXConfig, precision: str) -> None:
+    """fp16's dynamic_loss_scale against a static loss scale (gpt-neox's two spellings)."""
+    p = cfg.precision
+    static = p.loss_scale or (p.fp16 or {}).get("loss_scale")
+    if precision != "fp16":
+        return
+    if p.dynamic_loss_scale and static:
+        raise ConfigError(
+            f"dynamic_loss_scale=true contradicts a static loss_scale={static}; drop one of them"
+        )
+    if p.dynamic_loss_scale is False and not static:
+        raise ConfigError(
+            "dynamic_loss_scale=false needs a static loss scale; set loss_scale (e.g. 1024) "
+            "or drop dynamic_loss_scale"
         )
 
 

@@ -3,6 +3,7 @@
 import json
 import typing
 
+from neox.config.base import NoOp, Reads, Refused, status_of
 from neox.config.schema import GROUPS
 
 HEADER = """# Configuration reference
@@ -20,11 +21,42 @@ and optimizer type) are never keys: `neox/config/derived.py` computes each once,
 
 
 def _type_name(annotation) -> str:
-    text = repr(annotation) if not isinstance(annotation, type) else annotation.__name__
-    text = text.replace("typing.", "").replace("NoneType", "None")
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) is typing.Annotated:
+        # An element type with its own bounds, e.g. the blending weights' list[float (>= 0)].
+        marks = [m for a in args[1:] for m in getattr(a, "metadata", [a])]
+        return _type_name(args[0]) + _bounds_of(marks)
+    if typing.get_origin(annotation) is list:
+        return f"list[{_type_name(args[0])}]"
+    if typing.get_origin(annotation) is typing.Union and type(None) in args and len(args) == 2:
+        return f"Optional[{_type_name(next(a for a in args if a is not type(None)))}]"
     if typing.get_origin(annotation) is typing.Literal:
-        text = " \\| ".join(repr(a) for a in typing.get_args(annotation))
-    return text.replace("|", "\\|") if "Literal" not in text else text
+        return " \\| ".join(repr(a) for a in args)  # a pipe escaped for the markdown table
+    text = repr(annotation) if not isinstance(annotation, type) else annotation.__name__
+    return text.replace("typing.", "").replace("NoneType", "None").replace("|", "\\|")
+
+
+def _bounds_of(marks: list) -> str:
+    """` (>= 1, <= 4096)`: the range a numeric key allows."""
+    signs = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
+    parts = [
+        f"{sign} {getattr(mark, name)}"
+        for mark in marks
+        for name, sign in signs.items()
+        if getattr(mark, name, None) is not None
+    ]
+    return f" ({', '.join(parts)})" if parts else ""
+
+
+def _status(field) -> str:
+    status = status_of(field)
+    if isinstance(status, Reads):
+        return "read by " + ", ".join(m.removeprefix("neox/") for m in status.modules)
+    if isinstance(status, NoOp):
+        return "no-op"
+    if isinstance(status, Refused):
+        return f"refused unless {' or '.join(json.dumps(a) for a in status.allowed)}"
+    return "undeclared"
 
 
 def _default(field) -> str:
@@ -39,10 +71,12 @@ def render() -> str:
     out = [HEADER]
     for name, cls in GROUPS.items():
         out.append(f"\n## {name}: {cls.__name__}\n\n{(cls.__doc__ or '').strip()}\n")
-        out.append("| key | type | default | description |\n| --- | --- | --- | --- |")
+        out.append("| key | type | default | status | description |")
+        out.append("| --- | --- | --- | --- | --- |")
         for key, field in cls.model_fields.items():
             doc = " ".join((field.description or "").split()).replace("|", "\\|")
-            out.append(f"| `{key}` | {_type_name(field.annotation)} | {_default(field)} | {doc} |")
+            kind = _type_name(field.annotation) + _bounds_of(field.metadata)
+            out.append(f"| `{key}` | {kind} | {_default(field)} | {_status(field)} | {doc} |")
     return "\n".join(out) + "\n"
 
 

@@ -3,7 +3,6 @@
 from typing import Any, Optional
 
 from neox.config.derived import Derived, zero_stage_of
-from neox.config.errors import ConfigError
 from neox.config.schema import NeoXConfig
 
 
@@ -42,17 +41,8 @@ def precision_sections(cfg: NeoXConfig, d: Derived) -> dict[str, Any]:
     if d.precision == "fp16":
         fp16 = {k: v for k, v in (p.fp16 or {}).items() if k != "fp16"}  # gpt-neox repeats a flag
         fp16["enabled"] = True
-        if p.dynamic_loss_scale and (p.loss_scale or fp16.get("loss_scale")):
-            raise ConfigError(
-                "dynamic_loss_scale=true contradicts a static loss_scale; drop one of them"
-            )
-        if p.dynamic_loss_scale:
+        if p.dynamic_loss_scale:  # derive() has refused it beside a static scale
             fp16.setdefault("loss_scale", 0)
-        elif p.dynamic_loss_scale is False and not (p.loss_scale or fp16.get("loss_scale")):
-            raise ConfigError(
-                "dynamic_loss_scale=false needs a static loss scale; set loss_scale (e.g. 1024) "
-                "or drop dynamic_loss_scale"
-            )
         if p.loss_scale is not None:
             fp16.setdefault("loss_scale", p.loss_scale)
         fp16.setdefault("loss_scale_window", p.loss_scale_window)

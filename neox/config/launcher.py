@@ -1,79 +1,87 @@
 """Launcher settings: where the ranks run and how they are started (DeepSpeed's runner)."""
 
 import re
-from typing import Literal, Optional
+from typing import Annotated, Literal, Optional
 
-from pydantic import model_validator
+from pydantic import Field, field_validator
 
-from neox.config.base import ConfigGroup
+from neox.config.base import MAX_RANKS, ConfigGroup, Reads
 
 
 class LauncherConfig(ConfigGroup):
     """How deepy.py starts the ranks: local processes, or a hostfile over pdsh/ssh, MPI or slurm."""
 
-    hostfile: Optional[str] = None
+    hostfile: Annotated[Optional[str], Reads("neox/launcher/plan.py")] = None
     """Hostfile of `host slots=N` lines; none means one node with all local GPUs (or CPU ranks)."""
 
-    include: Optional[str] = None
+    include: Annotated[Optional[str], Reads("neox/launcher/plan.py")] = None
     """Hosts and slots to use, DeepSpeed syntax: `host1:0,1@host2`."""
 
-    exclude: Optional[str] = None
+    exclude: Annotated[Optional[str], Reads("neox/launcher/plan.py")] = None
     """Hosts and slots to leave out, DeepSpeed syntax: `host1:0@host2`."""
 
-    num_nodes: int = -1
+    num_nodes: Annotated[int, Reads("neox/launcher/plan.py")] = Field(-1, ge=-1, le=MAX_RANKS)
     """Number of nodes to use from the hostfile (-1: all)."""
 
-    num_gpus: Optional[int] = None
+    num_gpus: Annotated[Optional[int], Reads("neox/launcher/plan.py")] = Field(None, ge=1, le=1024)
     """Processes per node: GPUs to use, or CPU ranks on a machine without a GPU (None: all GPUs, 1 CPU rank)."""
 
-    master_addr: Optional[str] = None
+    master_addr: Annotated[Optional[str], Reads("neox/launcher/plan.py")] = None
     """Address of rank 0 (default: the first host of the hostfile, or localhost)."""
 
-    master_port: Optional[int] = None
+    master_port: Annotated[
+        Optional[int], Reads("neox/launcher/plan.py", "neox/training/setup.py")
+    ] = Field(None, ge=1, le=65535)
     """Port of rank 0's rendezvous (None: a free port on one node, 29500 across nodes)."""
 
-    launcher: Literal["pdsh", "openmpi", "mvapich", "slurm"] = "pdsh"
+    launcher: Annotated[
+        Literal["pdsh", "openmpi", "mvapich", "slurm"], Reads("neox/launcher/plan.py")
+    ] = "pdsh"
     """Multi-node launcher handed to DeepSpeed's runner."""
 
-    force_multi: bool = False
+    force_multi: Annotated[bool, Reads("neox/launcher/plan.py")] = False
     """Use the multi-node launcher even for one node."""
 
-    no_ssh_check: bool = False
+    no_ssh_check: Annotated[bool, Reads("neox/launcher/plan.py")] = False
     """Skip DeepSpeed's passwordless-ssh check before a multi-node launch."""
 
-    ssh_port: Optional[int] = None
+    ssh_port: Annotated[Optional[int], Reads("neox/launcher/plan.py")] = Field(None, ge=1, le=65535)
     """sshd port on the nodes, when not 22."""
 
     detect_nvlink_pairs: bool = False
     """No-op (gpt-neox key): an autotuning helper of gpt-neox's launcher."""
 
-    comment: Optional[str] = None
+    comment: Annotated[Optional[str], Reads("neox/launcher/plan.py")] = None
     """Slurm comment (slurm launcher only)."""
 
-    account: Optional[str] = None
+    account: Annotated[Optional[str], Reads("neox/launcher/plan.py")] = None
     """Slurm account (slurm launcher only)."""
 
-    deepspeed_mpi: bool = False
+    deepspeed_mpi: Annotated[bool, Reads("neox/launcher/rank_env.py")] = False
     """Ranks take their rank and world size from MPI's environment (OMPI_COMM_WORLD_*); implied by
     launcher openmpi or mvapich."""
 
-    deepspeed_slurm: bool = False
+    deepspeed_slurm: Annotated[bool, Reads("neox/launcher/rank_env.py")] = False
     """Ranks take their rank and world size from slurm's environment (SLURM_PROCID, ...); implied
     by launcher slurm."""
 
-    export_env: list[str] = []
+    export_env: Annotated[list[str], Reads("neox/launcher/plan.py")] = []
     """Extra environment variable names exported to every node (besides PYTHONPATH, NCCL_*, DS_*...)."""
 
-    @model_validator(mode="after")
-    def _check_counts(self) -> "LauncherConfig":
-        if self.num_gpus is not None and self.num_gpus < 1:
-            raise ValueError(f"num_gpus={self.num_gpus} must be >= 1 (or left unset for all GPUs)")
-        if self.num_nodes == 0 or self.num_nodes < -1:
-            raise ValueError(f"num_nodes={self.num_nodes} must be >= 1, or -1 for every host")
-        bad = [n for n in self.export_env if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", n)]
+    @field_validator("num_nodes")
+    @classmethod
+    def _some_nodes(cls, v: int) -> int:
+        if v == 0:
+            raise ValueError(f"num_nodes={v} must be >= 1, or -1 for every host")
+        return v
+
+    @field_validator("export_env")
+    @classmethod
+    def _variable_names(cls, v: list[str]) -> list[str]:
+        bad = [n for n in v if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", n)]
         if bad:
             raise ValueError(
                 f"export_env names {bad} are not environment variable names (letters, digits "
                 "and '_', not starting with a digit)"
             )
-        return self
+        return v

@@ -13,10 +13,12 @@ import yaml
 from pydantic import ValidationError
 
 from neox.config.errors import ConfigError
-from neox.config.schema import KEY_OWNER, NeoXConfig
+from neox.config.schema import GROUPS, KEY_OWNER, NeoXConfig
 from neox.config.unsupported import RUNTIME_KEYS, is_inert, unsupported_feature
 
 log = logging.getLogger(__name__)
+
+FIELDS = {k: f for cls in GROUPS.values() for k, f in cls.model_fields.items()}
 
 
 class _Loader(yaml.SafeLoader):
@@ -199,21 +201,60 @@ def validate(flat: dict[str, Any], sources: dict[str, str]) -> NeoXConfig:
         raise ConfigError(_explain(e, flat, sources)) from None
 
 
+# pydantic's bound errors, said as the fix: the bound and the range the key allows.
+_BOUNDS = {
+    "greater_than": "must be greater than {gt}",
+    "greater_than_equal": "must be >= {ge}",
+    "less_than": "must be < {lt}",
+    "less_than_equal": "must be <= {le}",
+    "finite_number": "must be a finite number",
+}
+
+
+def _bound_message(err: dict[str, Any], key: str) -> str:
+    """`must be >= 1 (allowed: [1, 4096])`: the bound broken, and the whole range when bounded."""
+    msg = _BOUNDS[err["type"]].format(**err.get("ctx", {}))
+    bounds: dict[str, Any] = {}
+    for mark in FIELDS[key].metadata if key in FIELDS else ():
+        for name in ("ge", "gt", "le", "lt"):
+            if getattr(mark, name, None) is not None:
+                bounds[name] = getattr(mark, name)
+    low = ("[", bounds["ge"]) if "ge" in bounds else ("(", bounds.get("gt"))
+    high = (bounds["le"], "]") if "le" in bounds else (bounds.get("lt"), ")")
+    if low[1] is not None and high[0] is not None:
+        msg += f" (allowed: {low[0]}{_number(low[1])}, {_number(high[0])}{high[1]})"
+    return msg
+
+
+def _number(x: Any) -> str:
+    return str(int(x)) if isinstance(x, float) and x.is_integer() and abs(x) < 1e15 else str(x)
+
+
 def _explain(error: ValidationError, flat: dict[str, Any], sources: dict[str, str]) -> str:
     lines = []
     for err in error.errors():
         loc = [str(p) for p in err["loc"]]
-        key = loc[1] if len(loc) > 1 else loc[0]
+        key = loc[1] if len(loc) > 1 else (loc[0] if loc else "")
         msg = err["msg"].removeprefix("Value error, ")
         if key in flat:
             path = ".".join(loc[1:])
-            lines.append(f"{sources.get(key, 'override')}: {path}={flat[key]!r}: {msg}")
+            where = sources.get(key, "override")
+            if err["type"] in _BOUNDS:
+                value = err["input"] if len(loc) > 2 else flat[key]
+                lines.append(f"{where}: {path}={value!r} {_bound_message(err, key)}")
+            else:
+                lines.append(f"{where}: {path}={flat[key]!r}: {msg}")
         else:
-            # A check across several keys (e.g. hidden_size vs heads): name the files involved.
-            group = loc[0]
+            # A check across several keys (e.g. hidden_size vs heads): name the files involved,
+            # those of the group's keys, or for a check across groups, of the keys it names.
+            group = loc[0] if loc else ""
             involved = sorted(
-                {sources[k] for k in flat if KEY_OWNER.get(k) == group and k in sources}
+                sources[k]
+                for k in flat
+                if k in sources
+                and (KEY_OWNER.get(k) == group if group else re.search(rf"\b{k}\b", msg))
             )
+            involved = sorted(set(involved))
             lines.append(f"{', '.join(involved) or 'defaults'}: {msg}")
     return "\n".join(lines)
 

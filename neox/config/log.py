@@ -1,110 +1,140 @@
 """Logging, metrics and profiling."""
 
-from typing import Optional
+from typing import Annotated, Optional
 
-from pydantic import model_validator
+from pydantic import Field, ValidationInfo, field_validator
 
-from neox.config.base import ConfigGroup, at_least, refuse_unless
+from neox.config.base import MAX_COUNT, ConfigGroup, Reads, Refused
 
 
 class LoggingConfig(ConfigGroup):
     """What the run reports, and where."""
 
-    log_dir: Optional[str] = None
+    log_dir: Annotated[Optional[str], Reads("neox/training/loop.py")] = None
     """Directory for text logs and the merged config of each run."""
 
-    tensorboard_dir: Optional[str] = None
+    tensorboard_dir: Annotated[Optional[str], Reads("neox/training/loop.py")] = None
     """Directory for tensorboard event files (None: no tensorboard)."""
 
-    log_interval: int = 10
+    log_interval: Annotated[int, Reads("neox/training/loop.py")] = Field(10, ge=1, le=MAX_COUNT)
     """Log training metrics every N iterations (>= 1)."""
 
-    steps_per_print: int = 10
+    steps_per_print: Annotated[int, Reads("neox/config/ds_config.py")] = Field(
+        10, ge=1, le=MAX_COUNT
+    )
     """DeepSpeed's own progress print interval."""
 
-    wall_clock_breakdown: bool = False
+    wall_clock_breakdown: Annotated[bool, Reads("neox/config/ds_config.py")] = False
     """DeepSpeed timing of forward/backward/step."""
 
-    log_grad_norm: bool = True
+    log_grad_norm: Annotated[bool, Reads("neox/training/loop.py")] = True
     """Log the global gradient norm (on by default in neox, unlike gpt-neox: it is cheap and the
     first thing to look at when a loss spikes)."""
 
-    log_param_norm: bool = False
+    log_param_norm: Annotated[
+        bool,
+        Refused(
+            feature="log_param_norm is not implemented",
+            example=True,
+            allowed=(False,),
+            message=("{key} is not implemented in neox; set it false (log_grad_norm works)"),
+        ),
+    ] = False
     """Log the global parameter norm (not implemented: must be false)."""
 
-    log_grad_pct_zeros: bool = False
+    log_grad_pct_zeros: Annotated[
+        bool,
+        Refused(
+            feature="log_grad_pct_zeros is not implemented",
+            example=True,
+            allowed=(False,),
+            message=("{key} is not implemented in neox; set it false (log_grad_norm works)"),
+        ),
+    ] = False
     """Log the fraction of zero gradients (not implemented: must be false)."""
 
-    log_optimizer_states: bool = False
+    log_optimizer_states: Annotated[
+        bool,
+        Refused(
+            feature="log_optimizer_states is not implemented",
+            example=True,
+            allowed=(False,),
+            message=("{key} is not implemented in neox; set it false (log_grad_norm works)"),
+        ),
+    ] = False
     """Log optimizer state norms (not implemented: must be false)."""
 
-    git_hash: Optional[str] = None
+    git_hash: Annotated[Optional[str], Reads("deepy.py")] = None
     """Commit of the code; deepy.py fills it in from the git checkout it runs in, so the config
     saved with each run and checkpoint names the code that produced it."""
 
-    memory_profiling: bool = False
+    memory_profiling: Annotated[
+        bool,
+        Refused(
+            feature="CUDA memory snapshots",
+            example=True,
+            allowed=(False,),
+            message=(
+                "CUDA memory snapshots (memory_profiling) are not implemented in neox; set it false"
+            ),
+        ),
+    ] = False
     """Record a CUDA memory snapshot (gpt-neox key; not implemented: must be false)."""
 
     memory_profiling_path: Optional[str] = None
     """No-op: where gpt-neox's memory snapshot goes (memory_profiling is refused)."""
 
-    profile: bool = False
+    profile: Annotated[bool, Reads("neox/training/profiling.py")] = False
     """Run torch.profiler over iterations profile_step_start..profile_step_stop on every rank and
     write a Chrome trace, the top operators and the host-sync count to <log_dir>/profile/."""
 
-    profile_step_start: int = 10
+    profile_step_start: Annotated[int, Reads("neox/training/profiling.py")] = Field(
+        10, ge=1, le=MAX_COUNT
+    )
     """First profiled iteration (1-based, as the log lines count them)."""
 
-    profile_step_stop: int = 12
+    profile_step_stop: Annotated[int, Reads("neox/training/profiling.py")] = Field(
+        12, ge=1, le=MAX_COUNT
+    )
     """Last profiled iteration."""
 
-    peak_theoretical_tflops: Optional[float] = None
+    peak_theoretical_tflops: Annotated[Optional[float], Reads("neox/training/metrics.py")] = Field(
+        None, gt=0, le=1e6
+    )
     """Peak TFLOPS of one device, for the MFU in log lines and metrics.jsonl (default: the
     datasheet dense bf16 peak of H100/H200/A100; on other devices MFU is left out)."""
 
-    use_wandb: bool = False
+    use_wandb: Annotated[bool, Reads("neox/training/loop.py")] = False
     """Log the metrics to Weights & Biases from rank 0 (needs `pip install neox[wandb]`;
     WANDB_MODE=offline keeps the run local)."""
 
-    wandb_project: Optional[str] = None
+    wandb_project: Annotated[Optional[str], Reads("neox/training/progress.py")] = None
     """W&B project (None: `neox`)."""
 
-    wandb_group: Optional[str] = None
+    wandb_group: Annotated[Optional[str], Reads("neox/training/progress.py")] = None
     """W&B group of runs."""
 
-    wandb_team: Optional[str] = None
+    wandb_team: Annotated[Optional[str], Reads("neox/training/progress.py")] = None
     """W&B entity (team or user)."""
 
-    wandb_host: Optional[str] = None
+    wandb_host: Annotated[Optional[str], Reads("neox/training/progress.py")] = None
     """Weights & Biases server URL, for a self-hosted server (None: W&B's own, or
     WANDB_BASE_URL); the run records it, so an offline run syncs there too."""
 
-    wandb_init_all_ranks: bool = False
+    wandb_init_all_ranks: Annotated[bool, Reads("neox/training/loop.py")] = False
     """Start a Weights & Biases run on every rank, not only rank 0; the other ranks' runs hold
     their own system metrics, rank 0's the training metrics."""
 
-    wandb_run_name: Optional[str] = None
+    wandb_run_name: Annotated[Optional[str], Reads("neox/training/progress.py")] = None
     """Weights & Biases run name."""
 
-    _unimplemented_norms = refuse_unless(
-        "log_param_norm",
-        "log_grad_pct_zeros",
-        "log_optimizer_states",
-        allowed=(False,),
-        message="{key} is not implemented in neox; set it false (log_grad_norm works)",
-    )
-    _no_memory_profiling = refuse_unless(
-        "memory_profiling",
-        allowed=(False,),
-        message="CUDA memory snapshots (memory_profiling) are not implemented in neox; set it false",
-    )
-    _interval_positive = at_least("log_interval", least=1)
-
-    @model_validator(mode="after")
-    def _check_profile_steps(self) -> "LoggingConfig":
-        if self.profile and not 1 <= self.profile_step_start <= self.profile_step_stop:
+    @field_validator("wandb_project", "wandb_team")
+    @classmethod
+    def _wandb_name(cls, v: Optional[str], info: ValidationInfo) -> Optional[str]:
+        # W&B refuses these names at wandb.init, on rank 0 after launch.
+        if v is not None and (not v or len(v) > 128 or set(v) & set("/\\#?%:")):
             raise ValueError(
-                f"profile_step_start={self.profile_step_start} and profile_step_stop="
-                f"{self.profile_step_stop} must satisfy 1 <= start <= stop"
+                f"{info.field_name}={v!r} is not a W&B name: 1 to 128 characters, none of "
+                "/ \\ # ? % :"
             )
-        return self
+        return v

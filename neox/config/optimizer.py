@@ -1,10 +1,11 @@
 """Optimizer and learning-rate schedule."""
 
-from typing import Any, Literal, Optional
+import math
+from typing import Annotated, Any, Literal, Optional
 
-from pydantic import field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from neox.config.base import ConfigGroup, refuse_unless
+from neox.config.base import MAX_COUNT, MAX_LR, ConfigGroup, Reads, Refused
 
 OPTIMIZER_TYPES = ("adam", "adamw", "cpu_adam", "cpu_torch_adam", "sgd", "lion")
 
@@ -41,9 +42,32 @@ class OptimizerSpec(ConfigGroup):
 
     @field_validator("params")
     @classmethod
-    def _lr_param(cls, v: dict[str, Any]) -> dict[str, Any]:
-        if float(v.get("lr", 0)) < 0:
-            raise ValueError(f"optimizer.params.lr={v['lr']} is negative; learning rates are >= 0")
+    def _numbers(cls, v: dict[str, Any]) -> dict[str, Any]:
+        # The section is the optimizer's keyword arguments: check the numbers every optimizer
+        # shares here, so a NaN or a sign slip fails before launch rather than on every rank.
+        for name, value in v.items():
+            numbers = value if isinstance(value, (list, tuple)) else [value]
+            for x in numbers:
+                if isinstance(x, bool) or not isinstance(x, (int, float)):
+                    if name in ("lr", "betas", "eps", "weight_decay", "momentum"):
+                        raise ValueError(f"optimizer.params.{name}={value!r} must be numbers")
+                elif not math.isfinite(x):
+                    raise ValueError(f"optimizer.params.{name}={value!r} must be finite")
+        lr = v.get("lr", 0)
+        if lr < 0:
+            raise ValueError(f"optimizer.params.lr={lr} is negative; learning rates are >= 0")
+        if lr > MAX_LR:
+            raise ValueError(f"optimizer.params.lr={lr} exceeds {MAX_LR:g}; it would diverge")
+        betas = v.get("betas", [0.9, 0.999])
+        if not (
+            isinstance(betas, (list, tuple)) and len(betas) == 2 and all(0 <= b < 1 for b in betas)
+        ):
+            raise ValueError(f"optimizer.params.betas={betas!r} must be two numbers in [0, 1)")
+        if v.get("eps", 1) <= 0 or v.get("weight_decay", 0) < 0:
+            raise ValueError(
+                f"optimizer.params eps={v.get('eps')} must be > 0 and weight_decay="
+                f"{v.get('weight_decay')} >= 0"
+            )
         return v
 
     @property
@@ -54,40 +78,59 @@ class OptimizerSpec(ConfigGroup):
 class OptimizerConfig(ConfigGroup):
     """What updates the weights, and how the learning rate moves."""
 
-    optimizer: OptimizerSpec = OptimizerSpec.model_construct()
+    optimizer: Annotated[
+        OptimizerSpec, Reads("neox/config/derived.py", "neox/training/setup.py")
+    ] = OptimizerSpec.model_construct()
     """Optimizer type and parameters (gpt-neox layout). Adam's betas, where params leave them
     out, are torch's (0.9, 0.999), as in gpt-neox."""
 
-    weight_decay: float = 0.01
+    weight_decay: Annotated[float, Reads("neox/training/optim.py")] = Field(0.01, ge=0, le=1)
     """Decoupled weight decay; biases and norm weights are exempt."""
 
-    lr_decay_style: Literal["constant", "linear", "cosine", "exponential"] = "linear"
+    lr_decay_style: Annotated[
+        Literal["constant", "linear", "cosine", "exponential"], Reads("neox/training/setup.py")
+    ] = "linear"
     """Shape of the decay after warmup."""
 
-    lr_decay_iters: Optional[int] = None
+    lr_decay_iters: Annotated[Optional[int], Reads("neox/config/derived.py")] = Field(
+        None, ge=1, le=MAX_COUNT
+    )
     """Iterations over which the learning rate decays (None: train_iters)."""
 
-    lr_decay_fraction: Optional[float] = None
+    lr_decay_fraction: Annotated[Optional[float], Reads("neox/config/derived.py")] = Field(
+        None, gt=0, le=1
+    )
     """Decay over this fraction of train_iters instead of lr_decay_iters."""
 
-    min_lr: float = 0.0
+    min_lr: Annotated[float, Reads("neox/training/setup.py")] = Field(0.0, ge=0, le=MAX_LR)
     """Floor of the decayed learning rate."""
 
-    warmup: float = 0.01
+    warmup: Annotated[float, Reads("neox/config/derived.py")] = Field(0.01, ge=0, le=1)
     """Warmup length as a fraction of the decay iterations."""
 
     override_lr_scheduler: bool = False
     """No-op (gpt-neox key): neox always computes the schedule from the config and the
     iteration, which is what override_lr_scheduler asks for."""
 
-    use_checkpoint_lr_scheduler: bool = False
+    use_checkpoint_lr_scheduler: Annotated[
+        bool,
+        Refused(
+            feature="use_checkpoint_lr_scheduler is not implemented",
+            example=True,
+            allowed=(False,),
+            message=(
+                "use_checkpoint_lr_scheduler is not implemented: neox computes the schedule from "
+                "the config and the iteration; set the schedule keys to the checkpoint's"
+            ),
+        ),
+    ] = False
     """gpt-neox key (take the schedule from the checkpoint): not implemented, must be false."""
 
-    optimizer_type: Optional[str] = None
+    optimizer_type: Annotated[Optional[str], Reads("neox/config/derived.py")] = None
     """gpt-neox's flat spelling of optimizer.type; used when no `optimizer` section is given, and
     an error when it contradicts one."""
 
-    lr: Optional[float] = None
+    lr: Annotated[Optional[float], Reads("neox/config/derived.py")] = Field(None, ge=0, le=MAX_LR)
     """gpt-neox's top-level peak learning rate; overrides optimizer.params.lr."""
 
     @field_validator("min_lr", "lr")
@@ -95,18 +138,4 @@ class OptimizerConfig(ConfigGroup):
     def _lr_not_negative(cls, v: Optional[float], info) -> Optional[float]:
         if v is not None and v < 0:
             raise ValueError(f"{info.field_name}={v} is negative; learning rates are >= 0")
-        return v
-
-    _no_checkpoint_schedule = refuse_unless(
-        "use_checkpoint_lr_scheduler",
-        allowed=(False,),
-        message="use_checkpoint_lr_scheduler is not implemented: neox computes the schedule "
-        "from the config and the iteration; set the schedule keys to the checkpoint's",
-    )
-
-    @field_validator("warmup")
-    @classmethod
-    def _warmup_fraction(cls, v: float) -> float:
-        if not 0.0 <= v <= 1.0:
-            raise ValueError(f"warmup={v} is a fraction of the decay iterations; use 0..1")
         return v

@@ -1,35 +1,54 @@
 """Parallel layout: tensor (model), pipeline and data parallelism."""
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from neox.config.base import ConfigGroup, at_least, refuse_unless
+from pydantic import Field, field_validator
+
+from neox.config.base import MAX_RANKS, ConfigGroup, Reads, Refused
 
 
 class ParallelConfig(ConfigGroup):
     """How the model is split; data parallelism takes the remaining ranks."""
 
-    model_parallel_size: int = 1
+    model_parallel_size: Annotated[int, Reads("neox/config/derived.py")] = Field(
+        1, ge=1, le=MAX_RANKS
+    )
     """Tensor-parallel degree (Megatron-style column/row split of each layer)."""
 
-    pipe_parallel_size: int = 1
+    pipe_parallel_size: Annotated[int, Reads("neox/config/parallel.py")] = Field(
+        1, ge=0, le=MAX_RANKS
+    )
     """Pipeline stages (gpt-neox: 0 and 1 both mean no pipeline)."""
 
-    pipe_partition_method: str = "type:Block"
+    pipe_partition_method: Annotated[str, Reads("neox/training/setup.py")] = "type:Block"
     """How layers are spread over stages: `type:Block`, `parameters` or `uniform` (DeepSpeed)."""
 
-    sequence_parallel: bool = False
+    sequence_parallel: Annotated[
+        bool,
+        Refused(
+            feature="sequence_parallel is not implemented",
+            example=True,
+            allowed=(False,),
+            message=("sequence_parallel is not implemented in neox; set it to false"),
+        ),
+    ] = False
     """Megatron sequence parallelism (not implemented: must stay false)."""
 
-    distributed_backend: Literal["nccl", "gloo", "mpi"] = "nccl"
+    distributed_backend: Annotated[
+        Literal["nccl", "gloo", "mpi"], Reads("neox/training/setup.py")
+    ] = "nccl"
     """torch.distributed backend on GPUs; CPU ranks always use gloo."""
 
-    _tp_positive = at_least("model_parallel_size", least=1)
-    _pp_nonnegative = at_least("pipe_parallel_size", least=0)
-    _no_sequence_parallel = refuse_unless(
-        "sequence_parallel",
-        allowed=(False,),
-        message="sequence_parallel is not implemented in neox; set it to false",
-    )
+    @field_validator("pipe_partition_method")
+    @classmethod
+    def _partition_method(cls, v: str) -> str:
+        # DeepSpeed's PipelineModule would refuse any other value on every rank after launch.
+        if v not in ("parameters", "uniform") and not (v.startswith("type:") and len(v) > 5):
+            raise ValueError(
+                f"pipe_partition_method={v!r} is not a DeepSpeed partition method; use "
+                "type:Block, parameters or uniform"
+            )
+        return v
 
     @property
     def pp(self) -> int:

@@ -2,12 +2,13 @@
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, model_validator
 
 from neox.config.base import ConfigGroup
 from neox.config.checkpoint import CheckpointConfig
 from neox.config.data import DataConfig, TokenizerConfig
 from neox.config.deepspeed import DeepSpeedConfig
+from neox.config.derived import check_config
 from neox.config.evaluation import EvalConfig
 from neox.config.generation import GenerationConfig
 from neox.config.launcher import LauncherConfig
@@ -68,6 +69,11 @@ class NeoXConfig(BaseModel):
     generation: GenerationConfig = GenerationConfig()
     eval: EvalConfig = EvalConfig()
     deepspeed: DeepSpeedConfig = DeepSpeedConfig()
+
+    @model_validator(mode="after")
+    def _across_groups(self) -> "NeoXConfig":
+        check_config(self)
+        return self
 
     @classmethod
     def from_flat(cls, flat: dict[str, Any]) -> "NeoXConfig":

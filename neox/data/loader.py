@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from neox.config.data import parse_split
 from neox.data.blendable import (
     BlendableDataset,
     normalize_weights,
@@ -18,7 +19,6 @@ from neox.data.blendable import (
 from neox.data.gpt_dataset import GPTDataset
 from neox.data.indexed import IndexedDataset
 from neox.data.samplers import PretrainingSampler
-from neox.data.split import parse_split
 
 logger = logging.getLogger(__name__)
 

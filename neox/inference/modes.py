@@ -13,7 +13,6 @@ from typing import Any, Optional
 import torch
 
 from neox.config import ConfigError, NeoXConfig, derive
-from neox.config.derived import model_shape
 from neox.inference.engine import Completion, Generator
 from neox.inference.loading import build_generation_model, generation_dtype
 from neox.inference.sampling import SamplingParams
@@ -45,7 +44,7 @@ class TextGenerator:
         # Data-parallel replicas sample different prompts' continuations from their own streams.
         seed = cfg.training.seed + replica
         self.rng = torch.Generator(device=generator.device).manual_seed(seed)
-        self.max_positions = model_shape(cfg.model).max_positions
+        self.max_positions = cfg.model.shape.max_positions
 
     def rows(self, contexts: list[str]) -> Iterator[dict[str, Any]]:
         """One output row per context, generated batch_size prompts at a time."""

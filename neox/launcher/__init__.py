@@ -8,7 +8,7 @@ from neox.launcher.hostfile import (
     select_resources,
 )
 from neox.launcher.plan import LaunchPlan, build_launch
-from neox.launcher.run import LaunchResult, launch, run_launch
+from neox.launcher.run import LaunchResult, launch
 
 __all__ = [
     "HostfileError",
@@ -19,6 +19,5 @@ __all__ = [
     "launch",
     "parse_hostfile",
     "read_hostfile",
-    "run_launch",
     "select_resources",
 ]

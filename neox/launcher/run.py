@@ -124,11 +124,6 @@ def launch(plan: LaunchPlan, *, grace_s: float = 5.0) -> LaunchResult:
         return LaunchResult(code, stop.signum)
 
 
-def run_launch(plan: LaunchPlan, *, grace_s: float = 5.0) -> int:
-    """Start the plan and wait; returns the launch's exit status (non-zero if any rank failed)."""
-    return launch(plan, grace_s=grace_s).code
-
-
 def _remove_shm_buffers(plan: LaunchPlan) -> None:
     """DeepSpeed's CPU all-reduce leaves a 69 MB buffer per rank in /dev/shm, named by the master
     port, and never removes it: runs on free ports would fill the machine's memory."""

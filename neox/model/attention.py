@@ -9,7 +9,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from neox.config.derived import model_shape
 from neox.config.model import ModelConfig
 from neox.model.norms import build_norm
 from neox.model.positional import alibi_bias, alibi_slopes
@@ -60,7 +59,7 @@ class Attention(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer_type: str = "global") -> None:
         super().__init__()
-        shape = model_shape(cfg)
+        shape = cfg.shape
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = shape.kv_heads
         self.head_dim = hs = shape.head_dim

@@ -8,7 +8,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from neox.config.derived import model_shape
 from neox.config.model import ModelConfig
 from neox.model.block import Block
 from neox.model.init import init_parameter
@@ -26,7 +25,7 @@ class GPTNeoX(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.vocab_size = vocab_size
-        hidden, shape = cfg.hidden_size, model_shape(cfg)
+        hidden, shape = cfg.hidden_size, cfg.shape
         self.embed_in = nn.Embedding(vocab_size, hidden)
         self.embed_pos = None
         if cfg.pos_emb == "learned":

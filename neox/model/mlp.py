@@ -8,7 +8,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from neox.config.derived import model_shape
 from neox.config.model import ModelConfig
 
 
@@ -37,7 +36,7 @@ class MLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        bias, shape = cfg.use_bias_in_mlp, model_shape(cfg)
+        bias, shape = cfg.use_bias_in_mlp, cfg.shape
         h, ffn = cfg.hidden_size, shape.ffn_size
         self.act = _ACTIVATIONS[activation_name(cfg)]
         self.dense_h_to_4h = nn.Linear(h, ffn, bias=bias)

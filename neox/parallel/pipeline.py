@@ -18,7 +18,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from neox.config.derived import model_shape
 from neox.config.model import ModelConfig
 from neox.model.block import Block
 from neox.model.gpt import GPTNeoX
@@ -212,7 +211,7 @@ def to_pipeline(
     else:
         embed = LayerSpec(EmbeddingPipe, *args, device=device)
     specs.append(counted(embed, shell.embed_in, shell.embed_pos))
-    for i, (block, kind) in enumerate(zip(shell.layers, model_shape(cfg).layer_types)):
+    for i, (block, kind) in enumerate(zip(shell.layers, cfg.shape.layer_types)):
         specs.append(
             counted(LayerSpec(PipeBlock, cfg, i, kind, groups, seed, device=device), block)
         )

@@ -4,8 +4,9 @@ Ranks are laid out as DeepSpeed's `PipeModelDataParallelTopology` lays them out,
 (pipe, data, model) row-major, so tensor-parallel peers are adjacent ranks (same node) and
 pipeline stages are furthest apart:  rank = (pipe * dp + data) * tp + model.
 
-`Topology` is plain arithmetic and imports neither torch nor DeepSpeed, so config validation
-can call `Topology.validate` before anything is launched. `ProcessGroups` is the runtime side:
+`Topology` is plain arithmetic and imports neither torch nor DeepSpeed; the rules a layout must
+meet (world divisible by tp x pp, heads and MLP width by tp, layers by pp) are config checks in
+neox/config/derived.py, which `Topology.validate` applies. `ProcessGroups` is the runtime side:
 the torch.distributed groups of one rank, and the `mpu` object DeepSpeed's engine expects.
 """
 
@@ -14,6 +15,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, Optional
+
+from neox.config.derived import check_model_split, data_parallel_size
 
 if TYPE_CHECKING:
     from neox.config.model import ModelConfig
@@ -27,11 +30,6 @@ class Coord(NamedTuple):
     pipe: int
     data: int
     model: int
-
-
-def _divisors(n: int) -> str:
-    ds = [str(d) for d in range(1, n + 1) if n % d == 0]
-    return ", ".join(ds[:-1]) + " or " + ds[-1] if len(ds) > 1 else ds[0]
 
 
 @dataclass(frozen=True)
@@ -54,18 +52,9 @@ class Topology:
 
     @classmethod
     def from_world(cls, world_size: int, tp: int = 1, pp: int = 1) -> Topology:
-        """dp = world_size / (tp * pp); raises when the ranks do not divide evenly."""
-        pp = max(1, pp)  # gpt-neox reads pipe_parallel_size=0 as "no pipeline"
-        if tp < 1:
-            raise ValueError(f"model_parallel_size={tp} must be >= 1")
-        if world_size < 1 or world_size % (tp * pp):
-            raise ValueError(
-                f"world size {world_size} is not divisible by model_parallel_size={tp} x "
-                f"pipe_parallel_size={pp} = {tp * pp}; use a world size that is a multiple of "
-                f"{tp * pp}, or choose model_parallel_size x pipe_parallel_size among the divisors "
-                f"of {world_size} ({_divisors(world_size)})"
-            )
-        return cls(tp=tp, pp=pp, dp=world_size // (tp * pp))
+        """dp = world_size / (tp * pp); raises (ConfigError, a ValueError) when the ranks do not
+        divide evenly (the rule lives with the config's other cross-field checks)."""
+        return cls(tp=tp, pp=max(1, pp), dp=data_parallel_size(world_size, tp, pp))
 
     @classmethod
     def validate(
@@ -87,36 +76,7 @@ class Topology:
 
     def check_model(self, model: ModelConfig, source: str = "") -> None:
         """Raise ValueError, naming the key and the fix, when the model cannot be split this way."""
-        from neox.config.derived import model_shape  # neox.config.derived imports this module
-
-        shape = model_shape(model)
-        where = f" ({source})" if source else ""
-        tp, pp = self.tp, self.pp
-        heads = model.num_attention_heads
-        if heads % tp:
-            raise ValueError(
-                f"num_attention_heads={heads} is not divisible by model_parallel_size={tp}{where}; "
-                f"use model_parallel_size {_divisors(heads)}"
-            )
-        kv = shape.kv_heads
-        if kv % tp:
-            raise ValueError(
-                f"num_kv_heads={kv} is not divisible by model_parallel_size={tp}{where}; each "
-                f"tensor-parallel rank needs whole key/value heads: use model_parallel_size "
-                f"{_divisors(kv)}, or raise num_kv_heads"
-            )
-        ffn = shape.ffn_size
-        if ffn % tp:
-            raise ValueError(
-                f"the MLP width {ffn} (intermediate_size/expansion_factor) is not divisible by "
-                f"model_parallel_size={tp}{where}; use model_parallel_size {_divisors(ffn)} or "
-                f"set mlp_multiple_of to a multiple of {tp}"
-            )
-        if model.num_layers < pp:
-            raise ValueError(
-                f"num_layers={model.num_layers} is smaller than pipe_parallel_size={pp}{where}; "
-                f"every stage needs a block: use pipe_parallel_size <= {model.num_layers}"
-            )
+        check_model_split(model, self.tp, self.pp, source)
 
     # ---- rank arithmetic (same layout as DeepSpeed's PipeModelDataParallelTopology) ----
 

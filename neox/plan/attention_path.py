@@ -10,7 +10,6 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Optional
 
-from neox.config.derived import model_shape
 from neox.config.model import ModelConfig
 
 # What each attention_impl value runs, in words.
@@ -67,7 +66,7 @@ def layer_window(cfg: ModelConfig, layer_type: str) -> Optional[int]:
     When attention_config names `local` layers, only those are windowed; otherwise
     sliding_window_width applies to every layer (Mistral-style).
     """
-    if "local" in model_shape(cfg).layer_types:
+    if "local" in cfg.shape.layer_types:
         if layer_type != "local":
             return None
         if cfg.sliding_window_width is None:
@@ -82,7 +81,7 @@ def describe_attention_paths(cfg: ModelConfig, cpu_ranks: bool = False) -> list[
     """One line per layer type, in order of first appearance: count, kernel on GPU ranks, why,
     what else the layer adds (window, ALiBi), and the CPU kernel if `cpu_ranks` and it differs."""
     lines = []
-    for layer_type, count in Counter(model_shape(cfg).layer_types).items():
+    for layer_type, count in Counter(cfg.shape.layer_types).items():
         path = select_attention_path(cfg, layer_type, "cuda")
         extras = []
         window = layer_window(cfg, layer_type)

@@ -8,7 +8,6 @@ persistent (unpartitioned) small tensors.
 
 from __future__ import annotations
 
-from neox.config.derived import model_shape
 from neox.config.model import ModelConfig
 
 
@@ -33,7 +32,7 @@ def block_tensor_sizes(cfg: ModelConfig, tp: int = 1) -> list[int]:
     Column-parallel layers (qkv, MLP up/gate) split weight and bias; row-parallel ones (attention
     dense, MLP down) split the weight and keep the bias whole; norms are replicated.
     """
-    shape = model_shape(cfg)
+    shape = cfg.shape
     h, hs = cfg.hidden_size, shape.head_dim
     qkv_out = (cfg.num_attention_heads + 2 * shape.kv_heads) * hs // tp
     attn_in = cfg.num_attention_heads * hs // tp
@@ -46,7 +45,7 @@ def block_tensor_sizes(cfg: ModelConfig, tp: int = 1) -> list[int]:
 def block_vector_sizes(cfg: ModelConfig, tp: int = 1) -> list[int]:
     """Elements of each bias and norm gain (the 1-D tensors) of one block on one tensor-parallel
     rank; neox's optimizer puts them in the group without weight decay."""
-    shape = model_shape(cfg)
+    shape = cfg.shape
     h, hs = cfg.hidden_size, shape.head_dim
     qkv_out = (cfg.num_attention_heads + 2 * shape.kv_heads) * hs // tp
     ffn = shape.ffn_size // tp
@@ -92,7 +91,7 @@ def stage_tensor_sizes(
     if first:
         sizes.append(vocab_size // tp * h)
         if cfg.pos_emb == "learned":
-            sizes.append(model_shape(cfg).position_rows * h)
+            sizes.append(cfg.shape.position_rows * h)
     sizes += block_tensor_sizes(cfg, tp) * blocks_per_stage(cfg.num_layers, pp)[stage]
     if last:
         sizes += _norm_tensors(cfg, h)
@@ -114,7 +113,7 @@ def embedding_parameters(cfg: ModelConfig, vocab_size: int) -> int:
     h = cfg.hidden_size
     total = vocab_size * h * (2 if cfg.no_weight_tying else 1)
     if cfg.pos_emb == "learned":
-        total += model_shape(cfg).position_rows * h
+        total += cfg.shape.position_rows * h
     return total
 
 

@@ -48,7 +48,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Optional
 
-from neox.config.derived import Derived, model_shape
+from neox.config.derived import Derived
 from neox.config.ds_config import zero_section
 from neox.config.model import ModelConfig
 from neox.config.schema import NeoXConfig
@@ -229,7 +229,7 @@ def block_activation_bytes(
     over tp), then per tp shard the attention's q, k, v, output and the dense layer's input, and
     the MLP's inner activations; plus whole-sequence terms for materialised scores and masks.
     """
-    shape = model_shape(cfg)
+    shape = cfg.shape
     h, hs = cfg.hidden_size, shape.head_dim
     nh, nkv = cfg.num_attention_heads // tp, shape.kv_heads // tp
     hq, hkv, ffn = nh * hs, nkv * hs, shape.ffn_size // tp
@@ -300,7 +300,7 @@ def activation_bytes(cfg: ModelConfig, shape: TrainingShape, stage: int = 0) -> 
     s, b, tp, pp = cfg.seq_length, shape.micro_batch, shape.tp, shape.pp
     counts = blocks_per_stage(cfg.num_layers, pp)
     first = sum(counts[:stage])
-    types = model_shape(cfg).layer_types[first : first + counts[stage]]
+    types = cfg.shape.layer_types[first : first + counts[stage]]
     per_block = [block_activation_bytes(cfg, t, s, b, k, tp) for t in types]
     if shape.checkpoint_activations:
         # Only each chunk's input survives forward; backward recomputes one chunk at a time.

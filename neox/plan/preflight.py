@@ -231,16 +231,6 @@ def check_generation(loaded: LoadedConfig) -> None:
         raise ConfigError("\n".join(problems))
 
 
-def describe_resume(loaded: LoadedConfig) -> str:
-    c = loaded.config.checkpoint
-    if c.load is None:
-        return "no `load` directory: training starts from scratch"
-    if has_checkpoint(c.load):
-        tag = (Path(c.load) / "latest").read_text().strip()
-        return f"resuming from {c.load} (checkpoint {tag})"
-    return f"load={c.load} holds no checkpoint yet: training starts from scratch"
-
-
 # Entry scripts that read training data.
 NEEDS_DATA = {"train.py"}
 # Entry scripts that read a trained checkpoint, with the check of what each one reads.

@@ -8,7 +8,6 @@ from neox.config.derived import (
     ModelShape,
     batch_triple,
     consumed_samples,
-    model_shape,
     precision_of,
 )
 
@@ -169,7 +168,7 @@ def test_model_shape_as_gpt_neox_derives_it():
                      "opt_pos_emb_offset": 2, "num_layers": 4,
                      "attention_config": [[["global", "local"], "all"]],
                      "sliding_window_width": 16})  # fmt: skip
-    shape = model_shape(gqa.model)
+    shape = gqa.model.shape
     # Gated: 2/3 of 4 x 96 = 256 per two branches -> 128, already a multiple of 32.
     assert shape == ModelShape(
         head_dim=16,
@@ -182,7 +181,7 @@ def test_model_shape_as_gpt_neox_derives_it():
         layer_types=("global", "local") * 2,
     )
     assert derive(gqa, 1).model == shape  # a run's Derived carries the same shape
-    plain = model_shape(load_dict({"hidden_size": 64, "expansion_factor": 2.5}).model)
+    plain = load_dict({"hidden_size": 64, "expansion_factor": 2.5}).model.shape
     assert (plain.ffn_size, plain.kv_heads, plain.max_positions) == (160, 4, 128)
 
 
@@ -208,7 +207,7 @@ RECOMPUTED = {
 
 @pytest.mark.parametrize("value", list(RECOMPUTED))
 def test_derived_values_are_computed_only_in_derived(value):
-    """Model, loop, optimizer, tools and benchmarks read Derived or model_shape; a second copy
+    """Model, loop, optimizer, tools and benchmarks read Derived or ModelConfig.shape; a second copy
     of a formula drifts (memory.py once took optimizer.type's Adam default over sgd)."""
     pattern = re.compile(RECOMPUTED[value])
     files = [*ROOT.glob("neox/**/*.py"), *ROOT.glob("*.py"), *ROOT.glob("tools/*.py")]
@@ -222,3 +221,27 @@ def test_derived_values_are_computed_only_in_derived(value):
     ]
     assert not hits, f"{value} is worked out again at {hits}; use neox.config.derived instead"
     assert not hasattr(ModelConfig, value), f"ModelConfig.{value}: derived values live apart"
+
+
+def test_the_model_shape_is_computed_once_and_carried():
+    """Only check_model (ModelConfig's validation) calls model_shape; every other module reads
+    `.shape`, which follows the config through assignment and validated copies."""
+    pattern = re.compile(r"\bmodel_shape\(")
+    files = [*ROOT.glob("neox/**/*.py"), *ROOT.glob("*.py"), *ROOT.glob("tools/*.py")]
+    files += [*ROOT.glob("benchmarks/*.py"), *ROOT.glob("tests/**/*.py")]
+    callers = sorted(
+        str(path.relative_to(ROOT))
+        for path in files
+        if path.name != "test_derived.py" and pattern.search(path.read_text())
+    )
+    assert callers == ["neox/config/derived.py"], callers
+    derived = (ROOT / "neox/config/derived.py").read_text()
+    assert len(pattern.findall(derived)) == 2, "model_shape: its definition and check_model's call"
+    m = load_dict({"hidden_size": 64, "num_attention_heads": 4}).model
+    assert m.shape.head_dim == 16
+    m.num_attention_heads = 8
+    assert m.shape.head_dim == 8
+    longer = m.model_copy(update={"seq_length": 256, "max_position_embeddings": 512})
+    assert (longer.shape.max_positions, m.shape.max_positions) == (512, 128)
+    with pytest.raises(ValueError, match="not divisible"):
+        m.model_copy(update={"num_attention_heads": 5})

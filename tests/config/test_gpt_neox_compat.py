@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 
 from neox.config import ConfigError, derive, load_config, load_dict
-from neox.config.derived import model_shape
 from neox.config.ds_config import build_ds_config
 from neox.config.unsupported import FEATURE_OFF_DEFAULTS
 
@@ -98,7 +97,7 @@ def test_feature_keys_off_their_default_are_refused_by_feature(key, value, featu
 
 def test_attention_config_all_repeats_over_every_layer():
     cfg = load_dict({"num_layers": 4, "attention_config": [[["global", "local"], "all"]]})
-    assert model_shape(cfg.model).layer_types == ("global", "local") * 2
+    assert cfg.model.shape.layer_types == ("global", "local") * 2
 
 
 def test_values_gpt_neox_refuses_are_refused():

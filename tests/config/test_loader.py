@@ -3,7 +3,6 @@ import json
 import pytest
 
 from neox.config import ConfigError, load_config, load_dict
-from neox.config.derived import model_shape
 
 GPT_NEOX_STYLE = """
 # a gpt-neox config: a YAML flow mapping with comments, trailing commas and True/False
@@ -37,7 +36,7 @@ def test_gpt_neox_flow_mapping_parses(tmp_path):
     cfg = load_config([write(tmp_path, "a.yml", GPT_NEOX_STYLE)]).config
     assert cfg.model.num_layers == 4
     assert cfg.model.gpt_j_residual is True
-    assert model_shape(cfg.model).layer_types == ("flash",) * 4
+    assert cfg.model.shape.layer_types == ("flash",) * 4
     # `6e-4` is YAML 1.1's string form; it must reach DeepSpeed/torch as a float.
     assert cfg.optimizer.optimizer.params["lr"] == pytest.approx(6e-4)
     assert isinstance(cfg.optimizer.optimizer.params["eps"], float)
@@ -99,11 +98,11 @@ def test_cross_field_error_names_the_fix(tmp_path):
     "flat, message",
     [
         ({"seq_length": 4096, "max_position_embeddings": 2048}, "exceeds max_position_embeddings"),
-        ({"rotary_pct": 1.5}, r"rotary_pct=1.5 must be in \(0, 1\]"),
+        ({"rotary_pct": 1.5}, r"rotary_pct=1.5 must be <= 1.0 \(allowed: \(0, 1\]\)"),
         ({"num_attention_heads": 4, "num_kv_heads": 3}, "not divisible by num_kv_heads=3"),
         ({"split": "a,b"}, "split .a,b. must be up to three comma-separated numbers"),
         ({"train_data_paths": ["a"], "train_data_weights": [1.0, 2.0]}, "one weight per path"),
-        ({"hidden_dropout": 1.5}, "dropout must be in"),
+        ({"hidden_dropout": 1.5}, r"hidden_dropout=1.5 must be < 1.0 \(allowed: \[0, 1\)\)"),
         ({"launcher": "ssh"}, "launcher"),
     ],
 )

@@ -42,7 +42,7 @@ FAULTS = [
         "micro_batch_zero",
         "train_micro_batch_size_per_gpu: 0 is refused (gpt-neox refuses it), not turned into 1",
         {"bad.yml": "train_micro_batch_size_per_gpu: 0\n"},
-        "train_micro_batch_size_per_gpu=0: Input should be greater than 0",
+        "train_micro_batch_size_per_gpu=0 must be greater than 0 (allowed: (0, 16777216])",
         dry_run=True,
     ),
     Fault(

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from neox.config.launcher import LauncherConfig
-from neox.launcher import build_launch, run_launch
+from neox.launcher import build_launch, launch
 from neox.launcher.reap import tagged_pids
 from tests.launcher.conftest import free_port
 
@@ -28,7 +28,7 @@ def test_two_local_cpu_ranks_all_reduce_and_get_the_config(tmp_path):
     cfg = LauncherConfig(num_gpus=2, master_port=free_port())
     args = ["--out", str(tmp_path), "--neox_config", encoded, "--echo", TRICKY]
     plan = build_launch(cfg, PROBE, args, cpu=True)
-    assert run_launch(plan) == 0
+    assert launch(plan).code == 0
     ranks = results(tmp_path)
     assert set(ranks) == {0, 1}
     for rank, r in ranks.items():
@@ -43,7 +43,7 @@ def test_local_rank_death_ends_the_launch(tmp_path):
     cfg = LauncherConfig(num_gpus=2, master_port=free_port())
     plan = build_launch(cfg, PROBE, ["--out", str(tmp_path), "--die_rank", "1"], cpu=True)
     start = time.monotonic()
-    code = run_launch(plan)
+    code = launch(plan).code
     assert code != 0 and time.monotonic() - start < 30
     assert tagged_pids(plan.launch_id) == []  # the sleeping rank 0 is gone too
 
@@ -72,7 +72,7 @@ def test_two_nodes_over_pdsh_all_reduce(two_nodes, tmp_path, monkeypatch):
     out = tmp_path / "out"
     plan = build_launch(two_nodes, PROBE, ["--out", str(out), "--echo", TRICKY], cpu=True)
     assert plan.launcher == "pdsh" and plan.world_size == 3
-    assert run_launch(plan) == 0
+    assert launch(plan).code == 0
     ranks = results(out)
     assert set(ranks) == {0, 1, 2}
     assert [ranks[r]["node_rank"] for r in (0, 1, 2)] == [0, 1, 1]
@@ -87,6 +87,6 @@ def test_rank_death_on_one_node_stops_the_other_node(two_nodes, tmp_path):
     # Rank 2 (node 1) fails; rank 0 (node 0) sleeps and would hold pdsh open for ever.
     plan = build_launch(two_nodes, PROBE, ["--out", str(tmp_path), "--die_rank", "2"], cpu=True)
     start = time.monotonic()
-    code = run_launch(plan, grace_s=2)
+    code = launch(plan, grace_s=2).code
     assert code != 0 and time.monotonic() - start < 30
     assert tagged_pids(plan.launch_id) == []

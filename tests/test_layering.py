@@ -1,0 +1,166 @@
+"""The packages of neox form layers: a module imports only its own layer or lower ones, and no
+modules import each other in a circle (a lazy import inside a function counts: it is the same
+dependency, only later). Imports under `if TYPE_CHECKING:` are annotations and do not count.
+
+Layers, lowest first:
+
+    config             schema, loader, derived values; torch-free, imports nothing else of neox
+    data tokenizer kernels   readers and kernels the runtime and the planner share
+    prep               offline preparation (preprocess, tokenizer training)
+    plan               torch-free planning (attention path, engine choice, estimate, memory,
+                       preflight): reads the config, opens data/tokenizer files to check them
+    model              the plain GPT-NeoX (torch); reads the plan's attention path
+    parallel           tensor/pipeline parallelism applied to the model from outside
+    checkpoint         save/load, relayout, HF conversion
+    launcher           deepy.py's side: hostfiles, the runner, rank bookkeeping
+    training           the loop and its engines
+    inference          generation and evaluation (reuses training's setup)
+    entry cli          the scripts' shared entry points
+
+`plan` sits below `model` because it must import without torch: it may never read the model,
+while the model may read the plan's decisions.
+"""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+LAYERS = [
+    {"config"},
+    {"data", "tokenizer", "kernels"},
+    {"prep"},
+    {"plan"},
+    {"model"},
+    {"parallel"},
+    {"checkpoint"},
+    {"launcher"},
+    {"training"},
+    {"inference"},
+    {"entry", "cli", ""},
+]
+LAYER = {package: i for i, packages in enumerate(LAYERS) for package in packages}
+TORCH_FREE = ("config", "plan")
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for path in (ROOT / "neox").rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+def _is_type_checking(node: ast.AST) -> bool:
+    return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+
+
+def imports_of(path: Path, known: dict[str, Path]) -> set[str]:
+    """neox modules `path` imports, at module level or inside functions."""
+
+    def resolve(name: str) -> str:
+        while name not in known:
+            name = name.rpartition(".")[0]
+        return name
+
+    found: set[str] = set()
+
+    def visit(nodes: list[ast.stmt]) -> None:
+        for node in nodes:
+            if _is_type_checking(node):
+                continue
+            if isinstance(node, ast.Import):
+                found.update(resolve(a.name) for a in node.names if a.name.startswith("neox."))
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("neox"):
+                for a in node.names:
+                    full = f"{node.module}.{a.name}"
+                    found.add(full if full in known else resolve(node.module))
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, ast.stmt):
+                    visit([child])
+
+    visit(ast.parse(path.read_text()).body)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    known = modules()
+    return {name: imports_of(path, known) - {name} for name, path in known.items()}
+
+
+def package(module: str) -> str:
+    return module.split(".")[1] if "." in module else ""
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected groups of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                out.append(sorted(group))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_every_package_has_a_layer():
+    missing = {package(m) for m in modules()} - set(LAYER)
+    assert not missing, f"packages with no layer in tests/test_layering.py: {missing}"
+
+
+def test_no_import_cycles():
+    found = cycles(import_graph())
+    assert not found, f"modules that import each other in a circle: {found}"
+
+
+def test_no_upward_imports():
+    upward = sorted(
+        f"{m} imports {t}"
+        for m, targets in import_graph().items()
+        for t in targets
+        if LAYER[package(t)] > LAYER[package(m)]
+    )
+    assert not upward, "imports against the layer order (tests/test_layering.py):\n" + "\n".join(
+        upward
+    )
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_config_and_plan_import_without_torch():
+    names = sorted(m for m in modules() if package(m) in TORCH_FREE)
+    code = (
+        f"import importlib, sys\nfor name in {names!r}:\n    importlib.import_module(name)\n"
+        "heavy = sorted(m for m in ('torch', 'deepspeed', 'numpy') if m in sys.modules)\n"
+        "assert not heavy, heavy"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0, r.stderr
