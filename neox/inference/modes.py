@@ -49,7 +49,8 @@ class TextGenerator:
 
     def rows(self, contexts: list[str]) -> Iterator[dict[str, Any]]:
         """One output row per context, generated batch_size prompts at a time."""
-        for start in range(0, len(contexts), self.batch_size):
+        batches = -(-len(contexts) // self.batch_size)
+        for index, start in enumerate(range(0, len(contexts), self.batch_size), 1):
             batch = contexts[start : start + self.batch_size]
             t0 = time.perf_counter()
             prompts = [self._encode(text) for text in batch]
@@ -57,9 +58,29 @@ class TextGenerator:
             done = self.generator.generate(
                 prompts, new, self.params, self.rng, self.cfg.generation.return_logits
             )
-            seconds = time.perf_counter() - t0
+            speed = self._speed(done, time.perf_counter() - t0)
+            log.info(
+                "batch %d/%d: %d prompts, %d new tokens in %.3f s (%.1f tokens/s), prefill %.1f ms",
+                index,
+                batches,
+                len(batch),
+                sum(len(c.tokens) for c in done),
+                speed["duration_seconds"],
+                speed["tokens_per_second"],
+                speed["prefill_seconds"] * 1e3,
+            )
             for text, completion in zip(batch, done):
-                yield self._row(text, completion, seconds)
+                yield self._row(text, completion, speed)
+
+    def _speed(self, done: list[Completion], seconds: float) -> dict[str, float]:
+        """The batch's timing fields of each row: wall clock of the batch (tokenising included),
+        its prompts' forward pass, and its generated tokens (all rows) per second."""
+        stats = self.generator.last_stats
+        return {
+            "duration_seconds": seconds,
+            "prefill_seconds": stats.prefill_seconds if stats is not None else 0.0,
+            "tokens_per_second": sum(len(c.tokens) for c in done) / max(seconds, 1e-9),
+        }
 
     def _encode(self, text: str) -> list[int]:
         # No context: generation starts from a document boundary (gpt-neox's unconditional).
@@ -84,14 +105,14 @@ class TextGenerator:
             )
         return min(new, room)
 
-    def _row(self, context: str, c: Completion, seconds: float) -> dict[str, Any]:
+    def _row(self, context: str, c: Completion, speed: dict[str, float]) -> dict[str, Any]:
         row = {
             "context": context,
             "text": self.tokenizer.decode(c.tokens),
             "length": len(c.tokens),
             "finished": c.finished,
             "tokens": c.tokens,
-            "duration_seconds": seconds,
+            **speed,
         }
         if c.logits is not None:
             row["logits"] = c.logits
