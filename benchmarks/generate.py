@@ -3,7 +3,9 @@
 For each model shape, random weights are saved as a neox checkpoint; generate.py runs on it in
 input-file mode through deepy.py (one launch per batch size), and its own per-batch speed
 (`tokens_per_second` in the rows it writes) is read back: the first batch is a warm-up (CUDA
-graph capture), the median of the others is reported. transformers' `generate` decodes the same
+graph capture), the median of the others is reported. On a GPU it runs a second time with
+`torch_compile: true` (the decode step compiled, then captured; --no-neox-compile skips it).
+transformers' `generate` decodes the same
 prompts with the same weights (exported through hf_map), with its default dynamic cache and with
 its static cache under torch.compile. The weight-bandwidth roofline is the batch times the
 device's copy bandwidth (a large device-to-device copy, measured here) over the bytes of weights
@@ -14,7 +16,8 @@ embedding keeps the Pythia shape's 50304 rows; the output rows of the end-of-doc
 the ids past the tokenizer are zero, so their logit (0) never wins greedily against hundreds of
 random ones: every row runs its whole budget on both sides, and both pick among the same ids.
 
-    python benchmarks/generate.py --models 410M --batch-sizes 1 16        # one H100: < 4 min
+    python benchmarks/generate.py --models 410M --batch-sizes 1          # one GPU
+    python benchmarks/generate.py --models 1-4B --batch-sizes 16 --no-hf-compile
     python benchmarks/generate.py --tiny --device cpu --new-tokens 8       # a smoke run
 """
 
@@ -66,6 +69,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default=None,
         help="also time transformers with its static cache + torch.compile (default: on GPU)",
     )
+    p.add_argument(
+        "--neox-compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also run generate.py with torch_compile: true, the compiled decode step (default: "
+        "on GPU)",
+    )
     p.add_argument("--workdir", help="where checkpoints and rows go (default: a temporary dir)")
     args = p.parse_args(argv)
     if args.repeats < 1:
@@ -74,6 +84,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         args.dtype = "fp32"  # generate.py computes in fp32 on CPU
     if args.hf_compile is None:
         args.hf_compile = args.device == "cuda"
+    if args.neox_compile is None:
+        args.neox_compile = args.device == "cuda"
     return args
 
 
@@ -128,16 +140,23 @@ def prompts_for(args: argparse.Namespace, batch: int) -> list[str]:
 
 
 def run_neox(
-    args: argparse.Namespace, configs: list[Path], workdir: Path, batch: int, prompts: list[str]
+    args: argparse.Namespace,
+    configs: list[Path],
+    workdir: Path,
+    batch: int,
+    prompts: list[str],
+    compiled: bool = False,
 ) -> tuple[list[dict], float]:
     """generate.py through deepy.py on the prompts: (its rows, seconds the launch took)."""
     (workdir / f"prompts{batch}.txt").write_text("\n".join(prompts) + "\n")
+    name = f"{batch}{'_compiled' if compiled else ''}"
     keys = {
         "train_micro_batch_size_per_gpu": batch,
         "sample_input_file": str(workdir / f"prompts{batch}.txt"),
-        "sample_output_file": str(workdir / f"rows{batch}.jsonl"),
+        "sample_output_file": str(workdir / f"rows{name}.jsonl"),
+        **({"torch_compile": True} if compiled else {}),
     }
-    batch_cfg = workdir / f"batch{batch}.yml"
+    batch_cfg = workdir / f"batch{name}.yml"
     batch_cfg.write_text(yaml.safe_dump(keys))
     env = dict(
         os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
@@ -261,11 +280,11 @@ def main(argv: list[str]) -> int:
     hf_cols = "| transformers tok/s | neox / transformers |"
     if args.hf_compile:
         hf_cols += " transformers static+compile tok/s | neox / static+compile |"
-    print(
-        "| model | batch | neox tok/s | prefill ms | % of roofline | launch s "
-        f"{hf_cols} same tokens |"
-    )
-    print("| --- |" + " ---: |" * (8 + 2 * args.hf_compile))
+    neox_cols = "| neox tok/s | prefill ms | % of roofline |"
+    if args.neox_compile:
+        neox_cols += " neox compiled tok/s | compiled % of roofline | compiled rows = neox rows |"
+    print(f"| model | batch {neox_cols} launch s {hf_cols} same tokens |")
+    print("| --- |" + " ---: |" * (8 + 3 * args.neox_compile + 2 * args.hf_compile))
     with tempfile.TemporaryDirectory() as tmp:
         for model_name in args.models:
             workdir = Path(args.workdir or tmp) / model_name
@@ -287,10 +306,13 @@ def bench_model(args: argparse.Namespace, model_name: str, workdir: Path, bandwi
     for batch in args.batch_sizes:
         prompts = prompts_for(args, batch)
         rows, seconds = run_neox(args, [base, override], workdir, batch, prompts)
-        launches.append((batch, prompts, rows, seconds))
+        compiled = None
+        if args.neox_compile:
+            compiled = run_neox(args, [base, override], workdir, batch, prompts, compiled=True)[0]
+        launches.append((batch, prompts, rows, seconds, compiled))
     hf = hf_model(model, device, dtype)
     del model
-    for batch, prompts, rows, seconds in launches:
+    for batch, prompts, rows, seconds, compiled in launches:
         rate, prefill = batch_speed(rows, batch)
         ids = torch.tensor([list(p.encode()) for p in prompts[:batch]], device=device)
         t_hf, tok_hf = timed(lambda: hf_greedy(hf, ids, n, False), device, args.repeats, 1)  # noqa: B023
@@ -302,6 +324,16 @@ def bench_model(args: argparse.Namespace, model_name: str, workdir: Path, bandwi
             f"{rate:,.0f}",
             f"{prefill * 1e3:,.1f}",
             f"{100 * rate / (batch * roofline):.0f}%",
+        ]
+        if compiled is not None:
+            c_rate, _ = batch_speed(compiled, batch)
+            c_same = sum(a["tokens"] == b["tokens"] for a, b in zip(compiled, rows)) / len(rows)
+            cells += [
+                f"{c_rate:,.0f}",
+                f"{100 * c_rate / (batch * roofline):.0f}%",
+                f"{c_same:.0%}",
+            ]
+        cells += [
             f"{seconds:.0f}",
             f"{batch * n / t_hf:,.0f}",
             f"{rate * t_hf / (batch * n):.2f}x",

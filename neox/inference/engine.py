@@ -11,8 +11,10 @@ per batch shape and reused by later batches of the same shape.
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -22,6 +24,9 @@ from torch import nn
 from neox.inference.cache import KVCache
 from neox.inference.graphed import CapturedStep
 from neox.inference.sampling import SamplingParams, sample
+from neox.model.rotary import RotaryEmbedding
+
+log = logging.getLogger(__name__)
 
 STOP_CHECK_EVERY = 16
 """Tokens between reads of "every row has ended": one host sync each; up to this many - 1
@@ -136,6 +141,9 @@ class Generator:
         cuda_graphs: replay each cached decode step as one CUDA graph (GPU, no tensor
             parallelism: its collectives stay outside graphs).
         stop_check_every: tokens between host reads of "every row has ended" (1: every token).
+        compile_step: run each block of a cached decode step through torch.compile (inductor):
+            fused kernels, fewer per step; each new batch shape compiles once (seconds). The
+            prefill and the recompute path stay eager.
     """
 
     def __init__(
@@ -147,6 +155,7 @@ class Generator:
         gather_logits: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
         cuda_graphs: bool = True,
         stop_check_every: int = STOP_CHECK_EVERY,
+        compile_step: bool = False,
     ) -> None:
         self.model = model
         self.vocab_size = vocab_size
@@ -168,6 +177,15 @@ class Generator:
         self.last_stats: Optional[DecodeStats] = None
         """Timing of the last generate call."""
         self._session: Optional[_Session] = None
+        self._compiled = None
+        if compile_step and use_cache:
+            # One wrapper per block, swapped in for decode steps only (_compiled_blocks): the
+            # prefill, a new length each batch, would recompile. One compilation serves all
+            # blocks (the same code).
+            self._compiled = [torch.compile(block.forward) for block in model.layers]
+            for module in model.modules():
+                if isinstance(module, RotaryEmbedding):
+                    module.prepare(self.device)  # compiled steps read the table, not rebuild it
 
     @torch.no_grad()
     def generate(
@@ -275,10 +293,30 @@ class Generator:
         state.valid.index_fill_(1, state.slot, True)
         mask = state.valid[:, None, None, :]  # (B, 1, 1, S): the slots a query may see
         tok = state.tok[:, None]
-        logits = self.model(tok, state.pos, mask, kv_cache=cache.at(state.slot))[:, -1]
+        with self._compiled_blocks():
+            logits = self.model(tok, state.pos, mask, kv_cache=cache.at(state.slot))[:, -1]
         state.pos.add_(1)
         state.slot.add_(1)
         return logits
+
+    @contextmanager
+    def _compiled_blocks(self) -> Iterator[None]:
+        """The model's blocks forward through their compiled wrappers (compile_step) inside."""
+        if self._compiled is None:
+            yield
+            return
+        blocks = list(self.model.layers)
+        saved = [block.__dict__.get("forward") for block in blocks]
+        for block, compiled in zip(blocks, self._compiled):
+            block.forward = compiled
+        try:
+            yield
+        finally:
+            for block, forward in zip(blocks, saved):
+                if forward is None:
+                    del block.forward
+                else:
+                    block.forward = forward
 
     def _session_for(self, batch: int, length: int, greedy: bool) -> _Session:
         """The cache and buffers for `batch` rows of `length` slots (rounded up to the bucket),
@@ -300,7 +338,16 @@ class Generator:
                 self._choose(state, logits, SamplingParams(), None)
                 return None
 
-            captured = CapturedStep(step, state.scratch, self.device)
+            try:
+                captured = CapturedStep(step, state.scratch, self.device)
+            except Exception as e:  # noqa: BLE001 (compilation is an optimisation: go on without)
+                if self._compiled is None:
+                    raise
+                log.warning(
+                    "decode step not compiled (%s: %s); running it eagerly", type(e).__name__, e
+                )
+                self._compiled = None
+                captured = CapturedStep(step, state.scratch, self.device)
         self._session = _Session(key, cache, state, captured)
         return self._session
 

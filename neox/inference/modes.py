@@ -183,9 +183,16 @@ def run_generation(cfg: NeoXConfig) -> None:
     groups = ProcessGroups(Topology(tp, 1, world // tp))
     dtype = generation_dtype(derived.precision, device)
     model, gather = build_generation_model(cfg, derived.padded_vocab_size, groups, device, dtype)
+    # Opt-in until a GPU run measures it against the captured eager step (docs/generation.md).
+    compile_step = cfg.training.torch_compile is True and gather is None
     try:
         generator = Generator(
-            model, tokenizer.vocab_size, tokenizer.eod, not g.recompute, gather_logits=gather
+            model,
+            tokenizer.vocab_size,
+            tokenizer.eod,
+            not g.recompute,
+            gather_logits=gather,
+            compile_step=compile_step,
         )
     except ValueError as e:  # a model the KV cache cannot run
         raise ConfigError(str(e)) from None
@@ -193,12 +200,13 @@ def run_generation(cfg: NeoXConfig) -> None:
     text_gen = TextGenerator(cfg, generator, tokenizer, derived.micro_batch, replica)
     is_writer = dist.get_rank() == 0
     log.info(
-        "generating (%s) on %s in %s, tp=%d, %s",
+        "generating (%s) on %s in %s, tp=%d, %s%s",
         g.text_gen_type,
         device,
         str(dtype).removeprefix("torch."),
         tp,
         "recompute" if g.recompute else "KV cache",
+        ", compiled decode step" if compile_step and not g.recompute else "",
     )
     if g.text_gen_type == "interactive":
         interactive(text_gen, is_writer)

@@ -1,6 +1,7 @@
 """Generation on one GPU: greedy tokens equal transformers' (fp32); Pythia-410M's shape in bf16
 decodes with the KV cache as it does recomputing; the captured decode step (CUDA graph, greedy
-choice inside) equals eager decoding on a trained model, and decoding has no host sync per token.
+choice inside; compiled or not) equals eager decoding on a trained model, and decoding has no
+host sync per token.
 All of it in well under two minutes on one H100: `pytest tests/gpu/test_generate_gpu.py`."""
 
 import warnings
@@ -119,6 +120,21 @@ def test_captured_step_equals_eager_on_a_trained_model(trained):
     greedy, _ = run(graphed, prompts)
     words = [bytes(tokens).decode() for tokens, _ in greedy]
     assert len({len(w) for w in words}) > 1 and all(finished for _, finished in greedy), words
+
+
+def test_compiled_captured_step_equals_eager_on_a_trained_model(trained):
+    """compile_step (generate.py's torch_compile: true): each block's decode step compiled, the
+    whole step captured; the same tokens as eager decoding, for two batch shapes."""
+    prompts = char_prompts()
+    eager = Generator(trained, 256, eod=SPACE, cuda_graphs=False)
+    compiled = Generator(trained, 256, eod=SPACE, compile_step=True)
+    for batch in (prompts, prompts[1:3]):
+        want = eager.generate(batch, 40, return_logits=True)
+        got = compiled.generate(batch, 40, return_logits=True)
+        assert compiled._compiled is not None  # it compiled, rather than falling back
+        assert [c.tokens for c in got] == [c.tokens for c in want]
+        for a, b in zip(got, want):
+            assert a.logits == pytest.approx(b.logits, rel=1e-4, abs=1e-4)
 
 
 @pytest.mark.parametrize("cuda_graphs", [True, False], ids=["graphed", "eager"])
