@@ -97,8 +97,8 @@ def test_cuda_graph_decode_equals_eager_decode(case):
 
 def test_captured_step_equals_eager_on_a_trained_model(trained):
     """Greedy (choice captured) and sampled (choice eager) decoding, rows ending at different
-    steps (eod = space), batches of other shapes in between (a new capture, then the first one's
-    shape again), all equal eager decoding with the per-token stop check."""
+    steps (eod = space), a captured step reused by the next batch of its shape and a new one
+    for another shape: all equal eager decoding with the per-token stop check."""
     prompts = char_prompts()
     eager = Generator(trained, 256, eod=SPACE, cuda_graphs=False, stop_check_every=1)
     graphed = Generator(trained, 256, eod=SPACE)
@@ -110,16 +110,23 @@ def test_captured_step_equals_eager_on_a_trained_model(trained):
         done = gen.generate(batch, 40, params, rng, return_logits=True)
         return [(c.tokens, c.finished) for c in done], [c.logits for c in done]
 
-    for batch in (prompts, prompts[:1], prompts):
-        for params in (SamplingParams(), sampled):
-            want, want_logits = run(eager, batch, params)
-            got, got_logits = run(graphed, batch, params)
-            assert got == want
-            for a, b in zip(got_logits, want_logits):
-                assert a == pytest.approx(b, rel=1e-5, abs=1e-5)
-    greedy, _ = run(graphed, prompts)
-    words = [bytes(tokens).decode() for tokens, _ in greedy]
-    assert len({len(w) for w in words}) > 1 and all(finished for _, finished in greedy), words
+    greedy = SamplingParams()
+    cases = [(prompts, greedy), (prompts[::-1], greedy), (prompts[:1], greedy)]
+    cases += [(prompts, sampled), (prompts[::-1], sampled)]
+    sessions = []
+    for batch, params in cases:
+        want, want_logits = run(eager, batch, params)
+        got, got_logits = run(graphed, batch, params)
+        sessions.append(graphed._session)
+        assert got == want
+        for a, b in zip(got_logits, want_logits):
+            assert a == pytest.approx(b, rel=1e-5, abs=1e-5)
+    # Reversed prompts have the same shape: the captured step of the call before served them.
+    assert sessions[1] is sessions[0] and sessions[4] is sessions[3]
+    assert sessions[2] is not sessions[1]
+    rows, _ = run(graphed, prompts)
+    words = [bytes(tokens).decode() for tokens, _ in rows]
+    assert len({len(w) for w in words}) > 1 and all(finished for _, finished in rows), words
 
 
 def test_compiled_captured_step_equals_eager_on_a_trained_model(trained):
