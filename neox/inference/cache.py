@@ -2,7 +2,9 @@
 
 The buffers never change shape, so a decode step has the same shapes every token (ready for
 CUDA graphs); the caller says where this step's keys go (`KVCache.position`, a device tensor)
-and masks the slots not written yet.
+and masks the slots not written yet. A prefill (`at(..., prefill=True)`) stores the prompt's keys
+but attends over those alone, so attention takes training's path (causal SDPA) instead of a
+masked pass over the whole buffer.
 """
 
 from __future__ import annotations
@@ -19,9 +21,12 @@ class LayerKVCache:
         self.owner = owner
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v (B, nkv, T, hs) at slots owner.position (T,); return (B, nkv, S, hs) each."""
+        """Store k, v (B, nkv, T, hs) at slots owner.position (T,); return (B, nkv, S, hs) each,
+        or k, v themselves in a prefill (the prompt's T keys are all a prompt query may see)."""
         self.k.index_copy_(2, self.owner.position, k.to(self.k.dtype))
         self.v.index_copy_(2, self.owner.position, v.to(self.v.dtype))
+        if self.owner.prefill:
+            return k, v
         return self.k, self.v
 
 
@@ -39,6 +44,7 @@ class KVCache:
         self.length = length
         # Slots written by the current step; set with `at` before each forward.
         self.position = torch.zeros(1, dtype=torch.long, device=device)
+        self.prefill = False
         self.layers = []
         for block in model.layers:
             attn = block.attention
@@ -50,9 +56,11 @@ class KVCache:
     def __getitem__(self, layer: int) -> LayerKVCache:
         return self.layers[layer]
 
-    def at(self, position: torch.Tensor) -> KVCache:
-        """Point the next forward's writes at slots `position` (T,); returns self."""
+    def at(self, position: torch.Tensor, prefill: bool = False) -> KVCache:
+        """Point the next forward's writes at slots `position` (T,); returns self. prefill: the
+        forward's tokens are a whole prompt starting at slot 0 (its queries see only its keys)."""
         self.position = position
+        self.prefill = prefill
         return self
 
     @staticmethod

@@ -1,17 +1,39 @@
-"""Batched autoregressive generation: left-padded prompts, static KV cache or full recompute."""
+"""Batched autoregressive generation: left-padded prompts, static KV cache or full recompute.
+
+Decoding does not wait for the device token by token: the next token is chosen on the device and
+written into a device buffer, and whether every row has ended is read only every
+`stop_check_every` tokens. A row that ended keeps choosing the end-of-document id until then, and
+the output is cut at each row's first one, so the tokens (and logits, and the sampling generator's
+state after the call) are those of stopping at the first token where all rows had ended. With the
+cache on a GPU each decode step replays as one CUDA graph (neox.inference.graphed), captured once
+per batch shape and reused by later batches of the same shape.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
 
 from neox.inference.cache import KVCache
-from neox.inference.graphed import GraphedDecode
+from neox.inference.graphed import CapturedStep
 from neox.inference.sampling import SamplingParams, sample
+from neox.model.rotary import RotaryEmbedding
+
+log = logging.getLogger(__name__)
+
+STOP_CHECK_EVERY = 16
+"""Tokens between reads of "every row has ended": one host sync each; up to this many - 1
+steps run past the end of the last row."""
+SLOT_BUCKET = 64
+"""Cache lengths are rounded up to a multiple of this, so batches whose prompt + budget differ a
+little share one cache and one captured step."""
 
 
 @dataclass
@@ -24,6 +46,18 @@ class Completion:
     """True when the end-of-document token ended the sequence (not the token budget)."""
     logits: Optional[list[float]] = None
     """The raw logit of each generated token (return_logits)."""
+
+
+@dataclass
+class DecodeStats:
+    """Where the last `generate` call's time went (seconds of wall clock, device work included)."""
+
+    seconds: float
+    """The whole call: setup (cache, graph capture), prefill, decode and the copy back."""
+    prefill_seconds: float
+    """The prompts' forward pass."""
+    steps: int
+    """Tokens chosen per row, including those past a row's end before the stop check saw it."""
 
 
 def left_pad(
@@ -47,14 +81,69 @@ def positions(mask: torch.Tensor) -> torch.Tensor:
     return (mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
+class DecodeState:
+    """One batch's decode buffers for B rows and S cache slots. Shapes and addresses stay fixed
+    for the life of the state, so a captured step can replay against them."""
+
+    def __init__(self, batch: int, slots: int, device: torch.device) -> None:
+        B, S = batch, slots
+        self.tokens = torch.zeros((B, S), dtype=torch.long, device=device)
+        """tokens[:, s]: the generated token that goes into cache slot s."""
+        self.logits = torch.zeros((B, S), dtype=torch.float32, device=device)
+        """Its raw logit (return_logits)."""
+        self.finished = torch.zeros(B, dtype=torch.bool, device=device)
+        self.valid = torch.zeros((B, S), dtype=torch.bool, device=device)
+        """Slots holding a real token's keys: the decode attention mask."""
+        self.tok = torch.zeros(B, dtype=torch.long, device=device)
+        """The newest token: the next step's input."""
+        self.pos = torch.zeros((B, 1), dtype=torch.long, device=device)
+        """Its position id."""
+        self.slot = torch.zeros(1, dtype=torch.long, device=device)
+        """Its cache slot."""
+
+    def start(self, mask: torch.Tensor) -> None:
+        """Ready for prompts with mask (B, L): the first generated token goes to slot L."""
+        L = mask.shape[1]
+        self.finished.zero_()
+        self.valid.zero_()
+        self.valid[:, :L] = mask
+        self.pos.copy_(positions(mask)[:, -1:] + 1)
+        self.slot.fill_(L)
+
+    def scratch(self) -> None:
+        """A state a captured step's warm-up may run from: it writes the cache at slot S - 2 and
+        its token at S - 1, slots the caller masks until a step writes them for real."""
+        self.finished.zero_()
+        self.valid.zero_()
+        self.tok.zero_()
+        self.pos.zero_()
+        self.slot.fill_(self.valid.shape[1] - 2)
+
+
+@dataclass
+class _Session:
+    """A cache, its decode buffers and (on a GPU) the captured step, kept for the next batch."""
+
+    key: tuple[Any, ...]
+    cache: KVCache
+    state: DecodeState
+    step: Optional[CapturedStep]
+
+
 class Generator:
     """Generates continuations for batches of token-id prompts with one model.
 
     Args:
         gather_logits: maps this rank's last-position logits (B, V/tp) to the full (B, V);
-            the identity without tensor parallelism.
+            None without tensor parallelism (then decode steps may replay as CUDA graphs).
         use_cache: decode with the static KV cache; False recomputes the whole sequence each
             step (gpt-neox's `recompute`), which gives the same greedy tokens.
+        cuda_graphs: replay each cached decode step as one CUDA graph (GPU, no tensor
+            parallelism: its collectives stay outside graphs).
+        stop_check_every: tokens between host reads of "every row has ended" (1: every token).
+        compile_step: run each block of a cached decode step through torch.compile (inductor):
+            fused kernels, fewer per step; each new batch shape compiles once (seconds). The
+            prefill and the recompute path stay eager.
     """
 
     def __init__(
@@ -65,6 +154,8 @@ class Generator:
         use_cache: bool = True,
         gather_logits: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
         cuda_graphs: bool = True,
+        stop_check_every: int = STOP_CHECK_EVERY,
+        compile_step: bool = False,
     ) -> None:
         self.model = model
         self.vocab_size = vocab_size
@@ -75,13 +166,26 @@ class Generator:
                 f"the KV cache does not support {unsupported}; set `recompute: true` to "
                 "generate by recomputing the whole sequence each token"
             )
+        if stop_check_every < 1:
+            raise ValueError(f"stop_check_every={stop_check_every} must be >= 1")
         self.use_cache = use_cache
         self.gather_logits = gather_logits or (lambda x: x)
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
-        # Replay each decode step as one CUDA graph (neox.inference.graphed); not with tensor
-        # parallelism (gather_logits), whose collectives stay outside graphs here.
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda" and gather_logits is None
+        self.stop_check_every = stop_check_every
+        self.last_stats: Optional[DecodeStats] = None
+        """Timing of the last generate call."""
+        self._session: Optional[_Session] = None
+        self._compiled = None
+        if compile_step and use_cache:
+            # One wrapper per block, swapped in for decode steps only (_compiled_blocks): the
+            # prefill, a new length each batch, would recompile. One compilation serves all
+            # blocks (the same code).
+            self._compiled = [torch.compile(block.forward) for block in model.layers]
+            for module in model.modules():
+                if isinstance(module, RotaryEmbedding):
+                    module.prepare(self.device)  # compiled steps read the table, not rebuild it
 
     @torch.no_grad()
     def generate(
@@ -93,69 +197,184 @@ class Generator:
         return_logits: bool = False,
     ) -> list[Completion]:
         """Up to max_new_tokens for each prompt; a row stops at the end-of-document token."""
+        t0 = time.perf_counter()
         ids, mask = left_pad(prompts, self.eod, self.device)
-        B = ids.shape[0]
-        tokens = torch.full((B, max_new_tokens), self.eod, dtype=torch.long, device=self.device)
-        chosen_logits = torch.zeros((B, max_new_tokens), device=self.device)
-        finished = torch.zeros(B, dtype=torch.bool, device=self.device)
-        steps = self._cached_steps if self.use_cache else self._recomputed_steps
-        step = steps(ids, mask, max_new_tokens)
-        logits = next(step)
-        n = 0
-        while n < max_new_tokens:
-            logits = self.gather_logits(logits).float()  # (B, V)
-            tok = sample(logits, params, self.vocab_size, generator)
-            tok = torch.where(finished, self.eod, tok)
-            tokens[:, n] = tok
-            if return_logits:
-                chosen_logits[:, n] = logits.gather(-1, tok[:, None]).squeeze(-1)
-            finished |= tok == self.eod
-            n += 1
-            # The one host sync per token: stop once every row has ended.
-            if n == max_new_tokens or bool(finished.all()):
-                break
-            logits = step.send(tok)
-        step.close()
-        return self._completions(tokens[:, :n], chosen_logits[:, :n], return_logits)
-
-    def _cached_steps(self, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int):
-        """Yields last-position logits (B, V); is sent each step's tokens (B,)."""
         B, L = ids.shape
-        S = L + max_new_tokens
-        cache = KVCache(self.model, B, S, self.dtype, self.device)
-        slots = torch.arange(S, device=self.device)
-        valid = torch.zeros((B, S), dtype=torch.bool, device=self.device)
-        valid[:, :L] = mask
-        # Prefill: slot i sees slots j <= i holding real tokens (and itself, so padding rows
-        # stay finite).
-        causal = slots[None, :] <= slots[:L, None]  # (L, S)
-        allowed = causal & (valid[:, None, :] | (slots[None, :] == slots[:L, None]))  # (B, L, S)
-        pos = positions(mask)
-        logits = self.model(ids, pos, allowed[:, None], kv_cache=cache.at(slots[:L]))
-        next_pos = pos[:, -1:] + 1  # (B, 1)
-        graphed = GraphedDecode(self.model, cache, valid) if self.cuda_graphs and S > L else None
-        for slot in range(L, S):
-            tok = yield logits[:, -1]
-            valid[:, slot] = True
-            if graphed is not None:
-                logits = graphed(tok, next_pos, slot)
-            else:
-                logits = self.model(
-                    tok[:, None],
-                    next_pos,
-                    valid[:, None, None, :],
-                    kv_cache=cache.at(slots[slot : slot + 1]),
-                )
-            next_pos = next_pos + 1
-        yield logits[:, -1]
+        if max_new_tokens < 1:
+            self.last_stats = DecodeStats(time.perf_counter() - t0, 0.0, 0)
+            return [Completion([], False, [] if return_logits else None) for _ in prompts]
+        if self.use_cache:
+            padded = any(len(p) < L for p in prompts)
+            state, prefill, step = self._cached(
+                ids, mask, padded, max_new_tokens, params, generator
+            )
+        else:
+            state, prefill, step = self._recomputed(ids, mask, max_new_tokens, params, generator)
+        clock = _Clock(self.device)
+        logits = prefill()
+        clock.mark()
+        self._choose(state, logits, params, generator)
+        # The generator's state after each draw since the last stop check, to rewind to the
+        # draw where every row had ended (later batches then sample as if stopped there).
+        track = generator is not None and not params.greedy
+        states = {1: generator.get_state()} if track else {}
+        n = 1  # tokens chosen per row
+        while n < max_new_tokens:
+            if n % self.stop_check_every == 0:
+                if bool(state.finished.all()):
+                    break
+                states.clear()
+            step(n)
+            n += 1
+            if track:
+                states[n] = generator.get_state()
+        tokens = state.tokens[:, L : L + n]
+        chosen = state.logits[:, L : L + n]
+        out = self._completions(tokens, chosen, return_logits)  # the copy back syncs
+        if track:
+            ended = max(len(c.tokens) for c in out) + 1 if all(c.finished for c in out) else n
+            if ended < n:
+                generator.set_state(states[ended])
+        self.last_stats = DecodeStats(time.perf_counter() - t0, clock.seconds(), n)
+        return out
 
-    def _recomputed_steps(self, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int):
+    def _choose(
+        self,
+        state: DecodeState,
+        logits: torch.Tensor,
+        params: SamplingParams,
+        generator: Optional[torch.Generator],
+    ) -> None:
+        """The next token from last-position logits (B, V/tp) into state: at slot `state.slot`,
+        the end-of-document id for rows that ended. Device work only (it may be captured)."""
+        logits = self.gather_logits(logits)  # (B, V)
+        tok = sample(logits, params, self.vocab_size, generator)
+        tok = torch.where(state.finished, self.eod, tok)
+        state.tokens.index_copy_(1, state.slot, tok[:, None])
+        state.logits.index_copy_(1, state.slot, logits.gather(-1, tok[:, None]).float())
+        state.finished |= tok == self.eod
+        state.tok.copy_(tok)
+
+    def _cached(
+        self,
+        ids: torch.Tensor,
+        mask: torch.Tensor,
+        padded: bool,
+        max_new_tokens: int,
+        params: SamplingParams,
+        generator: Optional[torch.Generator],
+    ) -> tuple[DecodeState, Callable[[], torch.Tensor], Callable[[int], None]]:
+        """(state, prefill () -> last-position logits, step (n) choosing token n) with the cache."""
+        B, L = ids.shape
+        session = self._session_for(B, L + max_new_tokens, params.greedy)
+        cache, state = session.cache, session.state
+        state.start(mask)
+        slots = torch.arange(L, device=self.device)
+
+        def prefill() -> torch.Tensor:
+            # Unpadded prompts attend as in training (causal SDPA); padding needs its mask.
+            attn_mask = mask if padded else None
+            kv = cache.at(slots, prefill=True)
+            return self.model(ids, positions(mask), attn_mask, kv_cache=kv)[:, -1]
+
+        captured = session.step
+        if captured is not None and params.greedy:
+            return state, prefill, lambda n: captured()
+        if captured is not None:
+            return state, prefill, lambda n: self._choose(state, captured(), params, generator)
+
+        def step(n: int) -> None:
+            self._choose(state, self._forward(cache, state), params, generator)
+
+        return state, prefill, step
+
+    def _forward(self, cache: KVCache, state: DecodeState) -> torch.Tensor:
+        """Feed state.tok at state.slot; advance position and slot; last-position logits."""
+        state.valid.index_fill_(1, state.slot, True)
+        mask = state.valid[:, None, None, :]  # (B, 1, 1, S): the slots a query may see
+        tok = state.tok[:, None]
+        with self._compiled_blocks():
+            logits = self.model(tok, state.pos, mask, kv_cache=cache.at(state.slot))[:, -1]
+        state.pos.add_(1)
+        state.slot.add_(1)
+        return logits
+
+    @contextmanager
+    def _compiled_blocks(self) -> Iterator[None]:
+        """The model's blocks forward through their compiled wrappers (compile_step) inside."""
+        if self._compiled is None:
+            yield
+            return
+        blocks = list(self.model.layers)
+        saved = [block.__dict__.get("forward") for block in blocks]
+        for block, compiled in zip(blocks, self._compiled):
+            block.forward = compiled
+        try:
+            yield
+        finally:
+            for block, forward in zip(blocks, saved):
+                if forward is None:
+                    del block.forward
+                else:
+                    block.forward = forward
+
+    def _session_for(self, batch: int, length: int, greedy: bool) -> _Session:
+        """The cache and buffers for `batch` rows of `length` slots (rounded up to the bucket),
+        with a captured step on a GPU: the last call's when its shape fits."""
+        S = -(-length // SLOT_BUCKET) * SLOT_BUCKET
+        key = (batch, S, greedy)
+        if self._session is not None and self._session.key == key:
+            return self._session
+        self._session = None  # free the old cache (and graph memory) first
+        cache = KVCache(self.model, batch, S, self.dtype, self.device)
+        state = DecodeState(batch, S, self.device)
+        captured = None
+        if self.cuda_graphs:
+
+            def step() -> Optional[torch.Tensor]:
+                logits = self._forward(cache, state)
+                if not greedy:
+                    return logits  # sampling draws from the caller's generator, uncaptured
+                self._choose(state, logits, SamplingParams(), None)
+                return None
+
+            try:
+                captured = CapturedStep(step, state.scratch, self.device)
+            except Exception as e:  # noqa: BLE001 (compilation is an optimisation: go on without)
+                if self._compiled is None:
+                    raise
+                log.warning(
+                    "decode step not compiled (%s: %s); running it eagerly", type(e).__name__, e
+                )
+                self._compiled = None
+                captured = CapturedStep(step, state.scratch, self.device)
+        self._session = _Session(key, cache, state, captured)
+        return self._session
+
+    def _recomputed(
+        self,
+        ids: torch.Tensor,
+        mask: torch.Tensor,
+        max_new_tokens: int,
+        params: SamplingParams,
+        generator: Optional[torch.Generator],
+    ) -> tuple[DecodeState, Callable[[], torch.Tensor], Callable[[int], None]]:
         """The whole sequence through the model each step: no cache, any position scheme."""
-        while True:
-            logits = self.model(ids, positions(mask), mask)
-            tok = yield logits[:, -1]
-            ids = torch.cat((ids, tok[:, None]), dim=1)
-            mask = torch.cat((mask, mask.new_ones(mask.shape[0], 1)), dim=1)
+        B, L = ids.shape
+        state = DecodeState(B, L + max_new_tokens, self.device)
+        state.start(mask)
+
+        def prefill() -> torch.Tensor:
+            return self.model(ids, positions(mask), mask)[:, -1]
+
+        def step(n: int) -> None:
+            seq = torch.cat((ids, state.tokens[:, L : L + n]), dim=1)
+            seq_mask = torch.cat((mask, mask.new_ones(B, n)), dim=1)
+            logits = self.model(seq, positions(seq_mask), seq_mask)[:, -1]
+            state.slot.add_(1)
+            self._choose(state, logits, params, generator)
+
+        return state, prefill, step
 
     def _completions(
         self, tokens: torch.Tensor, logits: torch.Tensor, return_logits: bool
@@ -171,3 +390,26 @@ class Generator:
                 )
             )
         return out
+
+
+class _Clock:
+    """Times the prefill without a host sync: CUDA events read after the call's final copy back
+    (which waits for them); the host clock elsewhere, where work is synchronous."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.begin = torch.cuda.Event(enable_timing=True)
+            self.end = torch.cuda.Event(enable_timing=True)
+            self.begin.record()
+        self.t0 = self.t1 = time.perf_counter()
+
+    def mark(self) -> None:
+        if self.cuda:
+            self.end.record()
+        self.t1 = time.perf_counter()
+
+    def seconds(self) -> float:
+        if self.cuda:
+            return self.begin.elapsed_time(self.end) / 1e3
+        return self.t1 - self.t0

@@ -1,52 +1,46 @@
-"""One decode step of the KV-cached model captured as a CUDA graph.
+"""One decode step captured as a CUDA graph.
 
 A decode step is a few hundred small kernels whose launch cost, at batch 1 or 16, exceeds their
 run time. The static cache keeps every shape fixed, so the step can be captured once and
-replayed per token: this step's token, positions and cache slot are copied into static input
-buffers, and the `valid` mask of cached slots is the caller's buffer, updated in place.
+replayed per token. The captured function reads and writes only buffers that outlive the graph
+(the engine's DecodeState and KVCache): this step's token, position and cache slot are device
+tensors the step itself advances, so a replay needs no host copy in, and with greedy decoding
+the choice of the next token and its bookkeeping are captured too (one replay per token, no
+logits handed back).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
-from torch import nn
-
-from neox.inference.cache import KVCache
 
 
-class GraphedDecode:
-    """Callable (tok (B,), pos (B, 1), slot) -> logits (B, 1, V), replaying a captured step.
+class CapturedStep:
+    """Callable () -> what `step` returned at capture, replaying `step` as one CUDA graph.
 
-    The returned logits live in the graph's output buffer: use them before the next call.
+    `scratch` puts the buffers into a state that warm-up may run from (warm-up executes the
+    step: it writes the cache and advances counters); the caller resets them before replaying.
+    Tensors returned live in the graph's memory: use them before the next call.
     """
 
-    def __init__(self, model: nn.Module, cache: KVCache, valid: torch.Tensor) -> None:
-        B, S = valid.shape
-        device = valid.device
-        self.model, self.cache, self.valid = model, cache, valid
-        self.tok = torch.zeros((B, 1), dtype=torch.long, device=device)
-        self.pos = torch.zeros((B, 1), dtype=torch.long, device=device)
-        # Warm-up and capture write slot S - 1, which no step has filled yet and which the step
-        # that reaches it overwrites before reading; it stays masked until then.
-        self.slot = torch.full((1,), S - 1, dtype=torch.long, device=device)
-        cache.at(self.slot)
+    def __init__(
+        self, step: Callable[[], Any], scratch: Callable[[], None], device: torch.device
+    ) -> None:
+        self.step = step
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             for _ in range(2):  # allocations, rotary tables and kernel choices happen here
-                self._step()
+                scratch()
+                step()
         torch.cuda.current_stream(device).wait_stream(side)
+        scratch()
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
-            self.out = self._step()
+            self.out = step()
 
-    def _step(self) -> torch.Tensor:
-        mask = self.valid[:, None, None, :]  # (B, 1, 1, S): the cached slots a query may see
-        return self.model(self.tok, self.pos, mask, kv_cache=self.cache)
-
-    def __call__(self, tok: torch.Tensor, pos: torch.Tensor, slot: int) -> torch.Tensor:
-        self.tok.copy_(tok[:, None])
-        self.pos.copy_(pos)
-        self.slot.fill_(slot)
+    def __call__(self) -> Any:
         self.graph.replay()
         return self.out

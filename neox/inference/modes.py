@@ -48,7 +48,8 @@ class TextGenerator:
 
     def rows(self, contexts: list[str]) -> Iterator[dict[str, Any]]:
         """One output row per context, generated batch_size prompts at a time."""
-        for start in range(0, len(contexts), self.batch_size):
+        batches = -(-len(contexts) // self.batch_size)
+        for index, start in enumerate(range(0, len(contexts), self.batch_size), 1):
             batch = contexts[start : start + self.batch_size]
             t0 = time.perf_counter()
             prompts = [self._encode(text) for text in batch]
@@ -56,9 +57,29 @@ class TextGenerator:
             done = self.generator.generate(
                 prompts, new, self.params, self.rng, self.cfg.generation.return_logits
             )
-            seconds = time.perf_counter() - t0
+            speed = self._speed(done, time.perf_counter() - t0)
+            log.info(
+                "batch %d/%d: %d prompts, %d new tokens in %.3f s (%.1f tokens/s), prefill %.1f ms",
+                index,
+                batches,
+                len(batch),
+                sum(len(c.tokens) for c in done),
+                speed["duration_seconds"],
+                speed["tokens_per_second"],
+                speed["prefill_seconds"] * 1e3,
+            )
             for text, completion in zip(batch, done):
-                yield self._row(text, completion, seconds)
+                yield self._row(text, completion, speed)
+
+    def _speed(self, done: list[Completion], seconds: float) -> dict[str, float]:
+        """The batch's timing fields of each row: wall clock of the batch (tokenising included),
+        its prompts' forward pass, and its generated tokens (all rows) per second."""
+        stats = self.generator.last_stats
+        return {
+            "duration_seconds": seconds,
+            "prefill_seconds": stats.prefill_seconds if stats is not None else 0.0,
+            "tokens_per_second": sum(len(c.tokens) for c in done) / max(seconds, 1e-9),
+        }
 
     def _encode(self, text: str) -> list[int]:
         # No context: generation starts from a document boundary (gpt-neox's unconditional).
@@ -83,14 +104,14 @@ class TextGenerator:
             )
         return min(new, room)
 
-    def _row(self, context: str, c: Completion, seconds: float) -> dict[str, Any]:
+    def _row(self, context: str, c: Completion, speed: dict[str, float]) -> dict[str, Any]:
         row = {
             "context": context,
             "text": self.tokenizer.decode(c.tokens),
             "length": len(c.tokens),
             "finished": c.finished,
             "tokens": c.tokens,
-            "duration_seconds": seconds,
+            **speed,
         }
         if c.logits is not None:
             row["logits"] = c.logits
@@ -161,9 +182,16 @@ def run_generation(cfg: NeoXConfig) -> None:
     groups = ProcessGroups(Topology(tp, 1, world // tp))
     dtype = generation_dtype(derived.precision, device)
     model, gather = build_generation_model(cfg, derived.padded_vocab_size, groups, device, dtype)
+    # Opt-in until a GPU run measures it against the captured eager step (docs/generation.md).
+    compile_step = cfg.training.torch_compile is True and gather is None
     try:
         generator = Generator(
-            model, tokenizer.vocab_size, tokenizer.eod, not g.recompute, gather_logits=gather
+            model,
+            tokenizer.vocab_size,
+            tokenizer.eod,
+            not g.recompute,
+            gather_logits=gather,
+            compile_step=compile_step,
         )
     except ValueError as e:  # a model the KV cache cannot run
         raise ConfigError(str(e)) from None
@@ -171,12 +199,13 @@ def run_generation(cfg: NeoXConfig) -> None:
     text_gen = TextGenerator(cfg, generator, tokenizer, derived.micro_batch, replica)
     is_writer = dist.get_rank() == 0
     log.info(
-        "generating (%s) on %s in %s, tp=%d, %s",
+        "generating (%s) on %s in %s, tp=%d, %s%s",
         g.text_gen_type,
         device,
         str(dtype).removeprefix("torch."),
         tp,
         "recompute" if g.recompute else "KV cache",
+        ", compiled decode step" if compile_step and not g.recompute else "",
     )
     if g.text_gen_type == "interactive":
         interactive(text_gen, is_writer)

@@ -60,10 +60,16 @@ def sample(
     vocab_size: int,
     generator: Optional[torch.Generator] = None,
 ) -> torch.Tensor:
-    """Token ids (B,) from last-position logits (B, V); V may include padded rows."""
-    logits = mask_padded_vocab(logits.float(), vocab_size)
+    """Token ids (B,) from last-position logits (B, V); V may include padded rows.
+
+    All on the device, no host sync, so decoding never waits for it (and greedy can run inside a
+    CUDA graph). Sampling draws as torch.multinomial(probs, 1) does for one sample, minus its
+    host-side validity check: the argmax of probs / Exp(1) noise, the same draws from the same
+    generator, so the same ids.
+    """
     if params.greedy:
-        return logits.argmax(dim=-1)
+        return logits[..., :vocab_size].argmax(dim=-1)
+    logits = mask_padded_vocab(logits.float(), vocab_size)
     if params.temperature > 0:
         logits = logits / params.temperature
     if params.top_k:
@@ -71,4 +77,5 @@ def sample(
     if params.top_p:
         logits = filter_top_p(logits, params.top_p)
     probs = logits.softmax(dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    noise = torch.empty_like(probs).exponential_(1, generator=generator)
+    return (probs / noise).argmax(dim=-1)

@@ -1,34 +1,49 @@
-"""benchmarks/generate.py runs on CPU at the tiny shape, so it cannot rot."""
+"""benchmarks/generate.py runs on CPU at the tiny shape, through deepy.py generate.py, so it
+cannot rot."""
 
 import subprocess
 import sys
 
-from tests.train_helpers import ROOT
+from tests.train_helpers import ROOT, deepy_env
 
 
-def test_tiny_cpu_run_prints_the_table_with_matching_tokens():
+def test_tiny_cpu_run_prints_generate_py_speed_and_matching_tokens(tmp_path):
     r = subprocess.run(
         [
             sys.executable,
             str(ROOT / "benchmarks" / "generate.py"),
             "--tiny",
             "--device=cpu",
-            "--dtype=fp32",
             "--batch-sizes",
             "1",
             "3",
             "--prompt-tokens=8",
             "--new-tokens=6",
             "--repeats=1",
+            f"--workdir={tmp_path}",
         ],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=600,
         cwd=ROOT,
+        env=deepy_env(cpu=True),
     )
-    assert r.returncode == 0, r.stderr[-3000:]
-    cells = [line.split("|") for line in r.stdout.splitlines() if line.startswith("| ")]
-    rows = ["|".join(c) for c in cells if c[1].strip().isdigit()]
-    assert [row.split("|")[1].strip() for row in rows] == ["1", "3"]
-    # fp32 greedy: both engines pick the same tokens.
-    assert all(row.rstrip(" |").endswith("100%") for row in rows), r.stdout
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    lines = r.stdout.splitlines()
+    header = next(line for line in lines if line.startswith("| model"))
+    names = [c.strip() for c in header.strip("|").split("|")]
+    rows = [
+        dict(zip(names, (c.strip() for c in line.strip("|").split("|"))))
+        for line in lines
+        if line.startswith("| 410M")
+    ]
+    assert [row["batch"] for row in rows] == ["1", "3"]
+    for row in rows:
+        # The speed generate.py itself wrote into its rows, read back.
+        assert float(row["neox tok/s"].replace(",", "")) > 0
+        assert float(row["prefill ms"].replace(",", "")) > 0
+        assert row["% of roofline"].endswith("%")
+        # fp32 greedy: both engines pick the same tokens.
+        assert row["same tokens"] == "100%", r.stdout
+    # The generated prompts and rows are generate.py's own input and output.
+    assert (tmp_path / "410M" / "rows3.jsonl").read_text().count("\n") == 2 * 3

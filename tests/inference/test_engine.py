@@ -148,3 +148,95 @@ def test_long_prompts_keep_their_end_and_the_budget_fits_max_positions():
     short, long = text_gen.rows(["x" * 12, "y" * 39 + "z"])
     assert short["length"] <= 4 and long["length"] <= 1
     assert text_gen._encode("y" * 39 + "z") == tok.encode("y" * 14 + "z")
+
+
+def outputs(done):
+    return [(c.tokens, c.finished, c.logits) for c in done]
+
+
+def test_stop_check_interval_leaves_tokens_and_logits_unchanged():
+    """Rows ending at different steps: checking "all ended" every 16 or 5 tokens gives what the
+    per-token check (1) gives, with the cache and recomputing."""
+    model, _ = tiny_pair("gpt_neox")
+    prompts = PROMPTS + [[3, 1, 4, 1, 5, 9, 2, 6]]
+    free = Generator(model, VOCAB, eod=PADDED - 1).generate(prompts, 40)
+    # The end-of-document id: a token the rows reach at different steps, some never.
+    firsts = {}
+    for c in free:
+        for i, t in enumerate(c.tokens):
+            firsts.setdefault(t, []).append(i) if i == c.tokens.index(t) else None
+    eod = max(firsts, key=lambda t: (len(set(firsts[t])), -min(firsts[t])))
+    for use_cache in (True, False):
+        runs = {
+            k: Generator(model, VOCAB, eod, use_cache, stop_check_every=k).generate(
+                prompts, 40, return_logits=True
+            )
+            for k in (1, 5, 16)
+        }
+        ends = {len(c.tokens) for c in runs[1] if c.finished}
+        assert len(ends) >= 2  # rows do end at different steps
+        assert outputs(runs[5]) == outputs(runs[1]) == outputs(runs[16])
+
+
+def test_stop_check_interval_leaves_sampling_and_the_next_batch_unchanged():
+    """Sampled rows end at random steps; the generator is rewound to the draw where every row
+    had ended, so a second batch from the same generator samples the same tokens too."""
+    model, _ = tiny_pair("llama_gqa")
+    params = SamplingParams(temperature=2.0)
+
+    def two_batches(k):
+        # Six ids, one of them the end: rows end after a few tokens, each at its own step.
+        gen = Generator(model, 6, eod=1, stop_check_every=k)
+        rng = torch.Generator().manual_seed(11)
+        return [outputs(gen.generate(PROMPTS, 40, params, rng, return_logits=True)) for _ in "ab"]
+
+    reference = two_batches(1)
+    for batch in reference:
+        assert all(finished for _, finished, _ in batch)
+        assert len({len(tokens) for tokens, _, _ in batch}) >= 2
+    assert two_batches(16) == reference
+    assert two_batches(7) == reference
+
+
+def test_generate_reports_its_timing():
+    model, _ = tiny_pair("gpt_neox")
+    gen = Generator(model, VOCAB, eod=PADDED - 1, stop_check_every=4)
+    gen.generate(PROMPTS, 10)
+    stats = gen.last_stats
+    assert stats.steps == 10 and 0 < stats.prefill_seconds < stats.seconds
+
+
+def test_text_generator_rows_report_the_batch_speed():
+    from neox.config import load_dict
+    from neox.inference.modes import TextGenerator
+    from neox.tokenizer.char import CharLevelTokenizer
+
+    cfg = load_dict({**TINY, "maximum_tokens": 6})
+    model = build_model(cfg.model, 512, seed=1).eval()
+    tok = CharLevelTokenizer()
+    # eod = a padded id: every row runs its whole budget.
+    text_gen = TextGenerator(cfg, Generator(model, 256, 511), tok, batch_size=2)
+    rows = list(text_gen.rows(["abc", "de", "fgh"]))
+    assert [r["length"] for r in rows] == [6, 6, 6]
+    for batch, size in ((rows[:2], 2), (rows[2:], 1)):
+        assert len({(r["duration_seconds"], r["tokens_per_second"]) for r in batch}) == 1
+        r = batch[0]
+        assert 0 < r["prefill_seconds"] < r["duration_seconds"]
+        assert r["tokens_per_second"] * r["duration_seconds"] == pytest.approx(6 * size)
+
+
+@pytest.mark.slow
+def test_compiled_decode_step_equals_eager():
+    """compile_step (torch.compile of each block's decode step, the KV cache written in place)
+    decodes what the eager step decodes, for a second batch shape too."""
+    model, _ = tiny_pair("gpt_neox")
+    eager = Generator(model, VOCAB, eod=PADDED - 1)
+    compiled = Generator(model, VOCAB, eod=PADDED - 1, compile_step=True)
+    for prompts in (PROMPTS, PROMPTS[:2]):
+        want = eager.generate(prompts, 12, return_logits=True)
+        got = compiled.generate(prompts, 12, return_logits=True)
+        assert [c.tokens for c in got] == [c.tokens for c in want]
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a.logits, b.logits, rtol=1e-4, atol=1e-5)
+    # The model itself is left as it was: its blocks run their own forward.
+    assert all("forward" not in block.__dict__ for block in model.layers)

@@ -18,7 +18,8 @@ from tests.train_helpers import make_dataset, run_deepy, train, write_config
 pytestmark = pytest.mark.slow
 
 PROMPTS = ["Hello world", "The quick brown fox", "ab"]
-ROW_KEYS = {"context", "text", "length", "finished", "tokens", "duration_seconds"}
+SPEED_KEYS = {"duration_seconds", "prefill_seconds", "tokens_per_second"}
+ROW_KEYS = {"context", "text", "length", "finished", "tokens"} | SPEED_KEYS
 
 
 @pytest.fixture(scope="module")

@@ -64,3 +64,24 @@ def test_temperature_zero_with_top_k_samples_unscaled_like_gpt_neox():
     draws = sample(logits, params, 5, torch.Generator().manual_seed(0))
     assert set(draws.tolist()) == {0, 1}  # the top 2, not the argmax only
     assert SamplingParams().greedy and not params.greedy
+
+
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5, top_p=0.9)],
+    ids=["t1", "filtered"],
+)
+def test_sampling_draws_what_torch_multinomial_draws(params):
+    """The sync-free draw (argmax of probs / Exp(1)) picks multinomial's ids from the same
+    generator, so seeded runs sample as they did with torch.multinomial."""
+    from neox.inference.sampling import filter_top_k, filter_top_p, mask_padded_vocab
+
+    logits = torch.randn(8, 16, generator=torch.Generator().manual_seed(2))
+    ours, theirs = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    for _ in range(10):
+        got = sample(logits, params, VOCAB, ours)
+        x = mask_padded_vocab(logits, VOCAB)
+        x = x / params.temperature
+        x = filter_top_p(filter_top_k(x, params.top_k), params.top_p) if params.top_k else x
+        want = torch.multinomial(x.softmax(-1), 1, generator=theirs).squeeze(-1)
+        assert torch.equal(got, want)
