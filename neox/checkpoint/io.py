@@ -1,6 +1,5 @@
 """Save and resume training through DeepSpeed, with the run's config kept beside the weights."""
 
-import json
 import logging
 import random
 import shutil
@@ -13,13 +12,15 @@ import torch
 from neox.checkpoint.atomic import fsync_path, fsync_tree, kill_point, write_atomic
 from neox.checkpoint.errors import CheckpointError
 from neox.checkpoint.find import (
-    MANIFEST,
     STAGING_SUFFIX,
+    checkpoint_problem,
     find_checkpoint,
     read_latest,
     step_tags,
     tag_for,
 )
+from neox.checkpoint.manifest import digests, files_in, write_manifest
+from neox.checkpoint.trust import check_loadable, deepspeed_loads_safely
 from neox.config import NeoXConfig, write_config
 from neox.parallel.agree import all_ranks_max
 
@@ -93,8 +94,9 @@ def save_checkpoint(
     engine.save_checkpoint(str(save_dir), tag=staging.name, client_state=state, save_latest=False)
     kill_point("shards", rank, iteration)
     torch.distributed.barrier()  # every rank's shards are written
+    sums = shard_checksums(staging)
     if rank == 0:
-        finish_save(cfg, staging, save_dir / tag, iteration, padded_vocab_size)
+        finish_save(cfg, staging, save_dir / tag, iteration, padded_vocab_size, sums)
         write_atomic(save_dir / "latest", tag)
         kill_point("latest", rank, iteration)
         write_config(cfg, save_dir / "config.yml")
@@ -104,8 +106,22 @@ def save_checkpoint(
     return save_dir / tag
 
 
+def shard_checksums(staging: Path) -> dict[str, str]:
+    """Checksums of the staged shards, each rank hashing a share of the files (all ranks)."""
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    mine = digests(staging, files_in(staging)[rank::world])
+    shares: list[Optional[dict[str, str]]] = [None] * world
+    torch.distributed.all_gather_object(shares, mine)
+    return {name: digest for share in shares for name, digest in (share or {}).items()}
+
+
 def finish_save(
-    cfg: NeoXConfig, staging: Path, final: Path, iteration: int, padded_vocab_size: Optional[int]
+    cfg: NeoXConfig,
+    staging: Path,
+    final: Path,
+    iteration: int,
+    padded_vocab_size: Optional[int],
+    sums: Optional[dict[str, str]] = None,
 ) -> None:
     """Config, tokenizer files and manifest into the staged checkpoint, then rename it in place."""
     write_config(cfg, staging / "config.yml")
@@ -114,13 +130,7 @@ def finish_save(
         if src and Path(src).is_file():
             (staging / "tokenizer").mkdir(exist_ok=True)
             shutil.copy2(src, staging / "tokenizer" / Path(src).name)
-    files = {
-        str(p.relative_to(staging)): p.stat().st_size
-        for p in sorted(staging.rglob("*"))
-        if p.is_file()
-    }
-    manifest = {"iteration": iteration, "padded_vocab_size": padded_vocab_size, "files": files}
-    (staging / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    write_manifest(staging, iteration, padded_vocab_size, known=sums)
     fsync_tree(staging)
     kill_point("manifest", 0, iteration)
     if final.exists():
@@ -146,11 +156,46 @@ def prune_checkpoints(save_dir: Path, keep: Optional[int]) -> None:
             shutil.rmtree(save_dir / tag, ignore_errors=True)
 
 
+def verify_checkpoint(step_dir: Path, trust: bool) -> Optional[str]:
+    """Why the checkpoint cannot be resumed (a checksum differs, a file does not read), or None.
+
+    Reads every byte once; UntrustedCheckpointError for a file holding objects a weights-only
+    load refuses (unless `trust`): a tampered checkpoint stops the run, it is not skipped.
+    """
+    problem = checkpoint_problem(step_dir, verify=True)
+    if problem is not None:
+        return problem
+    for path in sorted(step_dir.rglob("*.pt")):
+        try:
+            check_loadable(path, trust)
+        except CheckpointError:
+            raise
+        except Exception as e:  # torch raises many kinds for a damaged file
+            return f"{path} does not read ({type(e).__name__}: {str(e)[:200]})"
+    return None
+
+
+def verified_on_rank0(step_dir: Path, trust: bool) -> Optional[str]:
+    """verify_checkpoint run once (rank 0), its answer (or its refusal) given to every rank."""
+    answer: list[Any] = [None]
+    if torch.distributed.get_rank() == 0:
+        try:
+            answer[0] = ("problem", verify_checkpoint(step_dir, trust))
+        except CheckpointError as e:
+            answer[0] = ("refused", str(e))
+    torch.distributed.broadcast_object_list(answer, src=0)
+    kind, text = answer[0]
+    if kind == "refused":
+        raise CheckpointError(text)
+    return text
+
+
 def load_checkpoint(engine, cfg: NeoXConfig) -> Optional[dict[str, Any]]:
     """Resume from cfg.checkpoint.load if it holds a checkpoint; returns its client state.
 
-    The checkpoint `latest` names is used if it is complete, else the newest complete one
-    (each skipped one is reported with the reason).
+    The checkpoint `latest` names is used if it is complete and its checksums match, else the
+    newest one that is (each skipped one is reported with the reason). No file is unpickled
+    beyond tensors and the allow-list of neox.checkpoint.trust unless trust_checkpoint_code.
     """
     c = cfg.checkpoint
     if c.load is None:
@@ -173,14 +218,20 @@ def load_checkpoint(engine, cfg: NeoXConfig) -> Optional[dict[str, Any]]:
     # finetune from another TP/PP loads a re-laid-out copy of the weights.
     zero3 = engine.zero_optimization_partition_weights()
     failures = []
+    trust = c.trust_checkpoint_code
     for tag, problem in [(resume.tag, None), *resume.fallbacks]:
+        if problem is None:
+            problem = verified_on_rank0(Path(c.load) / tag, trust)
         if problem is not None:
             failures.append(f"{tag}: {problem}")
             if torch.distributed.get_rank() == 0:
                 log.warning("skipping checkpoint %s", failures[-1])
             continue
         try:
-            with checkpoint_for_run(c.load, cfg, zero3) as load_dir:
+            with (
+                checkpoint_for_run(c.load, cfg, zero3, tag) as load_dir,
+                deepspeed_loads_safely(engine, trust),
+            ):
                 path, state = engine.load_checkpoint(
                     load_dir,
                     # A re-laid-out copy holds one checkpoint, named by its own `latest`.

@@ -38,6 +38,12 @@ class CheckpointConfig(ConfigGroup):
     no_load_rng: bool = False
     """Do not restore RNG state."""
 
+    trust_checkpoint_code: bool = False
+    """Load checkpoint files with full unpickling, which runs any code a file holds. Off: only
+    tensors and the few classes neox's and DeepSpeed's own files hold are rebuilt, and a file
+    needing more is refused. Set it only for a checkpoint you trust (e.g. written by other code
+    with extra client state)."""
+
     checkpoint_validation_with_forward_pass: bool = False
     """Check a loaded checkpoint with a forward pass (gpt-neox key; not implemented: must be
     false)."""

@@ -98,3 +98,54 @@ def test_do_train_false_evaluates_and_saves_nothing(trained):
     metrics = (tmp / "run" / "logs" / "metrics.jsonl").read_text()
     assert '"split": "valid"' in metrics
     assert '"step": 4' not in metrics  # no training step past the checkpoint's 3
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> Path:
+    """A 6-step run (no tmpfs needed) that saved global_step3 and global_step6; its tmp path."""
+    tmp = tmp_path_factory.mktemp("ckpt_trust")
+    make_dataset(tmp / "data" / "chars")
+    train(write_config(tmp, "ref", num_gpus=1, train_iters=6))
+    return tmp
+
+
+def copy_run(tmp: Path, name: str, **overrides) -> tuple[Path, Path]:
+    """(config, checkpoint dir) of a run resuming from a copy of the reference checkpoints."""
+    import shutil
+
+    shutil.copytree(tmp / "ref" / "ckpt", tmp / name / "ckpt")
+    return write_config(tmp, name, num_gpus=1, **overrides), tmp / name / "ckpt"
+
+
+def test_a_planted_payload_is_refused_on_resume(saved):
+    """Fault: a pickle payload in mp_rank_00_model_states.pt (manifest updated to match).
+    Promise: the run refuses it, naming the file and the opt-in; the payload never runs."""
+    from tests.checkpoint.test_trust import plant
+
+    marker = saved / "MARKER"
+    cfg, ckpt = copy_run(saved, "planted", train_iters=9)
+    plant(ckpt / "global_step6", marker)
+    r = deepy(cfg)
+    out = r.stdout + r.stderr
+    assert r.returncode != 0, out[-3000:]
+    assert f"{ckpt / 'global_step6' / 'mp_rank_00_model_states.pt'} holds objects" in out
+    assert "trust_checkpoint_code: true" in out and "GLOBAL posix.system" in out
+    assert not marker.exists()
+
+
+def test_corrupt_bytes_fall_back_to_the_newest_good_checkpoint(saved):
+    """Fault: flipped bytes in the newest checkpoint's optimizer file, and garbage in `latest`.
+    Promise: a warning names the file and the run resumes from the checkpoint before it."""
+    from tests.checkpoint.test_trust import flip_byte
+
+    cfg, ckpt = copy_run(saved, "flipped", train_iters=7)
+    bad = ckpt / "global_step6" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    flip_byte(bad)
+    (ckpt / "latest").write_bytes(b"\x00\xff../../global_step6")
+    r = deepy(cfg)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-3000:]
+    assert f"ignoring {ckpt / 'latest'} is not text" in out
+    assert f"skipping checkpoint global_step6: {bad} is corrupt" in out
+    assert "resumed from" in out and "at iteration 3" in out
+    assert (ckpt / "latest").read_text() == "global_step7"
