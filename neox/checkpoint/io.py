@@ -45,6 +45,27 @@ def should_save(cfg: NeoXConfig, iteration: int) -> bool:
     return power == iteration
 
 
+def poisoned(nonfinite_in_a_row: int, iteration: int) -> bool:
+    """True while a run of non-finite steps is in progress on any rank: the weights may hold
+    NaN, so nothing is saved and `latest` stays on the last good checkpoint (all ranks agree)."""
+    if not all_ranks_max(int(nonfinite_in_a_row > 0)):
+        return False
+    if torch.distributed.get_rank() == 0:
+        log.warning(
+            "not saving at iteration %d: the last %d step(s) had a non-finite loss or gradient",
+            iteration,
+            nonfinite_in_a_row,
+        )
+    return True
+
+
+def last_saved(cfg: NeoXConfig) -> str:
+    """Where a run can restart from: the checkpoint `latest` names in `save`, in words."""
+    save = cfg.checkpoint.save
+    tag = read_latest(Path(save)) if save else None
+    return f"the last checkpoint saved is {Path(save) / tag}" if tag else "no checkpoint was saved"
+
+
 def rng_state() -> dict[str, Any]:
     state = {
         "python": random.getstate(),

@@ -149,3 +149,30 @@ def test_corrupt_bytes_fall_back_to_the_newest_good_checkpoint(saved):
     assert f"skipping checkpoint global_step6: {bad} is corrupt" in out
     assert "resumed from" in out and "at iteration 3" in out
     assert (ckpt / "latest").read_text() == "global_step7"
+
+
+def test_no_checkpoint_is_saved_during_a_run_of_nonfinite_steps(saved):
+    """Fault: lr 1e30 makes every step after the first non-finite. Promise: the steps of the
+    streak save nothing (`latest` stays on the last good checkpoint, step 3 of the reference
+    run), and the stop names that checkpoint."""
+    cfg, ckpt = copy_run(
+        saved,
+        "nan",
+        train_iters=12,
+        checkpoint_factor=1,
+        no_load_optim=True,
+        optimizer={"type": "Adam", "params": {"lr": 1.0e30}},
+        max_nonfinite_steps=4,
+    )
+    (ckpt / "latest").write_text("global_step3")
+    import shutil
+
+    shutil.rmtree(ckpt / "global_step6")
+    r = deepy(cfg)
+    out = r.stdout + r.stderr
+    assert r.returncode != 0, out[-3000:]
+    saved_steps = sorted(p.name for p in ckpt.iterdir() if p.name.startswith("global_step"))
+    assert "not saving at iteration 5: the last 1 step(s) had a non-finite" in out, out[-3000:]
+    assert (ckpt / "latest").read_text() == "global_step4"  # step 4 itself was finite
+    assert saved_steps == ["global_step3", "global_step4"]
+    assert f"the last checkpoint saved is {ckpt / 'global_step4'}, before them" in out
