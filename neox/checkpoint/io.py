@@ -1,5 +1,6 @@
 """Save and resume training through DeepSpeed, with the run's config kept beside the weights."""
 
+import errno
 import logging
 import random
 import shutil
@@ -19,7 +20,8 @@ from neox.checkpoint.find import (
     step_tags,
     tag_for,
 )
-from neox.checkpoint.manifest import digests, files_in, write_manifest
+from neox.checkpoint.lock import acquire
+from neox.checkpoint.manifest import digests, files_in, read_manifest, write_manifest
 from neox.checkpoint.trust import check_loadable, deepspeed_loads_safely
 from neox.config import NeoXConfig, write_config
 from neox.parallel.agree import all_ranks_max
@@ -106,18 +108,29 @@ def save_checkpoint(
     staging = save_dir / (tag + STAGING_SUFFIX)
     if rank == 0:
         save_dir.mkdir(parents=True, exist_ok=True)
+        acquire(save_dir)  # held since the start (load_checkpoint); a no-op then
         shutil.rmtree(staging, ignore_errors=True)  # left by a save that was killed
     torch.distributed.barrier()
     state = dict(client_state, iteration=iteration)
     if not c.no_save_rng:
         state["rng"] = rng_state()
-    # DeepSpeed's own `latest` is a plain write, made before other ranks are known to be done.
-    engine.save_checkpoint(str(save_dir), tag=staging.name, client_state=state, save_latest=False)
+    try:
+        # DeepSpeed's own `latest` is a plain write, made before other ranks are known done.
+        engine.save_checkpoint(
+            str(save_dir), tag=staging.name, client_state=state, save_latest=False
+        )
+    except Exception as e:
+        failed_save(e, save_dir, staging)
+        raise
     kill_point("shards", rank, iteration)
     torch.distributed.barrier()  # every rank's shards are written
     sums = shard_checksums(staging)
     if rank == 0:
-        finish_save(cfg, staging, save_dir / tag, iteration, padded_vocab_size, sums)
+        try:
+            finish_save(cfg, staging, save_dir / tag, iteration, padded_vocab_size, sums)
+        except Exception as e:
+            failed_save(e, save_dir, staging)
+            raise
         write_atomic(save_dir / "latest", tag)
         kill_point("latest", rank, iteration)
         write_config(cfg, save_dir / "config.yml")
@@ -125,6 +138,49 @@ def save_checkpoint(
         log.info("saved checkpoint %s", save_dir / tag)
     torch.distributed.barrier()
     return save_dir / tag
+
+
+def checkpoint_size(step_dir: Path) -> int:
+    """Bytes of a complete checkpoint, from its manifest (0 without one)."""
+    manifest, _ = read_manifest(step_dir)
+    return sum((manifest or {}).get("files", {}).values())
+
+
+def out_of_space(error: BaseException) -> bool:
+    """ENOSPC anywhere in the chain of causes, or its text in a C++ error that lost errno."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if getattr(error, "errno", None) == errno.ENOSPC or "No space left" in str(error):
+            return True
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def failed_save(error: Exception, save_dir: Path, staging: Path) -> None:
+    """After a save failed with `error`: its partial directory is removed (it would fill the
+    disk further), and a full disk is raised as a CheckpointError naming the space needed.
+
+    torch.save reports a full disk as a C++ stream error ("basic_ios::clear") without errno;
+    the save is taken as out of space too when, after removing the partial directory, the disk
+    has less room than the last checkpoint took.
+    """
+    staged = sum(f.stat().st_size for f in staging.rglob("*") if f.is_file())
+    shutil.rmtree(staging, ignore_errors=True)
+    latest = read_latest(save_dir)
+    need = max(staged, checkpoint_size(save_dir / latest) if latest else 0)
+    try:
+        free = shutil.disk_usage(save_dir).free
+    except OSError:
+        free = None
+    if out_of_space(error) or (free is not None and free < need):
+        room = "" if free is None else f"{free / 1e6:.1f} MB free, "
+        room += f"about {need / 1e6:.1f} MB needed"
+        raise CheckpointError(
+            f"saving checkpoint {staging.name.removesuffix(STAGING_SUFFIX)} to {save_dir} "
+            f"failed: No space left on device ({room}); the partial save was removed. Free "
+            "space (keep_last_n_checkpoints deletes old checkpoints) or point `save` elsewhere"
+        ) from error
 
 
 def shard_checksums(staging: Path) -> dict[str, str]:
@@ -177,6 +233,22 @@ def prune_checkpoints(save_dir: Path, keep: Optional[int]) -> None:
             shutil.rmtree(save_dir / tag, ignore_errors=True)
 
 
+def lock_save_dir(cfg: NeoXConfig) -> None:
+    """Rank 0 locks `save` for the life of the run (neox.checkpoint.lock); every rank raises
+    if another run holds it."""
+    if cfg.checkpoint.save is None:
+        return
+    error: list[Optional[str]] = [None]
+    if torch.distributed.get_rank() == 0:
+        try:
+            acquire(Path(cfg.checkpoint.save))
+        except (CheckpointError, OSError) as e:
+            error[0] = str(e)
+    torch.distributed.broadcast_object_list(error, src=0)
+    if error[0] is not None:
+        raise CheckpointError(error[0])
+
+
 def verify_checkpoint(step_dir: Path, trust: bool) -> Optional[str]:
     """Why the checkpoint cannot be resumed (a checksum differs, a file does not read), or None.
 
@@ -219,6 +291,7 @@ def load_checkpoint(engine, cfg: NeoXConfig) -> Optional[dict[str, Any]]:
     beyond tensors and the allow-list of neox.checkpoint.trust unless trust_checkpoint_code.
     """
     c = cfg.checkpoint
+    lock_save_dir(cfg)
     if c.load is None:
         return None
     resume = find_checkpoint(c.load)

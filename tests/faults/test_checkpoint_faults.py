@@ -176,3 +176,54 @@ def test_no_checkpoint_is_saved_during_a_run_of_nonfinite_steps(saved):
     assert (ckpt / "latest").read_text() == "global_step4"  # step 4 itself was finite
     assert saved_steps == ["global_step3", "global_step4"]
     assert f"the last checkpoint saved is {ckpt / 'global_step4'}, before them" in out
+
+
+def test_a_second_run_on_one_save_directory_is_refused_at_once(saved):
+    """Fault: another run holds the save directory. Promise: exit 2 before launch, naming its
+    pid and host; no checkpoint is touched."""
+    from tests.checkpoint.test_lock import hold
+
+    cfg, ckpt = copy_run(saved, "second", train_iters=9)
+    holder = hold(ckpt)
+    before = digest(ckpt)
+    try:
+        r = deepy(cfg)
+        after = digest(ckpt)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert f"is in use by another run (pid {holder.pid} on host" in r.stderr
+    assert "launching" not in r.stderr and "Traceback" not in r.stderr
+    assert after == before
+
+
+@pytest.fixture
+def small_fs(tmp_path) -> Iterator[Path]:
+    """A 1 MB tmpfs: room for one checkpoint of the tiny model (0.7 MB), not two."""
+    fs = tmp_path / "fs"
+    fs.mkdir()
+    r = mount("-t", "tmpfs", "-o", "size=1m", "tmpfs", str(fs))
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {r.stderr.strip()}")
+    try:
+        yield fs
+    finally:
+        subprocess.run(["umount", str(fs)], check=False)
+
+
+def test_a_save_that_fills_the_disk_says_so_and_leaves_no_partial(saved, small_fs):
+    """Fault: the disk fills during the second save. Promise: the error says "No space left on
+    device" with the directory, the partial save is removed, `latest` stays on the first; the
+    relaunch is refused before launch for want of room."""
+    ckpt = small_fs / "ckpt"
+    cfg = write_config(saved, "full", num_gpus=1, save=str(ckpt), load=str(ckpt))
+    r = deepy(cfg)
+    out = r.stdout + r.stderr
+    assert r.returncode != 0, out[-3000:]
+    assert f"saving checkpoint global_step6 to {ckpt} failed: No space left on device" in out
+    assert "basic_ios" not in out.split("No space left on device")[-1]
+    assert sorted(p.name for p in ckpt.iterdir() if p.name.startswith("global")) == ["global_step3"]
+    assert (ckpt / "latest").read_text() == "global_step3"
+    again = deepy(cfg)
+    assert again.returncode == 2 and "MB free, but one checkpoint needs" in again.stderr
