@@ -73,8 +73,14 @@ def _unpickler_reason(message: str) -> str:
 
 def check_loadable(path: Path, trust: bool = False) -> None:
     """Unpickle `path` weights-only without reading its tensors (memory-mapped): quick."""
-    if not trust:
+    if trust:
+        return
+    try:
         load_file(path, mmap=True)
+    except RuntimeError as e:
+        if "mmap" not in str(e):
+            raise
+        load_file(path)  # a legacy (non-zip) torch file cannot be memory-mapped
 
 
 @contextlib.contextmanager
