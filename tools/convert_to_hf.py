@@ -37,6 +37,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="HF class: neox = GPTNeoXForCausalLM, llama = LlamaForCausalLM",
     )
     p.add_argument(
+        "--trust-checkpoint",
+        action="store_true",
+        help="unpickle the checkpoint files fully (runs any code they hold); only for files you "
+        "trust: by default only tensors and neox's and DeepSpeed's own classes are read",
+    )
+    p.add_argument(
         "--verify",
         action="store_true",
         help="then load the output with transformers and check that its logits (fp32, within "
@@ -56,6 +62,7 @@ def main(argv: list[str] | None = None) -> None:
             precision=args.precision,
             architecture=args.architecture,
             overwrite=args.overwrite,
+            trust=args.trust_checkpoint,
         )
     print(f"wrote {args.output_dir}")
     if note:
@@ -64,7 +71,9 @@ def main(argv: list[str] | None = None) -> None:
         from neox.checkpoint.verify import VerifyError, verify_export
 
         with exit_on("convert_to_hf", VerifyError, what="verification failed"):
-            agreement = verify_export(args.output_dir, args.input_dir, args.iteration)
+            agreement = verify_export(
+                args.output_dir, args.input_dir, args.iteration, trust=args.trust_checkpoint
+            )
         print(agreement.describe())
 
 

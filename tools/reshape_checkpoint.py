@@ -23,6 +23,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_iteration(p, "reshape")
     p.add_argument("--tp", type=int, required=True, help="new model_parallel_size")
     p.add_argument("--pp", type=int, default=1, help="new pipe_parallel_size (default 1)")
+    p.add_argument(
+        "--trust-checkpoint",
+        action="store_true",
+        help="unpickle the checkpoint files fully (runs any code they hold); only for files you "
+        "trust: by default only tensors and neox's and DeepSpeed's own classes are read",
+    )
     return p.parse_args(argv)
 
 
@@ -36,6 +42,7 @@ def main(argv: list[str] | None = None) -> None:
             args.pp,
             iteration=args.iteration,
             overwrite=args.overwrite,
+            trust=args.trust_checkpoint,
         )
     print(f"wrote {tag_dir} at tp={args.tp} pp={args.pp}: weights only, no optimizer state;")
     print(f"start a run from it with `finetune: true` and `load: {args.output_dir}`")

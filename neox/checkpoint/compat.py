@@ -1,12 +1,12 @@
 """Before launch: the checkpoint to resume is found, and its saved config must describe the same
 model as the run's, or deepy.py stops with every differing field (no torch, no ranks started)."""
 
-import json
 import signal
 from pathlib import Path
 from typing import Optional
 
-from neox.checkpoint.find import MANIFEST, Resume, find_checkpoint, read_latest
+from neox.checkpoint.find import Resume, find_checkpoint, read_latest
+from neox.checkpoint.manifest import read_manifest
 from neox.config import ConfigError, Derived, NeoXConfig
 from neox.config.transport import read_saved_config
 
@@ -59,11 +59,23 @@ def architecture_differences(
     return diffs
 
 
+def read_checkpoint_config_file(path: Path) -> NeoXConfig:
+    """The config.yml a checkpoint holds; ConfigError (never a traceback) when it is damaged."""
+    try:
+        return read_saved_config(path)
+    except ConfigError:
+        raise
+    except Exception as e:  # YAML, decoding and schema errors of a damaged file
+        raise ConfigError(
+            f"{path} is not a readable neox config ({type(e).__name__}: {str(e)[:200]}); the "
+            "checkpoint is damaged: restore the file, or pass another checkpoint"
+        ) from None
+
+
 def saved_padded_vocab(resume: Resume) -> Optional[int]:
-    manifest = resume.path / MANIFEST
-    if not manifest.is_file():
-        return None
-    return json.loads(manifest.read_text()).get("padded_vocab_size")
+    manifest, _ = read_manifest(resume.path)  # find_checkpoint skipped an unreadable one
+    vocab = (manifest or {}).get("padded_vocab_size")
+    return vocab if isinstance(vocab, int) else None
 
 
 def check_resume(cfg: NeoXConfig, derived: Derived) -> str:
@@ -82,7 +94,7 @@ def check_resume(cfg: NeoXConfig, derived: Derived) -> str:
         return f"load={c.load} holds no checkpoint yet: training starts from scratch"
     saved_config = resume.path / "config.yml"
     if saved_config.is_file():
-        saved = read_saved_config(saved_config)
+        saved = read_checkpoint_config_file(saved_config)
         diffs = architecture_differences(
             saved, cfg, saved_padded_vocab(resume), derived.padded_vocab_size
         )

@@ -18,16 +18,18 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
-import pickle
 import re
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
+from neox.checkpoint.compat import read_checkpoint_config_file
 from neox.checkpoint.errors import CheckpointError
-from neox.checkpoint.find import step_tags, tag_for
-from neox.config import ConfigError, NeoXConfig, read_saved_config
+from neox.checkpoint.find import latest_tag, step_tags, tag_for
+from neox.checkpoint.manifest import MANIFEST, manifest_problem
+from neox.checkpoint.trust import check_loadable, load_file
+from neox.config import ConfigError, NeoXConfig
 from neox.model import GPTNeoX, build_model
 from neox.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from neox.parallel.tensor import TENSOR_PARALLEL_PLAN
@@ -96,7 +98,11 @@ def resolve_checkpoint(
                     f"{path} has no `latest` file ({found}); pass an iteration or one "
                     "global_stepN directory"
                 )
-            tag = latest.read_text().strip()
+            tag, garbage = latest_tag(path)
+            if garbage:
+                raise CheckpointError(
+                    f"ignoring {garbage}; pass an iteration or one global_stepN directory ({found})"
+                )
             tag_dir = path / tag
             if not tag_dir.is_dir():
                 raise CheckpointError(
@@ -116,20 +122,17 @@ def resolve_checkpoint(
     return tag_dir
 
 
-def load_file(path: Path) -> Any:
-    """torch.load on CPU, weights-only where the file allows it."""
-    import numpy as np
-
-    # train.py's client state holds numpy's RNG state; these rebuild exactly that array.
-    core = getattr(np, "_core", None) or np.core  # numpy 2 renamed np.core
-    numpy_rng = [core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
-    try:
-        with torch.serialization.safe_globals(numpy_rng):
-            return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        # Client state from other code may hold other objects; the file is the user's own run.
-        log.warning("%s is not weights-only loadable (%s); loading it fully", path, e)
-        return torch.load(path, map_location="cpu", weights_only=False)
+def verify_files(tag_dir: Path, paths: list[Path]) -> None:
+    """CheckpointError unless `paths` (and config.yml) match the checksums of the manifest."""
+    names = [str(p.relative_to(tag_dir)) for p in paths] + ["config.yml"]
+    problem = manifest_problem(tag_dir, verify=True, only=names)
+    if problem is not None:
+        raise CheckpointError(
+            f"checkpoint {tag_dir} cannot be used: {problem}; pass another iteration (or "
+            f"restore the file from a copy)"
+        )
+    if not (tag_dir / MANIFEST).is_file():
+        log.info("%s has no %s: its files' checksums cannot be checked", tag_dir, MANIFEST)
 
 
 def partition_dim(name: str) -> Optional[int]:
@@ -159,32 +162,34 @@ def _ranked(files: list[tuple[int, Any]], tp: int, what: str, directory: Path) -
     return [by_rank[r] for r in range(tp)]
 
 
-def _mp_shards(tag_dir: Path, tp: int) -> list[StateDict]:
+def _mp_shards(tag_dir: Path, tp: int, trust: bool) -> list[StateDict]:
     files = [(int(m.group(1)), p) for p in tag_dir.iterdir() if (m := MP_FILE.match(p.name))]
+    paths = _ranked(files, tp, "mp_rank_XX_model_states.pt", tag_dir)
+    verify_files(tag_dir, paths)
     shards = []
-    for path in _ranked(files, tp, "mp_rank_XX_model_states.pt", tag_dir):
-        module = load_file(path).get("module")
+    for path in paths:
+        module = load_file(path, trust).get("module")
         if module is None:
             raise CheckpointError(f"{path} holds no module weights; it is not a pp=1 checkpoint")
         shards.append(dict(module))
     return shards
 
 
-def _pipeline_shards(tag_dir: Path, tp: int, num_layers: int) -> list[StateDict]:
+def _pipeline_shards(tag_dir: Path, tp: int, num_layers: int, trust: bool) -> list[StateDict]:
     by_tp: dict[int, StateDict] = {}
-    for path in sorted(tag_dir.iterdir()):
+    paths = sorted(p for p in tag_dir.iterdir() if LAYER_FILE.match(p.name))
+    verify_files(tag_dir, paths)
+    for path in paths:
         m = LAYER_FILE.match(path.name)
-        if not m:
-            continue
         layer, tp_rank = int(m.group(1)), int(m.group(2))
         # Blocks are layers 1..L; the embedding, final norm and head keep their plain names.
         prefix = f"layers.{layer - 1}." if 1 <= layer <= num_layers else ""
         shard = by_tp.setdefault(tp_rank, {})
-        shard.update({prefix + k: v for k, v in load_file(path).items()})
+        shard.update({prefix + k: v for k, v in load_file(path, trust).items()})
     return _ranked(list(by_tp.items()), tp, "layer_XX-model_YY-model_states.pt files", tag_dir)
 
 
-def _zero3_shards(tag_dir: Path, tp: int) -> list[StateDict]:
+def _zero3_shards(tag_dir: Path, tp: int, trust: bool) -> list[StateDict]:
     """Each tp rank's fp32 weights, gathered from its ZeRO-3 optimizer partitions."""
     from deepspeed.utils.zero_to_fp32 import (
         _get_fp32_state_dict_from_zero3_checkpoint,
@@ -196,6 +201,14 @@ def _zero3_shards(tag_dir: Path, tp: int) -> list[StateDict]:
     files = [(int(m.group(2)), p) for p in tag_dir.iterdir() if (m := ZERO3_FILE.match(p.name))]
     shards = []
     _ranked(files, tp, "zero_pp_rank_X_mp_rank_YY_model_states.pt", tag_dir)
+    # zero_to_fp32 unpickles with weights_only=False: every file it reads is checked first.
+    paths = [p for _, p in files] + [
+        Path(str(p).replace("model_states", "optim_states")) for _, p in files
+    ]
+    verify_files(tag_dir, [p for p in paths if p.is_file()])
+    for path in paths:
+        if path.is_file():
+            check_loadable(path, trust)
     for tp_rank in range(tp):
         model_files = sorted(str(p) for r, p in files if r == tp_rank)
         optim_files = sorted(str(p).replace("model_states", "optim_states") for p in model_files)
@@ -209,15 +222,16 @@ def _zero3_shards(tag_dir: Path, tp: int) -> list[StateDict]:
     return shards
 
 
-def read_shards(tag_dir: Path, tp: int, num_layers: int) -> list[StateDict]:
-    """One plain-named state dict per tensor-parallel rank (tp of them), whatever the layout."""
+def read_shards(tag_dir: Path, tp: int, num_layers: int, trust: bool = False) -> list[StateDict]:
+    """One plain-named state dict per tensor-parallel rank (tp of them), whatever the layout;
+    the files read are checked against the manifest's checksums first."""
     names = [p.name for p in tag_dir.iterdir()]
     if any(LAYER_FILE.match(n) for n in names):
-        return _pipeline_shards(tag_dir, tp, num_layers)
+        return _pipeline_shards(tag_dir, tp, num_layers, trust)
     if any(MP_FILE.match(n) for n in names):
-        return _mp_shards(tag_dir, tp)
+        return _mp_shards(tag_dir, tp, trust)
     if any(ZERO3_FILE.match(n) for n in names):
-        return _zero3_shards(tag_dir, tp)
+        return _zero3_shards(tag_dir, tp, trust)
     raise CheckpointError(
         f"{tag_dir} holds no model state files DeepSpeed writes (mp_rank_XX_model_states.pt, "
         f"layer_XX-model_YY-model_states.pt or zero_pp_rank_X_mp_rank_YY_model_states.pt); "
@@ -257,22 +271,31 @@ def check_state_dict(sd: StateDict, model: GPTNeoX, source: Path) -> None:
 
 
 def read_checkpoint_config(tag_dir: Path) -> NeoXConfig:
-    """The config.yml train.py saved in a global_stepN directory."""
+    """The config.yml train.py saved in a global_stepN directory (its checksum checked)."""
+    verify_files(tag_dir, [])
     try:
-        return read_saved_config(tag_dir / "config.yml")
+        return read_checkpoint_config_file(tag_dir / "config.yml")
     except ConfigError as e:
-        raise CheckpointError(f"{tag_dir / 'config.yml'} is not a valid neox config: {e}") from None
+        text = str(e)
+        if "is not a readable neox config" not in text:
+            text = f"{tag_dir / 'config.yml'} is not a valid neox config: {text}"
+        raise CheckpointError(text) from None
 
 
 def load_model_state(
-    path: str | Path, iteration: Optional[int] = None, config: Optional[NeoXConfig] = None
+    path: str | Path,
+    iteration: Optional[int] = None,
+    config: Optional[NeoXConfig] = None,
+    trust: bool = False,
 ) -> tuple[NeoXConfig, StateDict]:
     """The checkpoint's saved config (or `config`) and its full plain-GPTNeoX state dict (padded
-    vocabulary rows included), in the dtype training kept it (fp32 from ZeRO-3's partitions)."""
+    vocabulary rows included), in the dtype training kept it (fp32 from ZeRO-3's partitions).
+
+    `trust`: unpickle the files fully (they may run code), not weights-only."""
     tag_dir = resolve_checkpoint(path, iteration)
     cfg = config if config is not None else read_checkpoint_config(tag_dir)
     tp = cfg.parallel.model_parallel_size
-    sd = merge_tensor_parallel(read_shards(tag_dir, tp, cfg.model.num_layers))
+    sd = merge_tensor_parallel(read_shards(tag_dir, tp, cfg.model.num_layers, trust))
     if "embed_in.weight" not in sd:
         raise CheckpointError(f"{tag_dir} holds no embed_in.weight; it is not a neox checkpoint")
     padded_vocab = sd["embed_in.weight"].shape[0]
@@ -286,9 +309,10 @@ def load_model(
     iteration: Optional[int] = None,
     device: torch.device | str = "cpu",
     dtype: Optional[torch.dtype] = None,
+    trust: bool = False,
 ) -> tuple[GPTNeoX, NeoXConfig]:
     """The checkpoint's plain GPTNeoX in eval mode on `device` (in `dtype`, default as saved)."""
-    cfg, sd = load_model_state(path, iteration)
+    cfg, sd = load_model_state(path, iteration, trust=trust)
     model = build_model(cfg.model, sd["embed_in.weight"].shape[0], device="meta")
     model.load_state_dict(sd, strict=True, assign=True)
     return model.to(device=device, dtype=dtype).eval(), cfg

@@ -53,6 +53,7 @@ def export_to_hf(
     precision: str = "auto",
     architecture: str = "neox",
     overwrite: bool = False,
+    trust: bool = False,
 ) -> Optional[str]:
     """Write the checkpoint as an HF `architecture` model directory; returns a note when the
     tokenizer could not be exported (the model is written regardless)."""
@@ -73,7 +74,7 @@ def export_to_hf(
     note = export_problem(cfg.tokenizer)
     check_output_dir(Path(output_dir), overwrite, protected=[tag_dir])
 
-    _, sd = load_model_state(tag_dir, config=cfg)
+    _, sd = load_model_state(tag_dir, config=cfg, trust=trust)
     vocab = tokenizer.vocab_size
     if sd["embed_in.weight"].shape[0] < vocab:
         raise CheckpointError(

@@ -1,14 +1,16 @@
 """Which checkpoint a `load` directory resumes from: the one `latest` names if it is complete,
 else the newest complete one. Torch-free, so deepy.py can check before it launches anything."""
 
-import json
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+import yaml
+
+from neox.checkpoint.manifest import MANIFEST, manifest_problem, safe_name
+
 TAG_PREFIX = "global_step"
-MANIFEST = "manifest.json"
 # A save in progress writes here, and renames to the tag once every rank's shards are complete.
 STAGING_SUFFIX = ".partial"
 
@@ -22,9 +24,28 @@ def step_of(tag: str) -> Optional[int]:
     return int(rest) if rest.isdigit() else None
 
 
-def read_latest(load_dir: Path) -> Optional[str]:
+def latest_tag(load_dir: Path) -> tuple[Optional[str], Optional[str]]:
+    """(the tag `latest` names, None), (None, None) without one, or (None, why it is garbage).
+
+    `latest` is a one-line tag of a directory inside load_dir: binary bytes, several lines, an
+    absolute path or `..` are never followed.
+    """
     latest = Path(load_dir) / "latest"
-    return latest.read_text().strip() if latest.is_file() else None
+    if not latest.is_file():
+        return None, None
+    try:
+        raw = latest.read_bytes()[:1024].decode("utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None, f"{latest} is not text (binary bytes)"
+    tag = raw.strip()
+    if not tag or "\n" in tag or "/" in tag or not safe_name(tag) or not tag.isprintable():
+        return None, f"{latest} holds {tag[:80]!r}, not the name of a checkpoint directory"
+    return tag, None
+
+
+def read_latest(load_dir: Path) -> Optional[str]:
+    """The checkpoint tag `latest` names, or None (missing or garbage)."""
+    return latest_tag(load_dir)[0]
 
 
 def step_tags(load_dir: Path) -> list[str]:
@@ -37,27 +58,19 @@ def step_tags(load_dir: Path) -> list[str]:
     return sorted(tags, key=step_of, reverse=True)
 
 
-def checkpoint_problem(step_dir: Path) -> Optional[str]:
+def checkpoint_problem(step_dir: Path, verify: bool = False) -> Optional[str]:
     """Why the checkpoint in step_dir cannot be loaded, or None if it looks complete.
 
     With a manifest (written by neox once every shard is on disk) each file must be present at
-    its recorded size; every torch file must also end in a readable zip directory, which a
-    truncated write lacks. Reads no tensors, so it is quick even for large checkpoints.
+    its recorded size, and with `verify` match its recorded checksum (reads every byte);
+    every torch file must also end in a readable zip directory, which a truncated write lacks.
+    Without `verify` it reads no tensors, so it is quick even for large checkpoints.
     """
     if not step_dir.is_dir():
         return f"{step_dir} does not exist"
-    manifest = step_dir / MANIFEST
-    if manifest.is_file():
-        try:
-            files = json.loads(manifest.read_text())["files"]
-        except (ValueError, KeyError) as e:
-            return f"{manifest} is unreadable ({e})"
-        for name, size in files.items():
-            path = step_dir / name
-            if not path.is_file():
-                return f"{path} is missing"
-            if path.stat().st_size != size:
-                return f"{path} is {path.stat().st_size} bytes, {size} expected (truncated?)"
+    problem = manifest_problem(step_dir, verify=verify) or config_problem(step_dir)
+    if problem is not None:
+        return problem
     shards = sorted(step_dir.glob("*.pt"))
     if not any(p.name.endswith("model_states.pt") or p.name.startswith("layer_") for p in shards):
         return f"{step_dir} holds no model states (mp_rank_*_model_states.pt)"
@@ -65,9 +78,22 @@ def checkpoint_problem(step_dir: Path) -> Optional[str]:
         try:
             with zipfile.ZipFile(path):
                 pass
-        except (zipfile.BadZipFile, OSError) as e:
+        except (zipfile.BadZipFile, OSError, ValueError) as e:  # ValueError: a garbled name
             return f"{path} is not a complete torch file ({e}): truncated or corrupt"
     return None
+
+
+def config_problem(step_dir: Path) -> Optional[str]:
+    """Why the checkpoint's config.yml (if any) is not a YAML mapping, or None."""
+    path = step_dir / "config.yml"
+    if not path.is_file():
+        return None
+    try:
+        if isinstance(yaml.safe_load(path.read_bytes().decode("utf-8")), dict):
+            return None
+        return f"{path} is not a config (no key: value mapping)"
+    except (UnicodeDecodeError, yaml.YAMLError) as e:
+        return f"{path} is garbled ({type(e).__name__})"
 
 
 @dataclass
@@ -77,6 +103,7 @@ class Resume:
     load_dir: Path
     tag: Optional[str]
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (tag, reason)
+    notes: list[str] = field(default_factory=list)  # e.g. a garbage `latest`, ignored
     # The older ones, to try if this one still fails to load: (tag, reason it cannot) or
     # (tag, None) when it looks complete.
     fallbacks: list[tuple[str, Optional[str]]] = field(default_factory=list)
@@ -86,17 +113,25 @@ class Resume:
         return self.load_dir / self.tag if self.tag else None
 
     def report(self) -> list[str]:
-        return [f"skipping checkpoint {tag}: {reason}" for tag, reason in self.skipped]
+        return self.notes + [f"skipping checkpoint {tag}: {reason}" for tag, reason in self.skipped]
 
 
 def find_checkpoint(load_dir: str) -> Resume:
     """The checkpoint `latest` names if it is complete, else the newest complete one."""
     root = Path(load_dir)
-    latest = read_latest(root)
-    order = ([latest] if latest else []) + [t for t in step_tags(root) if t != latest]
+    latest, garbage = latest_tag(root)
     resume = Resume(root, None)
+    if garbage:
+        resume.notes.append(f"ignoring {garbage}; resuming from the newest complete checkpoint")
+    tags = step_tags(root)
+    order = ([latest] if latest else []) + [t for t in tags if t != latest]
+    # Every save of neox ends with a manifest: where some checkpoints have one, a checkpoint
+    # without it lost it (and maybe more). Checkpoints of other tools have none at all.
+    manifests = any((root / t / MANIFEST).is_file() for t in tags)
     for tag in order:
         problem = checkpoint_problem(root / tag)
+        if problem is None and manifests and not (root / tag / MANIFEST).is_file():
+            problem = f"{root / tag} has lost its {MANIFEST} (neox writes one with every save)"
         if resume.tag is not None:
             resume.fallbacks.append((tag, problem))
         elif problem is not None:

@@ -1,6 +1,6 @@
 """Save and resume training through DeepSpeed, with the run's config kept beside the weights."""
 
-import json
+import errno
 import logging
 import random
 import shutil
@@ -13,13 +13,16 @@ import torch
 from neox.checkpoint.atomic import fsync_path, fsync_tree, kill_point, write_atomic
 from neox.checkpoint.errors import CheckpointError
 from neox.checkpoint.find import (
-    MANIFEST,
     STAGING_SUFFIX,
+    checkpoint_problem,
     find_checkpoint,
     read_latest,
     step_tags,
     tag_for,
 )
+from neox.checkpoint.lock import acquire
+from neox.checkpoint.manifest import digests, files_in, read_manifest, write_manifest
+from neox.checkpoint.trust import check_loadable, deepspeed_loads_safely
 from neox.config import NeoXConfig, write_config
 from neox.parallel.agree import all_ranks_max
 
@@ -42,6 +45,27 @@ def should_save(cfg: NeoXConfig, iteration: int) -> bool:
     while power < iteration:
         power *= factor
     return power == iteration
+
+
+def poisoned(nonfinite_in_a_row: int, iteration: int) -> bool:
+    """True while a run of non-finite steps is in progress on any rank: the weights may hold
+    NaN, so nothing is saved and `latest` stays on the last good checkpoint (all ranks agree)."""
+    if not all_ranks_max(int(nonfinite_in_a_row > 0)):
+        return False
+    if torch.distributed.get_rank() == 0:
+        log.warning(
+            "not saving at iteration %d: the last %d step(s) had a non-finite loss or gradient",
+            iteration,
+            nonfinite_in_a_row,
+        )
+    return True
+
+
+def last_saved(cfg: NeoXConfig) -> str:
+    """Where a run can restart from: the checkpoint `latest` names in `save`, in words."""
+    save = cfg.checkpoint.save
+    tag = read_latest(Path(save)) if save else None
+    return f"the last checkpoint saved is {Path(save) / tag}" if tag else "no checkpoint was saved"
 
 
 def rng_state() -> dict[str, Any]:
@@ -84,17 +108,29 @@ def save_checkpoint(
     staging = save_dir / (tag + STAGING_SUFFIX)
     if rank == 0:
         save_dir.mkdir(parents=True, exist_ok=True)
+        acquire(save_dir)  # held since the start (load_checkpoint); a no-op then
         shutil.rmtree(staging, ignore_errors=True)  # left by a save that was killed
     torch.distributed.barrier()
     state = dict(client_state, iteration=iteration)
     if not c.no_save_rng:
         state["rng"] = rng_state()
-    # DeepSpeed's own `latest` is a plain write, made before other ranks are known to be done.
-    engine.save_checkpoint(str(save_dir), tag=staging.name, client_state=state, save_latest=False)
+    try:
+        # DeepSpeed's own `latest` is a plain write, made before other ranks are known done.
+        engine.save_checkpoint(
+            str(save_dir), tag=staging.name, client_state=state, save_latest=False
+        )
+    except Exception as e:
+        failed_save(e, save_dir, staging)
+        raise
     kill_point("shards", rank, iteration)
     torch.distributed.barrier()  # every rank's shards are written
+    sums = shard_checksums(staging)
     if rank == 0:
-        finish_save(cfg, staging, save_dir / tag, iteration, padded_vocab_size)
+        try:
+            finish_save(cfg, staging, save_dir / tag, iteration, padded_vocab_size, sums)
+        except Exception as e:
+            failed_save(e, save_dir, staging)
+            raise
         write_atomic(save_dir / "latest", tag)
         kill_point("latest", rank, iteration)
         write_config(cfg, save_dir / "config.yml")
@@ -104,8 +140,65 @@ def save_checkpoint(
     return save_dir / tag
 
 
+def checkpoint_size(step_dir: Path) -> int:
+    """Bytes of a complete checkpoint, from its manifest (0 without one)."""
+    manifest, _ = read_manifest(step_dir)
+    return sum((manifest or {}).get("files", {}).values())
+
+
+def out_of_space(error: BaseException) -> bool:
+    """ENOSPC anywhere in the chain of causes, or its text in a C++ error that lost errno."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if getattr(error, "errno", None) == errno.ENOSPC or "No space left" in str(error):
+            return True
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def failed_save(error: Exception, save_dir: Path, staging: Path) -> None:
+    """After a save failed with `error`: its partial directory is removed (it would fill the
+    disk further), and a full disk is raised as a CheckpointError naming the space needed.
+
+    torch.save reports a full disk as a C++ stream error ("basic_ios::clear") without errno;
+    the save is taken as out of space too when, after removing the partial directory, the disk
+    has less room than the last checkpoint took.
+    """
+    staged = sum(f.stat().st_size for f in staging.rglob("*") if f.is_file())
+    shutil.rmtree(staging, ignore_errors=True)
+    latest = read_latest(save_dir)
+    need = max(staged, checkpoint_size(save_dir / latest) if latest else 0)
+    try:
+        free = shutil.disk_usage(save_dir).free
+    except OSError:
+        free = None
+    if out_of_space(error) or (free is not None and free < need):
+        room = "" if free is None else f"{free / 1e6:.1f} MB free, "
+        room += f"about {need / 1e6:.1f} MB needed"
+        raise CheckpointError(
+            f"saving checkpoint {staging.name.removesuffix(STAGING_SUFFIX)} to {save_dir} "
+            f"failed: No space left on device ({room}); the partial save was removed. Free "
+            "space (keep_last_n_checkpoints deletes old checkpoints) or point `save` elsewhere"
+        ) from error
+
+
+def shard_checksums(staging: Path) -> dict[str, str]:
+    """Checksums of the staged shards, each rank hashing a share of the files (all ranks)."""
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    mine = digests(staging, files_in(staging)[rank::world])
+    shares: list[Optional[dict[str, str]]] = [None] * world
+    torch.distributed.all_gather_object(shares, mine)
+    return {name: digest for share in shares for name, digest in (share or {}).items()}
+
+
 def finish_save(
-    cfg: NeoXConfig, staging: Path, final: Path, iteration: int, padded_vocab_size: Optional[int]
+    cfg: NeoXConfig,
+    staging: Path,
+    final: Path,
+    iteration: int,
+    padded_vocab_size: Optional[int],
+    sums: Optional[dict[str, str]] = None,
 ) -> None:
     """Config, tokenizer files and manifest into the staged checkpoint, then rename it in place."""
     write_config(cfg, staging / "config.yml")
@@ -114,13 +207,7 @@ def finish_save(
         if src and Path(src).is_file():
             (staging / "tokenizer").mkdir(exist_ok=True)
             shutil.copy2(src, staging / "tokenizer" / Path(src).name)
-    files = {
-        str(p.relative_to(staging)): p.stat().st_size
-        for p in sorted(staging.rglob("*"))
-        if p.is_file()
-    }
-    manifest = {"iteration": iteration, "padded_vocab_size": padded_vocab_size, "files": files}
-    (staging / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    write_manifest(staging, iteration, padded_vocab_size, known=sums)
     fsync_tree(staging)
     kill_point("manifest", 0, iteration)
     if final.exists():
@@ -146,13 +233,65 @@ def prune_checkpoints(save_dir: Path, keep: Optional[int]) -> None:
             shutil.rmtree(save_dir / tag, ignore_errors=True)
 
 
+def lock_save_dir(cfg: NeoXConfig) -> None:
+    """Rank 0 locks `save` for the life of the run (neox.checkpoint.lock); every rank raises
+    if another run holds it."""
+    if cfg.checkpoint.save is None:
+        return
+    error: list[Optional[str]] = [None]
+    if torch.distributed.get_rank() == 0:
+        try:
+            acquire(Path(cfg.checkpoint.save))
+        except (CheckpointError, OSError) as e:
+            error[0] = str(e)
+    torch.distributed.broadcast_object_list(error, src=0)
+    if error[0] is not None:
+        raise CheckpointError(error[0])
+
+
+def verify_checkpoint(step_dir: Path, trust: bool) -> Optional[str]:
+    """Why the checkpoint cannot be resumed (a checksum differs, a file does not read), or None.
+
+    Reads every byte once; UntrustedCheckpointError for a file holding objects a weights-only
+    load refuses (unless `trust`): a tampered checkpoint stops the run, it is not skipped.
+    """
+    problem = checkpoint_problem(step_dir, verify=True)
+    if problem is not None:
+        return problem
+    for path in sorted(step_dir.rglob("*.pt")):
+        try:
+            check_loadable(path, trust)
+        except CheckpointError:
+            raise
+        except Exception as e:  # torch raises many kinds for a damaged file
+            return f"{path} does not read ({type(e).__name__}: {str(e)[:200]})"
+    return None
+
+
+def verified_on_rank0(step_dir: Path, trust: bool) -> Optional[str]:
+    """verify_checkpoint run once (rank 0), its answer (or its refusal) given to every rank."""
+    answer: list[Any] = [None]
+    if torch.distributed.get_rank() == 0:
+        try:
+            answer[0] = ("problem", verify_checkpoint(step_dir, trust))
+        except CheckpointError as e:
+            answer[0] = ("refused", str(e))
+    torch.distributed.broadcast_object_list(answer, src=0)
+    kind, text = answer[0]
+    if kind == "refused":
+        raise CheckpointError(text)
+    return text
+
+
 def load_checkpoint(engine, cfg: NeoXConfig) -> Optional[dict[str, Any]]:
     """Resume from cfg.checkpoint.load if it holds a checkpoint; returns its client state.
 
-    The checkpoint `latest` names is used if it is complete, else the newest complete one
-    (each skipped one is reported with the reason).
+    The checkpoint `latest` names is used if it is complete and its checksums match, else the
+    newest one that is (each skipped one is reported with the reason). No file is unpickled
+    beyond tensors and the allow-list of neox.checkpoint.trust unless trust_checkpoint_code.
     """
     c = cfg.checkpoint
+    lock_save_dir(cfg)
     if c.load is None:
         return None
     resume = find_checkpoint(c.load)
@@ -173,14 +312,20 @@ def load_checkpoint(engine, cfg: NeoXConfig) -> Optional[dict[str, Any]]:
     # finetune from another TP/PP loads a re-laid-out copy of the weights.
     zero3 = engine.zero_optimization_partition_weights()
     failures = []
+    trust = c.trust_checkpoint_code
     for tag, problem in [(resume.tag, None), *resume.fallbacks]:
+        if problem is None:
+            problem = verified_on_rank0(Path(c.load) / tag, trust)
         if problem is not None:
             failures.append(f"{tag}: {problem}")
             if torch.distributed.get_rank() == 0:
                 log.warning("skipping checkpoint %s", failures[-1])
             continue
         try:
-            with checkpoint_for_run(c.load, cfg, zero3) as load_dir:
+            with (
+                checkpoint_for_run(c.load, cfg, zero3, tag) as load_dir,
+                deepspeed_loads_safely(engine, trust),
+            ):
                 path, state = engine.load_checkpoint(
                     load_dir,
                     # A re-laid-out copy holds one checkpoint, named by its own `latest`.

@@ -20,7 +20,7 @@ from neox.checkpoint.consolidate import (
     read_checkpoint_config,
     resolve_checkpoint,
 )
-from neox.checkpoint.find import TAG_PREFIX
+from neox.checkpoint.find import TAG_PREFIX, read_latest
 from neox.checkpoint.hf_tokenizer import build_run_tokenizer
 from neox.checkpoint.staging import check_output_dir, staged_directory
 from neox.checkpoint.writer import (
@@ -44,6 +44,7 @@ def reshape_checkpoint(
     *,
     iteration: Optional[int] = None,
     overwrite: bool = False,
+    trust: bool = False,
 ) -> Path:
     """Write the checkpoint's weights at tp/pp into output_dir (its iteration kept); returns
     the new global_stepN directory. The vocabulary rows follow the new tp's padding."""
@@ -56,7 +57,7 @@ def reshape_checkpoint(
     except (ValueError, OSError) as e:
         raise CheckpointError(f"cannot re-lay out {tag_dir}: {e}") from None
     check_output_dir(Path(output_dir), overwrite, protected=[tag_dir])
-    _, sd = load_model_state(tag_dir, config=saved)
+    _, sd = load_model_state(tag_dir, config=saved, trust=trust)
     sd = resize_vocab_rows(sd, rows)
     step = int(tag_dir.name.removeprefix(TAG_PREFIX))
     with staged_directory(Path(output_dir), overwrite) as tmp:
@@ -69,23 +70,26 @@ def _layout(cfg: NeoXConfig) -> tuple[int, int]:
 
 
 @contextlib.contextmanager
-def checkpoint_for_run(load_dir: str, cfg: NeoXConfig, zero3: bool) -> Iterator[str]:
-    """The directory this run's engine.load_checkpoint should read: `load_dir` itself, or for a
-    finetune run at another TP/PP (or ZeRO-3 files for a ZeRO 0-2 run) a re-laid-out copy that
-    rank 0 writes (in the run's save directory, else beside load_dir) and removes after the load."""
+def checkpoint_for_run(
+    load_dir: str, cfg: NeoXConfig, zero3: bool, tag: Optional[str] = None
+) -> Iterator[str]:
+    """The directory this run's engine.load_checkpoint should read for checkpoint `tag` (None:
+    the one `latest` names): `load_dir` itself, or for a finetune run at another TP/PP (or
+    ZeRO-3 files for a ZeRO 0-2 run) a re-laid-out copy that rank 0 writes (in the run's save
+    directory, else beside load_dir) and removes after the load."""
     import torch.distributed as dist
 
+    tag = tag or read_latest(Path(load_dir))
     if not cfg.training.finetune:
-        latest = Path(load_dir) / "latest"
-        tag_dir = Path(load_dir) / (latest.read_text().strip() if latest.is_file() else "")
-        if (tag_dir / WEIGHTS_ONLY).exists():
+        tag_dir = Path(load_dir) / (tag or "")
+        if tag and (tag_dir / WEIGHTS_ONLY).exists():
             raise CheckpointError(
                 f"{tag_dir} holds weights only (written by a conversion tool), nothing to resume "
                 "training from; set `finetune: true` to start a run from these weights"
             )
         yield load_dir
         return
-    tag_dir = resolve_checkpoint(load_dir, require_config=False)
+    tag_dir = resolve_checkpoint(Path(load_dir) / (tag or ""), require_config=False)
     if not (tag_dir / "config.yml").is_file():
         yield load_dir  # not written by train.py: its layout is unknown, DeepSpeed loads it as is
         return
@@ -117,7 +121,8 @@ def checkpoint_for_run(load_dir: str, cfg: NeoXConfig, zero3: bool) -> Iterator[
             )
             shutil.rmtree(relaid, ignore_errors=True)
             rows = padded_vocab(cfg, build_run_tokenizer(cfg.tokenizer).vocab_size)
-            _, sd = load_model_state(tag_dir, config=saved)
+            trust = cfg.checkpoint.trust_checkpoint_code
+            _, sd = load_model_state(tag_dir, config=saved, trust=trust)
             sd = resize_vocab_rows(sd, rows)
             write_checkpoint(sd, with_layout(saved, tp, pp), relaid, 0)
         except Exception as e:  # every rank raises it below, rather than waiting forever

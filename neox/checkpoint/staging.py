@@ -32,6 +32,26 @@ def check_output_dir(out: Path, overwrite: bool, protected: Iterable[Path] = ())
         )
 
 
+def current_umask() -> int:
+    mask = os.umask(0)  # the only portable way to read it is to set it
+    os.umask(mask)
+    return mask
+
+
+def apply_umask(root: Path) -> None:
+    """Give root and everything under it the modes a plain mkdir/open would have: mkdtemp makes
+    0700 and some writers (safetensors) 0600, whatever the user's umask says."""
+    mask = current_umask()
+    for path in [root, *root.rglob("*")]:
+        if path.is_symlink():
+            continue
+        if path.is_dir():
+            path.chmod(0o777 & ~mask)
+        else:
+            executable = path.stat().st_mode & 0o111
+            path.chmod((0o666 | executable) & ~mask)
+
+
 @contextlib.contextmanager
 def staged_directory(out: Path, overwrite: bool = False) -> Iterator[Path]:
     """Yield an empty temporary directory beside `out`; on success it replaces `out`, on error
@@ -45,6 +65,7 @@ def staged_directory(out: Path, overwrite: bool = False) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    apply_umask(tmp)
     old = None
     if out.exists():
         old = out.with_name(f".{out.name}.old-{os.getpid()}")

@@ -52,13 +52,14 @@ def verify_export(
     text: str = SAMPLE_TEXT,
     atol: float = 1e-4,
     new_tokens: int = 8,
+    trust: bool = False,
 ) -> Agreement:
     """Compare neox's fp32 model with transformers' fp32 load of `hf_dir` on `text`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from neox.tokenizer import build_tokenizer
 
-    model, cfg = load_model(checkpoint, iteration, device="cpu", dtype=torch.float32)
+    model, cfg = load_model(checkpoint, iteration, "cpu", torch.float32, trust=trust)
     t = cfg.tokenizer
     tokenizer = build_tokenizer(t.tokenizer_type, t.vocab_file, t.merge_file)
     vocab = tokenizer.vocab_size

@@ -20,6 +20,7 @@ import torch
 from neox.checkpoint.consolidate import CheckpointError, StateDict, partition_dim
 from neox.checkpoint.find import tag_for
 from neox.checkpoint.hf_map import VOCAB_MODULES, resize_vocab
+from neox.checkpoint.manifest import write_manifest
 from neox.config import NeoXConfig, load_dict, write_config
 from neox.parallel.layers import shard
 from neox.parallel.topology import Topology
@@ -124,6 +125,9 @@ def write_checkpoint(sd: StateDict, cfg: NeoXConfig, save_dir: Path, iteration: 
         "Model weights only (no optimizer state): start a run from them with `finetune: true`.\n"
     )
     write_config(cfg, tag_dir / "config.yml")
+    write_manifest(
+        tag_dir, iteration, sd["embed_in.weight"].shape[0] if "embed_in.weight" in sd else None
+    )
     write_config(cfg, save_dir / "config.yml")
     (save_dir / "latest").write_text(tag_for(iteration))
     log.info("wrote %s at tp=%d pp=%d", tag_dir, tp, pp)

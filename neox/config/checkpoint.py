@@ -58,6 +58,14 @@ class CheckpointConfig(ConfigGroup):
     no_load_rng: Annotated[bool, Reads("neox/checkpoint/io.py")] = False
     """Do not restore RNG state."""
 
+    trust_checkpoint_code: Annotated[
+        bool, Reads("neox/checkpoint/io.py", "neox/inference/loading.py")
+    ] = False
+    """Load checkpoint files with full unpickling, which runs any code a file holds. Off: only
+    tensors and the few classes neox's and DeepSpeed's own files hold are rebuilt, and a file
+    needing more is refused. Set it only for a checkpoint you trust (e.g. written by other code
+    with extra client state)."""
+
     checkpoint_validation_with_forward_pass: Annotated[
         bool,
         Refused(

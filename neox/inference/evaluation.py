@@ -31,12 +31,16 @@ log = logging.getLogger(__name__)
 
 
 def load_eval_model(
-    load: str, iteration: Optional[int], device: torch.device, dtype: torch.dtype
+    load: str,
+    iteration: Optional[int],
+    device: torch.device,
+    dtype: torch.dtype,
+    trust: bool = False,
 ) -> tuple[GPTNeoX, str]:
     """The whole model of checkpoint `iteration` (None: latest) in `load`, whatever layout
-    trained it, and the checkpoint's tag."""
+    trained it, and the checkpoint's tag (trust: trust_checkpoint_code)."""
     tag_dir = resolve_checkpoint(load, iteration)
-    model, _ = load_model(tag_dir, device=device, dtype=dtype)
+    model, _ = load_model(tag_dir, device=device, dtype=dtype, trust=trust)
     return model, tag_dir.name
 
 
@@ -171,6 +175,7 @@ def run_evaluation(cfg: NeoXConfig) -> Optional[tuple[Path, dict[str, Any]]]:
         cfg.training.iteration,
         device,
         generation_dtype(precision_of(cfg), device),
+        trust=cfg.checkpoint.trust_checkpoint_code,
     )
     t = cfg.tokenizer
     tokenizer = build_tokenizer(t.tokenizer_type, t.vocab_file, t.merge_file)

@@ -27,7 +27,8 @@ def load_state_dict(cfg: NeoXConfig) -> dict[str, torch.Tensor]:
     if cfg.checkpoint.load is None:
         raise ConfigError("no trained weights: set `load` to the `save` directory of a run")
     try:
-        _, state = load_model_state(cfg.checkpoint.load, cfg.training.iteration)
+        c = cfg.checkpoint
+        _, state = load_model_state(c.load, cfg.training.iteration, trust=c.trust_checkpoint_code)
     except CheckpointError as e:
         raise ConfigError(str(e)) from None
     return state

@@ -252,7 +252,7 @@ def preflight(loaded: LoadedConfig, script: str) -> tuple[Optional[int], list[st
     except ConfigError as e:
         problems.append(str(e))
     name = Path(script).name
-    checks = ([check_data] if name in NEEDS_DATA else []) + (
+    checks = ([check_data, check_save_lock] if name in NEEDS_DATA else []) + (
         [NEEDS_CHECKPOINT[name]] if name in NEEDS_CHECKPOINT else []
     )
     for check in checks:
@@ -278,11 +278,22 @@ def git_hash() -> Optional[str]:
 
 
 def checkpoint_bytes(cfg, derived) -> int:
-    """A lower bound of one checkpoint's size: the weights in their training precision."""
+    """One checkpoint's size, summed over every rank's files: the weights in their training
+    precision, the fp32 master copy (half precision only) and Adam's two fp32 moments."""
     from neox.plan.estimate import count_parameters
 
     params = count_parameters(cfg.model, derived.padded_vocab_size or 0)
-    return params * (2 if derived.precision in ("fp16", "bf16") else 4)
+    half = derived.precision in ("fp16", "bf16")
+    return params * ((2 + 4) if half else 4) + params * 8
+
+
+def check_save_lock(loaded: LoadedConfig) -> None:
+    """No other run holds the `save` directory (neox.checkpoint.lock)."""
+    from neox.checkpoint.lock import lock_problem
+
+    save = loaded.config.checkpoint.save
+    if save is not None and (problem := lock_problem(Path(save))) is not None:
+        raise ConfigError(f"{loaded.source_of('save')}: {problem}")
 
 
 def check_save_dir(loaded: LoadedConfig, derived, create: bool) -> None:
@@ -293,6 +304,8 @@ def check_save_dir(loaded: LoadedConfig, derived, create: bool) -> None:
             at the nearest existing ancestor (a dry run creates nothing).
     """
     import shutil
+
+    from neox.checkpoint.lock import reclaimable_bytes
 
     save = loaded.config.checkpoint.save
     if save is None:
@@ -308,7 +321,8 @@ def check_save_dir(loaded: LoadedConfig, derived, create: bool) -> None:
             finally:
                 probe.unlink(missing_ok=True)
         existing = next(p for p in (path, *path.parents) if p.exists())
-        free = shutil.disk_usage(existing).free
+        # Partial saves of a run that died are removed when the next run takes the save lock.
+        free = shutil.disk_usage(existing).free + reclaimable_bytes(path)
     except OSError as e:
         raise ConfigError(
             f"{where}: the checkpoint directory cannot be written ({e.strerror}); make it "
@@ -318,5 +332,6 @@ def check_save_dir(loaded: LoadedConfig, derived, create: bool) -> None:
     if free < need:
         raise ConfigError(
             f"{where}: {free / 1e6:.1f} MB free, but one checkpoint needs at least "
-            f"{need / 1e6:.1f} MB (the weights alone); free space or point `save` elsewhere"
+            f"{need / 1e6:.1f} MB (weights, fp32 master weights and optimizer states); free "
+            "space or point `save` elsewhere"
         )

@@ -345,9 +345,10 @@ class FlatEngine:
             "overflow": False,
             "clip_grad": self.clip,
             "base_optimizer_state": self.optimizer.state_dict(),
-            # DeepSpeed saves the fp32 partitions without the padding.
+            # DeepSpeed saves the fp32 partitions without the padding. A clone: torch.save of a
+            # view writes its whole storage (for fp32 runs, every rank's flat buffer).
             "single_partition_of_fp32_groups": [
-                g.master[: g.size - g.padding] for g in self.groups
+                g.master[: g.size - g.padding].clone() for g in self.groups
             ],
             "zero_stage": ZeroStageEnum.optimizer_states,
             "group_paddings": [g.padding for g in self.groups],

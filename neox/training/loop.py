@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-from neox.checkpoint.io import load_checkpoint, save_checkpoint, should_save
+from neox.checkpoint.io import last_saved, load_checkpoint, poisoned, save_checkpoint, should_save
 from neox.config import write_config
 from neox.config.derived import consumed_samples
 from neox.data.batch import Batch, build_batch
@@ -202,8 +202,9 @@ class StepRecords:
         if t.max_nonfinite_steps and self.in_a_row >= t.max_nonfinite_steps:
             raise NonFiniteSteps(
                 f"{self.in_a_row} steps in a row with a non-finite loss or gradient (iterations "
-                f"{iteration - self.in_a_row + 1} to {iteration}); stopping without saving. "
-                "Lower lr, raise warmup, or resume from the last checkpoint with another seed"
+                f"{iteration - self.in_a_row + 1} to {iteration}); stopping without saving "
+                f"({last_saved(run.cfg)}, before them). Lower lr, raise warmup, or resume from "
+                "it with another seed"
             )
         self.progress.update(metrics)
         if iteration % run.cfg.logging.log_interval == 0 or iteration == t.train_iters:
@@ -256,7 +257,7 @@ def train(
         saving = should_save(cfg, iteration) or (stopping and cfg.checkpoint.save)
         if saving or stopping or exiting:
             records.flush()
-        if saving:
+        if saving and not poisoned(records.in_a_row, iteration):
             save(run, iteration, writer)
             records.restart_clock()
         if stopping:
@@ -270,7 +271,8 @@ def train(
     progress.close()
     done = iteration >= t.train_iters
     if cfg.checkpoint.save and not should_save(cfg, iteration) and done and not stopping:
-        save(run, iteration, writer)
+        if not poisoned(records.in_a_row, iteration):
+            save(run, iteration, writer)
     if t.do_test and data.test is not None and (done or not t.do_train):
         test_stream = pipeline_stream(run, data.test) if run.is_pipeline else data.test
         test_loss = evaluate(run, test_stream, t.eval_iters)

@@ -62,6 +62,9 @@ def test_incomplete_or_edited_checkpoint_is_refused(trained, tmp_path):
     copy = tmp_path / "ckpt"
     shutil.copytree(trained["tp2"], copy)
     (copy / "global_step3" / "mp_rank_01_model_states.pt").unlink()
+    with pytest.raises(CheckpointError, match=r"mp_rank_01_model_states.pt is missing"):
+        load_model_state(copy)  # the manifest names it
+    (copy / "global_step3" / "manifest.json").unlink()
     with pytest.raises(CheckpointError, match=r"lacks .* tensor-parallel rank\(s\) \[1\]"):
         load_model_state(copy)
 
@@ -70,6 +73,9 @@ def test_incomplete_or_edited_checkpoint_is_refused(trained, tmp_path):
     saved = copy / "global_step3" / "config.yml"
     flat = yaml.safe_load(saved.read_text())
     saved.write_text(yaml.safe_dump(dict(flat, hidden_size=64)))
+    with pytest.raises(CheckpointError, match=r"config.yml is (\d+ bytes|corrupt)"):
+        load_model_state(copy)  # the manifest's size or checksum
+    (copy / "global_step3" / "manifest.json").unlink()
     with pytest.raises(CheckpointError, match="do not fit the model its config.yml describes"):
         load_model_state(copy)
 

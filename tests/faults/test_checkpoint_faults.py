@@ -98,3 +98,132 @@ def test_do_train_false_evaluates_and_saves_nothing(trained):
     metrics = (tmp / "run" / "logs" / "metrics.jsonl").read_text()
     assert '"split": "valid"' in metrics
     assert '"step": 4' not in metrics  # no training step past the checkpoint's 3
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> Path:
+    """A 6-step run (no tmpfs needed) that saved global_step3 and global_step6; its tmp path."""
+    tmp = tmp_path_factory.mktemp("ckpt_trust")
+    make_dataset(tmp / "data" / "chars")
+    train(write_config(tmp, "ref", num_gpus=1, train_iters=6))
+    return tmp
+
+
+def copy_run(tmp: Path, name: str, **overrides) -> tuple[Path, Path]:
+    """(config, checkpoint dir) of a run resuming from a copy of the reference checkpoints."""
+    import shutil
+
+    shutil.copytree(tmp / "ref" / "ckpt", tmp / name / "ckpt")
+    return write_config(tmp, name, num_gpus=1, **overrides), tmp / name / "ckpt"
+
+
+def test_a_planted_payload_is_refused_on_resume(saved):
+    """Fault: a pickle payload in mp_rank_00_model_states.pt (manifest updated to match).
+    Promise: the run refuses it, naming the file and the opt-in; the payload never runs."""
+    from tests.checkpoint.test_trust import plant
+
+    marker = saved / "MARKER"
+    cfg, ckpt = copy_run(saved, "planted", train_iters=9)
+    plant(ckpt / "global_step6", marker)
+    r = deepy(cfg)
+    out = r.stdout + r.stderr
+    assert r.returncode != 0, out[-3000:]
+    assert f"{ckpt / 'global_step6' / 'mp_rank_00_model_states.pt'} holds objects" in out
+    assert "trust_checkpoint_code: true" in out and "GLOBAL posix.system" in out
+    assert not marker.exists()
+
+
+def test_corrupt_bytes_fall_back_to_the_newest_good_checkpoint(saved):
+    """Fault: flipped bytes in the newest checkpoint's optimizer file, and garbage in `latest`.
+    Promise: a warning names the file and the run resumes from the checkpoint before it."""
+    from tests.checkpoint.test_trust import flip_byte
+
+    cfg, ckpt = copy_run(saved, "flipped", train_iters=7)
+    bad = ckpt / "global_step6" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    flip_byte(bad)
+    (ckpt / "latest").write_bytes(b"\x00\xff../../global_step6")
+    r = deepy(cfg)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-3000:]
+    assert f"ignoring {ckpt / 'latest'} is not text" in out
+    assert f"skipping checkpoint global_step6: {bad} is corrupt" in out
+    assert "resumed from" in out and "at iteration 3" in out
+    assert (ckpt / "latest").read_text() == "global_step7"
+
+
+def test_no_checkpoint_is_saved_during_a_run_of_nonfinite_steps(saved):
+    """Fault: lr 1e30 makes every step after the first non-finite. Promise: the steps of the
+    streak save nothing (`latest` stays on the last good checkpoint, step 3 of the reference
+    run), and the stop names that checkpoint."""
+    cfg, ckpt = copy_run(
+        saved,
+        "nan",
+        train_iters=12,
+        checkpoint_factor=1,
+        no_load_optim=True,
+        optimizer={"type": "Adam", "params": {"lr": 1.0e30}},
+        max_nonfinite_steps=4,
+    )
+    (ckpt / "latest").write_text("global_step3")
+    import shutil
+
+    shutil.rmtree(ckpt / "global_step6")
+    r = deepy(cfg)
+    out = r.stdout + r.stderr
+    assert r.returncode != 0, out[-3000:]
+    saved_steps = sorted(p.name for p in ckpt.iterdir() if p.name.startswith("global_step"))
+    assert "not saving at iteration 5: the last 1 step(s) had a non-finite" in out, out[-3000:]
+    assert (ckpt / "latest").read_text() == "global_step4"  # step 4 itself was finite
+    assert saved_steps == ["global_step3", "global_step4"]
+    assert f"the last checkpoint saved is {ckpt / 'global_step4'}, before them" in out
+
+
+def test_a_second_run_on_one_save_directory_is_refused_at_once(saved):
+    """Fault: another run holds the save directory. Promise: exit 2 before launch, naming its
+    pid and host; no checkpoint is touched."""
+    from tests.checkpoint.test_lock import hold
+
+    cfg, ckpt = copy_run(saved, "second", train_iters=9)
+    holder = hold(ckpt)
+    before = digest(ckpt)
+    try:
+        r = deepy(cfg)
+        after = digest(ckpt)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert f"is in use by another run (pid {holder.pid} on host" in r.stderr
+    assert "launching" not in r.stderr and "Traceback" not in r.stderr
+    assert after == before
+
+
+@pytest.fixture
+def small_fs(tmp_path) -> Iterator[Path]:
+    """A 1 MB tmpfs: room for one checkpoint of the tiny model (0.7 MB), not two."""
+    fs = tmp_path / "fs"
+    fs.mkdir()
+    r = mount("-t", "tmpfs", "-o", "size=1m", "tmpfs", str(fs))
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {r.stderr.strip()}")
+    try:
+        yield fs
+    finally:
+        subprocess.run(["umount", str(fs)], check=False)
+
+
+def test_a_save_that_fills_the_disk_says_so_and_leaves_no_partial(saved, small_fs):
+    """Fault: the disk fills during the second save. Promise: the error says "No space left on
+    device" with the directory, the partial save is removed, `latest` stays on the first; the
+    relaunch is refused before launch for want of room."""
+    ckpt = small_fs / "ckpt"
+    cfg = write_config(saved, "full", num_gpus=1, save=str(ckpt), load=str(ckpt))
+    r = deepy(cfg)
+    out = r.stdout + r.stderr
+    assert r.returncode != 0, out[-3000:]
+    assert f"saving checkpoint global_step6 to {ckpt} failed: No space left on device" in out
+    assert "basic_ios" not in out.split("No space left on device")[-1]
+    assert sorted(p.name for p in ckpt.iterdir() if p.name.startswith("global")) == ["global_step3"]
+    assert (ckpt / "latest").read_text() == "global_step3"
+    again = deepy(cfg)
+    assert again.returncode == 2 and "MB free, but one checkpoint needs" in again.stderr

@@ -1,0 +1,76 @@
+"""One run per save directory: the lock names its holder, dies with it, and the next holder
+clears what a dead run left."""
+
+import logging
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from neox.checkpoint.lock import (
+    LOCK_FILE,
+    SaveDirLocked,
+    acquire,
+    lock_problem,
+    reclaimable_bytes,
+    release,
+)
+from tests.train_helpers import ROOT
+
+
+def hold(save: Path) -> subprocess.Popen:
+    """Another process that takes the lock and keeps it until killed."""
+    code = (
+        "import sys, time\n"
+        "from neox.checkpoint.lock import acquire\n"
+        f"acquire({str(save)!r})\n"
+        "print('held', flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    p = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "held"
+    return p
+
+
+def test_a_held_lock_is_refused_naming_the_holder_then_taken_over(tmp_path, caplog):
+    save = tmp_path / "ckpt"
+    holder = hold(save)
+    try:
+        problem = lock_problem(save)
+        assert f"is in use by another run (pid {holder.pid} on host {socket.gethostname()}" in (
+            problem or ""
+        )
+        with pytest.raises(SaveDirLocked, match=f"pid {holder.pid}"):
+            acquire(save)
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    # The kernel dropped the dead holder's lock; its record and partial save are left.
+    partial = save / "global_step9.partial"
+    partial.mkdir()
+    (partial / "shard.pt").write_bytes(b"0" * 1000)
+    assert lock_problem(save) is None and reclaimable_bytes(save) == 1000
+    with caplog.at_level(logging.WARNING):
+        acquire(save)
+    try:
+        assert f"pid {holder.pid}" in caplog.text and "did not end cleanly" in caplog.text
+        assert not partial.exists()
+        assert f'"pid": {__import__("os").getpid()}' in (save / LOCK_FILE).read_text()
+    finally:
+        release(save)
+    assert (save / LOCK_FILE).read_text() == ""  # a clean end leaves no record
+
+
+def test_a_clean_exit_leaves_no_record(tmp_path):
+    save = tmp_path / "ckpt"
+    code = f"from neox.checkpoint.lock import acquire\nacquire({str(save)!r})\n"
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=60)
+    assert (save / LOCK_FILE).read_text() == ""
+    start = time.monotonic()
+    acquire(save)
+    release(save)
+    assert time.monotonic() - start < 5
