@@ -64,6 +64,10 @@ class LauncherConfig(ConfigGroup):
     export_env: list[str] = []
     """Extra environment variable names exported to every node (besides PYTHONPATH, NCCL_*, DS_*...)."""
 
+    skip_memory_check: bool = False
+    """Launch even when the memory estimate (tools/estimate.py) is over twice what each rank has
+    (GPU memory, or host memory per CPU rank); deepy.py refuses such a launch otherwise."""
+
     @model_validator(mode="after")
     def _check_counts(self) -> "LauncherConfig":
         if self.num_gpus is not None and self.num_gpus < 1:

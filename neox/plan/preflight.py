@@ -241,6 +241,53 @@ def describe_resume(loaded: LoadedConfig) -> str:
     return f"load={c.load} holds no checkpoint yet: training starts from scratch"
 
 
+# Optional packages (pyproject extras) a config needs on the ranks: module -> extra.
+EXTRAS = {"wandb": "wandb", "sentencepiece": "spm", "transformers": "export", "lm_eval": "eval"}
+
+
+def optional_package_problems(loaded: LoadedConfig, script: str) -> list[str]:
+    """Each optional package a key needs that this machine lacks (the ranks would fail on
+    import), naming the key and the install or the setting that avoids it."""
+    cfg = loaded.config
+    t = cfg.tokenizer.tokenizer_type
+    needs = []  # (module, key, value, what else to set)
+    if cfg.logging.use_wandb and Path(script).name in NEEDS_DATA:
+        needs.append(("wandb", "use_wandb", True, "set use_wandb: false"))
+    if t == "SPMTokenizer":
+        needs.append(("sentencepiece", "tokenizer_type", t, "use another tokenizer_type"))
+    if t == "HFGPT2Tokenizer":
+        needs.append(("transformers", "tokenizer_type", t, "use HFTokenizer with a JSON file"))
+    return [
+        f"{loaded.source_of(key)}: {key}={value} needs the {module} package, not installed "
+        f"here: pip install 'neox[{EXTRAS[module]}]' (or {fix})"
+        for module, key, value, fix in needs
+        if importlib.util.find_spec(module) is None
+    ]
+
+
+def precision_problem(loaded: LoadedConfig, precision: str, cpu_ranks: bool) -> Optional[str]:
+    """Why the ranks cannot compute in `precision`, or None. DeepSpeed's CPU accelerator has
+    fp16 only where oneDNN has it (AMX-FP16 CPUs): elsewhere every rank stops at engine build
+    with "Type fp16 is not supported on your device". Imports torch only for fp16 on CPU."""
+    if not cpu_ranks or precision != "fp16":
+        return None
+    import torch
+
+    try:
+        supported = bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    except (AttributeError, RuntimeError):  # the op DeepSpeed asks is absent from this torch
+        supported = False
+    if supported:
+        return None
+    keys = ("fp16", "precision")
+    where = next((w for k in keys if (w := loaded.source_of(k)) != "default"), "default")
+    return (
+        f"{where}: precision fp16 (fp16.enabled: true) is not supported by DeepSpeed on this machine's CPU "
+        "ranks; layer configs/cpu.yml last (fp32), or set fp16: {enabled: false} with "
+        "bf16: {enabled: true}, or run on GPUs"
+    )
+
+
 # Entry scripts that read training data.
 NEEDS_DATA = {"train.py"}
 # Entry scripts that read a trained checkpoint, with the check of what each one reads.
@@ -254,11 +301,12 @@ def preflight(loaded: LoadedConfig, script: str) -> tuple[Optional[int], list[st
     may plan for another machine where the files exist.
     """
     check_script(script)
-    problems = []
+    problems = optional_package_problems(loaded, script)
     vocab_size = None
     try:
         check_tokenizer_files(loaded)
-        vocab_size = tokenizer_vocab_size(loaded)
+        if not any("tokenizer_type=" in p for p in problems):  # its package is missing
+            vocab_size = tokenizer_vocab_size(loaded)
     except ConfigError as e:
         problems.append(str(e))
     name = Path(script).name
@@ -293,6 +341,21 @@ def checkpoint_bytes(cfg, derived) -> int:
 
     params = count_parameters(cfg.model, derived.padded_vocab_size or 0)
     return params * (2 if derived.precision in ("fp16", "bf16") else 4)
+
+
+def empty_path_problems(loaded: LoadedConfig) -> list[str]:
+    """`save: ""` or `load: ""`: gpt-neox reads an empty path as unset, so a run would never
+    save (or never resume) without a word; neox asks for null or a directory instead."""
+    c = loaded.config.checkpoint
+    return [
+        f"{loaded.source_of(key)}: {key}='' is an empty path, which would silently "
+        f"{what}; set {key}: null (or remove it) to {what}, or name a directory"
+        for key, value, what in (
+            ("save", c.save, "save no checkpoint"),
+            ("load", c.load, "start from scratch"),
+        )
+        if value is not None and not value.strip()
+    ]
 
 
 def check_save_dir(loaded: LoadedConfig, derived, create: bool) -> None:
