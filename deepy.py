@@ -27,6 +27,7 @@ from neox.plan.preflight import (
     git_hash,
     precision_problem,
     preflight,
+    split_problems,
 )
 from neox.plan.report import GPUS, estimate_report, estimate_vocab, fit_refusal, fit_warning
 
@@ -162,8 +163,10 @@ def main(argv: list[str]) -> int:
                 resume = check_resume(cfg, derived)
             except ConfigError as e:
                 problems.append(str(e))
-        if Path(args.script).name in NEEDS_DATA and (problem := memory_problem(cfg, derived, plan)):
-            problems.append(problem)
+        if Path(args.script).name in NEEDS_DATA:
+            problems += split_problems(loaded, derived.samples)
+            if problem := memory_problem(cfg, derived, plan):
+                problems.append(problem)
         if problems and not args.dry_run:
             raise ConfigError("\n".join(problems))
         if problems:

@@ -18,7 +18,7 @@ from neox.data.blendable import (
 from neox.data.gpt_dataset import GPTDataset
 from neox.data.indexed import IndexedDataset
 from neox.data.samplers import PretrainingSampler
-from neox.data.split import parse_split
+from neox.data.split import split_ranges
 
 logger = logging.getLogger(__name__)
 
@@ -27,10 +27,7 @@ SPLIT_NAMES = ("train", "valid", "test")
 
 def split_documents(split: str, num_documents: int) -> list[np.ndarray]:
     """Contiguous document ranges for train, valid and test, sized by the split weights."""
-    bounds = np.round(np.cumsum(np.asarray(parse_split(split))) * num_documents).astype(np.int64)
-    bounds = np.concatenate([[0], bounds])
-    bounds[-1] = num_documents  # rounding of the cumulative sum never drops the last document
-    return [np.arange(bounds[i], bounds[i + 1], dtype=np.int64) for i in range(3)]
+    return [np.arange(a, b, dtype=np.int64) for a, b in split_ranges(split, num_documents)]
 
 
 @dataclass

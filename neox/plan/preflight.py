@@ -55,6 +55,37 @@ def dataset_problem(prefix: str) -> Optional[str]:
     return None
 
 
+def split_problems(loaded: LoadedConfig, samples: tuple[int, int, int]) -> list[str]:
+    """A `split` of data_path that gives a split the run draws samples from no documents (cut as
+    the data loader cuts it); the dataset's problems themselves are check_data's."""
+    from neox.data.indexed import IndexedDataset, IndexedDatasetError
+    from neox.data.split import split_ranges
+
+    d = loaded.config.data
+    if not d.data_path:
+        return []
+    try:
+        dataset = IndexedDataset(d.data_path)
+    except (IndexedDatasetError, OSError):
+        return []
+    documents = len(dataset.sizes)
+    dataset.close()
+    fixes = {
+        "train": "use more data",
+        "valid": "set eval_iters: 0 or do_valid: false to evaluate nothing",
+        "test": "set do_test: false (or eval_iters: 0)",
+    }
+    counts = [b - a for a, b in split_ranges(d.split, documents)]
+    return [
+        f"{loaded.source_of('split')}: split={d.split!r} gives the {name} split no documents "
+        f"(train/valid/test get {'/'.join(map(str, counts))} of the {documents} in "
+        f"data_path={d.data_path!r}), but the run draws {need} {name} samples; raise the {name} "
+        f"part of split, or {fixes[name]}"
+        for name, docs, need in zip(("train", "valid", "test"), counts, samples)
+        if need > 0 and docs == 0
+    ]
+
+
 def check_script(script: str) -> None:
     """The per-rank entry script exists (DeepSpeed's runner would only fail on the ranks)."""
     if not Path(script).is_file():
@@ -348,7 +379,7 @@ def empty_path_problems(loaded: LoadedConfig) -> list[str]:
     save (or never resume) without a word; neox asks for null or a directory instead."""
     c = loaded.config.checkpoint
     return [
-        f"{loaded.source_of(key)}: {key}='' is an empty path, which would silently "
+        f"{loaded.source_of(key)}: {key}={value!r} is an empty path, which would silently "
         f"{what}; set {key}: null (or remove it) to {what}, or name a directory"
         for key, value, what in (
             ("save", c.save, "save no checkpoint"),

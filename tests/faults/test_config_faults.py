@@ -113,6 +113,20 @@ FAULTS = [
         "TiB per rank is over 2x the",
     ),
     Fault(
+        "split_leaves_valid_empty",
+        "a split that gives the valid split no documents while the run evaluates is refused "
+        "before launch (it was a traceback on every rank), the split and the fix named",
+        {"bad.yml": "{data}split: '1000,1,0'\n"},
+        "split='1000,1,0' gives the valid split no documents (train/valid/test get 60/0/0 of "
+        "the 60 in data_path=",
+    ),
+    Fault(
+        "split_leaves_train_empty",
+        "a split that gives train no documents is refused before launch",
+        {"bad.yml": "{data}split: '0,1,0'\n"},
+        "gives the train split no documents",
+    ),
+    Fault(
         "export_env_unset",
         "launcher.export_env naming a variable this shell lacks is named (it was a traceback)",
         {"bad.yml": "export_env: [NEOX_NOT_SET_ANYWHERE]\n"},
