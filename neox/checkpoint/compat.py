@@ -1,12 +1,20 @@
 """Before launch: the checkpoint to resume is found, and its saved config must describe the same
 model as the run's, or deepy.py stops with every differing field (no torch, no ranks started)."""
 
+import hashlib
 import json
 import signal
 from pathlib import Path
 from typing import Optional
 
-from neox.checkpoint.find import MANIFEST, Resume, find_checkpoint, read_latest
+from neox.checkpoint.find import (
+    MANIFEST,
+    WEIGHTS_ONLY,
+    Resume,
+    find_checkpoint,
+    read_latest,
+    step_of,
+)
 from neox.config import ConfigError, Derived, NeoXConfig
 from neox.config.transport import read_saved_config
 
@@ -56,7 +64,64 @@ def architecture_differences(
             a, b = getattr(saved.parallel, key), getattr(cfg.parallel, key)
             if a != b:
                 diffs.append(f"{name} {a} (checkpoint) vs {b} (config)")
+        # A finetune may change the rotary base on purpose (longer context); a resume may not.
+        a, b = saved.model.rotary_emb_base, cfg.model.rotary_emb_base
+        if saved.model.pos_emb == "rotary" and a != b:
+            diffs.append(f"rotary_emb_base {a} (checkpoint) vs {b} (config)")
     return diffs
+
+
+def _fingerprint(path: Optional[Path]) -> Optional[str]:
+    if path is None or not path.is_file():
+        return None
+    data = path.read_bytes()
+    return f"{len(data)} bytes, sha256 {hashlib.sha256(data).hexdigest()[:12]}"
+
+
+def tokenizer_differences(saved: NeoXConfig, step_dir: Path, cfg: NeoXConfig) -> list[str]:
+    """How cfg's tokenizer differs from the one the checkpoint in step_dir was trained with.
+
+    The checkpoint's files are the copies neox saves in step_dir/tokenizer/ (else the paths its
+    config.yml names); files are compared by content, so a moved copy is the same tokenizer.
+    A file missing on either side is compared by name only (preflight reports missing ones).
+    """
+    a, b = saved.tokenizer, cfg.tokenizer
+    if a.tokenizer_type != b.tokenizer_type:
+        return [f"tokenizer_type {a.tokenizer_type} (checkpoint) vs {b.tokenizer_type} (config)"]
+    diffs = []
+    for key in ("vocab_file", "merge_file"):
+        theirs, mine = getattr(a, key), getattr(b, key)
+        if theirs is None or mine is None:
+            if theirs != mine:
+                diffs.append(f"{key} {theirs} (checkpoint) vs {mine} (config)")
+            continue
+        copy = step_dir / "tokenizer" / Path(theirs).name
+        their_print = _fingerprint(copy if copy.is_file() else Path(theirs))
+        my_print = _fingerprint(Path(mine))
+        if their_print is None or my_print is None:
+            if Path(theirs).name != Path(mine).name:
+                diffs.append(f"{key} {theirs} (checkpoint) vs {mine} (config)")
+        elif their_print != my_print:
+            diffs.append(f"{key} {theirs} ({their_print}, checkpoint) vs {mine} ({my_print})")
+    return diffs
+
+
+def tokenizer_mismatch(saved: NeoXConfig, step_dir: Path, cfg: NeoXConfig) -> Optional[str]:
+    """The refusal when cfg's tokenizer is not the checkpoint's (token ids would mean other
+    text: training goes on from garbage, generation and perplexity are wrong), else None."""
+    if cfg.checkpoint.allow_tokenizer_mismatch:
+        return None
+    diffs = tokenizer_differences(saved, step_dir, cfg)
+    if not diffs:
+        return None
+    copies = step_dir / "tokenizer"
+    where = f"the copies in {copies}" if copies.is_dir() else f"those in {step_dir}/config.yml"
+    return (
+        f"the checkpoint {step_dir} was trained with another tokenizer than this config's:"
+        + "".join(f"\n  {d}" for d in diffs)
+        + f"\nuse the checkpoint's tokenizer ({where}), or set allow_tokenizer_mismatch: true "
+        "if the token ids mean the same text"
+    )
 
 
 def saved_padded_vocab(resume: Resume) -> Optional[int]:
@@ -80,9 +145,24 @@ def check_resume(cfg: NeoXConfig, derived: Derived) -> str:
                 "point `load` at another directory, or remove the broken ones to start over"
             )
         return f"load={c.load} holds no checkpoint yet: training starts from scratch"
+    step = step_of(resume.tag)
+    if (resume.path / WEIGHTS_ONLY).is_file() and not cfg.training.finetune:
+        raise ConfigError(
+            f"checkpoint {resume.path} holds weights only (written by a conversion tool, no "
+            "optimizer state or iteration to resume); set `finetune: true` to start a run from "
+            "these weights"
+        )
+    if step is not None and not cfg.training.finetune and step > cfg.training.train_iters:
+        raise ConfigError(
+            f"train_iters={cfg.training.train_iters} is below the step of the checkpoint it "
+            f"resumes, {step} ({resume.path}): nothing would be trained and step {step} saved "
+            f"again; set train_iters above {step} to train on, or point `load` elsewhere"
+        )
     saved_config = resume.path / "config.yml"
     if saved_config.is_file():
         saved = read_saved_config(saved_config)
+        if problem := tokenizer_mismatch(saved, resume.path, cfg):
+            raise ConfigError(problem)
         diffs = architecture_differences(
             saved, cfg, saved_padded_vocab(resume), derived.padded_vocab_size
         )

@@ -38,6 +38,11 @@ class CheckpointConfig(ConfigGroup):
     no_load_rng: bool = False
     """Do not restore RNG state."""
 
+    allow_tokenizer_mismatch: bool = False
+    """Accept a tokenizer other than the one the checkpoint in `load` was trained with (another
+    tokenizer_type, or vocab/merge files of other content). train.py, generate.py, eval.py and
+    tools/convert_to_hf.py refuse one otherwise: its token ids would mean other text."""
+
     checkpoint_validation_with_forward_pass: bool = False
     """Check a loaded checkpoint with a forward pass (gpt-neox key; not implemented: must be
     false)."""

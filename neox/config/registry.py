@@ -205,6 +205,7 @@ KEYS: dict[str, Status] = {
     "no_save_rng": _reads(CKPT),
     "no_load_optim": _reads(CKPT),
     "no_load_rng": _reads(CKPT),
+    "allow_tokenizer_mismatch": _reads("neox/checkpoint/compat.py"),
     "checkpoint_validation_with_forward_pass": Refused("checkpoint validation", True),
     "save_iters": NoOp(),
     # logging
