@@ -22,6 +22,7 @@ from neox.plan.memory import GiB
 from neox.plan.preflight import (
     NEEDS_CHECKPOINT,
     NEEDS_DATA,
+    adopt_checkpoint_tokenizer,
     check_save_dir,
     empty_path_problems,
     git_hash,
@@ -138,6 +139,10 @@ def main(argv: list[str]) -> int:
         cfg = loaded.config
         for override in loaded.overrides:
             print(f"override  {override}")
+        if Path(args.script).name in NEEDS_CHECKPOINT and (
+            note := adopt_checkpoint_tokenizer(loaded)
+        ):
+            print(note)
         plan = build_launch(cfg.launcher, args.script, ["--neox_config", encode(cfg)])
         if args.dry_run:
             plan = plan_smallest_layout(cfg, plan, args.script)

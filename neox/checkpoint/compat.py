@@ -14,8 +14,10 @@ from neox.checkpoint.find import (
     find_checkpoint,
     read_latest,
     step_of,
+    tag_for,
 )
 from neox.config import ConfigError, Derived, NeoXConfig
+from neox.config.data import TokenizerConfig
 from neox.config.transport import read_saved_config
 
 # Model fields that change parameter shapes or what the weights mean.
@@ -129,6 +131,43 @@ def saved_padded_vocab(resume: Resume) -> Optional[int]:
     if not manifest.is_file():
         return None
     return json.loads(manifest.read_text()).get("padded_vocab_size")
+
+
+def checkpoint_dir(load: str, iteration: Optional[int] = None) -> Optional[Path]:
+    """The global_stepN directory generate.py and eval.py read from `load` (a save directory or
+    one global_stepN in it), or None when there is none to read."""
+    root = Path(load)
+    if any(root.glob("*model_states.pt")):
+        return root
+    if iteration is not None:
+        tag_dir = root / tag_for(iteration)
+        return tag_dir if tag_dir.is_dir() else None
+    return find_checkpoint(load).path
+
+
+def checkpoint_tokenizer(cfg: NeoXConfig) -> Optional[TokenizerConfig]:
+    """The tokenizer keys the checkpoint cfg reads was trained with, its files pointed at the
+    copies saved in the checkpoint; None without a checkpoint or its config.yml."""
+    step_dir = checkpoint_dir(cfg.checkpoint.load, cfg.training.iteration)
+    if step_dir is None or not (step_dir / "config.yml").is_file():
+        return None
+    saved = read_saved_config(step_dir / "config.yml").tokenizer
+    copies = {}
+    for key in ("vocab_file", "merge_file"):
+        name = getattr(saved, key)
+        if name and (copy := step_dir / "tokenizer" / Path(name).name).is_file():
+            copies[key] = str(copy)
+    return saved.model_copy(update=copies)
+
+
+def checkpoint_tokenizer_problem(cfg: NeoXConfig) -> Optional[str]:
+    """generate.py, eval.py: the refusal when cfg's tokenizer is not its checkpoint's."""
+    if cfg.checkpoint.load is None:
+        return None
+    step_dir = checkpoint_dir(cfg.checkpoint.load, cfg.training.iteration)
+    if step_dir is None or not (step_dir / "config.yml").is_file():
+        return None
+    return tokenizer_mismatch(read_saved_config(step_dir / "config.yml"), step_dir, cfg)
 
 
 def check_resume(cfg: NeoXConfig, derived: Derived) -> str:

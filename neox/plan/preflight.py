@@ -153,7 +153,7 @@ def check_eval(loaded: LoadedConfig) -> None:
     cfg = loaded.config
     e = cfg.eval
     problem = checkpoint_problem(cfg.checkpoint.load, cfg.training.iteration)
-    problems = [problem] if problem else []
+    problems = [problem] if problem else tokenizer_problems(cfg)
     if not e.has_work:
         problems.append(
             "eval.py has nothing to evaluate: set eval_input_file, eval_split, eval_lambada_file "
@@ -238,11 +238,40 @@ def checkpoint_problem(load: Optional[str], iteration: Optional[int] = None) -> 
     return None
 
 
+def tokenizer_problems(cfg) -> list[str]:
+    """The config's tokenizer against the one the checkpoint to read was trained with."""
+    from neox.checkpoint.compat import checkpoint_tokenizer_problem
+
+    problem = checkpoint_tokenizer_problem(cfg)
+    return [problem] if problem else []
+
+
+TOKENIZER_KEYS = ("tokenizer_type", "vocab_file", "merge_file", "padded_vocab_size")
+
+
+def adopt_checkpoint_tokenizer(loaded: LoadedConfig) -> Optional[str]:
+    """generate.py, eval.py: with no tokenizer key in the configs, use the checkpoint's own
+    tokenizer (its saved copy); returns the line saying so, or None."""
+    from neox.checkpoint.compat import checkpoint_tokenizer
+
+    cfg = loaded.config
+    if cfg.checkpoint.load is None or any(loaded.source_of(k) != "default" for k in TOKENIZER_KEYS):
+        return None
+    tokenizer = checkpoint_tokenizer(cfg)
+    if tokenizer is None:
+        return None
+    cfg.tokenizer = tokenizer
+    files = ", ".join(f for f in (tokenizer.vocab_file, tokenizer.merge_file) if f)
+    return (
+        f"tokenizer: the checkpoint's own, {tokenizer.tokenizer_type}{' ' + files if files else ''}"
+    )
+
+
 def check_generation(loaded: LoadedConfig) -> None:
     """generate.py: the checkpoint to read exists, and so does the prompt file it needs."""
     cfg = loaded.config
     problem = checkpoint_problem(cfg.checkpoint.load, cfg.training.iteration)
-    problems = [problem] if problem else []
+    problems = [problem] if problem else tokenizer_problems(cfg)
     g, m = cfg.generation, cfg.model
     if not g.recompute and (m.pos_emb == "alibi" or m.sliding_window_width is not None):
         what = "pos_emb=alibi" if m.pos_emb == "alibi" else "sliding_window_width"
