@@ -170,6 +170,23 @@ def checkpoint_tokenizer_problem(cfg: NeoXConfig) -> Optional[str]:
     return tokenizer_mismatch(read_saved_config(step_dir / "config.yml"), step_dir, cfg)
 
 
+def finetune_restart(saved: NeoXConfig, cfg: NeoXConfig, step: Optional[int]) -> Optional[str]:
+    """The converse of resuming weights only: a finetune run relaunched as it was (save = load,
+    finetune: true) would load its own checkpoint as new weights and start over at iteration 0,
+    repeating its schedule and overwriting its checkpoints."""
+    c = cfg.checkpoint
+    if not (cfg.training.finetune and saved.training.finetune and step and c.save):
+        return None
+    if Path(c.save).resolve() != Path(c.load).resolve():
+        return None
+    return (
+        f"this finetune run's own step {step} (saved with finetune: true into save = load = "
+        f"{c.load}); finetune: true would start it over at iteration 0 on those weights. To "
+        "resume it, set finetune: false (it then resumes the optimizer and the iteration); to "
+        "finetune again, point `load` at the checkpoint to start from and `save` elsewhere"
+    )
+
+
 def check_resume(cfg: NeoXConfig, derived: Derived) -> str:
     """One line on what the run resumes from; ConfigError when it cannot resume from it."""
     c = cfg.checkpoint
@@ -202,6 +219,8 @@ def check_resume(cfg: NeoXConfig, derived: Derived) -> str:
         saved = read_saved_config(saved_config)
         if problem := tokenizer_mismatch(saved, resume.path, cfg):
             raise ConfigError(problem)
+        if problem := finetune_restart(saved, cfg, step):
+            raise ConfigError(f"checkpoint {resume.path}: {problem}")
         diffs = architecture_differences(
             saved, cfg, saved_padded_vocab(resume), derived.padded_vocab_size
         )

@@ -98,3 +98,17 @@ def test_tokenizer_mismatch_compares_names_when_a_file_is_missing(tmp_path):
     assert tokenizer_mismatch(saved, step_dir, named) is None  # same name, file not here
     other = load_dict({**MODEL, "vocab_file": str(tmp_path / "elsewhere" / "other.json")})
     assert "vocab_file" in tokenizer_mismatch(saved, step_dir, other)
+
+
+def test_a_finetune_run_relaunched_unchanged_is_refused(tmp_path):
+    """The converse of weights only: finetune: true on the run's own finetune checkpoint (save =
+    load) would restart at iteration 0 on the finetuned weights and overwrite its saves."""
+    save_step(tmp_path, 20, '{"v": 1}', finetune=True)
+    ckpt = str(tmp_path / "ckpt")
+    again = run_config(tmp_path, finetune=True, save=ckpt, train_iters=50)
+    with pytest.raises(ConfigError, match="this finetune run's own step 20 .* set finetune: false"):
+        check(again)
+    assert check(run_config(tmp_path, save=ckpt, train_iters=50)).startswith("resuming from")
+    # Finetuning from it into another directory is a new finetune: fine.
+    other = run_config(tmp_path, finetune=True, save=str(tmp_path / "next"), train_iters=50)
+    assert check(other).startswith("finetuning from")

@@ -260,3 +260,46 @@ def test_optional_package_a_key_needs_is_named_before_launch(
     err = capsys.readouterr().err
     assert f"{bad}: {message}" in err and "pip install 'neox[" in err, err
     assert not (tmp_path / "logs").exists() and not (tmp_path / "ckpt").exists()
+
+
+@pytest.mark.parametrize(
+    "fault, keys, message",
+    [
+        (
+            "train_iters_below_the_checkpoint",
+            {"train_iters": 20},
+            "train_iters=20 is below the step of the checkpoint it resumes, 30",
+        ),
+        ("weights_only_without_finetune", {}, "holds weights only"),
+        (
+            "another_rotary_base",
+            {"rotary_emb_base": 500000},
+            "rotary_emb_base 10000 (checkpoint) vs 500000 (config)",
+        ),
+    ],
+)
+def test_resume_mistakes_stop_a_real_launch(fault, keys, message, tmp_path):
+    """Faults: resuming past the run's end (it re-saved the step silently), weights only without
+    finetune, another rotary base (accepted silently). Promise: before launch, named."""
+    import torch
+
+    from neox.checkpoint.find import WEIGHTS_ONLY
+    from neox.config import load_config, write_config
+
+    make_dataset(tmp_path / "chars")
+    run = tmp_path / "run.yml"
+    run.write_text(data_config(tmp_path, load=str(tmp_path / "ckpt")))
+    step = tmp_path / "ckpt" / "global_step30"
+    step.mkdir(parents=True)
+    torch.save({"w": torch.zeros(4)}, step / "mp_rank_00_model_states.pt")
+    write_config(load_config([ROOT / "configs" / "tiny.yml", run]).config, step / "config.yml")
+    (tmp_path / "ckpt" / "latest").write_text("global_step30")
+    if fault == "weights_only_without_finetune":
+        (step / WEIGHTS_ONLY).write_text("weights only\n")
+    before = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    bad = tmp_path / "bad.yml"
+    bad.write_text(yaml.safe_dump(keys))
+    r = run_deepy("train.py", "configs/tiny.yml", run, bad, check=False)
+    assert r.returncode == 2 and message in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and not (tmp_path / "logs").exists()
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == before
