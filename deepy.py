@@ -24,11 +24,9 @@ from neox.plan.preflight import (
     NEEDS_DATA,
     adopt_checkpoint_tokenizer,
     check_save_dir,
-    empty_path_problems,
+    derived_problems,
     git_hash,
-    precision_problem,
     preflight,
-    split_problems,
 )
 from neox.plan.report import GPUS, estimate_report, estimate_vocab, fit_refusal, fit_warning
 
@@ -97,9 +95,9 @@ def local_gpu_bytes() -> int | None:
     return torch.cuda.get_device_properties(0).total_memory
 
 
-def memory_problem(cfg, derived, plan) -> str | None:
-    """The estimate against what each rank of this machine has: host memory shared by the CPU
-    ranks of a node, else this machine's GPU, else (no GPU here) the largest GPU neox knows."""
+def memory_problem(cfg, derived, plan, dry_run: bool) -> str | None:
+    """The estimate against what each rank has: host memory shared by the CPU ranks of a node,
+    else this machine's GPU (a real launch), else the largest GPU neox knows."""
     vocab = estimate_vocab(cfg, derived)[0]
     if plan.cpu:
         per_node = max(len(slots) for slots in plan.hosts.values())
@@ -111,7 +109,7 @@ def memory_problem(cfg, derived, plan) -> str | None:
             host // per_node,
             f"of host memory each of {per_node} CPU rank(s) has",
         )
-    if (gpu_bytes := local_gpu_bytes()) is not None:
+    if not dry_run and (gpu_bytes := local_gpu_bytes()) is not None:
         return fit_refusal(cfg, derived, vocab, gpu_bytes, "this machine's GPU has")
     name, largest = max(GPUS.items(), key=lambda kv: kv[1]["memory_gib"])
     return fit_refusal(
@@ -149,13 +147,7 @@ def main(argv: list[str]) -> int:
         vocab_size, problems = preflight(loaded, args.script)
         derived = derive(cfg, plan.world_size, vocab_size)
         ds_config = build_ds_config(cfg, derived)
-        if problem := precision_problem(loaded, derived.precision, plan.cpu):
-            problems.append(problem)
-        problems += empty_path_problems(loaded)
-        try:
-            check_save_dir(loaded, derived, create=False)  # created once the launch is accepted
-        except ConfigError as e:
-            problems.append(str(e))
+        problems += derived_problems(loaded, derived, args.script, cpu_ranks=plan.cpu)
         try:
             attention = describe_attention_paths(cfg.model, cpu_ranks=plan.cpu)
         except ValueError as e:  # e.g. `local` layers without a window: the model would refuse
@@ -168,10 +160,10 @@ def main(argv: list[str]) -> int:
                 resume = check_resume(cfg, derived)
             except ConfigError as e:
                 problems.append(str(e))
-        if Path(args.script).name in NEEDS_DATA:
-            problems += split_problems(loaded, derived.samples)
-            if problem := memory_problem(cfg, derived, plan):
-                problems.append(problem)
+        if Path(args.script).name in NEEDS_DATA and (
+            problem := memory_problem(cfg, derived, plan, args.dry_run)
+        ):
+            problems.append(problem)
         if problems and not args.dry_run:
             raise ConfigError("\n".join(problems))
         if problems:

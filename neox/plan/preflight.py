@@ -381,6 +381,20 @@ def preflight(loaded: LoadedConfig, script: str) -> tuple[Optional[int], list[st
     return vocab_size, problems
 
 
+def derived_problems(loaded: LoadedConfig, derived, script: str, cpu_ranks: bool) -> list[str]:
+    """The checks that need the derived values: precision on CPU ranks, empty paths, the save
+    directory (looked at only: it is created once the launch is accepted), empty splits."""
+    problems = [p for p in [precision_problem(loaded, derived.precision, cpu_ranks)] if p]
+    problems += empty_path_problems(loaded)
+    try:
+        check_save_dir(loaded, derived, create=False)
+    except ConfigError as e:
+        problems.append(str(e))
+    if Path(script).name in NEEDS_DATA:
+        problems += split_problems(loaded, derived.samples)
+    return problems
+
+
 def git_hash() -> Optional[str]:
     """The commit of the neox checkout this code runs from (None outside git)."""
     import subprocess
