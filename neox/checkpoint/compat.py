@@ -133,6 +133,15 @@ def saved_padded_vocab(resume: Resume) -> Optional[int]:
     return json.loads(manifest.read_text()).get("padded_vocab_size")
 
 
+def saved_iteration(resume: Resume) -> Optional[int]:
+    """The iteration the checkpoint holds: its manifest's (what a resume starts from), else the
+    step in its name."""
+    manifest = resume.path / MANIFEST
+    if manifest.is_file() and (n := json.loads(manifest.read_text()).get("iteration")) is not None:
+        return int(n)
+    return step_of(resume.tag)
+
+
 def checkpoint_dir(load: str, iteration: Optional[int] = None) -> Optional[Path]:
     """The global_stepN directory generate.py and eval.py read from `load` (a save directory or
     one global_stepN in it), or None when there is none to read."""
@@ -201,7 +210,7 @@ def check_resume(cfg: NeoXConfig, derived: Derived) -> str:
                 "point `load` at another directory, or remove the broken ones to start over"
             )
         return f"load={c.load} holds no checkpoint yet: training starts from scratch"
-    step = step_of(resume.tag)
+    step = saved_iteration(resume)
     if (resume.path / WEIGHTS_ONLY).is_file() and not cfg.training.finetune:
         raise ConfigError(
             f"checkpoint {resume.path} holds weights only (written by a conversion tool, no "
