@@ -305,23 +305,27 @@ def describe_resume(loaded: LoadedConfig) -> str:
 EXTRAS = {"wandb": "wandb", "sentencepiece": "spm", "transformers": "export", "lm_eval": "eval"}
 
 
-def optional_package_problems(loaded: LoadedConfig, script: str) -> list[str]:
-    """Each optional package a key needs that this machine lacks (the ranks would fail on
-    import), naming the key and the install or the setting that avoids it."""
-    cfg = loaded.config
+def missing_packages(cfg, script: str) -> list[tuple[str, str, object, str]]:
+    """(module, key, value, what else to set) for each optional package a key needs on the
+    ranks that this machine lacks."""
     t = cfg.tokenizer.tokenizer_type
-    needs = []  # (module, key, value, what else to set)
+    needs = []
     if cfg.logging.use_wandb and Path(script).name in NEEDS_DATA:
         needs.append(("wandb", "use_wandb", True, "set use_wandb: false"))
     if t == "SPMTokenizer":
         needs.append(("sentencepiece", "tokenizer_type", t, "use another tokenizer_type"))
     if t == "HFGPT2Tokenizer":
         needs.append(("transformers", "tokenizer_type", t, "use HFTokenizer with a JSON file"))
+    return [need for need in needs if importlib.util.find_spec(need[0]) is None]
+
+
+def optional_package_problems(loaded: LoadedConfig, script: str) -> list[str]:
+    """Each optional package a key needs that this machine lacks (the ranks would fail on
+    import), naming the key and the install or the setting that avoids it."""
     return [
         f"{loaded.source_of(key)}: {key}={value} needs the {module} package, not installed "
         f"here: pip install 'neox[{EXTRAS[module]}]' (or {fix})"
-        for module, key, value, fix in needs
-        if importlib.util.find_spec(module) is None
+        for module, key, value, fix in missing_packages(loaded.config, script)
     ]
 
 
@@ -342,8 +346,8 @@ def precision_problem(loaded: LoadedConfig, precision: str, cpu_ranks: bool) -> 
     keys = ("fp16", "precision")
     where = next((w for k in keys if (w := loaded.source_of(k)) != "default"), "default")
     return (
-        f"{where}: precision fp16 (fp16.enabled: true) is not supported by DeepSpeed on this machine's CPU "
-        "ranks; layer configs/cpu.yml last (fp32), or set fp16: {enabled: false} with "
+        f"{where}: precision fp16 is not supported by DeepSpeed on this machine's CPU ranks; "
+        "layer configs/cpu.yml last (fp32), or set fp16: {enabled: false} with "
         "bf16: {enabled: true}, or run on GPUs"
     )
 
@@ -365,7 +369,8 @@ def preflight(loaded: LoadedConfig, script: str) -> tuple[Optional[int], list[st
     vocab_size = None
     try:
         check_tokenizer_files(loaded)
-        if not any("tokenizer_type=" in p for p in problems):  # its package is missing
+        missing = missing_packages(loaded.config, script)
+        if not any(key == "tokenizer_type" for _, key, _, _ in missing):
             vocab_size = tokenizer_vocab_size(loaded)
     except ConfigError as e:
         problems.append(str(e))

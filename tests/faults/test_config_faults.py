@@ -108,7 +108,8 @@ FAULTS = [
     ),
     Fault(
         "memory_estimate_absurd",
-        "a run estimated far over what each rank has (here 957 TiB) is refused, not left to fail on the ranks",
+        "a run estimated far over what each rank has (here 957 TiB) is refused, not left to "
+        "fail on the ranks",
         {"bad.yml": "{data}seq_length: 10000000000\nmax_position_embeddings: 10000000000\n"},
         "TiB per rank is over 2x the",
     ),
@@ -205,7 +206,7 @@ def test_fp16_on_cpu_ranks_is_refused_before_launch(tmp_path):
     make_dataset(tmp_path / "chars")
     bad = tmp_path / "bad.yml"
     bad.write_text(data_config(tmp_path) + "fp16: {enabled: true}\n")
-    message = f"{bad}: precision fp16 (fp16.enabled: true) is not supported by DeepSpeed"
+    message = f"{bad}: precision fp16 is not supported by DeepSpeed on this machine's CPU"
     r = run_deepy("train.py", "configs/tiny.yml", bad, check=False)
     assert r.returncode == 2 and message in r.stderr, r.stderr
     assert "configs/cpu.yml" in r.stderr and "Traceback" not in r.stderr
