@@ -55,14 +55,15 @@ def dataset_problem(prefix: str) -> Optional[str]:
     return None
 
 
-def split_problems(loaded: LoadedConfig, samples: tuple[int, int, int]) -> list[str]:
-    """A `split` of data_path that gives a split the run draws samples from no documents (cut as
-    the data loader cuts it); the dataset's problems themselves are check_data's."""
+def split_problems(loaded: LoadedConfig, needed: dict[str, str]) -> list[str]:
+    """A `split` of data_path that gives no documents to a split the run reads (`needed`: split
+    name -> why it is read), cut as the data loader cuts it; the dataset's own problems are
+    check_data's."""
     from neox.data.indexed import IndexedDataset, IndexedDatasetError
     from neox.data.split import split_ranges
 
     d = loaded.config.data
-    if not d.data_path:
+    if not d.data_path or not needed:
         return []
     try:
         dataset = IndexedDataset(d.data_path)
@@ -79,11 +80,17 @@ def split_problems(loaded: LoadedConfig, samples: tuple[int, int, int]) -> list[
     return [
         f"{loaded.source_of('split')}: split={d.split!r} gives the {name} split no documents "
         f"(train/valid/test get {'/'.join(map(str, counts))} of the {documents} in "
-        f"data_path={d.data_path!r}), but the run draws {need} {name} samples; raise the {name} "
-        f"part of split, or {fixes[name]}"
-        for name, docs, need in zip(("train", "valid", "test"), counts, samples)
-        if need > 0 and docs == 0
+        f"data_path={d.data_path!r}), but {needed[name]}; raise the {name} part of split, or "
+        f"{fixes[name]}"
+        for name, docs in zip(("train", "valid", "test"), counts)
+        if name in needed and docs == 0
     ]
+
+
+def drawn_splits(samples: tuple[int, int, int]) -> dict[str, str]:
+    """The splits a training run draws samples from, and how many."""
+    names = ("train", "valid", "test")
+    return {name: f"the run draws {n} {name} samples" for name, n in zip(names, samples) if n}
 
 
 def check_script(script: str) -> None:
@@ -190,6 +197,9 @@ def check_eval(loaded: LoadedConfig) -> None:
             check_data(loaded)
         except ConfigError as err:
             problems.append(f"eval_split={e.eval_split!r} reads the config's data: {err}")
+        else:
+            why = f"eval_split={e.eval_split!r} evaluates it"
+            problems += split_problems(loaded, {e.eval_split: why})
     if problems:
         raise ConfigError("\n".join(problems))
 
@@ -396,7 +406,7 @@ def derived_problems(loaded: LoadedConfig, derived, script: str, cpu_ranks: bool
     except ConfigError as e:
         problems.append(str(e))
     if Path(script).name in NEEDS_DATA:
-        problems += split_problems(loaded, derived.samples)
+        problems += split_problems(loaded, drawn_splits(derived.samples))
     return problems
 
 

@@ -10,6 +10,7 @@ from neox.plan.preflight import (
     check_script,
     check_tokenizer_files,
     checkpoint_problem,
+    drawn_splits,
     empty_path_problems,
     optional_package_problems,
     precision_problem,
@@ -78,7 +79,7 @@ def test_split_problems_name_the_empty_split_a_run_needs(tmp_path):
     make_dataset(tmp_path / "chars", docs=10)
     cfg = loaded(tmp_path, f"data_path: {tmp_path}/chars\nsplit: '98,1,1'\n")
     # 10 documents: valid and test round to none.
-    problems = split_problems(cfg, (100, 20, 20))
+    problems = split_problems(cfg, drawn_splits((100, 20, 20)))
     assert len(problems) == 2, problems
     assert "run.yml: split='98,1,1' gives the valid split no documents" in problems[0]
     assert (
@@ -86,8 +87,12 @@ def test_split_problems_name_the_empty_split_a_run_needs(tmp_path):
     )
     assert "gives the test split no documents" in problems[1] and "do_test: false" in problems[1]
     # No samples drawn from an empty split (eval_iters: 0, do_test: false): nothing to say.
-    assert split_problems(cfg, (100, 0, 0)) == []
-    assert split_problems(loaded(tmp_path, "data_path: null\n"), (100, 20, 20)) == []
+    assert split_problems(cfg, drawn_splits((100, 0, 0))) == []
+    assert split_problems(loaded(tmp_path, "data_path: null\n"), drawn_splits((1, 1, 1))) == []
+    # eval.py's eval_split reads one split: an empty one would score no text at all.
+    problems = split_problems(cfg, {"test": "eval_split='test' evaluates it"})
+    assert "gives the test split no documents" in problems[0]
+    assert "but eval_split='test' evaluates it" in problems[0]
 
 
 def test_split_problems_cut_documents_as_the_loader_does(tmp_path):
