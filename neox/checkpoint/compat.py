@@ -73,6 +73,18 @@ def architecture_differences(
     return diffs
 
 
+# The keys each tokenizer_type reads (CharLevelTokenizer ignores a vocab_file left in a config;
+# TiktokenTokenizer's vocab_file is an encoding name, compared as such).
+TOKENIZER_FILES = {
+    "GPT2BPETokenizer": ("vocab_file", "merge_file"),
+    "HFGPT2Tokenizer": ("vocab_file", "merge_file"),
+    "HFTokenizer": ("vocab_file",),
+    "SPMTokenizer": ("vocab_file",),
+    "TiktokenTokenizer": ("vocab_file",),
+    "CharLevelTokenizer": (),
+}
+
+
 def _fingerprint(path: Optional[Path]) -> Optional[str]:
     if path is None or not path.is_file():
         return None
@@ -91,7 +103,7 @@ def tokenizer_differences(saved: NeoXConfig, step_dir: Path, cfg: NeoXConfig) ->
     if a.tokenizer_type != b.tokenizer_type:
         return [f"tokenizer_type {a.tokenizer_type} (checkpoint) vs {b.tokenizer_type} (config)"]
     diffs = []
-    for key in ("vocab_file", "merge_file"):
+    for key in TOKENIZER_FILES[a.tokenizer_type]:
         theirs, mine = getattr(a, key), getattr(b, key)
         if theirs is None or mine is None:
             if theirs != mine:
@@ -162,7 +174,7 @@ def checkpoint_tokenizer(cfg: NeoXConfig) -> Optional[TokenizerConfig]:
         return None
     saved = read_saved_config(step_dir / "config.yml").tokenizer
     copies = {}
-    for key in ("vocab_file", "merge_file"):
+    for key in TOKENIZER_FILES[saved.tokenizer_type]:
         name = getattr(saved, key)
         if name and (copy := step_dir / "tokenizer" / Path(name).name).is_file():
             copies[key] = str(copy)

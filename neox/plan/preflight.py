@@ -262,7 +262,7 @@ TOKENIZER_KEYS = ("tokenizer_type", "vocab_file", "merge_file", "padded_vocab_si
 def adopt_checkpoint_tokenizer(loaded: LoadedConfig) -> Optional[str]:
     """generate.py, eval.py: with no tokenizer key in the configs, use the checkpoint's own
     tokenizer (its saved copy); returns the line saying so, or None."""
-    from neox.checkpoint.compat import checkpoint_tokenizer
+    from neox.checkpoint.compat import TOKENIZER_FILES, checkpoint_tokenizer
 
     cfg = loaded.config
     if cfg.checkpoint.load is None or any(loaded.source_of(k) != "default" for k in TOKENIZER_KEYS):
@@ -271,7 +271,8 @@ def adopt_checkpoint_tokenizer(loaded: LoadedConfig) -> Optional[str]:
     if tokenizer is None:
         return None
     cfg.tokenizer = tokenizer
-    files = ", ".join(f for f in (tokenizer.vocab_file, tokenizer.merge_file) if f)
+    read = TOKENIZER_FILES[tokenizer.tokenizer_type]
+    files = ", ".join(getattr(tokenizer, k) for k in read if getattr(tokenizer, k))
     return (
         f"tokenizer: the checkpoint's own, {tokenizer.tokenizer_type}{' ' + files if files else ''}"
     )

@@ -112,3 +112,11 @@ def test_a_finetune_run_relaunched_unchanged_is_refused(tmp_path):
     # Finetuning from it into another directory is a new finetune: fine.
     other = run_config(tmp_path, finetune=True, save=str(tmp_path / "next"), train_iters=50)
     assert check(other).startswith("finetuning from")
+
+
+def test_a_file_the_tokenizer_type_does_not_read_is_not_compared(tmp_path):
+    """A char-level run layered on a BPE config keeps a vocab_file it never reads."""
+    save_step(tmp_path, 3, '{"v": 1}', tokenizer_type="CharLevelTokenizer")
+    step_dir = tmp_path / "ckpt" / "global_step3"
+    char = load_dict({**MODEL, "tokenizer_type": "CharLevelTokenizer"})
+    assert tokenizer_mismatch(read_saved_config(step_dir), step_dir, char) is None
