@@ -141,3 +141,24 @@ def test_fp16_is_a_problem_only_on_cpu_ranks_without_it(tmp_path):
         assert problem is None
     else:
         assert "run.yml: precision fp16" in problem and "configs/cpu.yml" in problem
+
+
+def test_fit_refusal_only_past_twice_the_memory_and_only_without_the_override():
+    from pathlib import Path
+
+    from neox.config import derive, load_dict
+    from neox.plan.memory import GiB, estimate_memory, training_shape
+    from neox.plan.report import fit_refusal
+
+    root = Path(__file__).resolve().parents[2]
+    cfg = load_config([root / "configs/pythia/1-4B.yml"]).config
+    derived = derive(cfg, 8, 50277)
+    need = estimate_memory(cfg.model, training_shape(cfg, derived, 50304)).total
+    assert (
+        fit_refusal(cfg, derived, 50304, need // 2 + GiB, "the GPU has") is None
+    )  # tight: a warning
+    refusal = fit_refusal(cfg, derived, 50304, need // 3, "the GPU has")
+    assert refusal.startswith(f"estimated {need / GiB:.1f} GiB per rank is over 2x the ")
+    assert "the GPU has (seq_length=2048" in refusal and "skip_memory_check: true" in refusal
+    skip = load_dict({**cfg.to_flat(), "skip_memory_check": True})
+    assert fit_refusal(skip, derive(skip, 8, 50277), 50304, need // 3, "the GPU has") is None
