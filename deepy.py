@@ -7,6 +7,7 @@ python deepy.py train.py configs/tiny.yml [more.yml ...] [-d CONF_DIR] [-H HOSTF
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -17,8 +18,17 @@ from neox.config import ConfigError, build_ds_config, derive, encode, load_confi
 from neox.launcher import LaunchError, build_launch, launch
 from neox.launcher.reach import check_nodes_reachable
 from neox.plan.attention_path import describe_attention_paths
-from neox.plan.preflight import NEEDS_CHECKPOINT, check_save_dir, git_hash, preflight
-from neox.plan.report import estimate_report, estimate_vocab, fit_warning
+from neox.plan.memory import GiB
+from neox.plan.preflight import (
+    NEEDS_CHECKPOINT,
+    NEEDS_DATA,
+    adopt_checkpoint_tokenizer,
+    check_save_dir,
+    derived_problems,
+    git_hash,
+    preflight,
+)
+from neox.plan.report import GPUS, estimate_report, estimate_vocab, fit_refusal, fit_warning
 
 # gpt-neox's deepy.py flags that set a config key (flag -> key).
 KEY_FLAGS = {
@@ -85,6 +95,28 @@ def local_gpu_bytes() -> int | None:
     return torch.cuda.get_device_properties(0).total_memory
 
 
+def memory_problem(cfg, derived, plan, dry_run: bool) -> str | None:
+    """The estimate against what each rank has: host memory shared by the CPU ranks of a node,
+    else this machine's GPU (a real launch), else the largest GPU neox knows."""
+    vocab = estimate_vocab(cfg, derived)[0]
+    if plan.cpu:
+        per_node = max(len(slots) for slots in plan.hosts.values())
+        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return fit_refusal(
+            cfg,
+            derived,
+            vocab,
+            host // per_node,
+            f"of host memory each of {per_node} CPU rank(s) has",
+        )
+    if not dry_run and (gpu_bytes := local_gpu_bytes()) is not None:
+        return fit_refusal(cfg, derived, vocab, gpu_bytes, "this machine's GPU has")
+    name, largest = max(GPUS.items(), key=lambda kv: kv[1]["memory_gib"])
+    return fit_refusal(
+        cfg, derived, vocab, int(largest["memory_gib"] * GiB), f"the largest GPU ({name}) has"
+    )
+
+
 def warn_if_too_big(cfg, derived) -> None:
     """Warn, before a GPU launch, when the memory estimate exceeds the GPUs this machine has."""
     gpu_bytes = local_gpu_bytes()
@@ -105,16 +137,17 @@ def main(argv: list[str]) -> int:
         cfg = loaded.config
         for override in loaded.overrides:
             print(f"override  {override}")
+        if Path(args.script).name in NEEDS_CHECKPOINT and (
+            note := adopt_checkpoint_tokenizer(loaded)
+        ):
+            print(note)
         plan = build_launch(cfg.launcher, args.script, ["--neox_config", encode(cfg)])
         if args.dry_run:
             plan = plan_smallest_layout(cfg, plan, args.script)
         vocab_size, problems = preflight(loaded, args.script)
         derived = derive(cfg, plan.world_size, vocab_size)
         ds_config = build_ds_config(cfg, derived)
-        try:
-            check_save_dir(loaded, derived, create=not args.dry_run)
-        except ConfigError as e:
-            problems.append(str(e))
+        problems += derived_problems(loaded, derived, args.script, cpu_ranks=plan.cpu)
         try:
             attention = describe_attention_paths(cfg.model, cpu_ranks=plan.cpu)
         except ValueError as e:  # e.g. `local` layers without a window: the model would refuse
@@ -127,6 +160,10 @@ def main(argv: list[str]) -> int:
                 resume = check_resume(cfg, derived)
             except ConfigError as e:
                 problems.append(str(e))
+        if Path(args.script).name in NEEDS_DATA and (
+            problem := memory_problem(cfg, derived, plan, args.dry_run)
+        ):
+            problems.append(problem)
         if problems and not args.dry_run:
             raise ConfigError("\n".join(problems))
         if problems:
@@ -134,6 +171,7 @@ def main(argv: list[str]) -> int:
             print("warning (a real launch would stop here):", *problems, sep="\n", file=sys.stderr)
         if not args.dry_run:
             check_nodes_reachable(plan)
+            check_save_dir(loaded, derived, create=True)
     except (ConfigError, LaunchError) as e:
         print(f"deepy: config error:\n{e}", file=sys.stderr)
         return 2

@@ -22,8 +22,10 @@ def main(argv: list[str]) -> int:
         return 2
     from neox.checkpoint.consolidate import CheckpointError
     from neox.inference.evaluation import run_evaluation
+    from neox.inference.loading import check_checkpoint_tokenizer
 
     try:
+        check_checkpoint_tokenizer(cfg)
         written = run_evaluation(cfg)
     except (ConfigError, InputError, CheckpointError) as e:
         print(f"eval.py: error:\n{e}", file=sys.stderr)

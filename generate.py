@@ -14,8 +14,10 @@ from neox.entry import leave_together, rank_config
 def main(argv: list[str]) -> int:
     try:
         cfg = rank_config(argv)
+        from neox.inference.loading import check_checkpoint_tokenizer
         from neox.inference.modes import run_generation
 
+        check_checkpoint_tokenizer(cfg)
         run_generation(cfg)
     except ConfigError as e:
         print(f"generate.py: config error:\n{e}", file=sys.stderr)

@@ -51,9 +51,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def check_tokenizer(args: argparse.Namespace) -> None:
+    """--config_file's tokenizer must be the one the checkpoint trained with (the export would
+    pair the weights with other token ids), unless that config sets allow_tokenizer_mismatch."""
+    if not args.config_file:
+        return  # the checkpoint's own config, so its own tokenizer
+    from neox.checkpoint.compat import tokenizer_mismatch
+    from neox.checkpoint.consolidate import resolve_checkpoint
+    from neox.config import ConfigError, read_saved_config
+
+    tag_dir = resolve_checkpoint(args.input_dir, args.iteration)
+    if not (tag_dir / "config.yml").is_file():
+        return
+    try:
+        cfg = read_saved_config(args.config_file)
+    except ConfigError as e:
+        raise ExportError(str(e)) from None
+    if problem := tokenizer_mismatch(read_saved_config(tag_dir), tag_dir, cfg):
+        raise ExportError(f"--config_file {args.config_file}: {problem}")
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     with exit_on("convert_to_hf", CheckpointError, ExportError, OutputDirError):
+        check_tokenizer(args)
         note = export_to_hf(
             args.input_dir,
             args.output_dir,

@@ -1,13 +1,22 @@
 """Before launch: the checkpoint to resume is found, and its saved config must describe the same
 model as the run's, or deepy.py stops with every differing field (no torch, no ranks started)."""
 
+import hashlib
 import signal
 from pathlib import Path
 from typing import Optional
 
-from neox.checkpoint.find import Resume, find_checkpoint, read_latest
+from neox.checkpoint.find import (
+    WEIGHTS_ONLY,
+    Resume,
+    find_checkpoint,
+    read_latest,
+    step_of,
+    tag_for,
+)
 from neox.checkpoint.manifest import read_manifest
 from neox.config import ConfigError, Derived, NeoXConfig
+from neox.config.data import TokenizerConfig
 from neox.config.transport import read_saved_config
 
 # Model fields that change parameter shapes or what the weights mean.
@@ -56,6 +65,10 @@ def architecture_differences(
             a, b = getattr(saved.parallel, key), getattr(cfg.parallel, key)
             if a != b:
                 diffs.append(f"{name} {a} (checkpoint) vs {b} (config)")
+        # A finetune may change the rotary base on purpose (longer context); a resume may not.
+        a, b = saved.model.rotary_emb_base, cfg.model.rotary_emb_base
+        if saved.model.pos_emb == "rotary" and a != b:
+            diffs.append(f"rotary_emb_base {a} (checkpoint) vs {b} (config)")
     return diffs
 
 
@@ -72,10 +85,137 @@ def read_checkpoint_config_file(path: Path) -> NeoXConfig:
         ) from None
 
 
+# The keys each tokenizer_type reads (CharLevelTokenizer ignores a vocab_file left in a config;
+# TiktokenTokenizer's vocab_file is an encoding name, compared as such).
+TOKENIZER_FILES = {
+    "GPT2BPETokenizer": ("vocab_file", "merge_file"),
+    "HFGPT2Tokenizer": ("vocab_file", "merge_file"),
+    "HFTokenizer": ("vocab_file",),
+    "SPMTokenizer": ("vocab_file",),
+    "TiktokenTokenizer": ("vocab_file",),
+    "CharLevelTokenizer": (),
+}
+
+
+def _fingerprint(path: Optional[Path]) -> Optional[str]:
+    if path is None or not path.is_file():
+        return None
+    data = path.read_bytes()
+    return f"{len(data)} bytes, sha256 {hashlib.sha256(data).hexdigest()[:12]}"
+
+
+def tokenizer_differences(saved: NeoXConfig, step_dir: Path, cfg: NeoXConfig) -> list[str]:
+    """How cfg's tokenizer differs from the one the checkpoint in step_dir was trained with.
+
+    The checkpoint's files are the copies neox saves in step_dir/tokenizer/ (else the paths its
+    config.yml names); files are compared by content, so a moved copy is the same tokenizer.
+    A file missing on either side is compared by name only (preflight reports missing ones).
+    """
+    a, b = saved.tokenizer, cfg.tokenizer
+    if a.tokenizer_type != b.tokenizer_type:
+        return [f"tokenizer_type {a.tokenizer_type} (checkpoint) vs {b.tokenizer_type} (config)"]
+    diffs = []
+    for key in TOKENIZER_FILES[a.tokenizer_type]:
+        theirs, mine = getattr(a, key), getattr(b, key)
+        if theirs is None or mine is None:
+            if theirs != mine:
+                diffs.append(f"{key} {theirs} (checkpoint) vs {mine} (config)")
+            continue
+        copy = step_dir / "tokenizer" / Path(theirs).name
+        their_print = _fingerprint(copy if copy.is_file() else Path(theirs))
+        my_print = _fingerprint(Path(mine))
+        if their_print is None or my_print is None:
+            if Path(theirs).name != Path(mine).name:
+                diffs.append(f"{key} {theirs} (checkpoint) vs {mine} (config)")
+        elif their_print != my_print:
+            diffs.append(f"{key} {theirs} ({their_print}, checkpoint) vs {mine} ({my_print})")
+    return diffs
+
+
+def tokenizer_mismatch(saved: NeoXConfig, step_dir: Path, cfg: NeoXConfig) -> Optional[str]:
+    """The refusal when cfg's tokenizer is not the checkpoint's (token ids would mean other
+    text: training goes on from garbage, generation and perplexity are wrong), else None."""
+    if cfg.checkpoint.allow_tokenizer_mismatch:
+        return None
+    diffs = tokenizer_differences(saved, step_dir, cfg)
+    if not diffs:
+        return None
+    copies = step_dir / "tokenizer"
+    where = f"the copies in {copies}" if copies.is_dir() else f"those in {step_dir}/config.yml"
+    return (
+        f"the checkpoint {step_dir} was trained with another tokenizer than this config's:"
+        + "".join(f"\n  {d}" for d in diffs)
+        + f"\nuse the checkpoint's tokenizer ({where}), or set allow_tokenizer_mismatch: true "
+        "if the token ids mean the same text"
+    )
+
+
 def saved_padded_vocab(resume: Resume) -> Optional[int]:
     manifest, _ = read_manifest(resume.path)  # find_checkpoint skipped an unreadable one
     vocab = (manifest or {}).get("padded_vocab_size")
     return vocab if isinstance(vocab, int) else None
+
+
+def saved_iteration(resume: Resume) -> Optional[int]:
+    """The iteration the checkpoint holds: its manifest's (what a resume starts from), else the
+    step in its name."""
+    manifest, _ = read_manifest(resume.path)
+    n = (manifest or {}).get("iteration")
+    return n if isinstance(n, int) else step_of(resume.tag)
+
+
+def checkpoint_dir(load: str, iteration: Optional[int] = None) -> Optional[Path]:
+    """The global_stepN directory generate.py and eval.py read from `load` (a save directory or
+    one global_stepN in it), or None when there is none to read."""
+    root = Path(load)
+    if any(root.glob("*model_states.pt")):
+        return root
+    if iteration is not None:
+        tag_dir = root / tag_for(iteration)
+        return tag_dir if tag_dir.is_dir() else None
+    return find_checkpoint(load).path
+
+
+def checkpoint_tokenizer(cfg: NeoXConfig) -> Optional[TokenizerConfig]:
+    """The tokenizer keys the checkpoint cfg reads was trained with, its files pointed at the
+    copies saved in the checkpoint; None without a checkpoint or its config.yml."""
+    step_dir = checkpoint_dir(cfg.checkpoint.load, cfg.training.iteration)
+    if step_dir is None or not (step_dir / "config.yml").is_file():
+        return None
+    saved = read_checkpoint_config_file(step_dir / "config.yml").tokenizer
+    copies = {}
+    for key in TOKENIZER_FILES[saved.tokenizer_type]:
+        name = getattr(saved, key)
+        if name and (copy := step_dir / "tokenizer" / Path(name).name).is_file():
+            copies[key] = str(copy)
+    return saved.model_copy(update=copies)
+
+
+def checkpoint_tokenizer_problem(cfg: NeoXConfig) -> Optional[str]:
+    """generate.py, eval.py: the refusal when cfg's tokenizer is not its checkpoint's."""
+    if cfg.checkpoint.load is None:
+        return None
+    step_dir = checkpoint_dir(cfg.checkpoint.load, cfg.training.iteration)
+    if step_dir is None or not (step_dir / "config.yml").is_file():
+        return None
+    return tokenizer_mismatch(read_checkpoint_config_file(step_dir / "config.yml"), step_dir, cfg)
+
+
+def finetune_restart(saved: NeoXConfig, cfg: NeoXConfig, step: Optional[int]) -> Optional[str]:
+    """The converse of resuming weights only: a finetune run relaunched as it was (save = load,
+    finetune: true) would load its own checkpoint as new weights and start over at iteration 0,
+    repeating its schedule and overwriting its checkpoints."""
+    c = cfg.checkpoint
+    if not (cfg.training.finetune and saved.training.finetune and step and c.save):
+        return None
+    if Path(c.save).resolve() != Path(c.load).resolve():
+        return None
+    return (
+        f"this finetune run's own step {step} (saved with finetune: true into save = load = "
+        f"{c.load}); finetune: true would start it over at iteration 0 on those weights. To "
+        "resume it, set finetune: false (it then resumes the optimizer and the iteration); to "
+        "finetune again, point `load` at the checkpoint to start from and `save` elsewhere"
+    )
 
 
 def check_resume(cfg: NeoXConfig, derived: Derived) -> str:
@@ -92,9 +232,26 @@ def check_resume(cfg: NeoXConfig, derived: Derived) -> str:
                 "point `load` at another directory, or remove the broken ones to start over"
             )
         return f"load={c.load} holds no checkpoint yet: training starts from scratch"
+    step = saved_iteration(resume)
+    if (resume.path / WEIGHTS_ONLY).is_file() and not cfg.training.finetune:
+        raise ConfigError(
+            f"checkpoint {resume.path} holds weights only (written by a conversion tool, no "
+            "optimizer state or iteration to resume); set `finetune: true` to start a run from "
+            "these weights"
+        )
+    if step is not None and not cfg.training.finetune and step > cfg.training.train_iters:
+        raise ConfigError(
+            f"train_iters={cfg.training.train_iters} is below the step of the checkpoint it "
+            f"resumes, {step} ({resume.path}): nothing would be trained and step {step} saved "
+            f"again; set train_iters above {step} to train on, or point `load` elsewhere"
+        )
     saved_config = resume.path / "config.yml"
     if saved_config.is_file():
         saved = read_checkpoint_config_file(saved_config)
+        if problem := tokenizer_mismatch(saved, resume.path, cfg):
+            raise ConfigError(problem)
+        if problem := finetune_restart(saved, cfg, step):
+            raise ConfigError(f"checkpoint {resume.path}: {problem}")
         diffs = architecture_differences(
             saved, cfg, saved_padded_vocab(resume), derived.padded_vocab_size
         )

@@ -13,6 +13,9 @@ from neox.checkpoint.manifest import MANIFEST, manifest_problem, safe_name
 TAG_PREFIX = "global_step"
 # A save in progress writes here, and renames to the tag once every rank's shards are complete.
 STAGING_SUFFIX = ".partial"
+# Marks a directory of model weights only (tools that convert or re-lay-out weights write it):
+# a run starts from it with `finetune: true`, never resumes it.
+WEIGHTS_ONLY = "weights_only.txt"
 
 
 def tag_for(iteration: int) -> str:

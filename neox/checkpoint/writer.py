@@ -18,7 +18,7 @@ from typing import Any, Optional
 import torch
 
 from neox.checkpoint.consolidate import CheckpointError, StateDict, partition_dim
-from neox.checkpoint.find import tag_for
+from neox.checkpoint.find import WEIGHTS_ONLY, tag_for
 from neox.checkpoint.hf_map import VOCAB_MODULES, resize_vocab
 from neox.checkpoint.manifest import write_manifest
 from neox.config import NeoXConfig, load_dict, write_config
@@ -26,8 +26,6 @@ from neox.parallel.layers import shard
 from neox.parallel.topology import Topology
 
 log = logging.getLogger(__name__)
-
-WEIGHTS_ONLY = "weights_only.txt"
 
 
 def with_layout(cfg: NeoXConfig, tp: int, pp: int, **keys: Any) -> NeoXConfig:

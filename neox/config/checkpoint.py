@@ -58,6 +58,11 @@ class CheckpointConfig(ConfigGroup):
     no_load_rng: Annotated[bool, Reads("neox/checkpoint/io.py")] = False
     """Do not restore RNG state."""
 
+    allow_tokenizer_mismatch: Annotated[bool, Reads("neox/checkpoint/compat.py")] = False
+    """Accept a tokenizer other than the one the checkpoint in `load` was trained with (another
+    tokenizer_type, or vocab/merge files of other content). train.py, generate.py, eval.py and
+    tools/convert_to_hf.py refuse one otherwise: its token ids would mean other text."""
+
     trust_checkpoint_code: Annotated[
         bool, Reads("neox/checkpoint/io.py", "neox/inference/loading.py")
     ] = False

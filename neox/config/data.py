@@ -177,3 +177,16 @@ def parse_split(split: str) -> list[float]:
         raise ValueError(f"split {split!r} must be non-negative numbers that are not all zero")
     total = sum(values)
     return [v / total for v in values]
+
+
+def split_ranges(split: str, num_documents: int) -> list[tuple[int, int]]:
+    """[start, stop) document ranges of train, valid and test, contiguous and in that order.
+
+    deepy.py checks the counts before launch with this same function the data loader cuts by.
+    """
+    bounds, total = [0], 0.0
+    for weight in parse_split(split):
+        total += weight
+        bounds.append(int(round(total * num_documents)))  # round half to even, as numpy does
+    bounds[-1] = num_documents  # rounding of the cumulative sum never drops the last document
+    return [(bounds[i], bounds[i + 1]) for i in range(3)]

@@ -68,6 +68,10 @@ class LauncherConfig(ConfigGroup):
     export_env: Annotated[list[str], Reads("neox/launcher/plan.py")] = []
     """Extra environment variable names exported to every node (besides PYTHONPATH, NCCL_*, DS_*...)."""
 
+    skip_memory_check: Annotated[bool, Reads("neox/plan/report.py")] = False
+    """Launch even when the memory estimate (tools/estimate.py) is over twice what each rank has
+    (GPU memory, or host memory per CPU rank); deepy.py refuses such a launch otherwise."""
+
     @field_validator("num_nodes")
     @classmethod
     def _some_nodes(cls, v: int) -> int:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from neox.config.data import parse_split
+from neox.config.data import split_ranges
 from neox.data.blendable import (
     BlendableDataset,
     normalize_weights,
@@ -27,10 +27,7 @@ SPLIT_NAMES = ("train", "valid", "test")
 
 def split_documents(split: str, num_documents: int) -> list[np.ndarray]:
     """Contiguous document ranges for train, valid and test, sized by the split weights."""
-    bounds = np.round(np.cumsum(np.asarray(parse_split(split))) * num_documents).astype(np.int64)
-    bounds = np.concatenate([[0], bounds])
-    bounds[-1] = num_documents  # rounding of the cumulative sum never drops the last document
-    return [np.arange(bounds[i], bounds[i + 1], dtype=np.int64) for i in range(3)]
+    return [np.arange(a, b, dtype=np.int64) for a, b in split_ranges(split, num_documents)]
 
 
 @dataclass

@@ -19,6 +19,16 @@ log = logging.getLogger(__name__)
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
+def check_checkpoint_tokenizer(cfg: NeoXConfig) -> None:
+    """ConfigError when cfg's tokenizer is not the one its checkpoint was trained with (unless
+    allow_tokenizer_mismatch): its ids would decode to other text. deepy.py checks this before
+    launch; this catches a one-process `python generate.py` or `python eval.py` run."""
+    from neox.checkpoint.compat import checkpoint_tokenizer_problem
+
+    if problem := checkpoint_tokenizer_problem(cfg):
+        raise ConfigError(problem)
+
+
 def load_state_dict(cfg: NeoXConfig) -> dict[str, torch.Tensor]:
     """The full (tp=1, pp=1) state dict of the checkpoint `load` (and `iteration`) name, from
     whatever layout trained it."""

@@ -55,6 +55,44 @@ def dataset_problem(prefix: str) -> Optional[str]:
     return None
 
 
+def split_problems(loaded: LoadedConfig, needed: dict[str, str]) -> list[str]:
+    """A `split` of data_path that gives no documents to a split the run reads (`needed`: split
+    name -> why it is read), cut as the data loader cuts it; the dataset's own problems are
+    check_data's."""
+    from neox.config.data import split_ranges
+    from neox.data.indexed import IndexedDataset, IndexedDatasetError
+
+    d = loaded.config.data
+    if not d.data_path or not needed:
+        return []
+    try:
+        dataset = IndexedDataset(d.data_path)
+    except (IndexedDatasetError, OSError):
+        return []
+    documents = len(dataset.sizes)
+    dataset.close()
+    fixes = {
+        "train": "use more data",
+        "valid": "set eval_iters: 0 or do_valid: false to evaluate nothing",
+        "test": "set do_test: false (or eval_iters: 0)",
+    }
+    counts = [b - a for a, b in split_ranges(d.split, documents)]
+    return [
+        f"{loaded.source_of('split')}: split={d.split!r} gives the {name} split no documents "
+        f"(train/valid/test get {'/'.join(map(str, counts))} of the {documents} in "
+        f"data_path={d.data_path!r}), but {needed[name]}; raise the {name} part of split, or "
+        f"{fixes[name]}"
+        for name, docs in zip(("train", "valid", "test"), counts)
+        if name in needed and docs == 0
+    ]
+
+
+def drawn_splits(samples: tuple[int, int, int]) -> dict[str, str]:
+    """The splits a training run draws samples from, and how many."""
+    names = ("train", "valid", "test")
+    return {name: f"the run draws {n} {name} samples" for name, n in zip(names, samples) if n}
+
+
 def check_script(script: str) -> None:
     """The per-rank entry script exists (DeepSpeed's runner would only fail on the ranks)."""
     if not Path(script).is_file():
@@ -122,7 +160,7 @@ def check_eval(loaded: LoadedConfig) -> None:
     cfg = loaded.config
     e = cfg.eval
     problem = checkpoint_problem(cfg.checkpoint.load, cfg.training.iteration)
-    problems = [problem] if problem else []
+    problems = [problem] if problem else tokenizer_problems(cfg)
     if not e.has_work:
         problems.append(
             "eval.py has nothing to evaluate: set eval_input_file, eval_split, eval_lambada_file "
@@ -159,6 +197,9 @@ def check_eval(loaded: LoadedConfig) -> None:
             check_data(loaded)
         except ConfigError as err:
             problems.append(f"eval_split={e.eval_split!r} reads the config's data: {err}")
+        else:
+            why = f"eval_split={e.eval_split!r} evaluates it"
+            problems += split_problems(loaded, {e.eval_split: why})
     if problems:
         raise ConfigError("\n".join(problems))
 
@@ -207,11 +248,41 @@ def checkpoint_problem(load: Optional[str], iteration: Optional[int] = None) -> 
     return None
 
 
+def tokenizer_problems(cfg) -> list[str]:
+    """The config's tokenizer against the one the checkpoint to read was trained with."""
+    from neox.checkpoint.compat import checkpoint_tokenizer_problem
+
+    problem = checkpoint_tokenizer_problem(cfg)
+    return [problem] if problem else []
+
+
+TOKENIZER_KEYS = ("tokenizer_type", "vocab_file", "merge_file", "padded_vocab_size")
+
+
+def adopt_checkpoint_tokenizer(loaded: LoadedConfig) -> Optional[str]:
+    """generate.py, eval.py: with no tokenizer key in the configs, use the checkpoint's own
+    tokenizer (its saved copy); returns the line saying so, or None."""
+    from neox.checkpoint.compat import TOKENIZER_FILES, checkpoint_tokenizer
+
+    cfg = loaded.config
+    if cfg.checkpoint.load is None or any(loaded.source_of(k) != "default" for k in TOKENIZER_KEYS):
+        return None
+    tokenizer = checkpoint_tokenizer(cfg)
+    if tokenizer is None:
+        return None
+    cfg.tokenizer = tokenizer
+    read = TOKENIZER_FILES[tokenizer.tokenizer_type]
+    files = ", ".join(getattr(tokenizer, k) for k in read if getattr(tokenizer, k))
+    return (
+        f"tokenizer: the checkpoint's own, {tokenizer.tokenizer_type}{' ' + files if files else ''}"
+    )
+
+
 def check_generation(loaded: LoadedConfig) -> None:
     """generate.py: the checkpoint to read exists, and so does the prompt file it needs."""
     cfg = loaded.config
     problem = checkpoint_problem(cfg.checkpoint.load, cfg.training.iteration)
-    problems = [problem] if problem else []
+    problems = [problem] if problem else tokenizer_problems(cfg)
     g, m = cfg.generation, cfg.model
     if not g.recompute and (m.pos_emb == "alibi" or m.sliding_window_width is not None):
         what = "pos_emb=alibi" if m.pos_emb == "alibi" else "sliding_window_width"
@@ -231,6 +302,57 @@ def check_generation(loaded: LoadedConfig) -> None:
         raise ConfigError("\n".join(problems))
 
 
+# Optional packages (pyproject extras) a config needs on the ranks: module -> extra.
+EXTRAS = {"wandb": "wandb", "sentencepiece": "spm", "transformers": "export", "lm_eval": "eval"}
+
+
+def missing_packages(cfg, script: str) -> list[tuple[str, str, object, str]]:
+    """(module, key, value, what else to set) for each optional package a key needs on the
+    ranks that this machine lacks."""
+    t = cfg.tokenizer.tokenizer_type
+    needs = []
+    if cfg.logging.use_wandb and Path(script).name in NEEDS_DATA:
+        needs.append(("wandb", "use_wandb", True, "set use_wandb: false"))
+    if t == "SPMTokenizer":
+        needs.append(("sentencepiece", "tokenizer_type", t, "use another tokenizer_type"))
+    if t == "HFGPT2Tokenizer":
+        needs.append(("transformers", "tokenizer_type", t, "use HFTokenizer with a JSON file"))
+    return [need for need in needs if importlib.util.find_spec(need[0]) is None]
+
+
+def optional_package_problems(loaded: LoadedConfig, script: str) -> list[str]:
+    """Each optional package a key needs that this machine lacks (the ranks would fail on
+    import), naming the key and the install or the setting that avoids it."""
+    return [
+        f"{loaded.source_of(key)}: {key}={value} needs the {module} package, not installed "
+        f"here: pip install 'neox[{EXTRAS[module]}]' (or {fix})"
+        for module, key, value, fix in missing_packages(loaded.config, script)
+    ]
+
+
+def precision_problem(loaded: LoadedConfig, precision: str, cpu_ranks: bool) -> Optional[str]:
+    """Why the ranks cannot compute in `precision`, or None. DeepSpeed's CPU accelerator has
+    fp16 only where oneDNN has it (AMX-FP16 CPUs): elsewhere every rank stops at engine build
+    with "Type fp16 is not supported on your device". Imports torch only for fp16 on CPU."""
+    if not cpu_ranks or precision != "fp16":
+        return None
+    import torch
+
+    try:
+        supported = bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    except (AttributeError, RuntimeError):  # the op DeepSpeed asks is absent from this torch
+        supported = False
+    if supported:
+        return None
+    keys = ("fp16", "precision")
+    where = next((w for k in keys if (w := loaded.source_of(k)) != "default"), "default")
+    return (
+        f"{where}: precision fp16 is not supported by DeepSpeed on this machine's CPU ranks; "
+        "layer configs/cpu.yml last (fp32), or set fp16: {enabled: false} with "
+        "bf16: {enabled: true}, or run on GPUs"
+    )
+
+
 # Entry scripts that read training data.
 NEEDS_DATA = {"train.py"}
 # Entry scripts that read a trained checkpoint, with the check of what each one reads.
@@ -244,11 +366,13 @@ def preflight(loaded: LoadedConfig, script: str) -> tuple[Optional[int], list[st
     may plan for another machine where the files exist.
     """
     check_script(script)
-    problems = []
+    problems = optional_package_problems(loaded, script)
     vocab_size = None
     try:
         check_tokenizer_files(loaded)
-        vocab_size = tokenizer_vocab_size(loaded)
+        missing = missing_packages(loaded.config, script)
+        if not any(key == "tokenizer_type" for _, key, _, _ in missing):
+            vocab_size = tokenizer_vocab_size(loaded)
     except ConfigError as e:
         problems.append(str(e))
     name = Path(script).name
@@ -261,6 +385,20 @@ def preflight(loaded: LoadedConfig, script: str) -> tuple[Optional[int], list[st
         except ConfigError as e:
             problems.append(str(e))
     return vocab_size, problems
+
+
+def derived_problems(loaded: LoadedConfig, derived, script: str, cpu_ranks: bool) -> list[str]:
+    """The checks that need the derived values: precision on CPU ranks, empty paths, the save
+    directory (looked at only: it is created once the launch is accepted), empty splits."""
+    problems = [p for p in [precision_problem(loaded, derived.precision, cpu_ranks)] if p]
+    problems += empty_path_problems(loaded)
+    try:
+        check_save_dir(loaded, derived, create=False)
+    except ConfigError as e:
+        problems.append(str(e))
+    if Path(script).name in NEEDS_DATA:
+        problems += split_problems(loaded, drawn_splits(derived.samples))
+    return problems
 
 
 def git_hash() -> Optional[str]:
@@ -294,6 +432,21 @@ def check_save_lock(loaded: LoadedConfig) -> None:
     save = loaded.config.checkpoint.save
     if save is not None and (problem := lock_problem(Path(save))) is not None:
         raise ConfigError(f"{loaded.source_of('save')}: {problem}")
+
+
+def empty_path_problems(loaded: LoadedConfig) -> list[str]:
+    """`save: ""` or `load: ""`: gpt-neox reads an empty path as unset, so a run would never
+    save (or never resume) without a word; neox asks for null or a directory instead."""
+    c = loaded.config.checkpoint
+    return [
+        f"{loaded.source_of(key)}: {key}={value!r} is an empty path, which would silently "
+        f"{what}; set {key}: null (or remove it) to {what}, or name a directory"
+        for key, value, what in (
+            ("save", c.save, "save no checkpoint"),
+            ("load", c.load, "start from scratch"),
+        )
+        if value is not None and not value.strip()
+    ]
 
 
 def check_save_dir(loaded: LoadedConfig, derived, create: bool) -> None:

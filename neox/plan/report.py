@@ -161,3 +161,34 @@ def fit_warning(
         f"estimated {need / GiB:.1f} GiB per GPU exceeds the {gpu_bytes / GiB:.1f} GiB this GPU "
         f"has (python tools/estimate.py shows the parts); consider {', '.join(hints)}"
     )
+
+
+# An estimate this many times over the memory a rank has is a mistake (a typo in seq_length,
+# batch or width), not a tight fit the estimate may have over-counted.
+FIT_MARGIN = 2.0
+
+
+def fit_refusal(
+    cfg: NeoXConfig, derived: Derived, vocab_size: int, rank_bytes: int, what: str
+) -> Optional[str]:
+    """Why the launch is refused: the estimate is over FIT_MARGIN x `rank_bytes` per rank (`what`
+    says whose memory that is); None when it fits or launcher.skip_memory_check is set."""
+    if cfg.launcher.skip_memory_check:
+        return None
+    need = estimate_memory(cfg.model, training_shape(cfg, derived, vocab_size)).total
+    if need <= FIT_MARGIN * rank_bytes:
+        return None
+    return (
+        f"estimated {_size(need)} per rank is over {FIT_MARGIN:g}x the {_size(rank_bytes)} "
+        f"{what} (seq_length={cfg.model.seq_length}, micro batch {derived.micro_batch}, "
+        f"hidden_size={cfg.model.hidden_size}; python tools/estimate.py shows the parts); fix "
+        "the config, or set skip_memory_check: true to launch anyway"
+    )
+
+
+def _size(n: float) -> str:
+    for unit in ("GiB", "TiB", "PiB", "EiB"):
+        if n < 1024 * GiB or unit == "EiB":
+            return f"{n / GiB:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")

@@ -159,7 +159,12 @@ class StepRecords:
     """What the host does with each finished step: counters, the guard against non-finite
     steps, the progress bar, log lines and metrics files. It runs one step behind the device
     (step i is recorded once step i+1 is queued, see DeviceScalars); `flush` records the last
-    step before anything that needs it: evaluation, a save, a stop, the end."""
+    step before anything that needs it: evaluation, a save, a stop, the end.
+
+    Step i's time runs from when the host was free to queue it (after recording step i-1, or
+    after an evaluation or save) to when step i+1 began, or for a flushed step to when its read
+    returned: every second of training lands in exactly one step, and no evaluation or save
+    does (they are timed apart as eval_time_s and save_time_s)."""
 
     def __init__(self, run: Run, writer: MetricsWriter, progress: Progress, start: int) -> None:
         self.run, self.writer, self.progress = run, writer, progress
@@ -168,30 +173,34 @@ class StepRecords:
         self.flops = ModelFlops(run.cfg, run.derived, run.device)
         self.in_a_row = 0
         self.last: dict[str, float] = {}
-        self.pending: Optional[tuple[int, DeviceScalars]] = None
-        self.tick = time.perf_counter()
+        self.pending: Optional[tuple[int, DeviceScalars, float]] = None
+        self.began = time.perf_counter()  # when the host was free to queue the next step
 
     def queued(self, iteration: int, scalars: DeviceScalars) -> None:
-        """Step `iteration` is queued on the device: record the one before it."""
-        previous, self.pending = self.pending, (iteration, scalars)
+        """Step `iteration` is queued on the device: record the one before it, whose time ended
+        when this one began."""
+        previous, self.pending = self.pending, (iteration, scalars, self.began)
         if previous is not None:
-            self._record(*previous)
+            self._record(*previous, ended=self.began)
+        self.began = time.perf_counter()
 
     def flush(self) -> None:
         if self.pending is not None:
             previous, self.pending = self.pending, None
-            self._record(*previous)
+            self._record(*previous, ended=None)
+            self.began = time.perf_counter()
 
     def restart_clock(self) -> None:
         """Evaluation and saving are timed apart from training."""
-        self.tick = time.perf_counter()
+        self.began = time.perf_counter()
 
-    def _record(self, iteration: int, scalars: DeviceScalars) -> None:
+    def _record(
+        self, iteration: int, scalars: DeviceScalars, began: float, ended: Optional[float]
+    ) -> None:
         run, t = self.run, self.run.cfg.training
         metrics = scalars.read()
-        now = time.perf_counter()  # the read waited for the step: device time, one step late
-        self.speed.add(now - self.tick)
-        self.tick = now
+        # A flushed step ends when its read returns: the read waited for the device.
+        self.speed.add((time.perf_counter() if ended is None else ended) - began)
         self.last = metrics
         nonfinite = not math.isfinite(metrics["loss"]) or (
             metrics["skipped"] and run.derived.precision != "fp16"

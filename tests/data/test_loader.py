@@ -4,9 +4,10 @@ import numpy as np
 import pytest
 import torch
 
+from neox.config.data import parse_split
 from neox.data.blendable import BlendableDataset, build_blend_index, weights_by_num_documents
 from neox.data.indexed import IndexedDatasetBuilder
-from neox.data.loader import build_train_valid_test_loaders, parse_split, split_documents
+from neox.data.loader import build_train_valid_test_loaders, split_documents
 
 
 def write_tagged(prefix, num_docs, tag=None, doc_len=6):

@@ -1,6 +1,7 @@
 """Bad configs, files and command lines given to deepy.py: one clear message, exit 2, no traceback,
 nothing launched or written. Each case: the fault, the promise, the assertion."""
 
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,6 +33,7 @@ def data_config(tmp_path: Path, **extra) -> str:
         "data_path": str(tmp_path / "chars"),
         "log_dir": str(tmp_path / "logs"),
         "tensorboard_dir": str(tmp_path / "tb"),
+        "save": str(tmp_path / "ckpt"),
         **extra,
     }
     return yaml.safe_dump(flat)
@@ -89,8 +91,41 @@ FAULTS = [
     Fault(
         "save_dir_is_a_file",
         "a `save` path that cannot be a directory is named before launch",
-        {"bad.yml": "{data}save: {tmp}/merges.txt/ckpt\n"},
+        {"data.yml": "{data}", "bad.yml": "save: {tmp}/merges.txt/ckpt\n"},
         "the checkpoint directory cannot be written",
+    ),
+    Fault(
+        "save_empty",
+        "`save: ''` (gpt-neox reads it as unset: no checkpoint, no word) is refused by name",
+        {"data.yml": "{data}", "bad.yml": "save: ''\n"},
+        "save='' is an empty path, which would silently save no checkpoint; set save: null",
+    ),
+    Fault(
+        "load_empty",
+        "`load: ''` (it would silently start from scratch) is refused by name",
+        {"bad.yml": "{data}load: ''\n"},
+        "load='' is an empty path, which would silently start from scratch",
+    ),
+    Fault(
+        "memory_estimate_absurd",
+        "a run estimated far over what each rank has (here 957 TiB) is refused, not left to "
+        "fail on the ranks",
+        {"bad.yml": "{data}seq_length: 10000000000\nmax_position_embeddings: 10000000000\n"},
+        "TiB per rank is over 2x the",
+    ),
+    Fault(
+        "split_leaves_valid_empty",
+        "a split that gives the valid split no documents while the run evaluates is refused "
+        "before launch (it was a traceback on every rank), the split and the fix named",
+        {"bad.yml": "{data}split: '1000,1,0'\n"},
+        "split='1000,1,0' gives the valid split no documents (train/valid/test get 60/0/0 of "
+        "the 60 in data_path=",
+    ),
+    Fault(
+        "split_leaves_train_empty",
+        "a split that gives train no documents is refused before launch",
+        {"bad.yml": "{data}split: '0,1,0'\n"},
+        "gives the train split no documents",
     ),
     Fault(
         "export_env_unset",
@@ -128,8 +163,9 @@ def test_config_fault(fault: Fault, tmp_path):
     assert fault.message in r.stderr, r.stderr
     assert "Traceback" not in r.stderr + r.stdout
     assert "# launch command" not in r.stdout and "launching" not in r.stderr
-    # Nothing of a run was created: no logs, metrics or tensorboard files.
+    # Nothing of a run was created: no logs, metrics, tensorboard files or save directory.
     assert not (tmp_path / "logs").exists() and not (tmp_path / "tb").exists()
+    assert not (tmp_path / "ckpt").exists()
 
 
 def test_foreign_vocab_in_a_dry_run_is_a_warning_not_a_traceback(tmp_path):
@@ -158,3 +194,113 @@ def test_bad_export_env_name_is_a_config_error():
 
     with pytest.raises(ConfigError, match="not environment variable names"):
         load_dict({"export_env": ["OK_NAME", "X; rm -rf /"]})
+
+
+def test_fp16_on_cpu_ranks_is_refused_before_launch(tmp_path):
+    """Fault: fp16 (every stock gpt-neox config) on CPU ranks, which DeepSpeed's CPU accelerator
+    refuses on every rank. Promise: before launch, naming the fix; a warning in a dry run."""
+    import torch
+
+    if torch.ops.mkldnn._is_mkldnn_fp16_supported():
+        pytest.skip("this CPU has fp16 (AMX-FP16): DeepSpeed runs fp16 on it")
+    make_dataset(tmp_path / "chars")
+    bad = tmp_path / "bad.yml"
+    bad.write_text(data_config(tmp_path) + "fp16: {enabled: true}\n")
+    message = f"{bad}: precision fp16 is not supported by DeepSpeed on this machine's CPU"
+    r = run_deepy("train.py", "configs/tiny.yml", bad, check=False)
+    assert r.returncode == 2 and message in r.stderr, r.stderr
+    assert "configs/cpu.yml" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "logs").exists() and not (tmp_path / "ckpt").exists()
+    r = run_deepy("train.py", "configs/tiny.yml", bad, "--dry-run", check=False)
+    assert r.returncode == 0 and message in r.stderr, r.stderr
+    # The fix the message names works: configs/cpu.yml layered last turns fp16 off.
+    r = run_deepy("train.py", "configs/tiny.yml", bad, "configs/cpu.yml", "--dry-run")
+    assert "precision fp16" not in r.stderr
+
+
+def test_skip_memory_check_lets_an_oversized_estimate_through(tmp_path):
+    """Fault: an estimate over the machine's memory that the user means to run. Promise: the
+    override key named in the refusal turns the refusal off."""
+    make_dataset(tmp_path / "chars")
+    big = tmp_path / "big.yml"
+    big.write_text(data_config(tmp_path, seq_length=10**10, max_position_embeddings=10**10))
+    r = run_deepy("train.py", "configs/tiny.yml", big, "--dry-run", check=False)
+    assert r.returncode == 0 and "set skip_memory_check: true" in r.stderr, r.stderr
+    (tmp_path / "skip.yml").write_text("skip_memory_check: true\n")
+    r = run_deepy("train.py", "configs/tiny.yml", big, tmp_path / "skip.yml", "--dry-run")
+    assert "per rank is over" not in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize(
+    "module, keys, message",
+    [
+        ("wandb", {"use_wandb": True}, "use_wandb=True needs the wandb package"),
+        (
+            "sentencepiece",
+            {"tokenizer_type": "SPMTokenizer", "vocab_file": "{tmp}/merges.txt"},
+            "tokenizer_type=SPMTokenizer needs the sentencepiece package",
+        ),
+    ],
+)
+def test_optional_package_a_key_needs_is_named_before_launch(
+    module, keys, message, tmp_path, monkeypatch, capsys
+):
+    """Fault: a key needing an optional package this machine lacks (the ranks would fail on its
+    import). Promise: before launch, the key, the package and `pip install 'neox[...]'`."""
+    import deepy
+
+    make_dataset(tmp_path / "chars")
+    (tmp_path / "merges.txt").write_text("#version: 0.2\nh e\n")
+    keys = {k: str(v).replace("{tmp}", str(tmp_path)) for k, v in keys.items()}
+    bad = tmp_path / "bad.yml"
+    bad.write_text(data_config(tmp_path, **keys))
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    monkeypatch.setitem(sys.modules, module, None)  # as if not installed: find_spec says None
+    assert deepy.main(["train.py", "configs/tiny.yml", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert f"{bad}: {message}" in err and "pip install 'neox[" in err, err
+    assert not (tmp_path / "logs").exists() and not (tmp_path / "ckpt").exists()
+
+
+@pytest.mark.parametrize(
+    "fault, keys, message",
+    [
+        (
+            "train_iters_below_the_checkpoint",
+            {"train_iters": 20},
+            "train_iters=20 is below the step of the checkpoint it resumes, 30",
+        ),
+        ("weights_only_without_finetune", {}, "holds weights only"),
+        (
+            "another_rotary_base",
+            {"rotary_emb_base": 500000},
+            "rotary_emb_base 10000 (checkpoint) vs 500000 (config)",
+        ),
+    ],
+)
+def test_resume_mistakes_stop_a_real_launch(fault, keys, message, tmp_path):
+    """Faults: resuming past the run's end (it re-saved the step silently), weights only without
+    finetune, another rotary base (accepted silently). Promise: before launch, named."""
+    import torch
+
+    from neox.checkpoint.find import WEIGHTS_ONLY
+    from neox.config import load_config, write_config
+
+    make_dataset(tmp_path / "chars")
+    run = tmp_path / "run.yml"
+    run.write_text(data_config(tmp_path, load=str(tmp_path / "ckpt")))
+    step = tmp_path / "ckpt" / "global_step30"
+    step.mkdir(parents=True)
+    torch.save({"w": torch.zeros(4)}, step / "mp_rank_00_model_states.pt")
+    write_config(load_config([ROOT / "configs" / "tiny.yml", run]).config, step / "config.yml")
+    (tmp_path / "ckpt" / "latest").write_text("global_step30")
+    if fault == "weights_only_without_finetune":
+        (step / WEIGHTS_ONLY).write_text("weights only\n")
+    before = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    bad = tmp_path / "bad.yml"
+    bad.write_text(yaml.safe_dump(keys))
+    r = run_deepy("train.py", "configs/tiny.yml", run, bad, check=False)
+    assert r.returncode == 2 and message in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and not (tmp_path / "logs").exists()
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == before

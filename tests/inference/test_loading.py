@@ -73,3 +73,48 @@ def test_one_tensor_parallel_rank_gets_no_gather_so_decode_can_use_cuda_graphs(
     gen = Generator(model, 100, 0, gather_logits=gather)
     out = gen.generate([[1, 2, 3]], 4)
     assert len(out) == 1 and gen.cuda_graphs is False  # CPU: the device is the only reason left
+
+
+def char_checkpoint(tmp_path):
+    """A checkpoint as train.py leaves it (small real torch files), trained char-level."""
+    step = tmp_path / "ckpt" / "global_step2"
+    step.mkdir(parents=True)
+    torch.save({"w": torch.arange(10.0)}, step / "mp_rank_00_model_states.pt")
+    from neox.config import write_config
+
+    write_config(load_dict({"tokenizer_type": "CharLevelTokenizer"}), step / "config.yml")
+    (tmp_path / "ckpt" / "latest").write_text("global_step2")
+
+
+@pytest.mark.parametrize("script", ["generate.py", "eval.py"])
+def test_another_tokenizer_than_the_checkpoints_is_refused(script, tmp_path, capsys):
+    """Fault: generate/eval with a tokenizer the checkpoint was not trained with (it printed
+    garbage or a wrong perplexity, exit 0). Promise: refused before launch and in a one-process
+    run, unless allow_tokenizer_mismatch; no tokenizer key at all takes the checkpoint's."""
+    import importlib
+
+    char_checkpoint(tmp_path)
+    vocab = tmp_path / "vocab.json"
+    vocab.write_text('{"model": {"type": "BPE", "vocab": {"a": 0}, "merges": []}}')
+    cfg = tmp_path / "run.yml"
+    keys = {"load": str(tmp_path / "ckpt"), "eval_input_file": str(vocab)}
+    cfg.write_text(
+        yaml.safe_dump({**keys, "tokenizer_type": "HFTokenizer", "vocab_file": str(vocab)})
+    )
+    message = "was trained with another tokenizer than this config's:\n  tokenizer_type"
+    r = run_deepy(script, cfg, check=False)
+    assert r.returncode == 2 and message in r.stderr, r.stderr
+    assert "allow_tokenizer_mismatch: true" in r.stderr and "Traceback" not in r.stderr
+    # The one-process run (no deepy.py) refuses it too, before any model is built.
+    assert importlib.import_module(script.removesuffix(".py")).main([str(cfg)]) == 2
+    assert message in capsys.readouterr().err
+    # With the override the tokenizer check passes (dry run: nothing else to load).
+    allow = tmp_path / "allow.yml"
+    allow.write_text("allow_tokenizer_mismatch: true\n")
+    r = run_deepy(script, cfg, allow, "--dry-run", check=False)
+    assert "another tokenizer" not in r.stderr, r.stderr
+    # No tokenizer key: the checkpoint's own tokenizer is used.
+    cfg.write_text(yaml.safe_dump(keys))
+    r = run_deepy(script, cfg, "--dry-run", check=False)
+    assert r.returncode == 0 and "tokenizer: the checkpoint's own, CharLevelTokenizer" in r.stdout
+    assert "tokenizer_type: CharLevelTokenizer" in r.stdout

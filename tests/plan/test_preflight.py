@@ -1,5 +1,7 @@
 """neox/plan/preflight.py: what deepy.py checks on disk before launch, from headers and sizes."""
 
+import sys
+
 import pytest
 
 from neox.config import ConfigError, load_config
@@ -8,7 +10,12 @@ from neox.plan.preflight import (
     check_script,
     check_tokenizer_files,
     checkpoint_problem,
+    drawn_splits,
+    empty_path_problems,
+    optional_package_problems,
+    precision_problem,
     preflight,
+    split_problems,
 )
 from tests.train_helpers import make_dataset
 
@@ -66,3 +73,92 @@ def test_checkpoint_problem_names_what_is_missing(tmp_path):
     (tmp_path / "global_step3").mkdir()
     assert "(it has global_step3)" in checkpoint_problem(str(tmp_path), iteration=5)
     assert checkpoint_problem(str(tmp_path), iteration=3) is None
+
+
+def test_split_problems_name_the_empty_split_a_run_needs(tmp_path):
+    make_dataset(tmp_path / "chars", docs=10)
+    cfg = loaded(tmp_path, f"data_path: {tmp_path}/chars\nsplit: '98,1,1'\n")
+    # 10 documents: valid and test round to none.
+    problems = split_problems(cfg, drawn_splits((100, 20, 20)))
+    assert len(problems) == 2, problems
+    assert "run.yml: split='98,1,1' gives the valid split no documents" in problems[0]
+    assert (
+        "(train/valid/test get 10/0/0 of the 10" in problems[0] and "eval_iters: 0" in problems[0]
+    )
+    assert "gives the test split no documents" in problems[1] and "do_test: false" in problems[1]
+    # No samples drawn from an empty split (eval_iters: 0, do_test: false): nothing to say.
+    assert split_problems(cfg, drawn_splits((100, 0, 0))) == []
+    assert split_problems(loaded(tmp_path, "data_path: null\n"), drawn_splits((1, 1, 1))) == []
+    # eval.py's eval_split reads one split: an empty one would score no text at all.
+    problems = split_problems(cfg, {"test": "eval_split='test' evaluates it"})
+    assert "gives the test split no documents" in problems[0]
+    assert "but eval_split='test' evaluates it" in problems[0]
+
+
+def test_split_problems_cut_documents_as_the_loader_does(tmp_path):
+    """deepy's count and the loader's ranges come from one function: checked on many splits."""
+    from neox.config.data import split_ranges
+    from neox.data.loader import split_documents
+
+    for split in ("949,50,1", "1,1,1", "900,80,20", "2/1", "0.5,0.25,0.25", "1,0,0", "7"):
+        for n in (0, 1, 2, 3, 7, 10, 59, 60, 1000):
+            assert [b - a for a, b in split_ranges(split, n)] == [
+                r.size for r in split_documents(split, n)
+            ]
+
+
+def test_empty_save_and_load_paths_are_problems(tmp_path):
+    problems = empty_path_problems(loaded(tmp_path, "save: ''\nload: ' '\n"))
+    assert len(problems) == 2
+    assert "run.yml: save='' is an empty path" in problems[0]
+    assert "load=' ' is an empty path, which would silently start from scratch" in problems[1]
+    assert empty_path_problems(loaded(tmp_path, "save: null\n")) == []
+
+
+def test_missing_optional_package_is_named_with_its_extra(tmp_path, monkeypatch):
+    cfg = loaded(tmp_path, "use_wandb: true\ntokenizer_type: HFGPT2Tokenizer\n")
+    assert optional_package_problems(cfg, "train.py") == []  # installed here
+    monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    problems = optional_package_problems(cfg, "train.py")
+    assert problems[0].endswith(
+        "/run.yml: use_wandb=True needs the wandb package, not installed here: pip install "
+        "'neox[wandb]' (or set use_wandb: false)"
+    )
+    assert "tokenizer_type=HFGPT2Tokenizer needs the transformers package" in problems[1]
+    # generate.py never starts wandb: only the tokenizer's package matters there.
+    assert len(optional_package_problems(cfg, "generate.py")) == 1
+
+
+def test_fp16_is_a_problem_only_on_cpu_ranks_without_it(tmp_path):
+    import torch
+
+    cfg = loaded(tmp_path, "fp16: {enabled: true}\n")
+    assert precision_problem(cfg, "fp16", cpu_ranks=False) is None
+    assert precision_problem(cfg, "bf16", cpu_ranks=True) is None
+    problem = precision_problem(cfg, "fp16", cpu_ranks=True)
+    if torch.ops.mkldnn._is_mkldnn_fp16_supported():
+        assert problem is None
+    else:
+        assert "run.yml: precision fp16" in problem and "configs/cpu.yml" in problem
+
+
+def test_fit_refusal_only_past_twice_the_memory_and_only_without_the_override():
+    from pathlib import Path
+
+    from neox.config import derive, load_dict
+    from neox.plan.memory import GiB, estimate_memory, training_shape
+    from neox.plan.report import fit_refusal
+
+    root = Path(__file__).resolve().parents[2]
+    cfg = load_config([root / "configs/pythia/1-4B.yml"]).config
+    derived = derive(cfg, 8, 50277)
+    need = estimate_memory(cfg.model, training_shape(cfg, derived, 50304)).total
+    assert (
+        fit_refusal(cfg, derived, 50304, need // 2 + GiB, "the GPU has") is None
+    )  # tight: a warning
+    refusal = fit_refusal(cfg, derived, 50304, need // 3, "the GPU has")
+    assert refusal.startswith(f"estimated {need / GiB:.1f} GiB per rank is over 2x the ")
+    assert "the GPU has (seq_length=2048" in refusal and "skip_memory_check: true" in refusal
+    skip = load_dict({**cfg.to_flat(), "skip_memory_check": True})
+    assert fit_refusal(skip, derive(skip, 8, 50277), 50304, need // 3, "the GPU has") is None

@@ -79,3 +79,54 @@ def test_device_scalars_keep_order_drop_none_and_read_tensors():
     assert list(read) == ["loss", "lr", "skipped"]
     assert read == {"loss": 2.5, "lr": 1e-3, "skipped": 0.0}
     assert all(type(v) is float for v in read.values())
+
+
+def test_a_step_before_an_eval_a_save_or_the_end_is_timed_like_the_others(
+    tmp_path, monkeypatch, one_rank_group
+):
+    """Fault: the step before a flush (evaluation, save, end) was logged at ~1 ms, with absurd
+    TFLOPS, and the next one at two steps' time. Promise: every step is timed by its own work;
+    eval and save times are reported apart. A real one-rank run of neox's loop, whose training
+    batches each take at least 50 ms to arrive, so that every step takes at least 100 ms
+    (2 micro-batches) however loaded the machine is."""
+    import time
+
+    import neox.training.loop as loop
+    from neox.config import load_config
+    from neox.training.setup import build_run
+    from tests.train_helpers import make_dataset, write_config
+
+    def slowly(stream):
+        for batch in stream:
+            time.sleep(0.05)
+            yield batch
+
+    def slow_train_data(*args, **kwargs):
+        data = build_data(*args, **kwargs)
+        data.train = slowly(data.train)
+        return data
+
+    build_data = loop.build_data
+    monkeypatch.setattr(loop, "build_data", slow_train_data)
+    for name, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1").items():
+        monkeypatch.setenv(name, value)  # what init_distributed sets, restored afterwards
+    make_dataset(tmp_path / "data" / "chars")
+    steps = dict(train_iters=8, eval_interval=3, checkpoint_factor=4, log_interval=1)
+    cfg = load_config([write_config(tmp_path, "run", num_gpus=1, **steps)]).config
+    assert cfg.training.gradient_accumulation_steps == 2
+    run = build_run(cfg)
+    writer = MetricsWriter(cfg.logging.log_dir, None, enabled=True)
+    try:
+        loop.train(run, 0, writer)
+    finally:
+        writer.close()
+    lines = (tmp_path / "run" / "logs" / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    times = {r["step"]: r["step_time_s"] for r in records if r["split"] == "train"}
+    assert sorted(times) == list(range(1, 9))
+    # Steps 3 and 6 precede an evaluation, 4 and 8 a save, 8 the end: each still took its two
+    # batches' 100 ms, none is a mere read of its loss.
+    assert all(t >= 0.1 for t in times.values()), times
+    assert {r["split"] for r in records} >= {"valid", "save"}
+    assert all(r["eval_time_s"] > 0 for r in records if r["split"] == "valid")
+    assert all(r["save_time_s"] > 0 for r in records if r["split"] == "save")

@@ -1,0 +1,122 @@
+"""neox/checkpoint/compat.py: what deepy.py refuses to resume (or generate, evaluate, export)
+from, before any rank starts."""
+
+import pytest
+import torch
+
+from neox.checkpoint.compat import check_resume, tokenizer_mismatch
+from neox.checkpoint.find import WEIGHTS_ONLY
+from neox.config import ConfigError, derive, load_dict, write_config
+from neox.config.transport import read_saved_config
+
+MODEL = {
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "pos_emb": "rotary",
+    "tokenizer_type": "HFTokenizer",
+}
+
+
+def save_step(root, step: int, vocab_text: str, **keys) -> None:
+    """A checkpoint as train.py leaves it: small real torch files, config.yml, the tokenizer."""
+    d = root / "ckpt" / f"global_step{step}"
+    (d / "tokenizer").mkdir(parents=True)
+    torch.save({"w": torch.arange(10.0)}, d / "mp_rank_00_model_states.pt")
+    vocab = root / "train_tokenizer.json"
+    vocab.write_text(vocab_text)
+    (d / "tokenizer" / vocab.name).write_text(vocab_text)
+    cfg = load_dict({**MODEL, "vocab_file": str(vocab), **keys})
+    write_config(cfg, d / "config.yml")
+    (root / "ckpt" / "latest").write_text(f"global_step{step}")
+    vocab.unlink()  # the training run's file is gone: the checkpoint's copy is what counts
+
+
+def run_config(tmp_path, vocab_text: str = '{"v": 1}', **keys):
+    vocab = tmp_path / "tokenizer.json"
+    vocab.write_text(vocab_text)
+    flat = {**MODEL, "vocab_file": str(vocab), "load": str(tmp_path / "ckpt"), **keys}
+    return load_dict(flat)
+
+
+def check(cfg):
+    return check_resume(cfg, derive(cfg, 1, 50000))
+
+
+def test_the_same_tokenizer_under_another_path_resumes(tmp_path):
+    save_step(tmp_path, 3, '{"v": 1}')
+    assert check(run_config(tmp_path, train_iters=10)).startswith("resuming from")
+
+
+def test_another_tokenizer_of_the_same_size_is_refused_unless_allowed(tmp_path):
+    save_step(tmp_path, 3, '{"v": 1}')
+    cfg = run_config(tmp_path, '{"v": 2}', train_iters=10)
+    with pytest.raises(ConfigError) as e:
+        check(cfg)
+    message = str(e.value)
+    assert "was trained with another tokenizer than this config's" in message
+    assert "vocab_file" in message and "8 bytes, sha256" in message
+    assert "global_step3/tokenizer" in message and "allow_tokenizer_mismatch: true" in message
+    allowed = run_config(tmp_path, '{"v": 2}', train_iters=10, allow_tokenizer_mismatch=True)
+    assert check(allowed).startswith("resuming from")
+    other_type = run_config(tmp_path, tokenizer_type="CharLevelTokenizer", train_iters=10)
+    with pytest.raises(ConfigError, match=r"tokenizer_type HFTokenizer \(checkpoint\) vs Char"):
+        check(other_type)
+
+
+def test_another_rotary_base_is_refused_on_resume_but_not_on_finetune(tmp_path):
+    save_step(tmp_path, 3, '{"v": 1}')
+    cfg = run_config(tmp_path, rotary_emb_base=500000, train_iters=10)
+    with pytest.raises(ConfigError, match=r"rotary_emb_base 10000 \(checkpoint\) vs 500000"):
+        check(cfg)
+    tune = run_config(tmp_path, rotary_emb_base=500000, train_iters=10, finetune=True)
+    assert check(tune).startswith("finetuning from")
+
+
+def test_train_iters_below_the_checkpoint_step_is_refused_naming_both(tmp_path):
+    save_step(tmp_path, 30, '{"v": 1}')
+    with pytest.raises(ConfigError) as e:
+        check(run_config(tmp_path, train_iters=20))
+    assert "train_iters=20 is below the step of the checkpoint it resumes, 30" in str(e.value)
+    assert check(run_config(tmp_path, train_iters=30)).startswith("resuming from")
+    # A finetune restarts at iteration 0: its train_iters counts from there.
+    assert check(run_config(tmp_path, train_iters=20, finetune=True)).startswith("finetuning")
+
+
+def test_weights_only_checkpoint_needs_finetune(tmp_path):
+    save_step(tmp_path, 0, '{"v": 1}')
+    (tmp_path / "ckpt" / "global_step0" / WEIGHTS_ONLY).write_text("weights only\n")
+    with pytest.raises(ConfigError, match="holds weights only .* set `finetune: true`"):
+        check(run_config(tmp_path))
+    assert check(run_config(tmp_path, finetune=True)).startswith("finetuning from")
+
+
+def test_tokenizer_mismatch_compares_names_when_a_file_is_missing(tmp_path):
+    save_step(tmp_path, 3, '{"v": 1}')
+    step_dir = tmp_path / "ckpt" / "global_step3"
+    saved = read_saved_config(step_dir)
+    named = load_dict({**MODEL, "vocab_file": str(tmp_path / "elsewhere" / "train_tokenizer.json")})
+    assert tokenizer_mismatch(saved, step_dir, named) is None  # same name, file not here
+    other = load_dict({**MODEL, "vocab_file": str(tmp_path / "elsewhere" / "other.json")})
+    assert "vocab_file" in tokenizer_mismatch(saved, step_dir, other)
+
+
+def test_a_finetune_run_relaunched_unchanged_is_refused(tmp_path):
+    """The converse of weights only: finetune: true on the run's own finetune checkpoint (save =
+    load) would restart at iteration 0 on the finetuned weights and overwrite its saves."""
+    save_step(tmp_path, 20, '{"v": 1}', finetune=True)
+    ckpt = str(tmp_path / "ckpt")
+    again = run_config(tmp_path, finetune=True, save=ckpt, train_iters=50)
+    with pytest.raises(ConfigError, match="this finetune run's own step 20 .* set finetune: false"):
+        check(again)
+    assert check(run_config(tmp_path, save=ckpt, train_iters=50)).startswith("resuming from")
+    # Finetuning from it into another directory is a new finetune: fine.
+    other = run_config(tmp_path, finetune=True, save=str(tmp_path / "next"), train_iters=50)
+    assert check(other).startswith("finetuning from")
+
+
+def test_a_file_the_tokenizer_type_does_not_read_is_not_compared(tmp_path):
+    """A char-level run layered on a BPE config keeps a vocab_file it never reads."""
+    save_step(tmp_path, 3, '{"v": 1}', tokenizer_type="CharLevelTokenizer")
+    step_dir = tmp_path / "ckpt" / "global_step3"
+    char = load_dict({**MODEL, "tokenizer_type": "CharLevelTokenizer"})
+    assert tokenizer_mismatch(read_saved_config(step_dir), step_dir, char) is None
