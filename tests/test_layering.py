@@ -7,6 +7,9 @@ Layers, lowest first:
     config             schema, loader, derived values; torch-free, imports nothing else of neox
     data tokenizer kernels   readers and kernels the runtime and the planner share
     prep               offline preparation (preprocess, tokenizer training)
+    checkpoint.{errors,manifest,find,lock,compat}
+                       a checkpoint directory's metadata, torch-free: step directories and
+                       `latest`, the manifest and its checksums, the save lock, resume checks
     plan               torch-free planning (attention path, engine choice, estimate, memory,
                        preflight): reads the config, opens data/tokenizer files to check them
     model              the plain GPT-NeoX (torch); reads the plan's attention path
@@ -32,6 +35,7 @@ LAYERS = [
     {"config"},
     {"data", "tokenizer", "kernels"},
     {"prep"},
+    {f"checkpoint.{m}" for m in ("errors", "manifest", "find", "lock", "compat")},
     {"plan"},
     {"model"},
     {"parallel"},
@@ -42,7 +46,7 @@ LAYERS = [
     {"entry", "cli", ""},
 ]
 LAYER = {package: i for i, packages in enumerate(LAYERS) for package in packages}
-TORCH_FREE = ("config", "plan")
+TORCH_FREE = ("config", "plan", *(key for key in LAYER if key.startswith("checkpoint.")))
 
 
 def modules() -> dict[str, Path]:
@@ -92,7 +96,11 @@ def import_graph() -> dict[str, set[str]]:
 
 
 def package(module: str) -> str:
-    return module.split(".")[1] if "." in module else ""
+    """The layer key of a module: its package, or package.module where that has a layer."""
+    parts = module.split(".")
+    if len(parts) > 2 and f"{parts[1]}.{parts[2]}" in LAYER:
+        return f"{parts[1]}.{parts[2]}"
+    return parts[1] if len(parts) > 1 else ""
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
