@@ -64,10 +64,16 @@ class LauncherConfig(ConfigGroup):
     export_env: list[str] = []
     """Extra environment variable names exported to every node (besides PYTHONPATH, NCCL_*, DS_*...)."""
 
+    stop_grace_s: float = 600.0
+    """Seconds the ranks get to save and exit after a stop (SIGTERM/SIGINT to deepy.py, or
+    deepy.py gone) before the node's agent kills them; a large model's save takes minutes."""
+
     @model_validator(mode="after")
     def _check_counts(self) -> "LauncherConfig":
         if self.num_gpus is not None and self.num_gpus < 1:
             raise ValueError(f"num_gpus={self.num_gpus} must be >= 1 (or left unset for all GPUs)")
+        if self.stop_grace_s < 0:
+            raise ValueError(f"stop_grace_s={self.stop_grace_s} must be >= 0 (seconds)")
         if self.num_nodes == 0 or self.num_nodes < -1:
             raise ValueError(f"num_nodes={self.num_nodes} must be >= 1, or -1 for every host")
         bad = [n for n in self.export_env if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", n)]

@@ -250,6 +250,7 @@ KEYS: dict[str, Status] = {
     "deepspeed_mpi": _reads("neox/launcher/rank_env.py"),
     "deepspeed_slurm": _reads("neox/launcher/rank_env.py"),
     "export_env": _reads(LAUNCH),
+    "stop_grace_s": _reads(LAUNCH),
     # generation (generate.py, eval.py)
     "text_gen_type": _reads(GENERATE),
     "temperature": _reads(GENERATE),

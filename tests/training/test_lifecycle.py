@@ -355,14 +355,14 @@ def test_kill_9_of_deepy_saves_the_last_step_and_leaves_no_process(runs):
     run = BackgroundRun(cfg, tmp / "orphan.out")
     try:
         run.wait_for("iter 2/1000")
-        # The ranks notice deepy.py is gone, finish the step, save and exit; the runner and
-        # DeepSpeed's launch.py follow them.
+        # The agent, deepy.py's child, sees it gone (PR_SET_PDEATHSIG, and its control channel
+        # closing) and sends SIGTERM to the ranks: they finish the step, save and exit.
         gone = run.kill_9_deepy()
         print(f"every process gone {gone:.1f} s after kill -9 of deepy.py")
     finally:
         run.kill_all()
     out = run.text()
-    assert "deepy.py (pid" in out and "is gone" in out, out[-3000:]
+    assert "neox agent: deepy.py is gone" in out and "SIGTERM to 2 rank(s)" in out, out[-3000:]
     assert "Traceback" not in out
     [last] = [ln for ln in out.splitlines() if "stopped by SIGTERM at iteration" in ln]
     step = int(last.rsplit(" ", 1)[1])
