@@ -3,6 +3,7 @@
 import base64
 import json
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -65,6 +66,31 @@ def test_local_rank_death_ends_the_launch_naming_the_rank_and_its_traceback(tmp_
     [message] = caplog.messages
     assert message.startswith("rank 1 on ") and "exited with status 1" in message, message
     assert "RuntimeError: probe rank 1 fails on purpose" in message  # the tail of its stderr
+
+
+def test_kill_9_of_the_agent_ends_the_launch_naming_it(tmp_path, caplog):
+    cfg = LauncherConfig(num_gpus=2, master_port=free_port())
+    plan = build_launch(cfg, PROBE, ["--out", str(tmp_path), "--die_rank", "7"], cpu=True)
+
+    def kill_the_agent() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            for pid in launch_pids(plan.launch_id):
+                if b"neox.launcher.agent" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    if len(launch_pids(plan.launch_id)) == 3:  # the agent and its two ranks
+                        os.kill(pid, 9)
+                        return
+            time.sleep(0.1)
+
+    killer = threading.Thread(target=kill_the_agent)
+    killer.start()
+    with caplog.at_level("ERROR", logger="neox.launcher.run"):
+        code = run_launch(plan)
+    killer.join()
+    assert code == 128 + 9
+    assert "the agent on localhost ended with status 137 and no report" in caplog.text
+    time.sleep(1)
+    assert launch_pids(plan.launch_id) == []  # its ranks died with it
 
 
 @pytest.fixture
