@@ -247,11 +247,12 @@ def main(argv: list[str]) -> int:
         threading.Thread(target=agent.read_control, daemon=True).start()
     agent.wait()
     remove_shm_buffers(args.master_port)
+    report = agent.report()
     try:
-        print(REPORT_PREFIX + json.dumps(agent.report()), file=report_to, flush=True)
+        print(REPORT_PREFIX + json.dumps(report), file=report_to, flush=True)
     except OSError:
         pass  # deepy.py is gone: nobody to tell
-    return agent.report()["code"]
+    return report["code"]
 
 
 if __name__ == "__main__":

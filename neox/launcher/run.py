@@ -31,42 +31,41 @@ class LaunchResult:
 
 
 class _Node:
-    """One process deepy.py started (an agent, its ssh client, or DeepSpeed's runner), the
-    report its agent sends when the node's ranks have ended, and its exit status."""
+    """One process deepy.py started (a local agent, an ssh client running a node's agent, or
+    DeepSpeed's runner), the report the agent sends when its ranks have ended, and how it ended."""
 
-    def __init__(self, plan: LaunchPlan, index: int, argv: list[str]) -> None:
-        self.host = list(plan.hosts)[index]
-        self.kind = "ssh" if plan.launcher == "pdsh" else "agent"
+    def __init__(self, plan: LaunchPlan, index: int, argv: list[str], env_fd: Optional[int]):
+        self.host = list(plan.hosts)[index] if plan.agents else ""
+        self.kind = {"local": "agent", "pdsh": "ssh"}.get(plan.launcher, "runner")
         self.report: Optional[dict] = None
         self.code: Optional[int] = None
-        report_w = None
-        if plan.launcher == "local":
+        source = relay = None
+        pass_fds: tuple[int, ...] = () if env_fd is None else (env_fd,)
+        if self.kind == "agent":
             # Its output is deepy.py's own (a terminal keeps its progress bar); the report comes
             # on a pipe of its own.
-            report_r, report_w = os.pipe()
-            extra = [f"--report_fd={report_w}"]
+            source_fd, report_fd = os.pipe()
+            extra = [f"--report_fd={report_fd}"]
             if not os.isatty(2):  # on a terminal the traceback is right above deepy's message
                 extra.append("--tee")
             argv = argv[:4] + extra + argv[4:]
-            source, relay = os.fdopen(report_r, "rb"), None
+            source, pass_fds = os.fdopen(source_fd, "rb"), (report_fd,)
         self.proc = subprocess.Popen(
             argv,
             env=plan.env,
             cwd=plan.cwd,
             stdin=subprocess.PIPE if plan.agents else subprocess.DEVNULL,
             # Over ssh the report comes on stdout, with the ranks' output (relayed here).
-            stdout=subprocess.PIPE if plan.launcher == "pdsh" else None,
-            pass_fds=(report_w,) if report_w is not None else (),
+            stdout=subprocess.PIPE if self.kind == "ssh" else None,
+            pass_fds=pass_fds,
             # Its own session: a terminal's Ctrl-C reaches deepy.py only, which passes it on.
             start_new_session=True,
             preexec_fn=child_dies_with_me(signal.SIGHUP if plan.agents else signal.SIGTERM),
         )
-        if report_w is not None:
-            os.close(report_w)
-        elif plan.launcher == "pdsh":
+        if self.kind == "agent":
+            os.close(pass_fds[0])
+        elif self.kind == "ssh":
             source, relay = self.proc.stdout, getattr(sys.stdout, "buffer", None)
-        else:
-            source = None
         self.reader = None
         if source is not None:
             self.reader = threading.Thread(target=self._read, args=(source, relay), daemon=True)
@@ -137,7 +136,7 @@ def launch(plan: LaunchPlan) -> LaunchResult:
 
     def start() -> None:
         for i, argv in enumerate(plan.argvs):
-            node = _Node(plan, i, argv) if env_fd is None else _runner(plan, argv, env_fd)
+            node = _Node(plan, i, argv, env_fd)
             nodes.append(node)
             if stop.signum is not None:  # a stop that came while the nodes start
                 node.send("stop")
@@ -180,21 +179,6 @@ def launch(plan: LaunchPlan) -> LaunchResult:
 def run_launch(plan: LaunchPlan) -> int:
     """Start the plan and wait; returns the launch's exit status (non-zero if any rank failed)."""
     return launch(plan).code
-
-
-def _runner(plan: LaunchPlan, argv: list[str], env_fd: int) -> _Node:
-    node = _Node.__new__(_Node)
-    node.host, node.kind, node.report, node.code, node.reader = "", "runner", None, None, None
-    node.proc = subprocess.Popen(
-        argv,
-        env=plan.env,
-        cwd=plan.cwd,
-        stdin=subprocess.DEVNULL,
-        pass_fds=(env_fd,),
-        start_new_session=True,
-        preexec_fn=child_dies_with_me(signal.SIGTERM),
-    )
-    return node
 
 
 def _wait(nodes: list[_Node], ended: queue.Queue) -> int:
