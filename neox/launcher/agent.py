@@ -66,6 +66,7 @@ class Agent:
         self.tees: dict[int, list[_Tee]] = {}
         self.first_failure: Optional[RankExit] = None
         self.stopping = False
+        self.killed_why: Optional[str] = None  # why the agent itself killed its ranks
         self.lock = threading.RLock()  # a signal handler may interrupt a holder
         self._timer: Optional[threading.Timer] = None
 
@@ -131,9 +132,10 @@ class Agent:
 
     def _overdue(self) -> None:
         log.error("ranks still running %g s after the stop: killing them", self.args.stop_grace_s)
-        self.kill()
+        self.kill(f"still running {self.args.stop_grace_s:g} s after the stop")
 
-    def kill(self) -> None:
+    def kill(self, why: str) -> None:
+        self.killed_why = self.killed_why or why
         self._signal(signal.SIGKILL)
 
     def _signal(self, sig: int) -> int:
@@ -153,7 +155,7 @@ class Agent:
             self.stop("deepy.py is gone (the agent's parent ended)")
         elif self.stopping:
             log.warning("second %s: killing the ranks now", name)
-            self.kill()
+            self.kill(f"a second {name}")
         else:
             self.stop(f"{name} received")
 
@@ -165,7 +167,7 @@ class Agent:
             if command == b"stop":
                 self.stop("stop requested by deepy.py")
             elif command == b"kill":
-                self.kill()
+                self.kill("deepy.py asked")
         self.stop("deepy.py is gone (the control channel closed)")
 
     # --- waiting -------------------------------------------------------------------------------
@@ -182,8 +184,10 @@ class Agent:
                 for tee in self.tees.get(pid, []):
                     tee.thread.join(timeout=2)
                 tail = list(self.tees[pid][1].tail) if pid in self.tees else []
-                self.first_failure = RankExit(self.ranks[pid], pid, self.host, status, tail)
-                self.kill()
+                why = self.killed_why if status == signal.SIGKILL else None
+                rank = self.ranks[pid]
+                self.first_failure = RankExit(rank, pid, self.host, status, tail, why)
+                self.kill(f"rank {rank} failed")
         if self._timer is not None:
             self._timer.cancel()
         for tees in self.tees.values():
@@ -203,6 +207,7 @@ class Agent:
                 "pid": failure.pid,
                 "status": failure.status,
                 "tail": failure.tail,
+                "killed_by_agent": failure.killed_by_agent,
             },
         }
 

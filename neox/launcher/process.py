@@ -5,6 +5,7 @@ import ctypes
 import os
 import signal
 from dataclasses import dataclass, field
+from typing import Optional
 
 REPORT_PREFIX = "neox-agent-report "
 _PR_SET_PDEATHSIG = 1
@@ -34,9 +35,12 @@ class RankExit:
     host: str
     status: int  # wait status as the kernel reports it
     tail: list[str] = field(default_factory=list)  # last lines of its stderr, when teed
+    killed_by_agent: Optional[str] = None  # why its agent killed it, if it did
 
     def describe(self) -> str:
-        if self.status & 0x7F:
+        if self.killed_by_agent:
+            how = f"was killed by its agent ({self.killed_by_agent})"
+        elif self.status & 0x7F:
             sig = self.status & 0x7F
             name = {s.value: s.name for s in signal.Signals}.get(sig, "a real-time signal")
             how = f"was killed by {name} (signal {sig}"

@@ -77,8 +77,11 @@ class _Node:
             if line.startswith(prefix):
                 self.report = json.loads(line[len(prefix) :])
             elif relay is not None:
-                relay.write(line)
-                relay.flush()
+                try:
+                    relay.write(line)
+                    relay.flush()
+                except (OSError, ValueError):
+                    relay = None  # our own output is gone; the report still matters
 
     def send(self, command: str) -> None:
         """A line on the agent's control channel (its stdin; over ssh, the remote agent's)."""
@@ -96,7 +99,13 @@ class _Node:
             bad = self.report["failure"]
             if bad is None:
                 return None
-            rank = RankExit(bad["rank"], bad["pid"], self.report["host"], bad["status"])
+            rank = RankExit(
+                bad["rank"],
+                bad["pid"],
+                self.report["host"],
+                bad["status"],
+                killed_by_agent=bad["killed_by_agent"],
+            )
             text = rank.describe()
             if bad["tail"]:
                 text += "; the end of its stderr:\n  " + "\n  ".join(bad["tail"])

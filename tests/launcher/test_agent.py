@@ -174,6 +174,8 @@ def test_control_channel_stop_then_kill(tmp_path):
         agent.stdin.write("kill\n")
         agent.stdin.flush()
         assert agent.wait(timeout=20) == 128 + signal.SIGKILL
+        report = json.loads(agent.stdout.read().split(REPORT_PREFIX, 1)[1])
+        assert report["failure"]["killed_by_agent"] == "deepy.py asked"
     finally:
         agent.kill()
         agent.wait()
