@@ -14,6 +14,7 @@ from typing import Optional
 from neox.config.launcher import LauncherConfig
 from neox.launcher.hostfile import HostfileError, LaunchError, read_hostfile, select_resources
 from neox.launcher.port import DEFAULT_MASTER_PORT, free_port
+from neox.launcher.ssh import remote_command, ssh_argv
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +27,6 @@ EXPORT_PREFIXES = ("PYTHON", "MLFLOW", "MV2", "UCX", "NCCL", "DS_")
 # exactly those on every node without matching other jobs by name.
 LAUNCH_ID_ENV = "NEOX_LAUNCH_ID"
 NEOX_ROOT = str(Path(__file__).resolve().parents[2])
-CONNECT_TIMEOUT_S = 10
 # A host name or address that means the same to a shell quoted or not.
 _PLAIN = re.compile(r"^[\w@%+=:,./-]*$")
 
@@ -159,7 +159,7 @@ def build_launch(
         argvs = [
             ssh_argv(host, cfg.ssh_port, env)
             + [
-                _remote_command(
+                remote_command(
                     cwd,
                     all_exports,
                     _agent_argv(cfg, hosts, node, master_addr, port, [script, *script_args], True),
@@ -270,23 +270,6 @@ def _agent_argv(
         "--",
         *script_args,
     ]
-
-
-def ssh_argv(host: str, port: Optional[int], env: Mapping[str, str]) -> list[str]:
-    """`ssh ... host` with the options the launch uses (PDSH_SSH_ARGS_APPEND adds some)."""
-    cmd = ["ssh", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={CONNECT_TIMEOUT_S}", "-x"]
-    if port is not None:
-        cmd += ["-p", str(port)]
-    return cmd + shlex.split(env.get("PDSH_SSH_ARGS_APPEND", "")) + [host]
-
-
-def _remote_command(cwd: str, exports: Mapping[str, str], argv: list[str]) -> str:
-    """One shell line for a node: cd, export, then exec the agent so that it is the ssh
-    session's own child (it dies with the session). Every value is quoted for that shell."""
-    parts = [f"cd {shlex.quote(cwd)}"]
-    parts += [f"export {name}={shlex.quote(value)}" for name, value in exports.items()]
-    parts.append("exec " + shlex.join(argv))
-    return " && ".join(parts)
 
 
 def _plain_master_addr(addr: str) -> str:

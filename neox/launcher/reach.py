@@ -6,7 +6,8 @@ import subprocess
 from concurrent.futures import ThreadPoolExecutor
 
 from neox.launcher.hostfile import HostfileError
-from neox.launcher.plan import CONNECT_TIMEOUT_S, LaunchPlan, ssh_argv
+from neox.launcher.plan import LaunchPlan
+from neox.launcher.ssh import CONNECT_TIMEOUT_S, ssh_argv
 
 log = logging.getLogger(__name__)
 
