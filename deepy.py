@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Merge config files, validate them, and launch a neox script on every rank through DeepSpeed.
+"""Merge config files, validate them, and launch a neox script on every rank (an agent per node).
 
 python deepy.py train.py configs/tiny.yml [more.yml ...] [-d CONF_DIR] [-H HOSTFILE] [--dry-run]
 """

@@ -3,7 +3,7 @@
 deepy.py starts one agent per node (directly on its own machine, over ssh on the others):
 
 python -u -m neox.launcher.agent --node_rank=K --nodes=2,2 --devices=0,1 --master_addr=A
-    --master_port=P --stop_grace_s=600 [--report_fd=N] [--tee] -- script.py ARGS...
+    --master_port=P --stop_grace_s=600 [--control] [--report_fd=N] [--tee] -- script.py ARGS...
 
 Being the ranks' parent, it learns each rank's exact wait status from os.wait, in the order the
 ranks end, so the first failure is known by construction. It reports one line to deepy.py when
@@ -24,10 +24,15 @@ import socket
 import subprocess
 import sys
 import threading
-from pathlib import Path
 from typing import IO, Optional
 
-from neox.launcher.process import REPORT_PREFIX, RankExit, child_dies_with_me, die_with_parent
+from neox.launcher.process import (
+    REPORT_PREFIX,
+    RankExit,
+    child_dies_with_me,
+    die_with_parent,
+    remove_shm_buffers,
+)
 
 log = logging.getLogger("neox.launcher.agent")
 
@@ -58,6 +63,8 @@ class _Tee:
 
 
 class Agent:
+    """One node's ranks: started, signalled and reaped here; the first one to fail."""
+
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.host = socket.gethostname()
@@ -210,15 +217,6 @@ class Agent:
                 "killed_by_agent": failure.killed_by_agent,
             },
         }
-
-
-def remove_shm_buffers(master_port: int) -> None:
-    """DeepSpeed's CPU all-reduce leaves a 69 MB buffer per rank in /dev/shm, named by the uid,
-    master address and port, and never removes it: runs on free ports would fill the memory."""
-    for path in Path("/dev/shm").glob(
-        f"deepspeed_allreduce_buffer_{os.getuid()}_*_{master_port}_*"
-    ):
-        path.unlink(missing_ok=True)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

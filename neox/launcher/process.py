@@ -1,10 +1,11 @@
-"""What deepy.py and the agents share about processes: dying with one's parent, and naming how
-a rank ended."""
+"""What deepy.py and the agents share about processes: dying with one's parent, naming how a rank
+ended, and what ranks leave behind."""
 
 import ctypes
 import os
 import signal
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional
 
 REPORT_PREFIX = "neox-agent-report "
@@ -53,3 +54,12 @@ class RankExit:
     def exit_code(self) -> int:
         """The status a shell would report for it."""
         return 128 + (self.status & 0x7F) if self.status & 0x7F else self.status >> 8
+
+
+def remove_shm_buffers(master_port: int) -> None:
+    """DeepSpeed's CPU all-reduce leaves a 69 MB buffer per rank in /dev/shm, named by the uid,
+    master address and port, and never removes it: runs on free ports would fill the memory."""
+    for path in Path("/dev/shm").glob(
+        f"deepspeed_allreduce_buffer_{os.getuid()}_*_{master_port}_*"
+    ):
+        path.unlink(missing_ok=True)

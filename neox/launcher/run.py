@@ -18,7 +18,12 @@ from dataclasses import dataclass
 from typing import IO, Optional
 
 from neox.launcher.plan import LaunchPlan
-from neox.launcher.process import REPORT_PREFIX, RankExit, child_dies_with_me
+from neox.launcher.process import (
+    REPORT_PREFIX,
+    RankExit,
+    child_dies_with_me,
+    remove_shm_buffers,
+)
 from neox.launcher.signals import AbortLaunch, StopRequest
 
 log = logging.getLogger(__name__)
@@ -180,6 +185,8 @@ def launch(plan: LaunchPlan) -> LaunchResult:
     finally:
         if env_fd is not None:
             os.close(env_fd)
+            # No agent cleans up after mpirun's or srun's ranks: those on this machine, here.
+            remove_shm_buffers(plan.master_port)
     if stop.signum is not None and code == 0:
         code = stop.exit_code
     return LaunchResult(code, stop.signum)
