@@ -135,3 +135,32 @@ def test_rank_death_on_one_node_stops_the_other_node(two_nodes, tmp_path):
     code = run_launch(plan)
     assert code == 1 and time.monotonic() - start < 20
     assert launch_pids(plan.launch_id) == []
+
+
+def test_kill_9_of_a_nodes_ssh_session_ends_the_launch_on_every_node(two_nodes, tmp_path, caplog):
+    plan = build_launch(two_nodes, PROBE, ["--out", str(tmp_path), "--die_rank", "7"], cpu=True)
+
+    def kill_the_ssh_to_the_second_node() -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if len(launch_pids(plan.launch_id)) == 2 + 2 + 3:  # ssh clients, agents, ranks
+                for pid in launch_pids(plan.launch_id):
+                    argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                    if argv[0] == b"ssh" and argv[-3] == b"127.0.0.1":
+                        os.kill(pid, 9)
+                        return
+            time.sleep(0.1)
+
+    killer = threading.Thread(target=kill_the_ssh_to_the_second_node)
+    killer.start()
+    start = time.monotonic()
+    with caplog.at_level("ERROR", logger="neox.launcher.run"):
+        code = run_launch(plan)
+    killer.join()
+    assert code == 128 + 9 and time.monotonic() - start < 120
+    assert "ssh to 127.0.0.1 ended with status 137 and no report" in caplog.text
+    # The second node's agent saw its session end and stopped its ranks; the first was told to.
+    deadline = time.monotonic() + 20
+    while launch_pids(plan.launch_id) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert launch_pids(plan.launch_id) == []
