@@ -142,9 +142,7 @@ def build_launch(
         # The first host is rank 0's; a one-node launch meets on this machine.
         master_addr = next(iter(hosts)) if multi else "127.0.0.1"
     master_addr = _plain_master_addr(master_addr)
-    port = cfg.master_port or (
-        int(environ["MASTER_PORT"]) if mpi and environ.get("MASTER_PORT") else None
-    )
+    port = cfg.master_port or (_env_port(environ) if mpi else None)
     port = port or (DEFAULT_MASTER_PORT if multi else free_port())
     exports = {k: env[k] for k in _export_names(cfg, env)}
     if launcher == "local":
@@ -270,6 +268,13 @@ def _agent_argv(
         "--",
         *script_args,
     ]
+
+
+def _env_port(environ: Mapping[str, str]) -> Optional[int]:
+    value = environ.get("MASTER_PORT", "").strip()
+    if value and not value.isdigit():
+        raise LaunchError(f"MASTER_PORT={value!r} in the environment is not a port number")
+    return int(value) if value else None
 
 
 def _plain_master_addr(addr: str) -> str:

@@ -130,6 +130,13 @@ def test_mpi_and_slurm_launches_take_gpt_neox_master_addr_and_port_from_the_envi
         args = ds_args(plan)
         assert (args.master_addr, args.master_port) == ("10.0.0.7", 4321)
         assert plan.exports["MASTER_ADDR"] == "10.0.0.7" and plan.exports["MASTER_PORT"] == "4321"
+    with pytest.raises(ValueError, match="MASTER_PORT='x1' in the environment is not a port"):
+        build_launch(
+            LauncherConfig(hostfile=hostfile, launcher="slurm"),
+            "t.py",
+            [],
+            environ=dict(ENV, MASTER_PORT="x1"),
+        )
     # The config wins over the environment.
     cfg = LauncherConfig(hostfile=hostfile, launcher="openmpi", master_addr="h", master_port=5)
     args = ds_args(build_launch(cfg, "t.py", [], environ=environ))
