@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Merge config files, validate them, and launch a neox script on every rank through DeepSpeed.
+"""Merge config files, validate them, and launch a neox script on every rank (an agent per node).
 
 python deepy.py train.py configs/tiny.yml [more.yml ...] [-d CONF_DIR] [-H HOSTFILE] [--dry-run]
 """
@@ -16,6 +16,7 @@ import yaml
 from neox.checkpoint.compat import check_resume, describe_stop
 from neox.config import ConfigError, build_ds_config, derive, encode, load_config
 from neox.launcher import LaunchError, build_launch, launch
+from neox.launcher.port import check_master_port
 from neox.launcher.reach import check_nodes_reachable
 from neox.plan.attention_path import describe_attention_paths
 from neox.plan.memory import GiB
@@ -83,7 +84,7 @@ def plan_smallest_layout(cfg, plan, script: str):
         f"{tp * pp} ranks on one node (set num_gpus or a hostfile to plan another)"
     )
     wider = launcher.model_copy(update={"num_gpus": tp * pp})
-    return build_launch(wider, script, plan.argv[plan.argv.index(script) + 1 :])
+    return build_launch(wider, script, plan.script_args[1:])
 
 
 def local_gpu_bytes() -> int | None:
@@ -170,6 +171,7 @@ def main(argv: list[str]) -> int:
             # A dry run may plan for another machine: files missing here are reported, not fatal.
             print("warning (a real launch would stop here):", *problems, sep="\n", file=sys.stderr)
         if not args.dry_run:
+            check_master_port(plan)
             check_nodes_reachable(plan)
             check_save_dir(loaded, derived, create=True)
     except (ConfigError, LaunchError) as e:

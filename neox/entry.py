@@ -5,14 +5,12 @@ from __future__ import annotations
 import logging
 
 from neox.config import NeoXConfig, config_from_argv, load_config
-from neox.launcher.lifeline import watch_launcher
 
 
 def rank_config(argv: list[str]) -> NeoXConfig:
     """The config deepy.py handed over (--neox_config), or config files named on the command
     line for a one-process run; ConfigError on a bad one."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    watch_launcher()  # a rank whose deepy.py was killed stops as on SIGTERM
     return config_from_argv(argv) or load_config(a for a in argv if not a.startswith("-")).config
 
 

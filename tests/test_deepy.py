@@ -34,7 +34,7 @@ def test_dry_run_of_20b_with_local_setup():
     assert ds["zero_optimization"]["stage"] == 1
     assert ds["fp16"]["enabled"] is True
     # tp 2 x pp 4 needs 8 ranks; the dry run plans them even on this machine.
-    assert "--num_gpus=8" in out and "data_parallel: 1" in out
+    assert "--devices=0,1,2,3,4,5,6,7" in out and "data_parallel: 1" in out
     # The estimate, for that layout (tools/estimate.py's report; tests/tools/test_estimate.py).
     estimate = out.split("# estimate", 1)[1].split("# deepspeed config", 1)[0]
     assert "tp 2 x pp 4 x dp 1" in estimate and "ZeRO-1*" in estimate

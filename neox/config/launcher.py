@@ -68,6 +68,10 @@ class LauncherConfig(ConfigGroup):
     export_env: Annotated[list[str], Reads("neox/launcher/plan.py")] = []
     """Extra environment variable names exported to every node (besides PYTHONPATH, NCCL_*, DS_*...)."""
 
+    stop_grace_s: Annotated[float, Reads("neox/launcher/plan.py")] = Field(600.0, ge=0, le=86400)
+    """Seconds the ranks get to save and exit after a stop (SIGTERM/SIGINT to deepy.py, or
+    deepy.py gone) before the node's agent kills them; a large model's save takes minutes."""
+
     skip_memory_check: Annotated[bool, Reads("neox/plan/report.py")] = False
     """Launch even when the memory estimate (tools/estimate.py) is over twice what each rank has
     (GPU memory, or host memory per CPU rank); deepy.py refuses such a launch otherwise."""

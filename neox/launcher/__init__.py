@@ -1,4 +1,5 @@
-"""Start the ranks: hostfile and include/exclude parsing, the DeepSpeed runner command, env export."""
+"""Start the ranks: hostfile and include/exclude parsing, a neox agent per node (the ranks' parent),
+env export; DeepSpeed's runner for mpirun/srun."""
 
 from neox.launcher.hostfile import (
     HostfileError,

@@ -2,6 +2,7 @@
 
 import logging
 import os
+import re
 import shlex
 import sys
 import uuid
@@ -12,9 +13,8 @@ from typing import Optional
 
 from neox.config.launcher import LauncherConfig
 from neox.launcher.hostfile import HostfileError, LaunchError, read_hostfile, select_resources
-from neox.launcher.lifeline import LAUNCHER_ENV, launcher_identity
 from neox.launcher.port import DEFAULT_MASTER_PORT, free_port
-from neox.launcher.quoting import encode_export, is_shell_plain, quote_pdsh_arg, quote_pdsh_script
+from neox.launcher.ssh import remote_command, ssh_argv
 
 log = logging.getLogger(__name__)
 
@@ -27,44 +27,59 @@ EXPORT_PREFIXES = ("PYTHON", "MLFLOW", "MV2", "UCX", "NCCL", "DS_")
 # exactly those on every node without matching other jobs by name.
 LAUNCH_ID_ENV = "NEOX_LAUNCH_ID"
 NEOX_ROOT = str(Path(__file__).resolve().parents[2])
+# A host name or address that means the same to a shell quoted or not.
+_PLAIN = re.compile(r"^[\w@%+=:,./-]*$")
 
 
 @dataclass
 class LaunchPlan:
-    """Everything run_launch needs, and what --dry-run shows: argv, environment, layout."""
+    """Everything launch() needs, and what --dry-run shows: commands, environment, layout."""
 
-    argv: list[str]
-    """The DeepSpeed runner command line."""
+    argvs: list[list[str]]
+    """The processes deepy.py starts: one neox agent per node (itself for this machine, through
+    ssh for the others), or DeepSpeed's runner for mpirun/srun."""
     env: dict[str, str]
-    """Full environment of the runner process."""
+    """Full environment of those processes."""
     exports: dict[str, str]
-    """Variables set on every node (written to the runner's .deepspeed_env for multi-node)."""
+    """Variables set on every node (in the ssh command, or the runner's .deepspeed_env)."""
     hosts: dict[str, list[int]]
     """Active hosts and their slot ids, in rank order."""
     world_size: int
     """Total number of ranks."""
     launcher: str
-    """'local' (one node, DeepSpeed's launch.py) or the multi-node backend: pdsh, openmpi..."""
+    """'local' (one node, no ssh), 'pdsh' (an agent per node over ssh), or openmpi/mvapich/slurm
+    (DeepSpeed's runner: mpirun or srun starts the ranks)."""
     cwd: str
-    """Working directory of the runner, and of the ranks on every node."""
+    """Working directory of the agents and the ranks on every node."""
     launch_id: str
     """Unique tag of this launch, set as NEOX_LAUNCH_ID in every rank's environment."""
+    master_port: int
+    """Port of rank 0's rendezvous."""
+    stop_grace_s: float
+    """Seconds the ranks get to save after a stop before they are killed."""
     env_file_text: str = ""
-    """Contents of the .deepspeed_env handed to the runner (multi-node only)."""
+    """Contents of the .deepspeed_env handed to DeepSpeed's runner (mpirun/srun only)."""
     ssh_port: Optional[int] = None
-    """sshd port of the nodes, for pdsh."""
+    """sshd port of the nodes."""
     cpu: bool = False
     """Ranks run on CPU (DS_ACCELERATOR=cpu, gloo)."""
+    script_args: list[str] = field(default_factory=list)
+    """The entry script and its arguments, as every rank gets them."""
     command: str = field(init=False)
-    """The runner command as one shell-safe line, for --dry-run."""
+    """The commands as shell-safe lines, for --dry-run."""
 
     def __post_init__(self) -> None:
-        self.command = shlex.join(self.argv)
+        self.command = "\n".join(shlex.join(argv) for argv in self.argvs)
 
     @property
     def multi_node(self) -> bool:
-        """True when the ranks are started through a multi-node backend (pdsh, mpirun, srun)."""
+        """True when the ranks are started on other nodes (ssh, mpirun, srun)."""
         return self.launcher != "local"
+
+    @property
+    def agents(self) -> bool:
+        """True when deepy.py starts a neox agent per node (not DeepSpeed's runner)."""
+        return self.launcher in ("local", "pdsh")
 
 
 def build_launch(
@@ -87,47 +102,30 @@ def build_launch(
     cwd = os.path.abspath(cwd or os.getcwd())
     if cpu is None:
         cpu = _runs_on_cpu(environ)
-    hostfile = cfg.hostfile
-    if hostfile is not None and not os.path.isfile(hostfile):
-        # gpt-neox's stock configs carry `hostfile: /mock_path`; DeepSpeed's runner reads a
-        # missing hostfile as "run on this machine only", and so do we, loudly.
-        log.warning(
-            "WARNING: hostfile %s does not exist: running on this machine only (as DeepSpeed's "
-            "runner does); remove `hostfile` or point it at a real file to use other nodes",
-            hostfile,
-        )
-        hostfile = None
-    elif hostfile is None and os.path.isfile(DEFAULT_HOSTFILE):
-        log.info("no launcher.hostfile set; using %s as DeepSpeed's runner would", DEFAULT_HOSTFILE)
-        hostfile = DEFAULT_HOSTFILE
+    hostfile = _hostfile(cfg, environ)
     launch_id = uuid.uuid4().hex
-    runner = [sys.executable, "-u", "-m", "deepspeed.launcher.runner"]
     env = dict(environ)
     env[LAUNCH_ID_ENV] = launch_id
-    env[LAUNCHER_ENV] = launcher_identity()  # so ranks end when this process is killed
     env["PYTHONPATH"] = _pythonpath(cwd, environ.get("PYTHONPATH", ""))
     if cpu:
         env["DS_ACCELERATOR"] = "cpu"
-    env.pop("DS_ENV_FILE", None)  # run_launch points it at the file this plan writes
+    env.pop("DS_ENV_FILE", None)  # launch() hands the runner the file this plan writes
+    common = dict(launch_id=launch_id, stop_grace_s=cfg.stop_grace_s, cpu=cpu)
+    common["script_args"] = [script, *script_args]
 
     if hostfile is None:
         hosts = _local_resources(cfg, cpu, environ)
-        argv = runner + [f"--master_port={cfg.master_port or free_port()}"]
+        port = cfg.master_port or free_port()
         if cfg.master_addr:
-            # DeepSpeed's runner pins a one-node launch to 127.0.0.1 whatever it is told.
             log.warning(
                 "WARNING: master_addr=%s is not used: without a hostfile every rank runs on this "
                 "machine and meets at 127.0.0.1; give a hostfile to place rank 0 elsewhere",
                 _plain_master_addr(cfg.master_addr),
             )
-        if cfg.include or cfg.exclude:
-            argv.append(f"--include={cfg.include}" if cfg.include else f"--exclude={cfg.exclude}")
-        elif cpu or cfg.num_gpus is not None:
-            argv.append(f"--num_gpus={len(hosts['localhost'])}")
-        argv += [script, *script_args]
         exports = {k: env[k] for k in _export_names(cfg, env)}
+        argv = _agent_argv(cfg, hosts, 0, "127.0.0.1", port, [script, *script_args])
         return LaunchPlan(
-            argv, env, exports, hosts, _count(hosts), "local", cwd, launch_id, cpu=cpu
+            [argv], env, exports, hosts, _count(hosts), "local", cwd, master_port=port, **common
         )
 
     pool = read_hostfile(hostfile)
@@ -135,7 +133,53 @@ def build_launch(
     hosts = select_resources(pool, cfg.include, cfg.exclude, num_nodes, cfg.num_gpus, hostfile)
     multi = cfg.force_multi or len(hosts) > 1
     launcher = cfg.launcher if multi else "local"
-    argv = runner + [f"--hostfile={hostfile}"]
+    _check_backend_filters(cfg)
+    slurm_args = _slurm_args(cfg)
+    mpi = launcher in ("openmpi", "mvapich", "slurm")
+    # gpt-neox's ranks started by mpirun or srun meet at MASTER_ADDR/MASTER_PORT when set.
+    master_addr = cfg.master_addr or (environ.get("MASTER_ADDR") if mpi else None)
+    if master_addr is None:
+        # The first host is rank 0's; a one-node launch meets on this machine.
+        master_addr = next(iter(hosts)) if multi else "127.0.0.1"
+    master_addr = _plain_master_addr(master_addr)
+    port = cfg.master_port or (_env_port(environ) if mpi else None)
+    port = port or (DEFAULT_MASTER_PORT if multi else free_port())
+    exports = {k: env[k] for k in _export_names(cfg, env)}
+    if launcher == "local":
+        [slots] = hosts.values()
+        argv = _agent_argv(cfg, {"localhost": slots}, 0, "127.0.0.1", port, [script, *script_args])
+        return LaunchPlan(
+            [argv], env, exports, hosts, _count(hosts), "local", cwd, master_port=port, **common
+        )
+    user_exports = _user_env_file_exports(environ, cwd)
+    if launcher == "pdsh":
+        all_exports = {**user_exports, **exports}
+        argvs = [
+            ssh_argv(host, cfg.ssh_port, env)
+            + [
+                remote_command(
+                    cwd,
+                    all_exports,
+                    _agent_argv(cfg, hosts, node, master_addr, port, [script, *script_args], True),
+                )
+            ]
+            for node, host in enumerate(hosts)
+        ]
+        return LaunchPlan(
+            argvs,
+            env,
+            exports,
+            hosts,
+            _count(hosts),
+            launcher,
+            cwd,
+            master_port=port,
+            ssh_port=cfg.ssh_port,
+            **common,
+        )
+
+    # mpirun and srun start the ranks themselves, through DeepSpeed's runner.
+    argv = [sys.executable, "-u", "-m", "deepspeed.launcher.runner", f"--hostfile={hostfile}"]
     if cfg.include:
         argv.append(f"--include={cfg.include}")
     if cfg.exclude:
@@ -144,61 +188,97 @@ def build_launch(
         argv.append(f"--num_nodes={num_nodes}")
     if cfg.num_gpus is not None:
         argv.append(f"--num_gpus={cfg.num_gpus}")
-    argv.append(f"--launcher={cfg.launcher}")
-    master_addr = cfg.master_addr
-    if master_addr is None and cfg.launcher != "pdsh":
-        # DeepSpeed's runner would ssh to the first host for `hostname -I`; mpirun and srun
-        # need no ssh, so the first host's name serves as the rendezvous address.
-        master_addr = next(iter(hosts))
-    if master_addr:
-        argv.append(f"--master_addr={_plain_master_addr(master_addr)}")
-    port = cfg.master_port or (DEFAULT_MASTER_PORT if multi else free_port())
+    argv += [f"--launcher={cfg.launcher}", f"--master_addr={master_addr}"]
     argv.append(f"--master_port={port}")
-    if cfg.ssh_port is not None:
-        argv.append(f"--ssh_port={cfg.ssh_port}")
     if cfg.no_ssh_check:
         argv.append("--no_ssh_check")
     if cfg.force_multi:
         argv.append("--force_multi")
-    slurm_args = _slurm_args(cfg)
     if slurm_args:
         argv.append(f"--launcher_args={shlex.join(slurm_args)}")
-    _check_backend_filters(cfg)
-
-    exports = {k: env[k] for k in _export_names(cfg, env)}
-    if launcher in ("openmpi", "mvapich", "slurm"):
-        # mpirun and srun start the ranks directly: DeepSpeed tells them no rendezvous address.
-        exports["MASTER_ADDR"] = master_addr
-        exports["MASTER_PORT"] = str(cfg.master_port)
-    env_file_text = ""
-    if launcher == "pdsh":
-        _check_pdsh_paths(cwd)
-        argv += [quote_pdsh_script(script), *(quote_pdsh_arg(a) for a in script_args)]
-    else:
-        argv += [script, *script_args]
-    if multi:
-        user_lines = _user_env_file_lines(environ, cwd)
-        ours = [
-            encode_export(k, v) if launcher == "pdsh" else f"{k}={v}" for k, v in exports.items()
-        ]
-        env_file_text = "".join(line + "\n" for line in user_lines + ours)
+    argv += [script, *script_args]
+    # DeepSpeed tells mpirun and srun no rendezvous address.
+    exports["MASTER_ADDR"] = master_addr
+    exports["MASTER_PORT"] = str(port)
+    lines = [f"{k}={v}" for k, v in {**user_exports, **exports}.items()]
     return LaunchPlan(
-        argv,
+        [argv],
         env,
         exports,
         hosts,
         _count(hosts),
         launcher,
         cwd,
-        launch_id,
-        env_file_text=env_file_text,
-        ssh_port=cfg.ssh_port,
-        cpu=cpu,
+        master_port=port,
+        env_file_text="".join(line + "\n" for line in lines),
+        **common,
     )
 
 
+def _hostfile(cfg: LauncherConfig, environ: Mapping[str, str]) -> Optional[str]:
+    """The hostfile to use: the config's, else gpt-neox's DLTS_HOSTFILE, else DeepSpeed's
+    /job/hostfile when it exists; None for this machine only."""
+    hostfile, key = cfg.hostfile, "launcher.hostfile"
+    if hostfile is None and environ.get("DLTS_HOSTFILE"):
+        hostfile, key = environ["DLTS_HOSTFILE"], "DLTS_HOSTFILE"
+    if hostfile is not None and os.path.isdir(hostfile):
+        raise HostfileError(
+            f"{key}={hostfile} is a directory; point it at a file of `host slots=N` lines"
+        )
+    if hostfile is not None and not os.path.isfile(hostfile):
+        # gpt-neox's stock configs carry `hostfile: /mock_path`; DeepSpeed's runner reads a
+        # missing hostfile as "run on this machine only", and so do we, loudly.
+        log.warning(
+            "WARNING: %s %s does not exist: running on this machine only (as DeepSpeed's "
+            "runner does); unset it or point it at a real file to use other nodes",
+            key,
+            hostfile,
+        )
+        return None
+    if hostfile is None and os.path.isfile(DEFAULT_HOSTFILE):
+        log.info("no launcher.hostfile set; using %s as DeepSpeed's runner would", DEFAULT_HOSTFILE)
+        return DEFAULT_HOSTFILE
+    return hostfile
+
+
+def _agent_argv(
+    cfg: LauncherConfig,
+    hosts: dict[str, list[int]],
+    node: int,
+    master_addr: str,
+    port: int,
+    script_args: list[str],
+    remote: bool = False,
+) -> list[str]:
+    """The agent's command; a remote one relays the ranks' output (and survives ssh ending)."""
+    devices = list(hosts.values())[node]
+    return [
+        sys.executable,
+        "-u",
+        "-m",
+        "neox.launcher.agent",
+        f"--node_rank={node}",
+        f"--nodes={','.join(str(len(s)) for s in hosts.values())}",
+        f"--devices={','.join(map(str, devices))}",
+        f"--master_addr={master_addr}",
+        f"--master_port={port}",
+        f"--stop_grace_s={cfg.stop_grace_s:g}",
+        "--control",
+        *(["--tee"] if remote else []),
+        "--",
+        *script_args,
+    ]
+
+
+def _env_port(environ: Mapping[str, str]) -> Optional[int]:
+    value = environ.get("MASTER_PORT", "").strip()
+    if value and not value.isdigit():
+        raise LaunchError(f"MASTER_PORT={value!r} in the environment is not a port number")
+    return int(value) if value else None
+
+
 def _plain_master_addr(addr: str) -> str:
-    if not is_shell_plain(addr):
+    if not _PLAIN.match(addr):
         raise HostfileError(f"master_addr={addr!r} is not a plain host name or IP address")
     return addr
 
@@ -264,7 +344,7 @@ def _export_names(cfg: LauncherConfig, env: Mapping[str, str]) -> list[str]:
             "set it in the shell that runs deepy.py, or remove it from export_env"
         )
     names = [k for k in env if k.startswith(EXPORT_PREFIXES) and k != "DS_ENV_FILE"]
-    return list(dict.fromkeys([*sorted(names), LAUNCH_ID_ENV, LAUNCHER_ENV, *cfg.export_env]))
+    return list(dict.fromkeys([*sorted(names), LAUNCH_ID_ENV, *cfg.export_env]))
 
 
 def _slurm_args(cfg: LauncherConfig) -> list[str]:
@@ -300,20 +380,11 @@ def _check_backend_filters(cfg: LauncherConfig) -> None:
             )
 
 
-def _check_pdsh_paths(cwd: str) -> None:
-    # DeepSpeed writes `cd <cwd>; <python> -u -m ...` unquoted into the remote command.
-    for what, path in (("working directory", cwd), ("python executable", sys.executable)):
-        if not is_shell_plain(path):
-            raise LaunchError(
-                f"the {what} {path!r} has spaces or shell characters, which DeepSpeed's pdsh "
-                "runner places unquoted in the remote command; launch from a plain path"
-            )
-
-
-def _user_env_file_lines(environ: Mapping[str, str], cwd: str) -> list[str]:
-    """Lines of the .deepspeed_env files DeepSpeed would read (home, then cwd), kept as written."""
+def _user_env_file_exports(environ: Mapping[str, str], cwd: str) -> dict[str, str]:
+    """NAME=value lines of the .deepspeed_env files DeepSpeed's runner reads (home, then cwd),
+    exported to every node as DeepSpeed does."""
     name = environ.get("DS_ENV_FILE", ".deepspeed_env")
-    lines: list[str] = []
+    lines: dict[str, str] = {}
     for folder in (os.path.expanduser("~"), cwd):
         path = os.path.join(folder, name)
         if not os.path.isfile(path):
@@ -323,5 +394,8 @@ def _user_env_file_lines(environ: Mapping[str, str], cwd: str) -> list[str]:
                 continue
             if "=" not in line:
                 raise LaunchError(f"{path}:{number}: expected NAME=value, got {line!r}")
-            lines.append(line)
+            key, value = (part.strip() for part in line.split("=", 1))
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
+                raise LaunchError(f"{path}:{number}: {key!r} is not an environment variable name")
+            lines[key] = value
     return lines

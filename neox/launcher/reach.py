@@ -1,39 +1,26 @@
-"""Before a multi-node launch, log into every node the way pdsh will, so a dead node fails first."""
+"""Before a multi-node launch, log into every node the way the launch will, so a dead node fails
+first."""
 
 import logging
-import shlex
 import subprocess
-from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 
 from neox.launcher.hostfile import HostfileError
 from neox.launcher.plan import LaunchPlan
+from neox.launcher.ssh import CONNECT_TIMEOUT_S, ssh_argv
 
 log = logging.getLogger(__name__)
 
-CONNECT_TIMEOUT_S = 10
-
-
-def ssh_command(host: str, port: int | None, env: Mapping[str, str]) -> list[str]:
-    """`ssh ... host true` with the options pdsh's ssh module will use for this launch."""
-    cmd = ["ssh", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={CONNECT_TIMEOUT_S}"]
-    if port is not None:
-        cmd += ["-p", str(port)]
-    cmd += shlex.split(env.get("PDSH_SSH_ARGS_APPEND", ""))
-    return cmd + [host, "true"]
-
 
 def check_nodes_reachable(plan: LaunchPlan) -> None:
-    """Raise HostfileError naming each node that ssh cannot log into (pdsh launches only).
-
-    DeepSpeed's runner checks only the first host, and with plain ssh options, so a node that is
-    down would otherwise surface as ranks waiting for a peer until a collective times out.
-    """
+    """Raise HostfileError naming each node that ssh cannot log into (ssh launches only), so
+    that a node that is down is not found as ranks waiting for a peer until a collective times
+    out."""
     if plan.launcher != "pdsh":
         return
 
     def probe(host: str) -> str | None:
-        cmd = ssh_command(host, plan.ssh_port, plan.env)
+        cmd = ssh_argv(host, plan.ssh_port, plan.env) + ["true"]
         try:
             r = subprocess.run(
                 cmd, env=plan.env, capture_output=True, text=True, timeout=CONNECT_TIMEOUT_S + 5

@@ -1,54 +1,32 @@
-"""Run a LaunchPlan through DeepSpeed's runner, and stop every node when one of them fails."""
+"""Run a LaunchPlan: start each node's agent (or DeepSpeed's runner for mpirun/srun), pass stop
+signals on, and end every node when one of them fails.
 
+Every process started here is this process's child, with PR_SET_PDEATHSIG: a kill -9 of deepy.py
+ends the local agent (which stops its ranks as on SIGTERM: they save) and the ssh clients, whose
+remote agents see their control channel close and stop the same way.
+"""
+
+import json
 import logging
 import os
-import re
-import shlex
+import queue
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
-import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import IO, Optional
 
-import psutil
-
-from neox.launcher import reap
-from neox.launcher.plan import LAUNCH_ID_ENV, LaunchPlan
-from neox.launcher.ranks import RankWatch
+from neox.launcher.plan import LaunchPlan
+from neox.launcher.process import (
+    REPORT_PREFIX,
+    RankExit,
+    child_dies_with_me,
+    remove_shm_buffers,
+)
 from neox.launcher.signals import AbortLaunch, StopRequest
 
 log = logging.getLogger(__name__)
-
-# pdsh reports each node's ssh as it ends: "pdsh@me: worker-1: ssh exited with exit code 1".
-_NODE_FAILED = re.compile(rb"^pdsh@[^:]*: (?P<host>[^:]+): ssh exited with exit code (?P<code>\d+)")
-
-
-class _NodeWatch:
-    """Relays pdsh's stderr and notes the first node whose command exited non-zero."""
-
-    def __init__(self, stream: IO[bytes]) -> None:
-        self.failed: Optional[tuple[str, int]] = None
-        self.failed_at: Optional[float] = None
-        self._stream = stream
-        self.thread = threading.Thread(target=self._relay, name="neox-pdsh-watch", daemon=True)
-        self.thread.start()
-
-    def _relay(self) -> None:
-        out = getattr(sys.stderr, "buffer", None)
-        for line in iter(self._stream.readline, b""):
-            if out is not None:
-                out.write(line)
-                out.flush()
-            else:
-                sys.stderr.write(line.decode(errors="replace"))
-            match = _NODE_FAILED.match(line)
-            if match and self.failed is None:
-                self.failed = (match["host"].decode(), int(match["code"]))
-                self.failed_at = time.monotonic()
 
 
 @dataclass
@@ -57,203 +35,204 @@ class LaunchResult:
     signal: Optional[int]  # the stop signal deepy.py received, if any
 
 
-def launch(plan: LaunchPlan, *, grace_s: float = 5.0) -> LaunchResult:
-    """Start the plan and wait until every rank has ended.
+class _Node:
+    """One process deepy.py started (a local agent, an ssh client running a node's agent, or
+    DeepSpeed's runner), the report the agent sends when its ranks have ended, and how it ended."""
 
-    A local rank that fails is named (rank, host, pid, status) and the others are stopped at
-    once. A first SIGTERM/SIGINT is passed to the ranks (over pdsh: by a second pdsh command),
-    which save and exit; a second one kills them. DeepSpeed's launch.py already ends a node's
-    other ranks when one of them fails, but nothing tells the other nodes: with pdsh they would
-    wait in a collective until its timeout. So when pdsh reports a failed node, the remaining
-    nodes get grace_s seconds to fail on their own, then every process of this launch is ended
-    on every node.
-    """
-    env = dict(plan.env)
-    with tempfile.TemporaryDirectory(prefix="neox-launch-") as tmp:
-        if plan.multi_node:
-            # DeepSpeed joins DS_ENV_FILE to ~ and to ., so an absolute path is read as is and the
-            # user's own .deepspeed_env (merged into env_file_text by the plan) stays untouched.
-            env_file = Path(tmp, "deepspeed_env")
-            env_file.write_text(plan.env_file_text)
-            env["DS_ENV_FILE"] = str(env_file)
-        log.info(
-            "launching %d rank(s) on %s: %s", plan.world_size, ", ".join(plan.hosts), plan.command
-        )
-        watched = plan.launcher == "pdsh"
-        # Its own session, so the runner and everything under it can be ended by process group.
-        proc = subprocess.Popen(
-            plan.argv,
-            env=env,
+    def __init__(self, plan: LaunchPlan, index: int, argv: list[str], env_fd: Optional[int]):
+        self.host = list(plan.hosts)[index] if plan.agents else ""
+        self.kind = {"local": "agent", "pdsh": "ssh"}.get(plan.launcher, "runner")
+        self.report: Optional[dict] = None
+        self.code: Optional[int] = None
+        source = relay = None
+        pass_fds: tuple[int, ...] = () if env_fd is None else (env_fd,)
+        if self.kind == "agent":
+            # Its output is deepy.py's own (a terminal keeps its progress bar); the report comes
+            # on a pipe of its own.
+            source_fd, report_fd = os.pipe()
+            extra = [f"--report_fd={report_fd}"]
+            if not os.isatty(2):  # on a terminal the traceback is right above deepy's message
+                extra.append("--tee")
+            argv = argv[:4] + extra + argv[4:]
+            source, pass_fds = os.fdopen(source_fd, "rb"), (report_fd,)
+        self.proc = subprocess.Popen(
+            argv,
+            env=plan.env,
             cwd=plan.cwd,
+            stdin=subprocess.PIPE if plan.agents else subprocess.DEVNULL,
+            # Over ssh the report comes on stdout, with the ranks' output (relayed here).
+            stdout=subprocess.PIPE if self.kind == "ssh" else None,
+            pass_fds=pass_fds,
+            # Its own session: a terminal's Ctrl-C reaches deepy.py only, which passes it on.
             start_new_session=True,
-            stderr=subprocess.PIPE if watched else None,
+            preexec_fn=child_dies_with_me(signal.SIGHUP if plan.agents else signal.SIGTERM),
         )
-        watch = _NodeWatch(proc.stderr) if watched else None
-        ranks = None if plan.multi_node else RankWatch(proc.pid, plan.world_size)
-        stop = StopRequest(lambda: _forward_stop(plan, proc, ranks))
-        try:
-            with stop:
-                code = _wait(proc, watch, ranks, grace_s)
-        except AbortLaunch as e:
-            log.error("%s", e)
-            if plan.launcher == "pdsh":
-                _stop(plan, proc)
-            else:
-                _signal_group(proc, signal.SIGKILL)
-            code = 128 + (stop.signum or signal.SIGTERM)
-        except BaseException:
-            log.error("launch interrupted; stopping all ranks")
-            _stop(plan, proc)
-            raise
-        if proc.poll() is None:
-            _stop(plan, proc)
-        if watch is not None:
-            watch.thread.join(timeout=5)
-        if ranks is not None and ranks.first_failure is None and code != 0:
-            # launch.py exited before a poll here saw its failed rank: name it from the status.
-            missed = ranks.settle(code)
-            if missed is not None:
-                log.error("%s", missed.describe())
-                code = missed.exit_code
-        if not plan.multi_node:
-            # Whatever outlived the runner (a rank whose launcher died first) goes now.
-            reap.reap(plan.launch_id, grace_s=2)
-            _remove_shm_buffers(plan)
-        if stop.signum is not None and code == 0:
-            code = stop.exit_code
-        return LaunchResult(code, stop.signum)
+        if self.kind == "agent":
+            os.close(pass_fds[0])
+        elif self.kind == "ssh":
+            source, relay = self.proc.stdout, getattr(sys.stdout, "buffer", None)
+        self.reader = None
+        if source is not None:
+            self.reader = threading.Thread(target=self._read, args=(source, relay), daemon=True)
+            self.reader.start()
 
-
-def _remove_shm_buffers(plan: LaunchPlan) -> None:
-    """DeepSpeed's CPU all-reduce leaves a 69 MB buffer per rank in /dev/shm, named by the master
-    port, and never removes it: runs on free ports would fill the machine's memory."""
-    ports = [a.split("=", 1)[1] for a in plan.argv if a.startswith("--master_port=")]
-    for port in ports:
-        for path in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"):
-            path.unlink(missing_ok=True)
-
-
-def _forward_stop(plan: LaunchPlan, proc: subprocess.Popen, ranks: Optional[RankWatch]) -> None:
-    if ranks is not None:
-        # The ranks, not DeepSpeed's launch.py: its handler gives each rank 30 s, one by one.
-        ranks.signal_ranks(signal.SIGTERM)
-    elif plan.launcher == "pdsh":
-        # pdsh passes no signal on; a second pdsh signals this launch's ranks on every node.
-        # In a thread: a second signal must still find the waiting loop responsive.
-        threading.Thread(
-            target=_run_reaper, args=(plan, "ranks", "%n"), name="neox-pdsh-stop", daemon=True
-        ).start()
-    else:
-        raise AbortLaunch(
-            f"stop signal on a {plan.launcher} launch: stopping every rank, unsaved (only local "
-            "and pdsh launches pass it on; a scheduler may signal the ranks themselves to save)"
-        )
-
-
-def _wait(
-    proc: subprocess.Popen,
-    watch: Optional[_NodeWatch],
-    ranks: Optional[RankWatch],
-    grace_s: float,
-) -> int:
-    while True:
-        try:
-            code = proc.wait(timeout=0.05)  # a dead rank is a zombie until launch.py polls
-            break
-        except subprocess.TimeoutExpired:
-            pass
-        failed = ranks.poll() if ranks is not None else None
-        if failed is not None:
-            if ranks.vanished:
-                # A rank launch.py reaped before a poll saw it may have died first: launch.py
-                # names it by its exit status, once it has ended the others (about a second).
+    def _read(self, source: IO[bytes], relay: Optional[IO[bytes]]) -> None:
+        prefix = REPORT_PREFIX.encode()
+        for line in iter(source.readline, b""):
+            if line.startswith(prefix):
+                self.report = json.loads(line[len(prefix) :])
+            elif relay is not None:
                 try:
-                    failed = ranks.settle(_shell_status(proc.wait(timeout=3)))
-                except subprocess.TimeoutExpired:
-                    pass
-            # The others may be blocked in a collective with the dead rank: end them now.
-            log.error("%s; stopping the other ranks", failed.describe())
-            _signal_group(proc, signal.SIGKILL)
-            proc.wait()
-            return failed.exit_code
-        if watch is not None and watch.failed_at is not None:
-            if time.monotonic() - watch.failed_at > grace_s:
-                host, failed_code = watch.failed
-                log.error(
-                    "node %s exited with code %d and the other nodes are still running "
-                    "after %.0f s; stopping them",
-                    host,
-                    failed_code,
-                    grace_s,
-                )
-                return failed_code or 1
-    if watch is not None and watch.failed is not None and code == 0:
-        code = watch.failed[1]
-    return _shell_status(code)
+                    relay.write(line)
+                    relay.flush()
+                except (OSError, ValueError):
+                    relay = None  # our own output is gone; the report still matters
 
-
-def _shell_status(code: int) -> int:
-    # A runner killed by a signal reports -N; shells say 128+N, and 0 must never mean failure.
-    return 128 - code if code < 0 else code
-
-
-def _stop(plan: LaunchPlan, proc: subprocess.Popen) -> None:
-    """End the runner's process group here and, over pdsh, this launch's ranks on every node."""
-    if plan.launcher == "pdsh":
-        # SIGKILL, because the runner's SIGTERM handler runs `pkill -f` on DeepSpeed's launcher
-        # name on every node, which would also end unrelated jobs there. pdsh puts its ssh
-        # clients in sessions of their own, so they are found by parentage, not process group.
+    def send(self, command: str) -> None:
+        """A line on the agent's control channel (its stdin; over ssh, the remote agent's)."""
+        if self.proc.stdin is None or self.code is not None:
+            return
         try:
-            local = psutil.Process(proc.pid).children(recursive=True)
-        except psutil.Error:
-            local = []
-        _signal_group(proc, signal.SIGKILL)
-        for child in local:
+            self.proc.stdin.write(command.encode() + b"\n")
+            self.proc.stdin.flush()
+        except (BrokenPipeError, ValueError):
+            pass
+
+    def failure(self) -> Optional[str]:
+        """What went wrong on this node, in one message; None when its ranks all exited 0."""
+        if self.report is not None:
+            bad = self.report["failure"]
+            if bad is None:
+                return None
+            rank = RankExit(
+                bad["rank"],
+                bad["pid"],
+                self.report["host"],
+                bad["status"],
+                killed_by_agent=bad["killed_by_agent"],
+            )
+            text = rank.describe()
+            if bad["tail"]:
+                text += "; the end of its stderr:\n  " + "\n  ".join(bad["tail"])
+            return text
+        if self.code == 0:
+            return None
+        if self.kind == "runner":
+            return f"DeepSpeed's runner (mpirun/srun) exited with status {self.code}"
+        what = "ssh to " if self.kind == "ssh" else "the agent on "
+        return f"{what}{self.host} ended with status {self.code} and no report from the agent"
+
+    @property
+    def exit_code(self) -> int:
+        if self.report is not None:
+            return self.report["code"]
+        return self.code or 0
+
+
+def launch(plan: LaunchPlan) -> LaunchResult:
+    """Start the plan and wait until every node has ended.
+
+    A failed rank is named (rank, host, pid, status, the end of its stderr when it was piped)
+    and every other node is told to kill its ranks at once. A first SIGTERM/SIGINT is passed
+    to every agent, whose ranks save and exit (killed after stop_grace_s); a second kills them.
+    mpirun and srun launches are stopped unsaved.
+    """
+    env_fd = None
+    if plan.env_file_text:
+        # DeepSpeed's runner reads the exports from DS_ENV_FILE. A memfd is a file no run can
+        # leave behind (DeepSpeed joins an absolute path to ~ and ., which keeps it as is).
+        env_fd = os.memfd_create("neox-deepspeed-env", 0)
+        os.write(env_fd, plan.env_file_text.encode())
+        plan.env["DS_ENV_FILE"] = f"/proc/self/fd/{env_fd}"
+    log.info("launching %d rank(s) on %s: %s", plan.world_size, ", ".join(plan.hosts), plan.command)
+    ended: queue.Queue = queue.Queue()
+    nodes: list[_Node] = []
+
+    def start() -> None:
+        for i, argv in enumerate(plan.argvs):
+            node = _Node(plan, i, argv, env_fd)
+            nodes.append(node)
+            if stop.signum is not None:  # a stop that came while the nodes start
+                node.send("stop")
+            threading.Thread(
+                target=lambda n=node: ended.put((n, n.proc.wait())), daemon=True
+            ).start()
+
+    def forward() -> None:
+        if not plan.agents:
+            raise AbortLaunch(
+                f"stop signal on a {plan.launcher} launch: stopping every rank, unsaved (only "
+                "local and ssh launches pass it on; a scheduler may signal the ranks themselves "
+                "to save)"
+            )
+        for node in nodes:
+            node.send("stop")
+
+    stop = StopRequest(forward)
+    code = 0
+    try:
+        with stop:
+            start()
+            code = _wait(nodes, ended)
+    except AbortLaunch as e:
+        log.error("%s", e)
+        _kill(nodes)
+        code = 128 + (stop.signum or signal.SIGTERM)
+    except BaseException:
+        log.error("launch interrupted; stopping all ranks")
+        _kill(nodes)
+        raise
+    finally:
+        if env_fd is not None:
+            os.close(env_fd)
+            # No agent cleans up after mpirun's or srun's ranks: those on this machine, here.
+            remove_shm_buffers(plan.master_port)
+    if stop.signum is not None and code == 0:
+        code = stop.exit_code
+    return LaunchResult(code, stop.signum)
+
+
+def _wait(nodes: list[_Node], ended: queue.Queue) -> int:
+    """Wait for every node; the first to report a failure is named and the others killed."""
+    code = 0
+    first: Optional[str] = None
+    left = len(nodes)
+    while left:
+        try:
+            node, status = ended.get(timeout=1.0)  # the timeout lets signal handlers run
+        except queue.Empty:
+            continue
+        left -= 1
+        node.code = 128 - status if status < 0 else status
+        if node.reader is not None:
+            node.reader.join(timeout=10)  # the report is the agent's last line
+        failure = node.failure()
+        if failure is not None and first is None:
+            first = failure
+            code = node.exit_code or 1
+            others = " and the other nodes" if len(nodes) > 1 else ""
+            log.error("%s; stopping the other ranks%s", failure, others)
+            for other in nodes:
+                other.send("kill")
+    return code
+
+
+def _kill(nodes: list[_Node]) -> None:
+    """Kill every rank now: agents are told to, then their processes are killed (a local agent
+    takes its ranks with it; a runner's process group is ended)."""
+    for node in nodes:
+        node.send("kill")
+    for node in nodes:
+        if node.kind == "runner":
             try:
-                child.kill()
-            except psutil.Error:
+                os.killpg(node.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
                 pass
-        _run_reaper(plan)
-    else:
-        _signal_group(proc, signal.SIGTERM)
         try:
-            proc.wait(timeout=10)
+            node.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
-            _signal_group(proc, signal.SIGKILL)
-    proc.wait()
-
-
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
-    try:
-        os.killpg(proc.pid, sig)
-    except ProcessLookupError:
-        pass
-
-
-def _run_reaper(plan: LaunchPlan, *mode: str) -> None:
-    """Run reap.py for this launch on every node over pdsh (mode "ranks", "%n": SIGTERM the
-    ranks; pdsh puts each host's node rank for %n, as in DeepSpeed's own command)."""
-    what = "signalling" if mode else "ending"
-    env = dict(plan.env, PDSH_RCMD_TYPE="ssh")
-    env.pop(LAUNCH_ID_ENV, None)  # else the reaper on this machine would end its own pdsh
-    if plan.ssh_port is not None:
-        env["PDSH_SSH_ARGS_APPEND"] = f"{env.get('PDSH_SSH_ARGS_APPEND', '')} -p {plan.ssh_port}"
-    # pdsh joins its arguments into one remote shell command, hence the quoting.
-    remote = [sys.executable, "-c", Path(reap.__file__).read_text(), plan.launch_id, *mode]
-    cmd = ["pdsh", "-S", "-w", ",".join(plan.hosts), " ".join(shlex.quote(a) for a in remote)]
-    try:
-        result = subprocess.run(cmd, env=env, capture_output=True, timeout=60)
-    except subprocess.TimeoutExpired:
-        log.error("%s the ranks on %s: pdsh timed out", what, ", ".join(plan.hosts))
-        return
-    output = (result.stdout + result.stderr).decode(errors="replace").strip()
-    if result.returncode != 0:
-        log.error(
-            "%s the ranks on %s failed (pdsh exit code %d): %s",
-            what,
-            ", ".join(plan.hosts),
-            result.returncode,
-            output,
-        )
-    elif mode:
-        log.info("%s", "; ".join(output.splitlines()))
+            try:
+                os.killpg(node.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            node.proc.wait()

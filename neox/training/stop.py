@@ -15,8 +15,8 @@ class StopSignal:
 
     A cluster scheduler may signal some ranks and not others, or at different moments, so the
     ranks agree through one all-reduce of a single number per step (the cost of a scalar
-    collective next to the loss's own). Repeated signals change nothing: deepy.py kills the
-    ranks itself when asked twice.
+    collective next to the loss's own). Repeated signals change nothing: the node's agent kills
+    the ranks itself when deepy.py is asked twice, or when they overrun launcher.stop_grace_s.
     """
 
     def __init__(self) -> None:
@@ -36,7 +36,7 @@ class StopSignal:
 
 
 def ignore_further_stops() -> None:
-    """After the run has ended (saved or not), a late SIGTERM/SIGINT (a pdsh reaper's, a
+    """After the run has ended (saved or not), a late SIGTERM/SIGINT (an agent's, a
     scheduler's second) must not kill the rank while it leaves: Python restores the default,
     fatal, handlers during interpreter shutdown, but keeps an ignore."""
     if threading.current_thread() is threading.main_thread():

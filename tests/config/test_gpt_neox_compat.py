@@ -71,7 +71,8 @@ def test_flow_mapping_with_mock_hostfile_dry_runs_locally(tmp_path):
     r = deepy("train.py", "-d", tmp_path, "125M", "--dry-run")  # a name without .yml
     assert r.returncode == 0, r.stderr
     assert "hostfile /mock_path does not exist: running on this machine only" in r.stderr
-    assert "deepspeed.launcher.runner" in r.stdout and "--hostfile" not in r.stdout
+    assert "-m neox.launcher.agent --node_rank=0 --nodes=" in r.stdout  # one node, this machine
+    assert "\nssh " not in r.stdout
 
 
 def test_feature_keys_at_gpt_neox_defaults_are_accepted():
@@ -148,7 +149,8 @@ def test_deepy_flags_of_gpt_neox_set_their_keys(tmp_path):
     flags = ["-H", hostfile, "--wandb_group", "g1", "--wandb_team", "t1", "--dry-run"]
     r = deepy("train.py", "configs/tiny.yml", *flags)
     assert r.returncode == 0, r.stderr
-    assert f"--hostfile={hostfile}" in r.stdout and "wandb_group: g1" in r.stdout
+    assert f"hostfile: {hostfile}" in r.stdout and "wandb_group: g1" in r.stdout
+    assert "--nodes=2 --devices=0,1 " in r.stdout  # the hostfile's slots=2
     assert "wandb_team: t1" in r.stdout
 
 

@@ -23,7 +23,7 @@ class Sshd:
 
     @property
     def ssh_args(self) -> str:
-        """Options for PDSH_SSH_ARGS_APPEND (the runner adds -p itself)."""
+        """Options for PDSH_SSH_ARGS_APPEND (the launch adds -p itself)."""
         return (
             f"-i {self.user_key} -o IdentitiesOnly=yes -o StrictHostKeyChecking=no "
             "-o UserKnownHostsFile=/dev/null -o LogLevel=ERROR -o BatchMode=yes"
@@ -40,8 +40,8 @@ class Sshd:
 
 
 def missing_tools() -> list[str]:
-    """Names of the programs a pdsh launch test needs that this machine lacks."""
-    needed = {"pdsh": shutil.which("pdsh"), "ssh": shutil.which("ssh")}
+    """Names of the programs a multi-node (ssh) launch test needs that this machine lacks."""
+    needed = {"ssh": shutil.which("ssh")}
     needed["ssh-keygen"] = shutil.which("ssh-keygen")
     needed[SSHD] = SSHD if Path(SSHD).is_file() else None
     return [name for name, path in needed.items() if path is None]
@@ -76,7 +76,7 @@ def start_sshd(folder: Path) -> Sshd:
         "KbdInteractiveAuthentication no\n"
         "StrictModes no\n"
         "UsePAM no\n"
-        # pdsh opens one connection per node at once; keep the default limits out of the way.
+        # deepy.py opens one connection per node at once; keep the default limits out of the way.
         "MaxStartups 100\n"
     )
     Path("/run/sshd").mkdir(exist_ok=True)  # privilege separation directory sshd insists on

@@ -1,7 +1,9 @@
-"""Real launches through DeepSpeed's runner: local CPU ranks, two nodes over pdsh/sshd, rank death."""
+"""Real launches through the neox agent: local CPU ranks, two nodes over ssh/sshd, rank death."""
 
 import base64
 import json
+import os
+import threading
 import time
 from pathlib import Path
 
@@ -9,13 +11,27 @@ import pytest
 
 from neox.config.launcher import LauncherConfig
 from neox.launcher import build_launch, launch
-from neox.launcher.reap import tagged_pids
 from tests.launcher.conftest import free_port
 
 PROBE = str(Path(__file__).with_name("probe.py"))
 TRICKY = "a \"b\" $(echo injected) 'c' `id` \\ end"
 
 pytestmark = pytest.mark.slow
+
+
+def launch_pids(launch_id: str) -> list[int]:
+    """Live processes (not zombies) whose environment carries this launch's NEOX_LAUNCH_ID."""
+    tag = f"\0NEOX_LAUNCH_ID={launch_id}\0".encode()
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            environ = b"\0" + Path(f"/proc/{entry}/environ").read_bytes() + b"\0"
+            state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if tag in environ and state != "Z":
+            found.append(int(entry))
+    return found
 
 
 def results(out: Path) -> dict[int, dict]:
@@ -39,18 +55,47 @@ def test_two_local_cpu_ranks_all_reduce_and_get_the_config(tmp_path):
         assert r["ds_accelerator"] == "cpu"
 
 
-def test_local_rank_death_ends_the_launch(tmp_path):
+def test_local_rank_death_ends_the_launch_naming_the_rank_and_its_traceback(tmp_path, caplog):
     cfg = LauncherConfig(num_gpus=2, master_port=free_port())
     plan = build_launch(cfg, PROBE, ["--out", str(tmp_path), "--die_rank", "1"], cpu=True)
     start = time.monotonic()
-    code = launch(plan).code
-    assert code != 0 and time.monotonic() - start < 30
-    assert tagged_pids(plan.launch_id) == []  # the sleeping rank 0 is gone too
+    with caplog.at_level("ERROR", logger="neox.launcher.run"):
+        code = launch(plan).code
+    assert code == 1 and time.monotonic() - start < 20
+    assert launch_pids(plan.launch_id) == []  # the sleeping rank 0 is gone too
+    [message] = caplog.messages
+    assert message.startswith("rank 1 on ") and "exited with status 1" in message, message
+    assert "RuntimeError: probe rank 1 fails on purpose" in message  # the tail of its stderr
+
+
+def test_kill_9_of_the_agent_ends_the_launch_naming_it(tmp_path, caplog):
+    cfg = LauncherConfig(num_gpus=2, master_port=free_port())
+    plan = build_launch(cfg, PROBE, ["--out", str(tmp_path), "--die_rank", "7"], cpu=True)
+
+    def kill_the_agent() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            for pid in launch_pids(plan.launch_id):
+                if b"neox.launcher.agent" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    if len(launch_pids(plan.launch_id)) == 3:  # the agent and its two ranks
+                        os.kill(pid, 9)
+                        return
+            time.sleep(0.1)
+
+    killer = threading.Thread(target=kill_the_agent)
+    killer.start()
+    with caplog.at_level("ERROR", logger="neox.launcher.run"):
+        code = launch(plan).code
+    killer.join()
+    assert code == 128 + 9
+    assert "the agent on localhost ended with status 137 and no report" in caplog.text
+    time.sleep(1)
+    assert launch_pids(plan.launch_id) == []  # its ranks died with it
 
 
 @pytest.fixture
 def two_nodes(sshd, tmp_path, monkeypatch):
-    """A hostfile of two names for this machine, both reached through the private sshd."""
+    """A hostfile of two names for this machine, both reached over ssh through the private sshd."""
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("localhost slots=1\n127.0.0.1 slots=2\n")
     monkeypatch.setenv("PDSH_SSH_ARGS_APPEND", sshd.ssh_args)
@@ -87,6 +132,35 @@ def test_rank_death_on_one_node_stops_the_other_node(two_nodes, tmp_path):
     # Rank 2 (node 1) fails; rank 0 (node 0) sleeps and would hold pdsh open for ever.
     plan = build_launch(two_nodes, PROBE, ["--out", str(tmp_path), "--die_rank", "2"], cpu=True)
     start = time.monotonic()
-    code = launch(plan, grace_s=2).code
-    assert code != 0 and time.monotonic() - start < 30
-    assert tagged_pids(plan.launch_id) == []
+    code = launch(plan).code
+    assert code == 1 and time.monotonic() - start < 20
+    assert launch_pids(plan.launch_id) == []
+
+
+def test_kill_9_of_a_nodes_ssh_session_ends_the_launch_on_every_node(two_nodes, tmp_path, caplog):
+    plan = build_launch(two_nodes, PROBE, ["--out", str(tmp_path), "--die_rank", "7"], cpu=True)
+
+    def kill_the_ssh_to_the_second_node() -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if len(launch_pids(plan.launch_id)) == 2 + 2 + 3:  # ssh clients, agents, ranks
+                for pid in launch_pids(plan.launch_id):
+                    argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                    if argv[0] == b"ssh" and argv[-3] == b"127.0.0.1":
+                        os.kill(pid, 9)
+                        return
+            time.sleep(0.1)
+
+    killer = threading.Thread(target=kill_the_ssh_to_the_second_node)
+    killer.start()
+    start = time.monotonic()
+    with caplog.at_level("ERROR", logger="neox.launcher.run"):
+        code = launch(plan).code
+    killer.join()
+    assert code == 128 + 9 and time.monotonic() - start < 120
+    assert "ssh to 127.0.0.1 ended with status 137 and no report" in caplog.text
+    # The second node's agent saw its session end and stopped its ranks; the first was told to.
+    deadline = time.monotonic() + 20
+    while launch_pids(plan.launch_id) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert launch_pids(plan.launch_id) == []

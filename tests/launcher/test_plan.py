@@ -1,12 +1,13 @@
+import shlex
 import subprocess
 import sys
 
 import pytest
 from deepspeed.launcher import runner as ds_runner
-from deepspeed.launcher.multinode_runner import PDSHRunner
 
 from neox.config.launcher import LauncherConfig
 from neox.launcher import HostfileError, build_launch
+from neox.launcher.agent import parse_args
 
 NASTY = [
     "two words",
@@ -30,33 +31,44 @@ def hostfile(tmp_path):
     return str(path)
 
 
+def agent_args(argv: list[str]):
+    """The agent's own parse of a planned agent command line."""
+    assert argv[1:4] == ["-u", "-m", "neox.launcher.agent"]
+    return parse_args(argv[4:])
+
+
 def ds_args(plan):
-    """The runner's own parse of the planned command line."""
-    assert plan.argv[1:4] == ["-u", "-m", "deepspeed.launcher.runner"]
-    return ds_runner.parse_args(plan.argv[4:])
+    """The runner's own parse of the planned command line (mpirun/srun launches)."""
+    [argv] = plan.argvs
+    assert argv[1:4] == ["-u", "-m", "deepspeed.launcher.runner"]
+    return ds_runner.parse_args(argv[4:])
 
 
 def test_cpu_without_hostfile_is_local_ranks():
     plan = build_launch(LauncherConfig(num_gpus=3), "train.py", ["--x", "1"], cpu=True, environ=ENV)
-    args = ds_args(plan)
-    assert (args.num_gpus, args.user_script, args.user_args) == (3, "train.py", ["--x", "1"])
+    [argv] = plan.argvs
+    args = agent_args(argv)
+    assert (args.nodes, args.devices, args.node_rank) == ("3", "0,1,2", 0)
+    assert (args.script, args.script_args) == ("train.py", ["--x", "1"])
+    assert args.master_addr == "127.0.0.1" and args.master_port == plan.master_port
+    assert args.stop_grace_s == 600 and args.control
     assert plan.launcher == "local" and not plan.multi_node
     assert plan.hosts == {"localhost": [0, 1, 2]} and plan.world_size == 3
     assert plan.env["DS_ACCELERATOR"] == "cpu"
     assert plan.env["PYTHONPATH"].split(":")[0] == plan.cwd
-    assert plan.command.startswith(f"{sys.executable} -u -m deepspeed.launcher.runner")
+    assert plan.command.startswith(f"{sys.executable} -u -m neox.launcher.agent")
     assert build_launch(LauncherConfig(), "t.py", [], cpu=True, environ=ENV).world_size == 1
 
 
 def test_gpu_layout_is_planned_without_gpus():
     plan = build_launch(LauncherConfig(num_gpus=8), "train.py", [], cpu=False, environ=ENV)
-    assert plan.world_size == 8 and ds_args(plan).num_gpus == 8
+    assert plan.world_size == 8 and agent_args(plan.argvs[0]).devices == "0,1,2,3,4,5,6,7"
     assert "DS_ACCELERATOR" not in plan.env
     with pytest.raises(HostfileError, match="no GPU found"):
         build_launch(LauncherConfig(), "train.py", [], cpu=False, environ=ENV)
 
 
-def test_hostfile_flags_reach_the_runner(hostfile):
+def test_hostfile_gives_an_agent_per_node_over_ssh(hostfile):
     cfg = LauncherConfig(
         hostfile=hostfile,
         num_nodes=2,
@@ -64,16 +76,30 @@ def test_hostfile_flags_reach_the_runner(hostfile):
         master_addr="node-a",
         master_port=1234,
         ssh_port=2222,
-        no_ssh_check=True,
-        force_multi=True,
+        stop_grace_s=30,
     )
     plan = build_launch(cfg, "train.py", [], cpu=True, environ=ENV)
-    args = ds_args(plan)
-    assert (args.hostfile, args.num_nodes, args.num_gpus, args.launcher) == (hostfile, 2, 2, "pdsh")
-    assert (args.master_addr, args.master_port, args.ssh_port) == ("node-a", 1234, 2222)
-    assert args.no_ssh_check and args.force_multi
     assert plan.hosts == {"node-a": [0, 1], "node-b": [0, 1]} and plan.world_size == 4
-    assert "DS_ACCELERATOR=cpu\n" in plan.env_file_text
+    assert plan.launcher == "pdsh" and len(plan.argvs) == 2
+    for node, (host, argv) in enumerate(zip(plan.hosts, plan.argvs)):
+        assert argv[:2] == ["ssh", "-o"] and argv[-2] == host and "-p" in argv
+        assert argv[argv.index("-p") + 1] == "2222"
+        remote = shlex.split(argv[-1].rsplit("exec ", 1)[1])
+        args = agent_args(remote)
+        assert (args.node_rank, args.nodes, args.devices) == (node, "2,2", "0,1")
+        assert (args.master_addr, args.master_port, args.stop_grace_s) == ("node-a", 1234, 30)
+        assert args.tee and args.control
+        assert "export DS_ACCELERATOR=cpu" in argv[-1]
+
+
+def test_one_host_of_a_hostfile_runs_here_and_force_multi_goes_over_ssh(tmp_path):
+    one = tmp_path / "one"
+    one.write_text("node-a slots=2\n")
+    plan = build_launch(LauncherConfig(hostfile=str(one)), "t.py", [], cpu=True, environ=ENV)
+    assert plan.launcher == "local" and agent_args(plan.argvs[0]).devices == "0,1"
+    cfg = LauncherConfig(hostfile=str(one), force_multi=True)
+    plan = build_launch(cfg, "t.py", [], cpu=True, environ=ENV)
+    assert plan.launcher == "pdsh" and plan.argvs[0][-2] == "node-a"
 
 
 def test_include_and_slurm_account(hostfile):
@@ -81,11 +107,58 @@ def test_include_and_slurm_account(hostfile):
         hostfile=hostfile, include="node-b:1,3", launcher="slurm", comment="a b", account="proj"
     )
     plan = build_launch(cfg, "train.py", ["x y"], cpu=True, environ=ENV)
+    assert plan.hosts == {"node-b": [1, 3]} and plan.launcher == "local"  # one host: an agent
+    assert agent_args(plan.argvs[0]).devices == "1,3"
+    plan = build_launch(
+        cfg.model_copy(update={"force_multi": True}), "train.py", ["x y"], cpu=True, environ=ENV
+    )
     args = ds_args(plan)
     assert args.include == "node-b:1,3" and args.launcher == "slurm"
     assert args.launcher_args == "--comment 'a b' --account proj"
     assert args.user_args == ["x y"]  # srun takes an argv, no shell: no extra quoting
-    assert plan.hosts == {"node-b": [1, 3]} and plan.launcher == "local"  # one host: launch.py
+    assert "MASTER_PORT=29500\n" in plan.env_file_text
+
+
+def test_mpi_and_slurm_launches_take_gpt_neox_master_addr_and_port_from_the_environment(
+    hostfile,
+):
+    environ = dict(ENV, MASTER_ADDR="10.0.0.7", MASTER_PORT="4321")
+    for launcher in ("openmpi", "slurm"):
+        plan = build_launch(
+            LauncherConfig(hostfile=hostfile, launcher=launcher), "t.py", [], environ=environ
+        )
+        args = ds_args(plan)
+        assert (args.master_addr, args.master_port) == ("10.0.0.7", 4321)
+        assert plan.exports["MASTER_ADDR"] == "10.0.0.7" and plan.exports["MASTER_PORT"] == "4321"
+    with pytest.raises(ValueError, match="MASTER_PORT='x1' in the environment is not a port"):
+        build_launch(
+            LauncherConfig(hostfile=hostfile, launcher="slurm"),
+            "t.py",
+            [],
+            environ=dict(ENV, MASTER_PORT="x1"),
+        )
+    # The config wins over the environment.
+    cfg = LauncherConfig(hostfile=hostfile, launcher="openmpi", master_addr="h", master_port=5)
+    args = ds_args(build_launch(cfg, "t.py", [], environ=environ))
+    assert (args.master_addr, args.master_port) == ("h", 5)
+
+
+def test_dlts_hostfile_is_the_default_hostfile(hostfile, tmp_path):
+    environ = dict(ENV, DLTS_HOSTFILE=hostfile)
+    plan = build_launch(LauncherConfig(), "t.py", [], cpu=True, environ=environ)
+    assert list(plan.hosts) == ["node-a", "node-b"]
+    one = tmp_path / "one"
+    one.write_text("node-c slots=1\n")
+    plan = build_launch(LauncherConfig(hostfile=str(one)), "t.py", [], cpu=True, environ=environ)
+    assert list(plan.hosts) == ["node-c"]  # the config's own wins
+
+
+def test_a_hostfile_that_is_a_directory_is_an_error_naming_it(tmp_path):
+    with pytest.raises(HostfileError, match=f"launcher.hostfile={tmp_path} is a directory"):
+        build_launch(LauncherConfig(hostfile=str(tmp_path)), "t.py", [], cpu=True, environ=ENV)
+    environ = dict(ENV, DLTS_HOSTFILE=str(tmp_path))
+    with pytest.raises(HostfileError, match=f"DLTS_HOSTFILE={tmp_path} is a directory"):
+        build_launch(LauncherConfig(), "t.py", [], cpu=True, environ=environ)
 
 
 def test_bad_settings_fail_before_launch(hostfile):
@@ -101,44 +174,43 @@ def test_bad_settings_fail_before_launch(hostfile):
         build_launch(LauncherConfig(export_env=["NOT_SET_ANYWHERE"]), "t.py", [], environ=ENV)
     with pytest.raises(HostfileError, match="num_nodes=2 but no launcher.hostfile"):
         build_launch(LauncherConfig(num_nodes=2), "t.py", [], cpu=True, environ=ENV)
-    with pytest.raises(ValueError, match="working directory .* spaces"):
-        build_launch(LauncherConfig(hostfile=hostfile), "t.py", [], environ=ENV, cwd="/tmp/a b")
+    with pytest.raises(ValueError, match="stop_grace_s=-1.0 must be >= 0"):
+        LauncherConfig(stop_grace_s=-1)
 
 
 def remote_shell(command: str) -> str:
-    """What a node's shell makes of a command, as pdsh would hand it over ssh."""
+    """What a node's shell makes of a command, as ssh hands it over."""
     return subprocess.run(["sh", "-c", command], capture_output=True, text=True, check=True).stdout
 
 
-def test_pdsh_args_and_exports_stay_literal_through_deepspeed_and_a_shell(hostfile, tmp_path):
+def test_ssh_args_and_exports_stay_literal_through_a_shell(hostfile, tmp_path):
     environ = dict(ENV, **{f"NEOX_T{i}": v for i, v in enumerate(NASTY)})
     cfg = LauncherConfig(hostfile=hostfile, export_env=[f"NEOX_T{i}" for i in range(len(NASTY))])
     script = str(tmp_path / "my dir" / "it's.py")
-    plan = build_launch(cfg, script, NASTY, cpu=True, environ=environ)
+    cwd = tmp_path / "a dir; $(x)"
+    cwd.mkdir()
+    plan = build_launch(cfg, script, NASTY, cpu=True, environ=environ, cwd=str(cwd))
     assert plan.launcher == "pdsh"
-
-    # DeepSpeed's own handling of script arguments and .deepspeed_env lines, then a real shell.
-    args = ds_args(plan)
-    pdsh = PDSHRunner(args, "world")
-    words = [args.user_script, *pdsh.user_arguments]
-    printed = remote_shell("printf '%s\\n' " + " ".join(words))
-    assert printed.split("\n")[:-1] == [script, *NASTY]
-
-    for line in plan.env_file_text.splitlines():
-        key, value = line.split("=", maxsplit=1)
-        pdsh.add_export(key, value)
-    exports = "".join(f"export {k}={v}; " for k, v in pdsh.exports.items())
+    # The node's shell runs the command; printf stands in for the agent it would exec.
+    command = plan.argvs[0][-1].replace(f"exec {shlex.quote(sys.executable)}", "printf '%s\\n'")
+    printed = remote_shell(command + "; printf 'cwd=%s\\n' \"$PWD\"").split("\n")[:-1]
+    assert printed[-1] == f"cwd={cwd}"
+    assert printed[-len(NASTY) - 3 : -1] == ["--", script, *NASTY]
+    exports = command.rsplit(" && exec ", 1)[0].replace("printf", "true")
     for i, value in enumerate(NASTY):
-        assert remote_shell(exports + f'printf %s "$NEOX_T{i}"') == value
-    assert remote_shell(exports + 'printf %s "$DS_ACCELERATOR"') == "cpu"
-    assert remote_shell(exports + 'printf %s "$NEOX_LAUNCH_ID"') == plan.launch_id
+        assert remote_shell(exports + f' && printf %s "$NEOX_T{i}"') == value
+    assert remote_shell(exports + ' && printf %s "$DS_ACCELERATOR"') == "cpu"
+    assert remote_shell(exports + ' && printf %s "$NEOX_LAUNCH_ID"') == plan.launch_id
 
 
-def test_users_deepspeed_env_is_merged_not_overwritten(hostfile, tmp_path):
+def test_users_deepspeed_env_is_exported_and_not_overwritten(hostfile, tmp_path):
     home_file = tmp_path / "mine.env"
     home_file.write_text("MY_SETTING=1\n\nOTHER=x y\n")
     environ = dict(ENV, DS_ENV_FILE=str(home_file))
     plan = build_launch(LauncherConfig(hostfile=hostfile), "t.py", [], cpu=True, environ=environ)
-    assert plan.env_file_text.startswith("MY_SETTING=1\nOTHER=x y\n")
+    assert "export MY_SETTING=1 && export OTHER='x y' && " in plan.argvs[0][-1]
     assert home_file.read_text() == "MY_SETTING=1\n\nOTHER=x y\n"
-    assert "DS_ENV_FILE" not in plan.env  # run_launch points it at the merged copy
+    assert "DS_ENV_FILE" not in plan.env
+    home_file.write_text("BAD;NAME=1\n")
+    with pytest.raises(ValueError, match="mine.env:1: 'BAD;NAME' is not an environment variable"):
+        build_launch(LauncherConfig(hostfile=hostfile), "t.py", [], cpu=True, environ=environ)

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 import zipfile
+from pathlib import Path
 
 import pytest
 import yaml
@@ -348,6 +349,17 @@ def test_second_signal_stops_at_once(runs):
     assert "second stop signal" in run.text()
 
 
+def shm_buffers(out: str) -> list[Path]:
+    """DeepSpeed's /dev/shm buffers of the rendezvous port named in deepy.py's output."""
+    ports = {
+        ln.split("--master_port=")[1].split()[0]
+        for ln in out.splitlines()
+        if "--master_port=" in ln
+    }
+    [port] = ports
+    return list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
+
+
 def test_kill_9_of_deepy_saves_the_last_step_and_leaves_no_process(runs):
     from tests.training.lifecycle_helpers import BackgroundRun
 
@@ -357,15 +369,17 @@ def test_kill_9_of_deepy_saves_the_last_step_and_leaves_no_process(runs):
     run = BackgroundRun(cfg, tmp / "orphan.out")
     try:
         run.wait_for("iter 2/1000")
-        # The ranks notice deepy.py is gone, finish the step, save and exit; the runner and
-        # DeepSpeed's launch.py follow them.
+        assert shm_buffers(run.text())  # DeepSpeed's CPU all-reduce made them
+        # The agent, deepy.py's child, sees it gone (PR_SET_PDEATHSIG, and its control channel
+        # closing) and sends SIGTERM to the ranks: they finish the step, save and exit.
         gone = run.kill_9_deepy()
         print(f"every process gone {gone:.1f} s after kill -9 of deepy.py")
     finally:
         run.kill_all()
     out = run.text()
-    assert "deepy.py (pid" in out and "is gone" in out, out[-3000:]
+    assert "neox agent: deepy.py is gone" in out and "SIGTERM to 2 rank(s)" in out, out[-3000:]
     assert "Traceback" not in out
+    assert shm_buffers(out) == []  # the agent removed them
     [last] = [ln for ln in out.splitlines() if "stopped by SIGTERM at iteration" in ln]
     step = int(last.rsplit(" ", 1)[1])
     ckpt = tmp / "orphan" / "ckpt"

@@ -1,0 +1,262 @@
+"""The per-node parent of the ranks: starts them, waits on them, stops them, and dies with deepy.py.
+
+deepy.py starts one agent per node (directly on its own machine, over ssh on the others):
+
+python -u -m neox.launcher.agent --node_rank=K --nodes=2,2 --devices=0,1 --master_addr=A
+    --master_port=P --stop_grace_s=600 [--control] [--report_fd=N] [--tee] -- script.py ARGS...
+
+Being the ranks' parent, it learns each rank's exact wait status from os.wait, in the order the
+ranks end, so the first failure is known by construction. It reports one line to deepy.py when
+its ranks have ended (REPORT_PREFIX + JSON, on --report_fd or stdout). Its stdin is deepy.py's
+control channel: `stop` (SIGTERM to every rank, SIGKILL after stop_grace_s), `kill` (SIGKILL
+now); end of file means deepy.py is gone and acts as `stop`, as does the agent's parent dying
+(PR_SET_PDEATHSIG) or a SIGTERM/SIGINT to the agent itself (a second one kills the ranks).
+Each rank is started with PR_SET_PDEATHSIG=SIGKILL, so no rank outlives its agent.
+"""
+
+import argparse
+import collections
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from typing import IO, Optional
+
+from neox.launcher.process import (
+    REPORT_PREFIX,
+    RankExit,
+    child_dies_with_me,
+    die_with_parent,
+    remove_shm_buffers,
+)
+
+log = logging.getLogger("neox.launcher.agent")
+
+TAIL_LINES = 15  # of a failed rank's stderr, in deepy.py's message
+
+
+class _Tee:
+    """Copies a rank's output to the agent's own, and keeps the last lines. A broken output
+    (deepy.py or its ssh gone) drops the copy, never the rank: it must still save."""
+
+    def __init__(self, source: IO[bytes], sink: IO[bytes], keep: int) -> None:
+        self.tail: collections.deque[str] = collections.deque(maxlen=keep)
+        self._source, self._sink = source, sink
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        sink: Optional[IO[bytes]] = self._sink
+        for line in iter(self._source.readline, b""):
+            if self.tail.maxlen:
+                self.tail.append(line.decode(errors="replace").rstrip("\n"))
+            if sink is not None:
+                try:
+                    sink.write(line)
+                    sink.flush()
+                except (OSError, ValueError):
+                    sink = None
+
+
+class Agent:
+    """One node's ranks: started, signalled and reaped here; the first one to fail."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.host = socket.gethostname()
+        self.ranks: dict[int, int] = {}  # pid -> global rank
+        self.procs: dict[int, subprocess.Popen] = {}
+        self.tees: dict[int, list[_Tee]] = {}
+        self.first_failure: Optional[RankExit] = None
+        self.stopping = False
+        self.killed_why: Optional[str] = None  # why the agent itself killed its ranks
+        self.lock = threading.RLock()  # a signal handler may interrupt a holder
+        self._timer: Optional[threading.Timer] = None
+
+    # --- starting ------------------------------------------------------------------------------
+    def start_ranks(self) -> None:
+        a = self.args
+        nodes = [int(n) for n in a.nodes.split(",")]
+        devices = a.devices.split(",")
+        first = sum(nodes[: a.node_rank])
+        env = dict(os.environ)
+        env.update(
+            MASTER_ADDR=a.master_addr,
+            MASTER_PORT=str(a.master_port),
+            WORLD_SIZE=str(sum(nodes)),
+            CROSS_RANK=str(a.node_rank),
+            CROSS_SIZE=str(len(nodes)),
+            LOCAL_SIZE=str(len(devices)),
+            LOCAL_WORLD_SIZE=str(len(devices)),
+        )
+        if env.get("DS_ACCELERATOR") != "cpu":
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
+        out = sys.stdout.buffer if a.tee else None
+        err = sys.stderr.buffer if a.tee else None
+        for local in range(len(devices)):
+            rank = first + local
+            env.update(RANK=str(rank), LOCAL_RANK=str(local))
+            cmd = [sys.executable, "-u", a.script, f"--local_rank={local}", *a.script_args]
+            proc = subprocess.Popen(
+                cmd,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE if a.tee else None,
+                stderr=subprocess.PIPE if a.tee else None,
+                preexec_fn=child_dies_with_me(signal.SIGKILL),
+            )
+            self.ranks[proc.pid] = rank
+            self.procs[proc.pid] = proc
+            if a.tee:
+                self.tees[proc.pid] = [
+                    _Tee(proc.stdout, out, 0),
+                    _Tee(proc.stderr, err, TAIL_LINES),
+                ]
+
+    # --- stopping ------------------------------------------------------------------------------
+    def stop(self, why: str) -> None:
+        """SIGTERM to every rank (they save and exit); SIGKILL to those left after the grace."""
+        with self.lock:
+            if self.stopping:
+                return
+            self.stopping = True
+        alive = self._signal(signal.SIGTERM)
+        log.warning(
+            "%s: SIGTERM to %d rank(s) on %s (node %d); killed if still running in %g s",
+            why,
+            alive,
+            self.host,
+            self.args.node_rank,
+            self.args.stop_grace_s,
+        )
+        self._timer = threading.Timer(self.args.stop_grace_s, self._overdue)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _overdue(self) -> None:
+        log.error("ranks still running %g s after the stop: killing them", self.args.stop_grace_s)
+        self.kill(f"still running {self.args.stop_grace_s:g} s after the stop")
+
+    def kill(self, why: str) -> None:
+        self.killed_why = self.killed_why or why
+        self._signal(signal.SIGKILL)
+
+    def _signal(self, sig: int) -> int:
+        count = 0
+        for proc in list(self.procs.values()):
+            if proc.returncode is None:
+                try:
+                    os.kill(proc.pid, sig)
+                    count += 1
+                except ProcessLookupError:
+                    pass
+        return count
+
+    def on_signal(self, signum: int, frame) -> None:
+        name = signal.Signals(signum).name
+        if signum == signal.SIGHUP:  # our parent (deepy.py, or its ssh session) ended
+            self.stop("deepy.py is gone (the agent's parent ended)")
+        elif self.stopping:
+            log.warning("second %s: killing the ranks now", name)
+            self.kill(f"a second {name}")
+        else:
+            self.stop(f"{name} received")
+
+    def read_control(self) -> None:
+        # Unbuffered: a daemon thread blocked here must not hold a lock at interpreter exit.
+        stdin = os.fdopen(0, "rb", buffering=0, closefd=False)
+        for line in iter(stdin.readline, b""):
+            command = line.strip()
+            if command == b"stop":
+                self.stop("stop requested by deepy.py")
+            elif command == b"kill":
+                self.kill("deepy.py asked")
+        self.stop("deepy.py is gone (the control channel closed)")
+
+    # --- waiting -------------------------------------------------------------------------------
+    def wait(self) -> None:
+        """Reap every rank; the first to fail is noted, and the others are killed at once: they
+        may be blocked in a collective with it."""
+        while any(p.returncode is None for p in self.procs.values()):
+            pid, status = os.wait()
+            proc = self.procs.get(pid)
+            if proc is None:
+                continue
+            proc.returncode = os.waitstatus_to_exitcode(status)
+            if status != 0 and self.first_failure is None:
+                for tee in self.tees.get(pid, []):
+                    tee.thread.join(timeout=2)
+                tail = list(self.tees[pid][1].tail) if pid in self.tees else []
+                why = self.killed_why if status == signal.SIGKILL else None
+                rank = self.ranks[pid]
+                self.first_failure = RankExit(rank, pid, self.host, status, tail, why)
+                self.kill(f"rank {rank} failed")
+        if self._timer is not None:
+            self._timer.cancel()
+        for tees in self.tees.values():
+            for tee in tees:
+                tee.thread.join(timeout=5)  # a rank's own child may still hold the pipe
+
+    def report(self) -> dict:
+        failure = self.first_failure
+        return {
+            "node": self.args.node_rank,
+            "host": self.host,
+            "code": failure.exit_code if failure else 0,
+            "failure": None
+            if failure is None
+            else {
+                "rank": failure.rank,
+                "pid": failure.pid,
+                "status": failure.status,
+                "tail": failure.tail,
+                "killed_by_agent": failure.killed_by_agent,
+            },
+        }
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m neox.launcher.agent", description=__doc__)
+    p.add_argument("--node_rank", type=int, required=True, help="this node's place in --nodes")
+    p.add_argument("--nodes", required=True, help="ranks on each node, in node order: 4,4")
+    p.add_argument("--devices", required=True, help="this node's device (slot) ids: 0,1,2,3")
+    p.add_argument("--master_addr", required=True)
+    p.add_argument("--master_port", type=int, required=True)
+    p.add_argument("--stop_grace_s", type=float, required=True)
+    p.add_argument("--report_fd", type=int, default=None, help="default: stdout")
+    p.add_argument("--tee", action="store_true", help="relay the ranks' output, keep its tail")
+    p.add_argument("--control", action="store_true", help="read stop/kill from stdin")
+    p.add_argument("script")
+    p.add_argument("script_args", nargs=argparse.REMAINDER)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str]) -> int:
+    logging.basicConfig(level=logging.INFO, format="neox agent: %(message)s")
+    args = parse_args(argv)
+    report_to = os.fdopen(args.report_fd, "w") if args.report_fd is not None else sys.stdout
+    agent = Agent(args)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, agent.on_signal)
+    # Our parent is deepy.py (which set this before exec too), or the ssh session it opened:
+    # SIGHUP when it ends, however it ends.
+    die_with_parent(signal.SIGHUP, os.getppid())
+    agent.start_ranks()
+    if args.control:
+        threading.Thread(target=agent.read_control, daemon=True).start()
+    agent.wait()
+    remove_shm_buffers(args.master_port)
+    report = agent.report()
+    try:
+        print(REPORT_PREFIX + json.dumps(report), file=report_to, flush=True)
+    except OSError:
+        pass  # deepy.py is gone: nobody to tell
+    return report["code"]
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,181 @@
+"""The per-node agent: the ranks' parent. It names the first rank to fail by construction, stops
+its ranks when its own parent dies (kill -9), and leaves neither a process nor a /dev/shm buffer."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from neox.launcher.process import REPORT_PREFIX
+from tests.launcher.conftest import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# A rank stand-in. "stuck": notes SIGTERM and stays (as one blocked in a collective would), after
+# creating a DeepSpeed-like shm buffer; "race": rank 1 is SIGKILLed, rank 0 fails on it 1 s later.
+RANK = """
+import os, signal, sys, time
+from pathlib import Path
+rank, mode, out = int(os.environ["RANK"]), sys.argv[-2], Path(sys.argv[-1])
+if mode == "stuck":
+    port = os.environ["MASTER_PORT"]
+    Path(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{port}_{rank}").write_text("x")
+    signal.signal(signal.SIGTERM, lambda *_: (out / f"term{rank}").write_text(str(os.getpid())))
+    (out / f"pid{rank}").write_text(str(os.getpid()))
+    time.sleep(120)
+if rank == 1:
+    time.sleep(0.5)
+    os.kill(os.getpid(), signal.SIGKILL)
+time.sleep(1.5)
+print("rank 0 sees its peer gone", file=sys.stderr)
+sys.exit(1)
+"""
+
+# deepy.py's part: start the agent as its child with the parent-death signal, keep its stdin.
+PARENT = """
+import subprocess, sys
+from neox.launcher.process import child_dies_with_me
+import signal
+agent = subprocess.Popen(sys.argv[1:], stdin=subprocess.PIPE,
+                         preexec_fn=child_dies_with_me(signal.SIGHUP))
+print(agent.pid, flush=True)
+agent.wait()
+"""
+
+
+def agent_argv(
+    tmp_path: Path, mode: str, port: int, grace_s: float = 1.0, control: bool = True
+) -> list[str]:
+    """The agent's command line for two ranks of RANK (the control channel: its stdin)."""
+    script = tmp_path / "rank.py"
+    script.write_text(RANK)
+    return [
+        sys.executable,
+        "-m",
+        "neox.launcher.agent",
+        "--node_rank=0",
+        "--nodes=2",
+        "--devices=0,1",
+        "--master_addr=127.0.0.1",
+        f"--master_port={port}",
+        f"--stop_grace_s={grace_s}",
+        *(["--control"] if control else []),
+        "--tee",
+        str(script),
+        mode,
+        str(tmp_path),
+    ]
+
+
+def env() -> dict[str, str]:
+    return dict(os.environ, PYTHONPATH=str(ROOT), DS_ACCELERATOR="cpu")
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def wait_for(cond, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_the_first_rank_to_fail_is_named_with_its_status_and_the_others_killed(tmp_path):
+    r = subprocess.run(
+        agent_argv(tmp_path, "race", free_port(), control=False),
+        env=env(),
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    [line] = [ln for ln in r.stdout.splitlines() if ln.startswith(REPORT_PREFIX)]
+    report = json.loads(line[len(REPORT_PREFIX) :])
+    # Rank 1's SIGKILL came first; rank 0's exit 1 after it is not taken for the cause.
+    assert report["failure"]["rank"] == 1 and report["failure"]["status"] == signal.SIGKILL
+    assert report["code"] == 128 + signal.SIGKILL == r.returncode
+
+
+def test_a_failed_rank_is_named_with_the_end_of_its_stderr(tmp_path):
+    script = tmp_path / "fail.py"
+    script.write_text("import os\nif os.environ['RANK'] == '1': raise ValueError('bad shard')\n")
+    argv = agent_argv(tmp_path, "", free_port(), control=False)[:-3] + [str(script)]
+    r = subprocess.run(argv, env=env(), capture_output=True, text=True, timeout=60)
+    report = json.loads(r.stdout.split(REPORT_PREFIX, 1)[1])
+    assert report["failure"]["rank"] == 1 and report["code"] == 1 == r.returncode
+    assert report["failure"]["tail"][-1] == "ValueError: bad shard"
+    assert "ValueError: bad shard" in r.stderr  # relayed too
+
+
+def test_kill_9_of_the_parent_stops_the_ranks_then_kills_them_and_cleans_up(tmp_path):
+    port = free_port()
+    parent = subprocess.Popen(
+        [sys.executable, "-c", PARENT, *agent_argv(tmp_path, "stuck", port, grace_s=1.0)],
+        env=env(),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        agent = int(parent.stdout.readline())
+        wait_for(lambda: all((tmp_path / f"pid{r}").exists() for r in (0, 1)))
+        ranks = [int((tmp_path / f"pid{r}").read_text()) for r in (0, 1)]
+        assert alive(agent) and all(map(alive, ranks))
+        parent.kill()
+        start = time.monotonic()
+        # The agent gets SIGHUP from the kernel and passes SIGTERM on; the ranks ignore it, and
+        # are killed after stop_grace_s.
+        wait_for(lambda: not alive(agent) and not any(map(alive, ranks)))
+        assert time.monotonic() - start < 20
+        assert all((tmp_path / f"term{r}").exists() for r in (0, 1))
+        assert list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*")) == []
+    finally:
+        parent.kill()
+        parent.wait()
+
+
+def test_kill_9_of_the_agent_takes_its_ranks_with_it(tmp_path):
+    agent = subprocess.Popen(
+        agent_argv(tmp_path, "stuck", free_port(), grace_s=600), env=env(), stdin=subprocess.PIPE
+    )
+    try:
+        wait_for(lambda: all((tmp_path / f"pid{r}").exists() for r in (0, 1)))
+        ranks = [int((tmp_path / f"pid{r}").read_text()) for r in (0, 1)]
+        agent.kill()
+        wait_for(lambda: not any(map(alive, ranks)))  # PR_SET_PDEATHSIG=SIGKILL on each rank
+        assert not any((tmp_path / f"term{r}").exists() for r in (0, 1))
+    finally:
+        agent.kill()
+        agent.wait()
+
+
+def test_control_channel_stop_then_kill(tmp_path):
+    agent = subprocess.Popen(
+        agent_argv(tmp_path, "stuck", free_port(), grace_s=600),
+        env=env(),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_for(lambda: all((tmp_path / f"pid{r}").exists() for r in (0, 1)))
+        agent.stdin.write("stop\n")
+        agent.stdin.flush()
+        wait_for(lambda: all((tmp_path / f"term{r}").exists() for r in (0, 1)))
+        assert agent.poll() is None  # the ranks are given stop_grace_s to save
+        agent.stdin.write("kill\n")
+        agent.stdin.flush()
+        assert agent.wait(timeout=20) == 128 + signal.SIGKILL
+        report = json.loads(agent.stdout.read().split(REPORT_PREFIX, 1)[1])
+        assert report["failure"]["killed_by_agent"] == "deepy.py asked"
+    finally:
+        agent.kill()
+        agent.wait()
