@@ -89,8 +89,7 @@ def save_checkpoint(
     state = dict(client_state, iteration=iteration)
     if not c.no_save_rng:
         state["rng"] = rng_state()
-    # DeepSpeed's own `latest` is a plain write, made before other ranks are known to be done.
-    engine.save_checkpoint(str(save_dir), tag=staging.name, client_state=state, save_latest=False)
+    engine.save(str(save_dir), staging.name, state)  # no `latest`: written below, atomically
     kill_point("shards", rank, iteration)
     torch.distributed.barrier()  # every rank's shards are written
     if rank == 0:
@@ -171,7 +170,7 @@ def load_checkpoint(engine, cfg: NeoXConfig) -> Optional[dict[str, Any]]:
     from neox.checkpoint.relayout import checkpoint_for_run
 
     # finetune from another TP/PP loads a re-laid-out copy of the weights.
-    zero3 = engine.zero_optimization_partition_weights()
+    zero3 = engine.partitions_weights()
     failures = []
     for tag, problem in [(resume.tag, None), *resume.fallbacks]:
         if problem is not None:
@@ -181,12 +180,11 @@ def load_checkpoint(engine, cfg: NeoXConfig) -> Optional[dict[str, Any]]:
             continue
         try:
             with checkpoint_for_run(c.load, cfg, zero3) as load_dir:
-                path, state = engine.load_checkpoint(
+                path, state = engine.load(
                     load_dir,
                     # A re-laid-out copy holds one checkpoint, named by its own `latest`.
                     tag=tag if load_dir == c.load else None,
                     load_optimizer_states=not (c.no_load_optim or finetune),
-                    load_lr_scheduler_states=False,
                     load_module_only=finetune,
                 )
             error = None if path is not None else "DeepSpeed found no checkpoint files"
