@@ -172,7 +172,13 @@ def choose_engine(
         reason = reason or "flat_engine: false"
     zero = ds_config.get("zero_optimization", {})
     offload = (zero.get("offload_optimizer") or {}).get("device", "none")
-    if offload != "none" and zero.get("stage", 0) > 0:
+    if offload != "none":
+        if zero.get("stage", 0) == 0:
+            raise ConfigError(
+                f"zero_optimization.offload_optimizer={{device: {offload}}} needs ZeRO stage 1-3 "
+                "(DeepSpeed offloads the optimizer's partition); set zero_optimization.stage: 1 "
+                "or drop offload_optimizer"
+            )
         if optimizer not in OFFLOAD_ADAM:
             raise ConfigError(
                 f"zero_optimization.offload_optimizer={{device: {offload}}} steps with "
@@ -221,9 +227,12 @@ def loss_path(
 
 def engine_for(cfg: NeoXConfig, derived: Derived, zero_stage: Optional[int] = None) -> EngineChoice:
     """choose_engine for a validated config (zero_stage replaces the configured stage, for
-    estimates)."""
+    estimates of each stage)."""
     ds_config = build_ds_config(cfg, derived)
-    ds_config["zero_optimization"] = zero_section(cfg, derived.data_parallel, zero_stage)
+    zero = zero_section(cfg, derived.data_parallel, zero_stage)
+    if zero_stage == 0:  # an estimate of stage 0: no partition there to offload
+        zero = {k: v for k, v in zero.items() if k not in ("offload_optimizer", "offload_param")}
+    ds_config["zero_optimization"] = zero
     return choose_engine(
         ds_config,
         derived.optimizer_type,

@@ -47,7 +47,14 @@ def build_optimizer(
             params["betas"] = tuple(params["betas"])
         params.pop("weight_decay", None)  # per group, as for AdamW
         params.setdefault("adamw_mode", adamw_mode)
-        return DeepSpeedCPUAdam(groups, **params)
+        try:
+            return DeepSpeedCPUAdam(groups, **params)
+        except (RuntimeError, ImportError, OSError) as e:  # its C++ op failed to build or load
+            raise RuntimeError(
+                f"DeepSpeed's CPU Adam (optimizer {kind}, or zero_optimization.offload_optimizer) "
+                f"cannot be built on this machine: {e}; install a C++ compiler and ninja, or "
+                "drop offload_optimizer"
+            ) from e
     if kind == "sgd":
         return torch.optim.SGD(groups, **params)
     if kind == "lion":
