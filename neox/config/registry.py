@@ -192,7 +192,7 @@ KEYS: dict[str, Status] = {
     "iteration": _reads("neox/inference/loading.py", EVALUATION),
     "z_loss": Refused("z-loss auxiliary term is not implemented", 0.1),
     "torch_compile": _reads(SETUP, MEMORY),
-    "flat_engine": _reads(SETUP, "neox/plan/engine_choice.py"),
+    "flat_engine": _reads("neox/plan/engine_choice.py"),
     "torch_compile_backend": _reads(SETUP),
     # checkpoint
     "save": _reads(CKPT),
