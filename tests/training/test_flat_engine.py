@@ -1,6 +1,7 @@
 """neox's flat engine on one rank against DeepSpeed's ZeRO-1 engine: same steps, same checkpoints."""
 
 import copy
+import math
 
 import pytest
 import torch
@@ -231,11 +232,19 @@ def test_train_batch_is_the_same_step_on_both_engines(model, rank, precision):
     assert own.global_steps == ds.ds.global_steps == 3
 
 
-def test_train_batch_reports_a_non_finite_step_as_skipped(model, rank):
-    own = built_engine("own", model)
+@pytest.mark.parametrize("kind,stage", [("own", 1), ("ds", 0), ("ds", 1)])
+def test_train_batch_reports_a_non_finite_step_as_skipped(model, rank, kind, stage):
+    """Either engine drops a step with a NaN gradient and says so: the flat engine itself,
+    DeepSpeed's ZeRO-1 through its (fused) overflow check, and DeepSpeed without ZeRO in fp32,
+    where the adapter computes the norm and skips the step (DeepSpeed would apply the NaNs)."""
+    eng = built_engine(kind, model, precision="fp32", stage=stage)
     stream = micro_batches()
-    assert not bool(own.train_batch(stream).skipped)
+    assert not bool(eng.train_batch(stream).skipped)
+    before = {k: v.clone() for k, v in eng.module.state_dict().items()}
     poisoned = next(stream)
     poisoned.loss_mask = poisoned.loss_mask * float("nan")
-    step = own.train_batch(iter([poisoned]))
-    assert bool(step.skipped) and step.grad_norm != step.grad_norm  # NaN norm
+    step = eng.train_batch(iter([poisoned]))
+    assert bool(step.skipped) and not math.isfinite(float(step.grad_norm))  # DeepSpeed: inf
+    after = eng.module.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert not bool(eng.train_batch(stream).skipped)  # and the next finite step trains again
