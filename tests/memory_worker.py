@@ -107,6 +107,7 @@ def measure_all(rank: int, world: int, flats: list[dict], out: str) -> None:
 def measure(rank: int, world: int, flat: dict) -> dict:
     from neox.config import build_ds_config, derive, load_dict
     from neox.parallel import ProcessGroups, Topology, engine_mpu, parallelize
+    from neox.plan.engine_choice import engine_for
     from neox.training.engine import build_engine
     from neox.training.optim import build_optimizer
 
@@ -117,13 +118,15 @@ def measure(rank: int, world: int, flat: dict) -> dict:
         Topology(derived.tensor_parallel, derived.pipe_parallel, derived.data_parallel)
     )
     model = parallelize(cfg.model, vocab, groups, cfg.training.seed)
-    engine = build_engine(
+    choice = engine_for(cfg, derived)
+    built = build_engine(
+        choice,
         build_ds_config(cfg, derived),
         model,
-        build_optimizer(model, cfg.optimizer, derived.optimizer_type, derived.lr),
+        build_optimizer(model, cfg.optimizer, choice.optimizer, derived.lr),
         engine_mpu(model, groups),
-        flat_engine=cfg.training.flat_engine,
     )
+    engine = getattr(built, "ds", built)  # DeepSpeed's own engine behind the adapter
     params = list(engine.module.parameters())
     if derived.precision == "bf16":
         dtype_ok = all(p.dtype == torch.bfloat16 for p in params)

@@ -22,7 +22,7 @@ from neox.checkpoint.find import (
 )
 from neox.checkpoint.lock import acquire
 from neox.checkpoint.manifest import digests, files_in, read_manifest, write_manifest
-from neox.checkpoint.trust import check_loadable, deepspeed_loads_safely
+from neox.checkpoint.trust import check_loadable
 from neox.config import NeoXConfig, write_config
 from neox.parallel.agree import all_ranks_max
 
@@ -115,10 +115,7 @@ def save_checkpoint(
     if not c.no_save_rng:
         state["rng"] = rng_state()
     try:
-        # DeepSpeed's own `latest` is a plain write, made before other ranks are known done.
-        engine.save_checkpoint(
-            str(save_dir), tag=staging.name, client_state=state, save_latest=False
-        )
+        engine.save(str(save_dir), staging.name, state)  # no `latest`: written below, atomically
     except Exception as e:
         failed_save(e, save_dir, staging)
         raise
@@ -310,7 +307,7 @@ def load_checkpoint(engine, cfg: NeoXConfig) -> Optional[dict[str, Any]]:
     from neox.checkpoint.relayout import checkpoint_for_run
 
     # finetune from another TP/PP loads a re-laid-out copy of the weights.
-    zero3 = engine.zero_optimization_partition_weights()
+    zero3 = engine.partitions_weights()
     failures = []
     trust = c.trust_checkpoint_code
     for tag, problem in [(resume.tag, None), *resume.fallbacks]:
@@ -322,17 +319,14 @@ def load_checkpoint(engine, cfg: NeoXConfig) -> Optional[dict[str, Any]]:
                 log.warning("skipping checkpoint %s", failures[-1])
             continue
         try:
-            with (
-                checkpoint_for_run(c.load, cfg, zero3, tag) as load_dir,
-                deepspeed_loads_safely(engine, trust),
-            ):
-                path, state = engine.load_checkpoint(
+            with checkpoint_for_run(c.load, cfg, zero3, tag) as load_dir:
+                path, state = engine.load(
                     load_dir,
                     # A re-laid-out copy holds one checkpoint, named by its own `latest`.
                     tag=tag if load_dir == c.load else None,
                     load_optimizer_states=not (c.no_load_optim or finetune),
-                    load_lr_scheduler_states=False,
                     load_module_only=finetune,
+                    trust=trust,
                 )
             error = None if path is not None else "DeepSpeed found no checkpoint files"
         except CheckpointError:

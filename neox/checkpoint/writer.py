@@ -1,6 +1,6 @@
 """Write a full plain-GPTNeoX state dict as the DeepSpeed files a run at a chosen TP/PP loads.
 
-The files are those train.py's engine.load_checkpoint reads with `finetune: true` (module
+The files are those train.py's engine.load reads with `finetune: true` (module
 weights only; no optimizer state) for a run at ZeRO stage 0-2:
 - pp = 1: `mp_rank_{t:02d}_model_states.pt`, tp rank t's shard under "module";
 - pp > 1: `layer_{i:02d}-model_{t:02d}-model_states.pt` per pipeline layer and tp rank, plus

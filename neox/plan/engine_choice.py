@@ -8,6 +8,7 @@ answer without torch and can never disagree with what a rank builds.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from neox.config.derived import Derived
@@ -18,21 +19,118 @@ from neox.config.schema import NeoXConfig
 # optimizer types adam and adamw, neox/training/optim.py).
 FLAT_OPTIMIZERS = ("adam", "adamw")
 
+# DeepSpeed config keys the flat engine honours as DeepSpeed's engine does (batch sizes,
+# clipping, precision, ZeRO stage 0-1, comm dtype, the steps_per_print and wall_clock_breakdown
+# logs), or that act outside the engine (activation_checkpointing: neox/parallel applies it to
+# the model; zero_allow_untested_optimizer: neox's own flag for DeepSpeed's check). Any other
+# key, or one of these set as only DeepSpeed implements it, runs on DeepSpeed's engine
+# (`_flat_misses`); tests/training/test_engine_keys.py holds every key to its engine.
+FLAT_KEYS = (
+    *("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"),
+    *("gradient_clipping", "steps_per_print", "bf16", "fp16", "zero_optimization"),
+    *("fp32_allreduce", "communication_data_type", "data_types", "activation_checkpointing"),
+    *("zero_allow_untested_optimizer", "prescale_gradients", "gradient_predivide_factor"),
+    *("wall_clock_breakdown", "dump_state", "amp", "checkpoint"),
+    *("flops_profiler", "comms_logger", "csv_monitor", "autotuning", "elasticity"),
+)
+# zero_optimization keys that change nothing in the flat engine: it does one reduce-scatter and
+# one all-gather per parameter group (so no buckets, nothing to overlap, gradients always
+# contiguous), and DeepSpeed itself ignores the stage3_* keys below stage 3.
+FLAT_ZERO_NO_OPS = (
+    *("stage", "reduce_bucket_size", "allgather_bucket_size", "overlap_comm"),
+    *("contiguous_gradients", "reduce_scatter", "allgather_partitions"),
+)
+# Sections that do something only when enabled; off, neither engine acts on them.
+ENABLED_SECTIONS = ("flops_profiler", "comms_logger", "csv_monitor")
+# Sections neither engine can run from a neox launch: refused by name when enabled.
+REFUSED_SECTIONS = {
+    "amp": "DeepSpeed's AMP needs NVIDIA apex, which neox does not use; set precision: fp16 or "
+    "bfloat16 and drop the amp section",
+    "autotuning": "DeepSpeed's autotuner runs from its own launcher (deepspeed --autotuning), "
+    "which neox does not wire; drop the autotuning section",
+    "elasticity": "DeepSpeed's elastic training picks the batch size at launch (its elastic "
+    "agent), while neox fixes it from train_batch_size; drop the elasticity section",
+}
+# Comm dtypes the flat engine reduces gradients in (communication_data_type's values).
+COMM_DTYPES = ("fp32", "fp16", "bf16")
+# ZeRO-Offload steps with DeepSpeed's CPU Adam (a client optimizer dies there): the optimizer
+# types it stands in for. neox's adam is AdamW, as gpt-neox's FusedAdam (adam_w_mode=True).
+OFFLOAD_ADAM = {"adam": True, "adamw": True, "cpu_adam": True, "cpu_torch_adam": True}
+
+
+@dataclass(frozen=True)
+class EngineChoice:
+    """The engine and optimizer a run's ranks build (neox/training/engine.py build_engine)."""
+
+    engine: str
+    """"flat" (neox/training/flat_engine.py) or "deepspeed" (DeepSpeed's, through the adapter)."""
+    reason: Optional[str]
+    """Why not the flat engine; None when it runs."""
+    optimizer: str
+    """The optimizer type neox builds (neox/training/optim.py): the config's, or "cpu_adam" for
+    ZeRO-Offload."""
+    adamw_mode: bool = True
+    """For cpu_adam: decoupled weight decay (AdamW)."""
+    note: Optional[str] = None
+    """What the choice changed of the config's own, for the dry run's engine line."""
+
+    def describe(self) -> str:
+        """This choice in words, as the ranks log it."""
+        words = "neox's flat engine" if self.engine == "flat" else "DeepSpeed's engine"
+        if self.reason:
+            words += f" ({self.reason})"
+        return words + (f"; {self.note}" if self.note else "")
+
+
+def _enabled(section: Any) -> bool:
+    if isinstance(section, dict):
+        return bool(section.get("enabled", False))
+    return bool(section)
+
+
+def _flat_misses(ds_config: dict[str, Any], precision: str) -> Optional[str]:
+    """The first DeepSpeed key of `ds_config` the flat engine does not honour, as words."""
+    for key, value in ds_config.items():
+        if key not in FLAT_KEYS:
+            return f"DeepSpeed key {key}"
+        if key in ENABLED_SECTIONS and _enabled(value):
+            return f"{key} (DeepSpeed's)"
+        if key in ("dump_state", "prescale_gradients") and value:
+            return f"{key}: true"
+        if key == "checkpoint" and value:
+            return "checkpoint section (DeepSpeed's checkpoint engine options)"
+        if key == "gradient_predivide_factor" and float(value) != 1.0:
+            return f"gradient_predivide_factor={value}"
+        if key == "bf16" and set(value) - {"enabled"}:
+            return f"bf16.{sorted(set(value) - {'enabled'})[0]}"
+        if key == "communication_data_type" and value not in COMM_DTYPES:
+            return f"communication_data_type={value}"
+        if key == "data_types":
+            accum = (value or {}).get("grad_accum_dtype")
+            if set(value or {}) - {"grad_accum_dtype"}:
+                return f"data_types.{sorted(set(value) - {'grad_accum_dtype'})[0]}"
+            if accum is not None and accum != precision:
+                return f"data_types.grad_accum_dtype={accum} (the flat engine accumulates in {precision})"
+        if key == "zero_optimization":
+            for name in value:
+                if name not in FLAT_ZERO_NO_OPS and not name.startswith("stage3_"):
+                    return f"zero_optimization.{name}"
+    return None
+
 
 def flat_engine_unsupported(
     ds_config: dict[str, Any],
     optimizer: str,
-    lr_scaled: bool,
     data_parallel: int,
     model_parallel: int,
 ) -> Optional[str]:
     """Why neox's flat engine cannot run a job (None if it can): it covers data parallelism
-    alone, bf16 or fp32, torch's Adam/AdamW, ZeRO 0-1 (0-2 on one rank) without offload.
+    alone, bf16 or fp32, torch's Adam/AdamW, ZeRO 0-1 (0-2 on one rank) without offload, and
+    the DeepSpeed keys it honours (FLAT_KEYS, `_flat_misses`).
 
     Args:
         ds_config: the DeepSpeed config (neox.config.build_ds_config).
-        optimizer: "adam" or "adamw" for torch's Adam/AdamW, else any other name (shown).
-        lr_scaled: whether any parameter group has an lr_scale other than 1.
+        optimizer: the optimizer type (Derived.optimizer_type): "adam" or "adamw" step flat.
         model_parallel: tensor x pipeline parallel size.
     """
     zero = ds_config.get("zero_optimization", {})
@@ -47,9 +145,53 @@ def flat_engine_unsupported(
         return "ZeRO offload"
     if optimizer not in FLAT_OPTIMIZERS:
         return f"optimizer {optimizer}"
-    if lr_scaled:
-        return "per-group learning-rate scales"
-    return None
+    precision = "bf16" if ds_config.get("bf16", {}).get("enabled") else "fp32"
+    return _flat_misses(ds_config, precision)
+
+
+def choose_engine(
+    ds_config: dict[str, Any],
+    optimizer: str,
+    data_parallel: int,
+    model_parallel: int,
+    flat_engine: bool = True,
+) -> EngineChoice:
+    """The one decision of which engine and optimizer a run steps with: deepy's dry run, the
+    memory estimate and the ranks (neox/training/setup.py) all ask here.
+
+    ZeRO-Offload (offload_optimizer at ZeRO 1-3) gets DeepSpeed's CPU Adam with the config's
+    hyperparameters in place of neox's torch AdamW, which DeepSpeed refuses there.
+    """
+    from neox.config.errors import ConfigError
+
+    for key, why in REFUSED_SECTIONS.items():
+        if _enabled(ds_config.get(key)):
+            raise ConfigError(f"{key}: {why}")
+    reason = flat_engine_unsupported(ds_config, optimizer, data_parallel, model_parallel)
+    if not flat_engine:
+        reason = reason or "flat_engine: false"
+    zero = ds_config.get("zero_optimization", {})
+    offload = (zero.get("offload_optimizer") or {}).get("device", "none")
+    if offload != "none":
+        if zero.get("stage", 0) == 0:
+            raise ConfigError(
+                f"zero_optimization.offload_optimizer={{device: {offload}}} needs ZeRO stage 1-3 "
+                "(DeepSpeed offloads the optimizer's partition); set zero_optimization.stage: 1 "
+                "or drop offload_optimizer"
+            )
+        if optimizer not in OFFLOAD_ADAM:
+            raise ConfigError(
+                f"zero_optimization.offload_optimizer={{device: {offload}}} steps with "
+                f"DeepSpeed's CPU Adam, not optimizer {optimizer}; use optimizer type Adam or "
+                "AdamW, or drop offload_optimizer"
+            )
+        adamw = OFFLOAD_ADAM[optimizer]
+        note = (
+            f"optimizer: DeepSpeed's CPU Adam for zero_optimization.offload_optimizer (in place "
+            f"of {optimizer}; adamw_mode={str(adamw).lower()})"
+        )
+        return EngineChoice("deepspeed", reason, "cpu_adam", adamw, note)
+    return EngineChoice("flat" if reason is None else "deepspeed", reason, optimizer)
 
 
 def one_pass_adamw(adamw: bool, amsgrad: bool, maximize: bool, device_type: str) -> bool:
@@ -83,18 +225,18 @@ def loss_path(
     return "eager"
 
 
-def engine_for(
-    cfg: NeoXConfig, derived: Derived, zero_stage: Optional[int] = None
-) -> tuple[str, Optional[str]]:
-    """("flat" or "deepspeed", why not flat or None) for a validated config, as build_engine
-    decides on the ranks (zero_stage replaces the configured stage, for estimates)."""
+def engine_for(cfg: NeoXConfig, derived: Derived, zero_stage: Optional[int] = None) -> EngineChoice:
+    """choose_engine for a validated config (zero_stage replaces the configured stage, for
+    estimates of each stage)."""
     ds_config = build_ds_config(cfg, derived)
-    ds_config["zero_optimization"] = zero_section(cfg, derived.data_parallel, zero_stage)
-    model_parallel = derived.tensor_parallel * derived.pipe_parallel
-    # neox's optimizer groups never carry an lr_scale (neox/training/optim.py).
-    reason = flat_engine_unsupported(
-        ds_config, derived.optimizer_type, False, derived.data_parallel, model_parallel
+    zero = zero_section(cfg, derived.data_parallel, zero_stage)
+    if zero_stage == 0:  # an estimate of stage 0: no partition there to offload
+        zero = {k: v for k, v in zero.items() if k not in ("offload_optimizer", "offload_param")}
+    ds_config["zero_optimization"] = zero
+    return choose_engine(
+        ds_config,
+        derived.optimizer_type,
+        derived.data_parallel,
+        derived.tensor_parallel * derived.pipe_parallel,
+        cfg.training.flat_engine,
     )
-    if not cfg.training.flat_engine:
-        return "deepspeed", reason or "flat_engine: false"
-    return ("flat", None) if reason is None else ("deepspeed", reason)

@@ -196,7 +196,7 @@ def training_shape(
         checkpoint_activations=t.checkpoint_activations,
         checkpoint_num_layers=t.checkpoint_num_layers,
         partition_activations=t.partition_activations,
-        engine=engine_for(cfg, derived, zero_stage)[0],
+        engine=engine_for(cfg, derived, zero_stage).engine,
         loss=loss_path(compiled, tp, pp, cfg.model.lm_loss_chunk_size),
         loss_chunk=cfg.model.lm_loss_chunk_size,
         one_pass_adamw=one_pass_adamw(

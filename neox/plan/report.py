@@ -68,11 +68,13 @@ def describe_engines(cfg: NeoXConfig, derived: Derived, vocab_size: int) -> str:
         by_engine.setdefault(shape.engine, []).append(str(shape.zero_stage))
     names = {"flat": "neox's flat engine", "deepspeed": "DeepSpeed's"}
     engines = "; ".join(f"{names[e]} at ZeRO {', '.join(s)}" for e, s in by_engine.items())
-    engine, reason = engine_for(cfg, derived)
+    choice = engine_for(cfg, derived)
     if not cfg.training.flat_engine:
         engines += " (flat_engine: false)"
-    elif engine == "deepspeed":
-        engines += f" (the flat engine does not cover {reason})"
+    elif choice.engine == "deepspeed":
+        engines += f" (the flat engine does not cover {choice.reason})"
+    if choice.note:
+        engines += f"; {choice.note}"
     words = {
         "compiled": f"compiled with the output layer (torch_compile), {derived.precision} logits",
         "chunked": f"chunked, {cfg.model.lm_loss_chunk_size} tokens at a time",

@@ -1,106 +1,102 @@
-"""The engine a run steps with: neox's flat engine for data parallelism alone, else DeepSpeed's with its per-tensor
-overflow check made one launch.
+"""The one interface the training loop steps with, and the engine a run builds behind it.
 
-DeepSpeed's ZeRO 1/2 optimizer checks for non-finite gradients before every step, tensor by
-tensor (amax, amin, two isfinite, two logical ops, an add: ~7 kernels and their host work per
-parameter tensor). On one H100 at Pythia-410M that host work costs ~50 ms a step, more than a
-third of the step. `fuse_overflow_check` replaces it, on that one optimizer instance, by the
-same test written with one foreach max-abs per dtype: a step with any inf/NaN gradient is still
-skipped exactly as before; only the number of launches changes.
+`Engine` is what neox/training/loop.py and neox/checkpoint/io.py use: a whole optimizer step
+from an iterator of micro-batches (`train_batch`), an evaluation batch, train/eval mode, save
+and load. Two implementations: neox's flat engine (neox/training/flat_engine.py) and DeepSpeed's
+engine behind `DeepSpeedAdapter` (neox/training/deepspeed_engine.py), which keeps everything
+DeepSpeed-specific (pipeline batches, the stage-0 norm and non-finite skip, the fused overflow
+check, the fp16 loss scale). Which one runs is decided once, torch-free, by
+neox.plan.engine_choice.choose_engine; `build_engine` builds what it names.
 """
 
 from __future__ import annotations
 
 import logging
-import types
-from collections import defaultdict
-from typing import Any
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Optional, Protocol, Union
 
 import torch
 from torch import nn
 
+from neox.data.batch import Batch
+from neox.plan.engine_choice import EngineChoice
+
 log = logging.getLogger(__name__)
+
+Scalar = Union[torch.Tensor, float, bool, None]
+
+
+@dataclass
+class StepResult:
+    """One optimizer step's metrics, left where they are (device tensors on the flat engine):
+    the loop reads them once the next step is queued (neox.training.metrics.DeviceScalars)."""
+
+    loss: torch.Tensor
+    """This rank's mean loss over the step's micro-batches."""
+    grad_norm: Scalar
+    """The global gradient norm before clipping; NaN or None when not finite."""
+    skipped: Scalar
+    """Whether the optimizer update was skipped (an inf/NaN gradient, or fp16 overflow)."""
+    loss_scale: Scalar = None
+    """fp16's current loss scale; None in bf16/fp32."""
+
+
+class Engine(Protocol):
+    """What the loop and the checkpoint code need of an engine."""
+
+    module: nn.Module
+    optimizer: Any  # its param_groups carry the learning rate the schedule sets
+
+    def train_batch(self, batches: Iterator[Batch]) -> StepResult:
+        """One optimizer step over gradient_accumulation_steps micro-batches from `batches`."""
+        ...
+
+    def eval_batch(self, batches: Iterator[Batch]) -> torch.Tensor:
+        """Mean loss over gradient_accumulation_steps micro-batches, without gradients."""
+        ...
+
+    def train(self, mode: bool = True) -> None: ...
+
+    def eval(self) -> None: ...
+
+    def save(self, save_dir: str, tag: str, client_state: dict[str, Any]) -> None:
+        """This rank's files of checkpoint `tag` (DeepSpeed's layout), client_state included."""
+        ...
+
+    def load(
+        self,
+        load_dir: str,
+        tag: Optional[str],
+        load_optimizer_states: bool,
+        load_module_only: bool,
+        trust: bool = False,
+    ) -> tuple[Optional[str], Optional[dict[str, Any]]]:
+        """(path, client state) of the checkpoint loaded, or (None, None) when there is none.
+        Files are read weights-only with neox.checkpoint.trust's allow-list unless `trust`."""
+        ...
+
+    def partitions_weights(self) -> bool:
+        """ZeRO-3: each rank holds a slice of every weight (checkpoints are laid out so)."""
+        ...
+
+
+def forward_loss(model: Any, batch: Batch) -> torch.Tensor:
+    """The model returns the loss itself, so the output layer and the loss can run fused."""
+    b = batch
+    return model(b.tokens, b.position_ids, b.attention_mask, b.labels, b.loss_mask)
 
 
 def build_engine(
-    ds_config: dict[str, Any],
-    model: nn.Module,
-    optimizer: Any,
-    mpu: Any,
-    flat_engine: bool = True,
-) -> Any:
-    """neox's flat engine where it applies (neox.training.flat_engine), else deepspeed.initialize
-    with neox's DeepSpeed config and the fast overflow check."""
-    import deepspeed
+    choice: EngineChoice, ds_config: dict[str, Any], model: nn.Module, optimizer: Any, mpu: Any
+) -> Engine:
+    """The engine `choice` names (neox.plan.engine_choice.choose_engine), stepping `optimizer`."""
+    if choice.engine == "flat":
+        from neox.training.flat_engine import FlatEngine
 
-    from neox.training.flat_engine import FlatEngine, unsupported_reason
-
-    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-    dp = mpu.get_data_parallel_world_size() if mpu is not None else 1
-    reason = unsupported_reason(ds_config, optimizer, dp, world // dp)
-    if flat_engine and reason is None:
         log.info("neox's flat engine (flat_engine: false for DeepSpeed's)")
         return FlatEngine(ds_config, model, optimizer, mpu)
-    if flat_engine:
-        log.info("DeepSpeed's engine: the flat engine does not cover %s", reason)
-    engine, _, _, _ = deepspeed.initialize(
-        model=model, optimizer=optimizer, config=ds_config, mpu=mpu
-    )
-    fuse_overflow_check(engine.optimizer)
-    return engine
+    from neox.training.deepspeed_engine import DeepSpeedAdapter
 
-
-def skipped_count(engine: Any) -> Any:
-    """The engine's count of skipped steps, read without waiting for the device: the flat
-    engine keeps it on the device (a copy, as the engine adds to its own)."""
-    from neox.training.flat_engine import FlatEngine
-
-    if isinstance(engine, FlatEngine):
-        return engine.skipped_steps_tensor.clone()
-    return engine.skipped_steps
-
-
-def handles_nonfinite(engine: Any) -> bool:
-    """Does the engine skip steps with inf/NaN gradients and report the gradient norm itself?
-    DeepSpeed's does only with ZeRO or a reduced precision."""
-    from neox.training.flat_engine import FlatEngine
-
-    return isinstance(engine, FlatEngine) or engine.zero_optimization_stage() > 0
-
-
-def fuse_overflow_check(optimizer: Any) -> bool:
-    """Swap a ZeRO 1/2 optimizer's serial overflow check for the foreach one; True if swapped."""
-    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-
-    if not isinstance(optimizer, DeepSpeedZeroOptimizer) or optimizer.cpu_offload:
-        return False
-    optimizer.has_overflow_partitioned_grads_serial = types.MethodType(
-        _has_overflow_partitioned_grads, optimizer
-    )
-    return True
-
-
-def any_non_finite(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """Bool tensor of shape (1,): does any tensor hold an inf or NaN? No host sync."""
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
-    for t in tensors:
-        by_dtype[t.dtype].append(t)
-    # max |x| of a tensor is inf when it holds an inf and NaN when it holds a NaN.
-    bad = [
-        ~torch.isfinite(torch.stack(torch._foreach_norm(ts, float("inf")))).all()
-        for ts in by_dtype.values()
-    ]
-    if not bad:
-        return torch.zeros(1, dtype=torch.bool)
-    return torch.stack(bad).any().reshape(1)
-
-
-def _has_overflow_partitioned_grads(self: Any) -> torch.Tensor:
-    """DeepSpeedZeroOptimizer.has_overflow_partitioned_grads_serial, in a few launches."""
-    from deepspeed.accelerator import get_accelerator
-
-    groups = (self.averaged_gradients[i] for i in range(len(self.bit16_groups)))
-    grads = [g for group in groups for g in group if g is not None]
-    if not grads:
-        return torch.zeros(1, dtype=torch.bool, device=get_accelerator().current_device_name())
-    return any_non_finite(grads)
+    log.info("engine: %s", choice.describe())
+    return DeepSpeedAdapter(ds_config, model, optimizer, mpu)

@@ -17,12 +17,22 @@ accumulation steps, gradients averaged over ranks, clipping by the global norm w
 formula, a step with an inf/NaN gradient skipped and counted. Checkpoints are DeepSpeed's ZeRO-1
 files, key for key: `consolidate`, the export tools and DeepSpeed's engine read them, this
 engine resumes DeepSpeed's, and it resumes its own at another data-parallel size.
+
+DeepSpeed keys it honours as DeepSpeed's engine does (the rest send a run to DeepSpeed's, see
+neox.plan.engine_choice.FLAT_KEYS): gradient_clipping; fp32_allreduce and
+communication_data_type (the dtype gradients are reduced in); data_types.grad_accum_dtype when
+it is the training precision; steps_per_print (a `step=, lr=` line) and wall_clock_breakdown
+(fwd/bwd/step times, DeepSpeed's timers, read at those steps only). ZeRO's bucket sizes,
+overlap_comm, contiguous_gradients and reduce_scatter change nothing here: each group's
+gradients are one buffer, reduced by one collective.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Optional
 
@@ -30,7 +40,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from neox.plan.engine_choice import flat_engine_unsupported, one_pass_adamw
+from neox.checkpoint.trust import load_file
+from neox.data.batch import Batch
+from neox.plan.engine_choice import one_pass_adamw
+from neox.training.engine import StepResult, forward_loss
 
 log = logging.getLogger(__name__)
 
@@ -45,26 +58,11 @@ ENGINE_KEYS = {
 ALIGNMENT = 2
 
 
+COMM_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
 def optim_file(dp_rank: int, bf16: bool) -> str:
     return ("bf16_" if bf16 else "") + f"zero_pp_rank_{dp_rank}_mp_rank_00_optim_states.pt"
-
-
-def unsupported_reason(
-    ds_config: dict[str, Any],
-    optimizer: Any,
-    data_parallel: int,
-    model_parallel: int,
-) -> Optional[str]:
-    """Why this engine cannot run a job (None if it can), decided by
-    neox.plan.engine_choice.flat_engine_unsupported from this optimizer's type and groups."""
-    torch_adam = {torch.optim.AdamW: "adamw", torch.optim.Adam: "adam"}
-    return flat_engine_unsupported(
-        ds_config,
-        torch_adam.get(type(optimizer), type(optimizer).__name__),
-        any(g.get("lr_scale", 1.0) != 1.0 for g in optimizer.param_groups),
-        data_parallel,
-        model_parallel,
-    )
 
 
 def _one_pass_ok(optimizer: torch.optim.Optimizer, device: torch.device) -> bool:
@@ -126,14 +124,19 @@ class FlatGroup:
                 out[name] = fragment_address(numel=hi - lo, start=lo - self.start)
         return out
 
-    def reduce_gradients(self, group: Any) -> None:
-        """Sum the gradient buffer over the data-parallel ranks into this rank's partition."""
+    def reduce_gradients(self, group: Any, dtype: torch.dtype) -> None:
+        """Sum the gradient buffer over the data-parallel ranks into this rank's partition,
+        communicating in `dtype` (a copy when it is not the gradients' own)."""
         if self.dp == 1:
             return
-        if self.grad.is_cuda:
-            dist.reduce_scatter_tensor(self.part_grad, self.grad, group=group)
+        grad = self.grad if dtype == self.grad.dtype else self.grad.to(dtype)
+        part = grad[self.start : self.start + self.size]
+        if grad.is_cuda:
+            dist.reduce_scatter_tensor(part, grad, group=group)
         else:  # gloo has no reduce-scatter of one tensor
-            dist.all_reduce(self.grad, group=group)
+            dist.all_reduce(grad, group=group)
+        if grad is not self.grad:
+            self.part_grad.copy_(part)
 
     def gather_weights(self, group: Any) -> None:
         """Every rank's updated partition into every rank's flat weights."""
@@ -146,7 +149,8 @@ class FlatGroup:
 
 
 class FlatEngine:
-    """The part of DeepSpeed's engine interface neox's loop and checkpoint code use."""
+    """neox's Engine (neox/training/engine.py) for data parallelism alone; its forward,
+    backward and step are DeepSpeed's engine's, so the two can be compared call for call."""
 
     def __init__(
         self, ds_config: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer, mpu
@@ -163,6 +167,9 @@ class FlatEngine:
         self.clip = float(ds_config.get("gradient_clipping") or 0.0)
         self.micro_batch = int(ds_config["train_micro_batch_size_per_gpu"])
         self.zero_stage = int(ds_config.get("zero_optimization", {}).get("stage", 0))
+        self.comm_dtype = comm_dtype(ds_config, dtype)
+        self.steps_per_print = int(ds_config.get("steps_per_print") or 0)
+        self.timers = _timers(bool(ds_config.get("wall_clock_breakdown")))
         if self.dp > 1:
             # Every rank starts from rank 0's weights, as DeepSpeed's engine broadcasts them.
             for p in model.parameters():
@@ -202,6 +209,26 @@ class FlatEngine:
         # As DeepSpeed: each micro-batch's loss counts 1/accumulation-steps of the step's.
         (loss / self.grad_accum if self.grad_accum > 1 else loss).backward()
 
+    def train_batch(self, batches: Iterator[Batch]) -> StepResult:
+        """One optimizer step: forward, backward and step over each of its micro-batches."""
+        losses = []
+        skipped_before = self._skipped.clone()
+        for _ in range(self.grad_accum):
+            with self.timers(FWD):
+                loss = forward_loss(self, next(batches))
+            with self.timers(BWD):
+                self.backward(loss)
+            with self.timers(STEP):
+                self.step()
+            losses.append(loss.detach())
+        loss = torch.stack(losses).mean()
+        return StepResult(loss, self._norm, self._skipped > skipped_before)
+
+    @torch.no_grad()
+    def eval_batch(self, batches: Iterator[Batch]) -> torch.Tensor:
+        losses = [forward_loss(self, next(batches)) for _ in range(self.grad_accum)]
+        return torch.stack(losses).mean()
+
     def is_gradient_accumulation_boundary(self) -> bool:
         return (self.micro_steps + 1) % self.grad_accum == 0
 
@@ -213,11 +240,23 @@ class FlatEngine:
         self._optimizer_step()
         self.global_steps += 1
         self.global_samples += self.micro_batch * self.grad_accum * self.dp
+        if self.steps_per_print and self.global_steps % self.steps_per_print == 0:
+            self._report_progress()
+
+    def _report_progress(self) -> None:
+        """steps_per_print's line, as DeepSpeed's engine prints it (without the skipped count,
+        which lives on the device), and wall_clock_breakdown's times since the last one."""
+        if dist.is_initialized() and dist.get_rank() != 0:
+            self.timers.reset()
+            return
+        lr = [g["lr"] for g in self.optimizer.param_groups]
+        log.info("step=%d, lr=%s", self.global_steps, lr)
+        self.timers.log()
 
     @torch.no_grad()
     def _optimizer_step(self) -> None:
         for g in self.groups:
-            g.reduce_gradients(self.dp_group)
+            g.reduce_gradients(self.dp_group, self.comm_dtype)
         # The partitions hold gradient sums over the ranks: the norm of their mean is the
         # all-reduced sum of squares, square-rooted, over dp.
         squares = torch.stack(
@@ -297,8 +336,27 @@ class FlatEngine:
     def zero_optimization_stage(self) -> int:
         return self.zero_stage
 
-    def zero_optimization_partition_weights(self) -> bool:
+    def partitions_weights(self) -> bool:
         return False
+
+    def save(self, save_dir: str, tag: str, client_state: dict[str, Any]) -> None:
+        self.save_checkpoint(save_dir, tag, client_state)
+
+    def load(
+        self,
+        load_dir: str,
+        tag: Optional[str],
+        load_optimizer_states: bool,
+        load_module_only: bool,
+        trust: bool = False,
+    ) -> tuple[Optional[str], Optional[dict[str, Any]]]:
+        return self.load_checkpoint(
+            load_dir,
+            tag,
+            load_optimizer_states=load_optimizer_states,
+            load_module_only=load_module_only,
+            trust=trust,
+        )
 
     # -- checkpoints, in DeepSpeed's ZeRO-1 layout -------------------------------------------
 
@@ -369,6 +427,7 @@ class FlatEngine:
         load_optimizer_states: bool = True,
         load_lr_scheduler_states: bool = False,
         load_module_only: bool = False,
+        trust: bool = False,
     ) -> tuple[Optional[str], Optional[dict[str, Any]]]:
         """Load a ZeRO 0-2 checkpoint without model parallelism (DeepSpeed's or this engine's,
         at any data-parallel size); returns (path, client state) as DeepSpeed's
@@ -382,7 +441,7 @@ class FlatEngine:
         model_file = path / MODEL_FILE
         if not model_file.is_file():
             return None, None
-        state = torch.load(model_file, map_location="cpu", weights_only=False)
+        state = load_file(model_file, trust)
         self.module.load_state_dict(state["module"], strict=True)
         if load_module_only:
             self._masters_from_weights()
@@ -391,7 +450,7 @@ class FlatEngine:
         self.global_samples = state.get("global_samples", 0)
         self._skipped.fill_(state["skipped_steps"])
         if load_optimizer_states:
-            self._load_optimizer(path, state)
+            self._load_optimizer(path, state, trust)
         else:
             self._masters_from_weights()
         skip = ENGINE_KEYS - ({"optimizer"} if not load_optimizer_states else set())
@@ -402,7 +461,7 @@ class FlatEngine:
             if g.master is not g.part:
                 g.master.copy_(g.part)
 
-    def _load_optimizer(self, path: Path, state: dict[str, Any]) -> None:
+    def _load_optimizer(self, path: Path, state: dict[str, Any], trust: bool) -> None:
         """Every saved rank's partition joined into whole groups, then this rank's partition
         taken: the same code reads a checkpoint of any data-parallel size."""
         from neox.checkpoint.errors import CheckpointError
@@ -422,7 +481,7 @@ class FlatEngine:
                     f"{saved_dp}); resume with the ZeRO stage it was saved with, or set "
                     "no_load_optim: true"
                 )
-            doc = torch.load(found, map_location="cpu", weights_only=False)
+            doc = load_file(found, trust)
             parts.append(doc["optimizer_state_dict"])
         mapped = [list(m) for m in parts[0].get("param_slice_mappings", [])]
         if saved_dp == 1 and mapped and mapped != [g.names for g in self.groups]:
@@ -480,3 +539,55 @@ class FlatEngine:
         if hi > lo:
             mine[: hi - lo] = full[lo:hi]
         return mine
+
+
+def comm_dtype(ds_config: dict[str, Any], dtype: torch.dtype) -> torch.dtype:
+    """The dtype gradients are reduced in: communication_data_type, else fp32 with
+    fp32_allreduce, else the gradients' own, as DeepSpeed's engine decides."""
+    name = ds_config.get("communication_data_type")
+    if name is not None:
+        return COMM_DTYPES[name]
+    return torch.float32 if ds_config.get("fp32_allreduce") else dtype
+
+
+FWD, BWD, STEP = "fwd", "bwd", "step"  # DeepSpeed's global timer names
+
+
+class _Timers:
+    """wall_clock_breakdown's timers: DeepSpeed's own (device events, read only when logged)."""
+
+    def __init__(self) -> None:
+        from deepspeed.utils.timer import SynchronizedWallClockTimer
+
+        self.timers = SynchronizedWallClockTimer()
+
+    @contextmanager
+    def __call__(self, name: str):
+        self.timers(name).start()
+        try:
+            yield
+        finally:
+            self.timers(name).stop()
+
+    def log(self) -> None:
+        self.timers.log([FWD, BWD, STEP])
+
+    def reset(self) -> None:
+        for name in (FWD, BWD, STEP):
+            self.timers(name).reset()
+
+
+class _NoTimers:
+    @contextmanager
+    def __call__(self, name: str):
+        yield
+
+    def log(self) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass
+
+
+def _timers(enabled: bool) -> Any:
+    return _Timers() if enabled else _NoTimers()

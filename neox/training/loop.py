@@ -13,8 +13,6 @@ from neox.checkpoint.io import last_saved, load_checkpoint, poisoned, save_check
 from neox.config import write_config
 from neox.config.derived import consumed_samples
 from neox.data.batch import Batch, build_batch
-from neox.parallel import pipeline_batch
-from neox.training.engine import handles_nonfinite, skipped_count
 from neox.training.metrics import (
     DeviceScalars,
     MetricsWriter,
@@ -40,85 +38,23 @@ def next_batch(run: Run, stream: Iterator) -> Batch:
     )
 
 
-def pipeline_stream(run: Run, stream: Iterator) -> Iterator:
-    """Micro-batches in the (inputs, labels) form DeepSpeed's pipeline engine consumes."""
+def micro_batches(run: Run, stream: Iterator) -> Iterator[Batch]:
+    """The micro-batches of `stream`, built as the engine takes them."""
     while True:
-        b = next_batch(run, stream)
-        yield pipeline_batch(b.tokens, b.labels, b.loss_mask)
-
-
-def forward_loss(run: Run, batch: Batch) -> torch.Tensor:
-    """The model returns the loss itself, so the output layer and the loss can run fused."""
-    b = batch
-    return run.engine(b.tokens, b.position_ids, b.attention_mask, b.labels, b.loss_mask)
+        yield next_batch(run, stream)
 
 
 def train_step(run: Run, stream: Iterator, iteration: int) -> DeviceScalars:
-    """One optimizer step over gradient_accumulation_steps micro-batches. Its metrics stay on
-    the device until read: nothing here waits for the device on the flat engine."""
+    """One optimizer step over gradient_accumulation_steps micro-batches, by the engine. Its
+    metrics stay on the device until read: nothing here waits for the device."""
     lr = run.schedule.apply(run.engine.optimizer, iteration)
-    skipped_before = skipped_count(run.engine)
-    grad_norm, skipped = None, False
-    own_norm = not handles_nonfinite(run.engine) and run.derived.precision == "fp32"
-    if run.is_pipeline:
-        loss = run.engine.train_batch(data_iter=stream)
-    else:
-        losses = []
-        for micro in range(run.derived.grad_accum):
-            loss = forward_loss(run, next_batch(run, stream))
-            run.engine.backward(loss)
-            losses.append(loss.detach())
-            if micro == run.derived.grad_accum - 1 and own_norm:
-                grad_norm = stage0_grad_norm(run)
-                if grad_norm is None:
-                    skip_step(run.engine)
-                    grad_norm, skipped = math.nan, True
-                    continue
-            run.engine.step()
-        loss = torch.stack(losses).mean()
-    skipped = skipped or skipped_count(run.engine) > skipped_before
-    metrics = {"loss": data_parallel_mean(run, loss), "lr": lr}
-    if grad_norm is None:
-        grad_norm = run.engine.get_global_grad_norm()
+    step = run.engine.train_batch(micro_batches(run, stream))
+    metrics = {"loss": data_parallel_mean(run, step.loss), "lr": lr}
     if run.cfg.logging.log_grad_norm:
-        metrics["grad_norm"] = grad_norm
-    metrics["skipped"] = skipped
-    scale = getattr(run.engine.optimizer, "cur_scale", None)
-    if run.derived.precision == "fp16" and scale is not None:
-        metrics["loss_scale"] = float(scale)
+        metrics["grad_norm"] = step.grad_norm
+    metrics["skipped"] = step.skipped
+    metrics["loss_scale"] = step.loss_scale  # None (not written) outside fp16
     return DeviceScalars(metrics)
-
-
-def stage0_grad_norm(run: Run) -> Optional[float]:
-    """The global gradient norm without ZeRO, where DeepSpeed computes none to report; None
-    when it is not finite.
-
-    At the accumulation boundary the gradients are already averaged over data-parallel ranks;
-    DeepSpeed's helper sums the tensor-parallel shards once each (replicated ones counted once)
-    and reports inf or NaN as -1.
-    """
-    from deepspeed.runtime.utils import get_flattened_grad_norm
-
-    params = [p for p in run.engine.module.parameters() if p.grad is not None]
-    norm = float(get_flattened_grad_norm(params, mpu=run.engine.mpu))
-    return norm if 0 <= norm < math.inf else None
-
-
-def skip_step(engine) -> None:
-    """Drop a step whose gradients are not finite, keeping DeepSpeed's step counters in line.
-
-    ZeRO and fp16 skip such steps themselves; without them DeepSpeed would apply NaNs. The
-    gradients are dropped and the optimizer's update is left out of this one engine.step().
-    """
-    for p in engine.module.parameters():
-        if p.grad is not None:
-            p.grad.zero_()  # in place: the clipping inside engine.step() expects gradients
-    optimizer = engine.optimizer
-    optimizer.step = lambda *args, **kwargs: None  # instance attribute shadows the method
-    try:
-        engine.step()
-    finally:
-        del optimizer.step
 
 
 def data_parallel_mean(run: Run, loss: torch.Tensor) -> torch.Tensor:
@@ -140,13 +76,7 @@ def evaluate(run: Run, stream: Iterator, iters: int) -> float:
     run.engine.eval()
     total = 0.0
     for _ in range(iters):
-        if run.is_pipeline:
-            total += reduce_mean(run, run.engine.eval_batch(data_iter=stream))
-        else:
-            losses = [
-                forward_loss(run, next_batch(run, stream)) for _ in range(run.derived.grad_accum)
-            ]
-            total += reduce_mean(run, torch.stack(losses).mean())
+        total += reduce_mean(run, run.engine.eval_batch(micro_batches(run, stream)))
     run.engine.train()
     return total / max(1, iters)
 
@@ -233,10 +163,7 @@ def train(
     t = cfg.training
     train_done, valid_done = consumed_samples(cfg, d.global_batch, start_iteration)
     data = build_data(run, consumed_train_samples=train_done, consumed_valid_samples=valid_done)
-    train_stream = pipeline_stream(run, data.train) if run.is_pipeline else data.train
-    valid_stream = None
-    if data.valid is not None:
-        valid_stream = pipeline_stream(run, data.valid) if run.is_pipeline else data.valid
+    train_stream, valid_stream = data.train, data.valid
     stop = stop or StopSignal()
     progress = Progress(run, start_iteration)
     records = StepRecords(run, writer, progress, start_iteration)
@@ -283,8 +210,7 @@ def train(
         if not poisoned(records.in_a_row, iteration):
             save(run, iteration, writer)
     if t.do_test and data.test is not None and (done or not t.do_train):
-        test_stream = pipeline_stream(run, data.test) if run.is_pipeline else data.test
-        test_loss = evaluate(run, test_stream, t.eval_iters)
+        test_loss = evaluate(run, data.test, t.eval_iters)
         writer.write(iteration, {"loss": test_loss}, prefix="test")
         if run.is_logging_rank:
             log.info("test loss %.4f", test_loss)

@@ -11,9 +11,9 @@ from neox.config import Derived, NeoXConfig, build_ds_config, derive
 from neox.data.loader import DataLoaders, build_train_valid_test_loaders
 from neox.launcher.port import free_port
 from neox.launcher.rank_env import rank_env_from_launcher
-from neox.plan.engine_choice import torch_compile_enabled
+from neox.plan.engine_choice import engine_for, torch_compile_enabled
 from neox.tokenizer import Tokenizer, build_tokenizer
-from neox.training.engine import build_engine
+from neox.training.engine import Engine, build_engine
 from neox.training.optim import build_optimizer
 from neox.training.schedule import LRSchedule
 
@@ -27,12 +27,11 @@ class Run:
     cfg: NeoXConfig
     derived: Derived
     tokenizer: Tokenizer
-    engine: Any  # deepspeed.DeepSpeedEngine or PipelineEngine
+    engine: Engine
     schedule: LRSchedule
     device: torch.device
     rank: int
     dp_rank: int
-    is_pipeline: bool
     groups: Any  # neox.parallel.ProcessGroups
     # Kept in checkpoints, so a resumed run goes on counting.
     counters: dict[str, int] = field(
@@ -68,7 +67,7 @@ def init_distributed(cfg: NeoXConfig) -> torch.device:
 
 
 def build_run(cfg: NeoXConfig) -> Run:
-    """Tokenizer, derived values, the parallel model inside DeepSpeed, and the schedule."""
+    """Tokenizer, derived values, the parallel model inside its engine, and the schedule."""
     from neox.parallel import ProcessGroups, Topology, engine_mpu, parallelize
 
     device = init_distributed(cfg)
@@ -94,13 +93,7 @@ def build_run(cfg: NeoXConfig) -> Run:
         pipe_partition_method=cfg.parallel.pipe_partition_method,
         device=device,
     )
-    engine = build_engine(
-        ds_config,
-        model,
-        build_optimizer(model, cfg.optimizer, derived.optimizer_type, derived.lr),
-        engine_mpu(model, groups),
-        flat_engine=tr.flat_engine,
-    )
+    engine = make_engine(cfg, derived, ds_config, model, engine_mpu(model, groups))
     o = cfg.optimizer
     schedule = LRSchedule(
         peak_lr=derived.lr,
@@ -118,9 +111,20 @@ def build_run(cfg: NeoXConfig) -> Run:
         device=device,
         rank=torch.distributed.get_rank(),
         dp_rank=groups.get_data_parallel_rank(),
-        is_pipeline=derived.pipe_parallel > 1,
         groups=groups,
     )
+
+
+def make_engine(
+    cfg: NeoXConfig, derived: Derived, ds_config: dict[str, Any], model: torch.nn.Module, mpu: Any
+) -> Engine:
+    """The engine and optimizer neox.plan.engine_choice.engine_for names for this config: the
+    same decision the dry run and the memory estimate report."""
+    choice = engine_for(cfg, derived)
+    optimizer = build_optimizer(
+        model, cfg.optimizer, choice.optimizer, derived.lr, choice.adamw_mode
+    )
+    return build_engine(choice, ds_config, model, optimizer, mpu)
 
 
 def build_data(

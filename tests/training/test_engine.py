@@ -6,7 +6,7 @@ import pytest
 import torch
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-from neox.training.engine import _has_overflow_partitioned_grads, any_non_finite
+from neox.training.deepspeed_engine import _has_overflow_partitioned_grads, any_non_finite
 
 CASES = {
     "finite": {},

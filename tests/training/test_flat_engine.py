@@ -1,14 +1,18 @@
 """neox's flat engine on one rank against DeepSpeed's ZeRO-1 engine: same steps, same checkpoints."""
 
 import copy
+import math
 
 import pytest
 import torch
 
 from neox.config.model import ModelConfig
+from neox.data.batch import build_batch
 from neox.model import build_model
+from neox.plan.engine_choice import choose_engine
+from neox.training.deepspeed_engine import DeepSpeedAdapter
 from neox.training.engine import build_engine
-from neox.training.flat_engine import FlatEngine, unsupported_reason
+from neox.training.flat_engine import FlatEngine
 from neox.training.optim import param_groups
 
 CFG = ModelConfig(
@@ -41,9 +45,17 @@ def ds_config(precision="bf16", accum=1, clip=0.05, stage=1):
 
 
 def engine(kind, model, **cfg):
+    """The flat engine ("own"), or DeepSpeed's own engine ("ds", from behind the adapter), as
+    build_engine makes them: their DeepSpeed-style calls compared one for one."""
+    built = built_engine(kind, model, **cfg)
+    return built if kind == "own" else built.ds
+
+
+def built_engine(kind, model, **cfg):
     model = copy.deepcopy(model)
     opt = torch.optim.AdamW(param_groups(model, 0.1), lr=3e-3, betas=(0.9, 0.95))
-    return build_engine(ds_config(**cfg), model, opt, None, flat_engine=kind == "own")
+    choice = choose_engine(ds_config(**cfg), "adamw", 1, 1, flat_engine=kind == "own")
+    return build_engine(choice, ds_config(**cfg), model, opt, None)
 
 
 def batches(n, seed=0):
@@ -181,15 +193,58 @@ def test_consolidate_reads_its_checkpoint(model, rank, tmp_path):
     assert all(torch.equal(state[k].to(live[k].dtype), live[k]) for k in live)
 
 
-def test_what_it_does_not_cover_goes_to_deepspeed(model):
-    opt = torch.optim.AdamW(model.parameters())
-    assert unsupported_reason(ds_config(), opt, 1, 1) is None
-    assert unsupported_reason(ds_config(), opt, 4, 1) is None
-    assert unsupported_reason(ds_config(), opt, 2, 2) == "tensor or pipeline parallelism"
-    fp16 = {**ds_config("fp32"), "fp16": {"enabled": True}}
-    assert "fp16" in unsupported_reason(fp16, opt, 1, 1)
-    assert unsupported_reason(ds_config(stage=2), opt, 1, 1) is None  # one rank: as ZeRO-1
-    assert "ZeRO-2" in unsupported_reason(ds_config(stage=2), opt, 2, 1)
-    assert "ZeRO-3" in unsupported_reason(ds_config(stage=3), opt, 1, 1)
-    sgd = torch.optim.SGD(model.parameters(), lr=1)
-    assert "SGD" in unsupported_reason(ds_config(), sgd, 1, 1)
+def micro_batches(seed=0):
+    """Batches as the loop hands them to Engine.train_batch (no EOD resets)."""
+    g = torch.Generator().manual_seed(seed)
+    while True:
+        text = torch.randint(0, VOCAB, (2, CFG.seq_length + 1), generator=g)
+        yield build_batch(text, VOCAB - 1, False, False, False)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_train_batch_is_the_same_step_on_both_engines(model, rank, precision):
+    """The loop's one call, Engine.train_batch, on either engine: same losses, norms, no
+    skips, the metrics as tensors or numbers the loop reads later; eval_batch likewise."""
+    own = built_engine("own", model, precision=precision, accum=2)
+    ds = built_engine("ds", model, precision=precision, accum=2)
+    assert isinstance(own, FlatEngine) and isinstance(ds, DeepSpeedAdapter)
+    results = {}
+    for name, eng in (("own", own), ("ds", ds)):
+        stream = micro_batches()
+        steps = [eng.train_batch(stream) for _ in range(3)]
+        eng.eval()
+        evals = float(eng.eval_batch(micro_batches(seed=5)))
+        eng.train()
+        results[name] = (
+            [float(s.loss) for s in steps],
+            [float(s.grad_norm) for s in steps],
+            [bool(s.skipped) for s in steps],
+            [s.loss_scale for s in steps],
+            evals,
+        )
+    tol = dict(rel=1e-3) if precision == "bf16" else dict(rel=1e-5)
+    (own_loss, own_norm, own_skip, own_scale, own_eval) = results["own"]
+    (ds_loss, ds_norm, ds_skip, ds_scale, ds_eval) = results["ds"]
+    assert own_loss == pytest.approx(ds_loss, **tol) and own_norm == pytest.approx(ds_norm, **tol)
+    assert own_eval == pytest.approx(ds_eval, **tol)
+    assert own_skip == ds_skip == [False] * 3
+    assert own_scale == ds_scale == [None] * 3
+    assert own.global_steps == ds.ds.global_steps == 3
+
+
+@pytest.mark.parametrize("kind,stage", [("own", 1), ("ds", 0), ("ds", 1)])
+def test_train_batch_reports_a_non_finite_step_as_skipped(model, rank, kind, stage):
+    """Either engine drops a step with a NaN gradient and says so: the flat engine itself,
+    DeepSpeed's ZeRO-1 through its (fused) overflow check, and DeepSpeed without ZeRO in fp32,
+    where the adapter computes the norm and skips the step (DeepSpeed would apply the NaNs)."""
+    eng = built_engine(kind, model, precision="fp32", stage=stage)
+    stream = micro_batches()
+    assert not bool(eng.train_batch(stream).skipped)
+    before = {k: v.clone() for k, v in eng.module.state_dict().items()}
+    poisoned = next(stream)
+    poisoned.loss_mask = poisoned.loss_mask * float("nan")
+    step = eng.train_batch(iter([poisoned]))
+    assert bool(step.skipped) and not math.isfinite(float(step.grad_norm))  # DeepSpeed: inf
+    after = eng.module.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert not bool(eng.train_batch(stream).skipped)  # and the next finite step trains again
