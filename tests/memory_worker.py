@@ -108,8 +108,8 @@ def measure(rank: int, world: int, flat: dict) -> dict:
     from neox.config import build_ds_config, derive, load_dict
     from neox.parallel import ProcessGroups, Topology, engine_mpu, parallelize
     from neox.plan.engine_choice import engine_for
-    from neox.training.engine import build_engine
     from neox.training.optim import build_optimizer
+    from neox.training.setup import build_engine
 
     cfg = load_dict(flat)
     vocab = cfg.tokenizer.padded_vocab_size

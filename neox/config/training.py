@@ -91,9 +91,7 @@ class TrainingConfig(ConfigGroup):
     shapes on an H100, see docs/benchmarks.md), off on CPU, where compiling costs more than it
     saves in short runs, and with tensor parallelism."""
 
-    flat_engine: Annotated[bool, Reads("neox/training/setup.py", "neox/plan/engine_choice.py")] = (
-        True
-    )
+    flat_engine: Annotated[bool, Reads("neox/plan/engine_choice.py")] = True
     """Without tensor or pipeline parallelism, in bf16 or fp32 with Adam/AdamW and ZeRO 0-1 (or 2
     on one rank) without offload, step with neox's own engine: parameters and gradients in flat
     buffers, one reduce-scatter, one AdamW pass and one all-gather per parameter group, no host

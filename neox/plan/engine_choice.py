@@ -60,7 +60,7 @@ OFFLOAD_ADAM = {"adam": True, "adamw": True, "cpu_adam": True, "cpu_torch_adam":
 
 @dataclass(frozen=True)
 class EngineChoice:
-    """The engine and optimizer a run's ranks build (neox/training/engine.py build_engine)."""
+    """The engine and optimizer a run's ranks build (neox/training/setup.py build_engine)."""
 
     engine: str
     """"flat" (neox/training/flat_engine.py) or "deepspeed" (DeepSpeed's, through the adapter)."""

@@ -20,7 +20,6 @@ import torch
 from torch import nn
 
 from neox.data.batch import Batch
-from neox.plan.engine_choice import EngineChoice
 
 log = logging.getLogger(__name__)
 
@@ -85,18 +84,3 @@ def forward_loss(model: Any, batch: Batch) -> torch.Tensor:
     """The model returns the loss itself, so the output layer and the loss can run fused."""
     b = batch
     return model(b.tokens, b.position_ids, b.attention_mask, b.labels, b.loss_mask)
-
-
-def build_engine(
-    choice: EngineChoice, ds_config: dict[str, Any], model: nn.Module, optimizer: Any, mpu: Any
-) -> Engine:
-    """The engine `choice` names (neox.plan.engine_choice.choose_engine), stepping `optimizer`."""
-    if choice.engine == "flat":
-        from neox.training.flat_engine import FlatEngine
-
-        log.info("neox's flat engine (flat_engine: false for DeepSpeed's)")
-        return FlatEngine(ds_config, model, optimizer, mpu)
-    from neox.training.deepspeed_engine import DeepSpeedAdapter
-
-    log.info("engine: %s", choice.describe())
-    return DeepSpeedAdapter(ds_config, model, optimizer, mpu)

@@ -6,14 +6,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import nn
 
 from neox.config import Derived, NeoXConfig, build_ds_config, derive
 from neox.data.loader import DataLoaders, build_train_valid_test_loaders
 from neox.launcher.port import free_port
 from neox.launcher.rank_env import rank_env_from_launcher
-from neox.plan.engine_choice import engine_for, torch_compile_enabled
+from neox.plan.engine_choice import EngineChoice, engine_for, torch_compile_enabled
 from neox.tokenizer import Tokenizer, build_tokenizer
-from neox.training.engine import Engine, build_engine
+from neox.training.deepspeed_engine import DeepSpeedAdapter
+from neox.training.engine import Engine
+from neox.training.flat_engine import FlatEngine
 from neox.training.optim import build_optimizer
 from neox.training.schedule import LRSchedule
 
@@ -157,3 +160,14 @@ def build_data(
         cache_dir=data.data_cache_dir,
         use_shared_fs=data.use_shared_fs,
     )
+
+
+def build_engine(
+    choice: EngineChoice, ds_config: dict[str, Any], model: nn.Module, optimizer: Any, mpu: Any
+) -> Engine:
+    """The engine `choice` names (neox.plan.engine_choice.choose_engine), stepping `optimizer`."""
+    if choice.engine == "flat":
+        log.info("neox's flat engine (flat_engine: false for DeepSpeed's)")
+        return FlatEngine(ds_config, model, optimizer, mpu)
+    log.info("engine: %s", choice.describe())
+    return DeepSpeedAdapter(ds_config, model, optimizer, mpu)

@@ -15,10 +15,12 @@ import torch
 
 from neox.config import build_ds_config, derive, load_dict
 from neox.config.errors import ConfigError
-from neox.config.registry import DS, KEYS, Reads
+from neox.config.registry import KEYS, Reads
 from neox.model import build_model
 from neox.plan.engine_choice import engine_for
 from tests.training.test_flat_engine import micro_batches, rank  # noqa: F401  (a fixture)
+
+DS = "neox/config/ds_config.py"  # the keys whose declared reader builds the DeepSpeed config
 
 BASE = dict(
     num_layers=1,

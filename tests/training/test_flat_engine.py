@@ -11,9 +11,9 @@ from neox.data.batch import build_batch
 from neox.model import build_model
 from neox.plan.engine_choice import choose_engine
 from neox.training.deepspeed_engine import DeepSpeedAdapter
-from neox.training.engine import build_engine
 from neox.training.flat_engine import FlatEngine
 from neox.training.optim import param_groups
+from neox.training.setup import build_engine
 
 CFG = ModelConfig(
     num_layers=2,
