@@ -108,9 +108,9 @@ FAULTS = [
     ),
     Fault(
         "memory_estimate_absurd",
-        "a run estimated far over what each rank has (here 957 TiB) is refused, not left to "
+        "a run estimated far over what each rank has (here 834 TiB) is refused, not left to "
         "fail on the ranks",
-        {"bad.yml": "{data}seq_length: 10000000000\nmax_position_embeddings: 10000000000\n"},
+        {"bad.yml": "{data}hidden_size: 65536\nnum_attention_heads: 64\nnum_layers: 1024\n"},
         "TiB per rank is over 2x the",
     ),
     Fault(
@@ -223,7 +223,9 @@ def test_skip_memory_check_lets_an_oversized_estimate_through(tmp_path):
     override key named in the refusal turns the refusal off."""
     make_dataset(tmp_path / "chars")
     big = tmp_path / "big.yml"
-    big.write_text(data_config(tmp_path, seq_length=10**10, max_position_embeddings=10**10))
+    big.write_text(
+        data_config(tmp_path, hidden_size=65536, num_attention_heads=64, num_layers=1024)
+    )
     r = run_deepy("train.py", "configs/tiny.yml", big, "--dry-run", check=False)
     assert r.returncode == 0 and "set skip_memory_check: true" in r.stderr, r.stderr
     (tmp_path / "skip.yml").write_text("skip_memory_check: true\n")
