@@ -29,7 +29,9 @@ MAX_VOCAB = 1 << 24
 MAX_BATCH = 1 << 24  # sequences in a batch
 MAX_COUNT = 1 << 40  # iterations, intervals, bucket sizes: past int64 arithmetic trouble
 MAX_RANKS = 1 << 20
-MAX_LR = 10.0  # a learning rate above this diverges with every optimizer neox has
+# A learning rate this high overflows the weights at the first update; below it a run that
+# diverges still runs, into the non-finite-step guard (tests/faults/test_checkpoint_faults.py).
+MAX_LR = 1e30
 
 
 class ConfigGroup(BaseModel):

@@ -57,7 +57,9 @@ class OptimizerSpec(ConfigGroup):
         if lr < 0:
             raise ValueError(f"optimizer.params.lr={lr} is negative; learning rates are >= 0")
         if lr > MAX_LR:
-            raise ValueError(f"optimizer.params.lr={lr} exceeds {MAX_LR:g}; it would diverge")
+            raise ValueError(
+                f"optimizer.params.lr={lr} exceeds {MAX_LR:g}; the first update would overflow"
+            )
         betas = v.get("betas", [0.9, 0.999])
         if not (
             isinstance(betas, (list, tuple)) and len(betas) == 2 and all(0 <= b < 1 for b in betas)

@@ -31,6 +31,8 @@ ACCEPTED = {
     ("temperature", "huge"): "logits divided by it are ~0: sampling is uniform, and runs",
     ("temperature", "zero"): "0 is greedy decoding, as documented (gpt-neox's meaning)",
     ("optimizer", "zero"): "lr 0 leaves the weights unchanged; the loop runs (a smoke test)",
+    ("optimizer", "huge"): "an lr up to 1e30 runs into the non-finite-step guard, which stops "
+    "the run and names the last good checkpoint (tests/faults/test_checkpoint_faults.py)",
 }
 
 # Keys that only mean something beside others: the context makes their bad value the problem.
@@ -41,6 +43,8 @@ CONTEXT = {
     },
     "profile_step_start": {"profile": True, "profile_step_stop": 1 << 39},
     "profile_step_stop": {"profile": True},
+    # min_lr is a floor under the peak lr: a huge floor only means something under a huge peak.
+    "min_lr": {"lr": 1e30},
 }
 
 HUGE_INT = 10**15
