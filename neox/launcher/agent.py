@@ -3,12 +3,14 @@
 deepy.py starts one agent per node (directly on its own machine, over ssh on the others):
 
 python -u -m neox.launcher.agent --node_rank=K --nodes=2,2 --devices=0,1 --master_addr=A
-    --master_port=P --stop_grace_s=600 [--control] [--report_fd=N] [--tee] -- script.py ARGS...
+    --master_port=P --stop_grace_s=600 [--control | --control_fd=N] [--report_fd=N] [--tee]
+    -- script.py ARGS...
 
 Being the ranks' parent, it learns each rank's exact wait status from os.wait, in the order the
 ranks end, so the first failure is known by construction. It reports one line to deepy.py when
-its ranks have ended (REPORT_PREFIX + JSON, on --report_fd or stdout). Its stdin is deepy.py's
-control channel: `stop` (SIGTERM to every rank, SIGKILL after stop_grace_s), `kill` (SIGKILL
+its ranks have ended (REPORT_PREFIX + JSON, on --report_fd or stdout). deepy.py's control
+channel is the agent's stdin over ssh, or a pipe of its own on deepy's machine (--control_fd;
+then the agent's stdin, deepy.py's, is rank 0's, for generate.py's interactive mode): `stop` (SIGTERM to every rank, SIGKILL after stop_grace_s), `kill` (SIGKILL
 now); end of file means deepy.py is gone and acts as `stop`, as does the agent's parent dying
 (PR_SET_PDEATHSIG) or a SIGTERM/SIGINT to the agent itself (a second one kills the ranks).
 Each rank is started with PR_SET_PDEATHSIG=SIGKILL, so no rank outlives its agent.
@@ -104,7 +106,8 @@ class Agent:
             proc = subprocess.Popen(
                 cmd,
                 env=env,
-                stdin=subprocess.DEVNULL,
+                # deepy.py's stdin reaches rank 0 unless it carries the control channel.
+                stdin=None if rank == 0 and a.control_fd is not None else subprocess.DEVNULL,
                 stdout=subprocess.PIPE if a.tee else None,
                 stderr=subprocess.PIPE if a.tee else None,
                 preexec_fn=child_dies_with_me(signal.SIGKILL),
@@ -168,7 +171,8 @@ class Agent:
 
     def read_control(self) -> None:
         # Unbuffered: a daemon thread blocked here must not hold a lock at interpreter exit.
-        stdin = os.fdopen(0, "rb", buffering=0, closefd=False)
+        fd = 0 if self.args.control_fd is None else self.args.control_fd
+        stdin = os.fdopen(fd, "rb", buffering=0, closefd=False)
         for line in iter(stdin.readline, b""):
             command = line.strip()
             if command == b"stop":
@@ -230,6 +234,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--report_fd", type=int, default=None, help="default: stdout")
     p.add_argument("--tee", action="store_true", help="relay the ranks' output, keep its tail")
     p.add_argument("--control", action="store_true", help="read stop/kill from stdin")
+    p.add_argument(
+        "--control_fd",
+        type=int,
+        default=None,
+        help="read stop/kill from this fd (stdin is rank 0's)",
+    )
     p.add_argument("script")
     p.add_argument("script_args", nargs=argparse.REMAINDER)
     return p.parse_args(argv)
@@ -246,7 +256,7 @@ def main(argv: list[str]) -> int:
     # SIGHUP when it ends, however it ends.
     die_with_parent(signal.SIGHUP, os.getppid())
     agent.start_ranks()
-    if args.control:
+    if args.control or args.control_fd is not None:
         threading.Thread(target=agent.read_control, daemon=True).start()
     agent.wait()
     remove_shm_buffers(args.master_port)

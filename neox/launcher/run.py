@@ -46,20 +46,24 @@ class _Node:
         self.code: Optional[int] = None
         source = relay = None
         pass_fds: tuple[int, ...] = () if env_fd is None else (env_fd,)
+        stdin = subprocess.PIPE if plan.agents else subprocess.DEVNULL
         if self.kind == "agent":
-            # Its output is deepy.py's own (a terminal keeps its progress bar); the report comes
-            # on a pipe of its own.
+            # Its output is deepy.py's own (a terminal keeps its progress bar); the report and
+            # the control channel are pipes of their own, so that deepy.py's stdin reaches rank 0
+            # (generate.py's interactive mode reads it).
             source_fd, report_fd = os.pipe()
-            extra = [f"--report_fd={report_fd}"]
+            control_fd, control_w = os.pipe()
+            extra = [f"--report_fd={report_fd}", f"--control_fd={control_fd}"]
             if not os.isatty(2):  # on a terminal the traceback is right above deepy's message
                 extra.append("--tee")
             argv = argv[:4] + extra + argv[4:]
-            source, pass_fds = os.fdopen(source_fd, "rb"), (report_fd,)
+            source, pass_fds = os.fdopen(source_fd, "rb"), (report_fd, control_fd)
+            stdin = None
         self.proc = subprocess.Popen(
             argv,
             env=plan.env,
             cwd=plan.cwd,
-            stdin=subprocess.PIPE if plan.agents else subprocess.DEVNULL,
+            stdin=stdin,
             # Over ssh the report comes on stdout, with the ranks' output (relayed here).
             stdout=subprocess.PIPE if self.kind == "ssh" else None,
             pass_fds=pass_fds,
@@ -67,8 +71,12 @@ class _Node:
             start_new_session=True,
             preexec_fn=child_dies_with_me(signal.SIGHUP if plan.agents else signal.SIGTERM),
         )
+        # The agent's control channel: its own pipe locally, its stdin over ssh.
+        self.control: Optional[IO[bytes]] = self.proc.stdin
         if self.kind == "agent":
-            os.close(pass_fds[0])
+            for fd in pass_fds:
+                os.close(fd)
+            self.control = os.fdopen(control_w, "wb")
         elif self.kind == "ssh":
             source, relay = self.proc.stdout, getattr(sys.stdout, "buffer", None)
         self.reader = None
@@ -89,12 +97,12 @@ class _Node:
                     relay = None  # our own output is gone; the report still matters
 
     def send(self, command: str) -> None:
-        """A line on the agent's control channel (its stdin; over ssh, the remote agent's)."""
-        if self.proc.stdin is None or self.code is not None:
+        """A line on the agent's control channel (over ssh, the remote agent's stdin)."""
+        if self.control is None or self.code is not None:
             return
         try:
-            self.proc.stdin.write(command.encode() + b"\n")
-            self.proc.stdin.flush()
+            self.control.write(command.encode() + b"\n")
+            self.control.flush()
         except (BrokenPipeError, ValueError):
             pass
 
