@@ -7,7 +7,7 @@ import torch
 
 from tests.train_helpers import SHORT_RUN, losses, make_dataset, train, write_config
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = pytest.mark.gpu  # skipped without CUDA (tests/conftest.py)
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 
 COMMON = dict(SHORT_RUN, distributed_backend="nccl", train_iters=10, num_gpus=1)

@@ -13,7 +13,7 @@ from tests.inference.test_engine import PADDED, PROMPTS, VOCAB, hf_greedy, tiny_
 
 ROOT = Path(__file__).resolve().parents[2]
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = pytest.mark.gpu  # skipped without CUDA (tests/conftest.py)
 
 
 @pytest.mark.parametrize("case", ["gpt_neox", "llama_gqa"])
