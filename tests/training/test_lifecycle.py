@@ -1,7 +1,9 @@
-"""A run you can trust, through deepy.py on 2 CPU ranks: metrics, checkpoints, crashes, resume.
+"""A run you can trust, on 2 CPU ranks: metrics, checkpoints, crashes, resume.
 
 One uninterrupted 6-step run (ZeRO 0: the gradient norm is neox's own there) is the reference;
-the other runs crash, fall back, resume or finetune from it and are compared with it.
+the other runs crash, fall back, resume or finetune from it and are compared with it. Runs about
+the loop and checkpoints start their ranks from this process (`run_here`); crashes, stop signals
+and kill -9 go through deepy.py (`run_train`, BackgroundRun), whose handling they test.
 """
 
 import json
@@ -17,7 +19,15 @@ import zipfile
 import pytest
 import yaml
 
-from tests.train_helpers import ROOT, losses, make_dataset, records, run_train, write_config
+from tests.train_helpers import (
+    ROOT,
+    losses,
+    make_dataset,
+    records,
+    run_here,
+    run_train,
+    write_config,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -48,7 +58,7 @@ def ref(runs):
     tmp = runs
     wandb = dict(use_wandb=True, wandb_project="neox-tests", wandb_init_all_ranks=True)
     cfg = write_config(tmp, "ref", wandb_host=WANDB_HOST, **wandb, **BASE)
-    r = ok(run_train(cfg, WANDB_MODE="offline", WANDB_SILENT="true"))
+    r = run_here("train.py", cfg, WANDB_MODE="offline", WANDB_SILENT="true")
     return tmp, r
 
 
@@ -176,7 +186,7 @@ def test_broken_checkpoints_fall_back_and_resume_exactly(ref):
     (ckpt / "latest").write_text("global_step9")
     shard = ckpt / "global_step6" / "mp_rank_00_model_states.pt"
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
-    r = ok(run_train(write_config(tmp, "fallback", **BASE)))
+    r = run_here("train.py", write_config(tmp, "fallback", **BASE))
     out = r.stdout + r.stderr
     assert "skipping checkpoint global_step9: UnpicklingError: invalid load key" in out, out[-3000:]
     assert f"skipping checkpoint global_step6: {shard} is " in out and "truncated" in out
@@ -252,7 +262,7 @@ def test_finetune_loads_weights_only_and_restarts_at_zero(ref):
         do_test=False,
         **BASE,
     )
-    r = ok(run_train(cfg))
+    r = run_here("train.py", cfg)
     assert "finetuning from" in r.stdout
     tune = {x["step"]: x for x in records(tmp / "tune" / "logs") if x["split"] == "train"}
     first = {x["step"]: x for x in records(tmp / "ref" / "logs") if x["split"] == "train"}[1]
@@ -272,7 +282,7 @@ def test_nonfinite_steps_are_skipped_then_the_run_stops_unsaved(runs):
         max_nonfinite_steps=2,
         **BASE,
     )
-    r = run_train(cfg)
+    r = run_here("train.py", cfg, check=False)
     assert r.returncode != 0
     assert "2 steps in a row with a non-finite loss or gradient (iterations" in r.stderr
     assert "Traceback" not in r.stderr
