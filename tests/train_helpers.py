@@ -89,9 +89,9 @@ def train(*configs: Path) -> subprocess.CompletedProcess:
     return run_here("train.py", *configs)
 
 
-# A rank in a forked child of a server that imported these once: a rank starts in a fraction of
-# a second instead of importing torch and DeepSpeed afresh (fork straight from pytest could
-# inherit its OpenMP threads mid-use).
+# Each rank is forked from a server process that imported these once, so a rank starts without
+# importing torch and DeepSpeed afresh. Not forked from pytest itself: a child of a process that
+# has run OpenMP work can hang in its own.
 _RANKS = multiprocessing.get_context("forkserver")
 _RANKS.set_forkserver_preload(["deepspeed", "neox.training.loop", "tests.train_helpers"])
 
@@ -128,7 +128,9 @@ def run_here(
     for p in ranks:
         p.start()
     codes = _join(ranks, timeout)
-    texts = [(out / f"{r}.{stream}").read_text() for stream in ("out", "err") for r in range(world)]
+    # A rank that died before redirecting its output left no file (its error went to ours).
+    files = [out / f"{r}.{stream}" for stream in ("out", "err") for r in range(world)]
+    texts = [f.read_text() if f.is_file() else "" for f in files]
     failed = [c for c in codes if c != 0]
     r = subprocess.CompletedProcess(
         [script, *argv],
@@ -175,8 +177,8 @@ def _rank(
     for fd, stream in ((1, "out"), (2, "err")):
         with open(f"{out}/{rank}.{stream}", "w") as f:
             os.dup2(f.fileno(), fd)
-    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 (the process's own)
-    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+    sys.stdout = open(1, "w", buffering=1, closefd=False)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)
     main = runpy.run_path(str(ROOT / script), run_name="rank")["main"]
     code = main(argv)
     atexit._run_exitfuncs()  # a multiprocessing child leaves by os._exit, skipping them (wandb's)

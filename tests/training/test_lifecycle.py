@@ -215,7 +215,7 @@ def test_kill_during_save_leaves_latest_loadable_and_resume_is_exact(ref):
     assert (ckpt / "latest").read_text() == "global_step3"
     assert (ckpt / "global_step6.partial").is_dir() and not (ckpt / "global_step6").exists()
 
-    r = ok(run_train(cfg))
+    r = run_here("train.py", cfg)
     assert "(checkpoint global_step3)" in r.stdout
     recs = records(tmp / "crash" / "logs")
     steps = [x["step"] for x in recs if x["split"] == "train"]
