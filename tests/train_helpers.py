@@ -179,6 +179,10 @@ def _rank(
             os.dup2(f.fileno(), fd)
     sys.stdout = open(1, "w", buffering=1, closefd=False)
     sys.stderr = open(2, "w", buffering=1, closefd=False)
+    if "TORCH_LOGS" in env:  # torch reads it once, at its import (in the server, before)
+        import torch._logging
+
+        torch._logging._init_logs()
     main = runpy.run_path(str(ROOT / script), run_name="rank")["main"]
     code = main(argv)
     atexit._run_exitfuncs()  # a multiprocessing child leaves by os._exit, skipping them (wandb's)
