@@ -5,7 +5,6 @@ ranks from this process (what most tests need: the loop, checkpoints, evaluation
 
 import atexit
 import json
-import multiprocessing
 import os
 import runpy
 import subprocess
@@ -17,7 +16,7 @@ import numpy as np
 import yaml
 
 from neox.data.indexed import IndexedDatasetBuilder
-from tests.parallel.parallel_harness import free_port
+from tests.parallel.parallel_harness import RANKS, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -89,18 +88,12 @@ def train(*configs: Path) -> subprocess.CompletedProcess:
     return run_here("train.py", *configs)
 
 
-# Each rank is forked from a server process that imported these once, so a rank starts without
-# importing torch and DeepSpeed afresh. Not forked from pytest itself: a child of a process that
-# has run OpenMP work can hang in its own.
-_RANKS = multiprocessing.get_context("forkserver")
-_RANKS.set_forkserver_preload(["deepspeed", "neox.training.loop", "tests.train_helpers"])
-
-
 def run_here(
     script: str, *configs: Path, check: bool = True, timeout: float = 400, **env: str
 ) -> subprocess.CompletedProcess:
     """`deepy.py SCRIPT CONFIGS` without deepy.py: the entry script's main() on the config's
-    num_gpus gloo ranks, each a child of this process; extra environment variables for the ranks.
+    num_gpus gloo ranks, forked from the server of parallel_harness.RANKS; extra environment
+    variables for the ranks.
 
     deepy.py's resume line (`resuming from ...`, checked by the same function) starts stdout;
     then each rank's stdout and stderr, rank 0 first. The exit status is the first failing
@@ -122,7 +115,7 @@ def run_here(
     port = free_port()
     argv = [str(c) for c in configs]
     ranks = [
-        _RANKS.Process(target=_rank, args=(script, argv, rank, world, port, str(out), env))
+        RANKS.Process(target=_rank, args=(script, argv, rank, world, port, str(out), env))
         for rank in range(world)
     ]
     for p in ranks:
