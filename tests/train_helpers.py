@@ -1,16 +1,22 @@
-"""Shared pieces of the tests that run train.py through deepy.py on CPU ranks."""
+"""Shared pieces of the tests that train on CPU ranks: tiny datasets and configs, and two ways to
+run an entry script (train.py, eval.py, generate.py) on its ranks: `train` / `run_here` start the
+ranks from this process (what most tests need: the loop, checkpoints, evaluation), `run_deepy` /
+`run_train` go through deepy.py and DeepSpeed's launcher (kept for the launcher's own tests)."""
 
+import atexit
 import json
 import os
+import runpy
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 import yaml
 
 from neox.data.indexed import IndexedDatasetBuilder
-from tests.parallel.parallel_harness import free_port
+from tests.parallel.parallel_harness import RANKS, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -77,8 +83,105 @@ def write_config(tmp_path: Path, name: str, **overrides) -> Path:
     return path
 
 
-def train(*configs: Path, cpu: bool = True) -> subprocess.CompletedProcess:
-    return run_deepy("train.py", *configs, cpu=cpu)
+def train(*configs: Path) -> subprocess.CompletedProcess:
+    """train.py on the config's CPU ranks, started from this process; asserts success."""
+    return run_here("train.py", *configs)
+
+
+def run_here(
+    script: str, *configs: Path, check: bool = True, timeout: float = 400, **env: str
+) -> subprocess.CompletedProcess:
+    """`deepy.py SCRIPT CONFIGS` without deepy.py: the entry script's main() on the config's
+    num_gpus gloo ranks, forked from the server of parallel_harness.RANKS; extra environment
+    variables for the ranks.
+
+    deepy.py's resume line (`resuming from ...`, checked by the same function) starts stdout;
+    then each rank's stdout and stderr, rank 0 first. The exit status is the first failing
+    rank's. Asserts success unless check=False."""
+    from neox.checkpoint.compat import check_resume
+    from neox.config import derive, load_config
+    from neox.plan.preflight import NEEDS_CHECKPOINT, preflight
+
+    loaded = load_config([str(c) for c in configs])
+    cfg = loaded.config
+    world = cfg.launcher.num_gpus or 1
+    vocab, problems = preflight(loaded, script)
+    assert not problems, problems
+    resume = ""
+    if Path(script).name not in NEEDS_CHECKPOINT:
+        resume = check_resume(cfg, derive(cfg, world, vocab)) or ""
+    out = Path(cfg.logging.log_dir or configs[-1].parent) / f"{Path(script).stem}-ranks"
+    out.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    argv = [str(c) for c in configs]
+    ranks = [
+        RANKS.Process(target=_rank, args=(script, argv, rank, world, port, str(out), env))
+        for rank in range(world)
+    ]
+    for p in ranks:
+        p.start()
+    codes = _join(ranks, timeout)
+    # A rank that died before redirecting its output left no file (its error went to ours).
+    files = [out / f"{r}.{stream}" for stream in ("out", "err") for r in range(world)]
+    texts = [f.read_text() if f.is_file() else "" for f in files]
+    failed = [c for c in codes if c != 0]
+    r = subprocess.CompletedProcess(
+        [script, *argv],
+        failed[0] if failed else 0,
+        (resume + "\n" if resume else "") + "".join(texts[:world]),
+        "".join(texts[world:]),
+    )
+    if check:
+        assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    return r
+
+
+def _join(ranks: list, timeout: float) -> list[int]:
+    """Exit codes; once one rank has failed, the others get 30 s before they are killed (a
+    peer waiting in a collective for a dead rank would otherwise wait for gloo's timeout)."""
+    deadline = time.monotonic() + timeout
+    while any(p.is_alive() for p in ranks) and time.monotonic() < deadline:
+        if any(p.exitcode not in (None, 0) for p in ranks):
+            deadline = min(deadline, time.monotonic() + 30)
+        time.sleep(0.1)
+    for p in ranks:
+        if p.is_alive():
+            p.kill()
+        p.join()
+    return [p.exitcode for p in ranks]
+
+
+def _rank(
+    script: str, argv: list[str], rank: int, world: int, port: int, out: str, env: dict
+) -> None:
+    """One rank: the environment DeepSpeed's launcher gives it, its output into out/RANK.out and
+    out/RANK.err (file descriptors, so native output is kept too), then SCRIPT's main()."""
+    os.environ.update(
+        env,
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        DS_ACCELERATOR="cpu",
+        OMP_NUM_THREADS="1",
+    )
+    for fd, stream in ((1, "out"), (2, "err")):
+        with open(f"{out}/{rank}.{stream}", "w") as f:
+            os.dup2(f.fileno(), fd)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)
+    if "TORCH_LOGS" in env:  # torch reads it once, at its import (in the server, before)
+        import torch._logging
+
+        torch._logging._init_logs()
+    main = runpy.run_path(str(ROOT / script), run_name="rank")["main"]
+    code = main(argv)
+    atexit._run_exitfuncs()  # a multiprocessing child leaves by os._exit, skipping them (wandb's)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    sys.exit(code)
 
 
 def run_deepy(

@@ -14,7 +14,7 @@ from neox.checkpoint.consolidate import (
     resolve_checkpoint,
 )
 from neox.model import build_model
-from tests.checkpoint.conftest import LAYOUTS
+from tests.layouts import LAYOUTS
 
 
 def batch() -> torch.Tensor:

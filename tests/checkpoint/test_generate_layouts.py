@@ -1,7 +1,7 @@
 """Checkpoints trained at tp=2 and pp=2 generate the dense run's greedy text (the layouts
 reproduce the losses, so the weights, and with them the argmax tokens, agree).
 
-Lives beside test_consolidate.py to reuse its session's trained checkpoints.
+The checkpoints are the session's shared layout runs (tests/layouts.py).
 """
 
 import pytest

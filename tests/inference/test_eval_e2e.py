@@ -1,5 +1,5 @@
-"""eval.py through deepy.py on a checkpoint trained here: 2 CPU ranks give the scores of one
-in-process pass; bad paths stop before launch with one clear message."""
+"""eval.py on a checkpoint trained here: 2 CPU ranks (started from this process) give the scores
+of one in-process pass; bad paths given to deepy.py stop before launch with one clear message."""
 
 import json
 import os
@@ -17,7 +17,7 @@ from neox.inference.lambada import lambada_metrics, score_lambada
 from neox.inference.perplexity import score_texts, text_metrics
 from neox.prep.readers import iter_documents
 from neox.tokenizer import build_tokenizer
-from tests.train_helpers import ROOT, make_dataset, train, write_config
+from tests.train_helpers import ROOT, make_dataset, run_here, train, write_config
 
 pytestmark = pytest.mark.slow
 
@@ -91,8 +91,7 @@ def test_two_ranks_match_in_process_scores(run):
         eval_include_path=str(tmp / "tasks"),
     )
     two = eval_config(tmp, "two", eval_results_prefix="two", **parts)
-    r = deepy("eval.py", cfg, two)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    r = run_here("eval.py", cfg, two)
 
     log_dir = tmp / "run" / "logs"
     got = results_of(log_dir, "two")

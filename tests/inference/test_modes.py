@@ -1,4 +1,5 @@
-"""generate.py through deepy.py on CPU ranks: each text_gen_type, output rows, dp=2 and tp=2."""
+"""generate.py on CPU ranks: each text_gen_type, output rows, dp=2 and tp=2 (ranks started from
+this process; interactive input through deepy.py, which pipes its stdin to rank 0)."""
 
 import json
 from pathlib import Path
@@ -13,7 +14,7 @@ from neox.inference.loading import build_generation_model
 from neox.inference.modes import TextGenerator
 from neox.parallel.topology import Topology
 from neox.tokenizer.char import CharLevelTokenizer
-from tests.train_helpers import make_dataset, run_deepy, train, write_config
+from tests.train_helpers import make_dataset, run_deepy, run_here, train, write_config
 
 pytestmark = pytest.mark.slow
 
@@ -69,7 +70,7 @@ def test_input_file_rows_match_the_engine_over_dp2_and_tp2(trained, one_rank_gro
     )
     # Two data-parallel replicas (tp=1) split the prompts; rank 0 writes them all, in order.
     one = gen_config(trained, "dp2_gen", **keys, num_gpus=2)
-    run_deepy("generate.py", trained, one)
+    run_here("generate.py", trained, one)
     rows = read_rows(trained.parent / "dp2_gen.jsonl")
     assert [r["context"] for r in rows] == PROMPTS
     tok = CharLevelTokenizer()
@@ -84,7 +85,7 @@ def test_input_file_rows_match_the_engine_over_dp2_and_tp2(trained, one_rank_gro
     assert [r["tokens"] for r in here] == [r["tokens"] for r in rows]
 
     two = gen_config(trained, "tp2_gen", **keys, model_parallel_size=2, num_gpus=2)
-    run_deepy("generate.py", trained, two)
+    run_here("generate.py", trained, two)
     rows2 = read_rows(trained.parent / "tp2_gen.jsonl")
     assert [r["text"] for r in rows2] == [r["text"] for r in rows]
     for a, b in zip(rows, rows2):
@@ -104,7 +105,7 @@ def test_unconditional_sampling_from_an_iteration_is_seeded(trained, one_rank_gr
         seed=11,
     )
     cfg = gen_config(trained, "uncond", **keys)
-    run_deepy("generate.py", trained, cfg)
+    run_here("generate.py", trained, cfg)
     rows = read_rows(trained.parent / "uncond.jsonl")
     assert len(rows) == 3 and all(r["context"] == "" for r in rows)
     assert all(ROW_KEYS == r.keys() for r in rows)

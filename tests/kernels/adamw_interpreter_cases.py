@@ -47,7 +47,7 @@ def test_steps_match_torch_adamw(n):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(m, want_state["exp_avg"], rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(v, want_state["exp_avg_sq"], rtol=1e-5, atol=1e-9)
-    # bf16 rounding of the interpreter may differ from the GPU's (tests/gpu checks it exactly).
+    # bf16 rounding of the interpreter may differ from the GPU's (tests/kernels/test_kernels_gpu.py checks it exactly).
     torch.testing.assert_close(param.float(), got, rtol=8e-3, atol=0)
 
 

@@ -1,5 +1,6 @@
-"""Spawn real gloo ranks on this machine for the parallel tests."""
+"""Start real gloo ranks on this machine for the parallel tests."""
 
+import multiprocessing
 import os
 import socket
 from collections.abc import Callable
@@ -7,6 +8,12 @@ from typing import Any
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+# Ranks are forked from a server process that imported these once, so a rank starts without
+# importing torch and DeepSpeed afresh. Not forked from pytest itself: a child of a process that
+# has run OpenMP work can hang in its own.
+RANKS = multiprocessing.get_context("forkserver")
+RANKS.set_forkserver_preload(["deepspeed", "neox.training.loop", "tests.train_helpers"])
 
 
 def free_port() -> int:
@@ -35,4 +42,6 @@ def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple
 
 def run_ranks(fn: Callable[..., Any], world: int, *args: Any) -> None:
     """Run fn(rank, world, *args) on `world` gloo ranks; a failing rank fails the caller."""
-    mp.spawn(_entry, args=(world, free_port(), fn, args), nprocs=world, join=True)
+    mp.start_processes(
+        _entry, args=(world, free_port(), fn, args), nprocs=world, start_method="forkserver"
+    )

@@ -1,7 +1,9 @@
-"""A run you can trust, through deepy.py on 2 CPU ranks: metrics, checkpoints, crashes, resume.
+"""A run you can trust, on 2 CPU ranks: metrics, checkpoints, crashes, resume.
 
 One uninterrupted 6-step run (ZeRO 0: the gradient norm is neox's own there) is the reference;
-the other runs crash, fall back, resume or finetune from it and are compared with it.
+the other runs crash, fall back, resume or finetune from it and are compared with it. Runs about
+the loop and checkpoints start their ranks from this process (`run_here`); crashes, stop signals
+and kill -9 go through deepy.py (`run_train`, BackgroundRun), whose handling they test.
 """
 
 import json
@@ -18,7 +20,15 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.train_helpers import ROOT, losses, make_dataset, records, run_train, write_config
+from tests.train_helpers import (
+    ROOT,
+    losses,
+    make_dataset,
+    records,
+    run_here,
+    run_train,
+    write_config,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -49,7 +59,7 @@ def ref(runs):
     tmp = runs
     wandb = dict(use_wandb=True, wandb_project="neox-tests", wandb_init_all_ranks=True)
     cfg = write_config(tmp, "ref", wandb_host=WANDB_HOST, **wandb, **BASE)
-    r = ok(run_train(cfg, WANDB_MODE="offline", WANDB_SILENT="true"))
+    r = run_here("train.py", cfg, WANDB_MODE="offline", WANDB_SILENT="true")
     return tmp, r
 
 
@@ -177,7 +187,7 @@ def test_broken_checkpoints_fall_back_and_resume_exactly(ref):
     (ckpt / "latest").write_text("global_step9")
     shard = ckpt / "global_step6" / "mp_rank_00_model_states.pt"
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
-    r = ok(run_train(write_config(tmp, "fallback", **BASE)))
+    r = run_here("train.py", write_config(tmp, "fallback", **BASE))
     out = r.stdout + r.stderr
     # The manifest's checksum catches it before anything is unpickled.
     bad = ckpt / "global_step9" / "mp_rank_00_model_states.pt"
@@ -208,7 +218,7 @@ def test_kill_during_save_leaves_latest_loadable_and_resume_is_exact(ref):
     assert (ckpt / "latest").read_text() == "global_step3"
     assert (ckpt / "global_step6.partial").is_dir() and not (ckpt / "global_step6").exists()
 
-    r = ok(run_train(cfg))
+    r = run_here("train.py", cfg)
     assert "(checkpoint global_step3)" in r.stdout
     recs = records(tmp / "crash" / "logs")
     steps = [x["step"] for x in recs if x["split"] == "train"]
@@ -255,7 +265,7 @@ def test_finetune_loads_weights_only_and_restarts_at_zero(ref):
         do_test=False,
         **BASE,
     )
-    r = ok(run_train(cfg))
+    r = run_here("train.py", cfg)
     assert "finetuning from" in r.stdout
     tune = {x["step"]: x for x in records(tmp / "tune" / "logs") if x["split"] == "train"}
     first = {x["step"]: x for x in records(tmp / "ref" / "logs") if x["split"] == "train"}[1]
@@ -275,7 +285,7 @@ def test_nonfinite_steps_are_skipped_then_the_run_stops_unsaved(runs):
         max_nonfinite_steps=2,
         **BASE,
     )
-    r = run_train(cfg)
+    r = run_here("train.py", cfg, check=False)
     assert r.returncode != 0
     assert "2 steps in a row with a non-finite loss or gradient (iterations" in r.stderr
     assert "Traceback" not in r.stderr

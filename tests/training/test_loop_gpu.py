@@ -7,11 +7,10 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from tests.train_helpers import ROOT, SHORT_RUN, deepy_env, make_dataset, write_config
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = pytest.mark.gpu  # skipped without CUDA (tests/conftest.py)
 
 ITERS = 16
 
@@ -29,7 +28,7 @@ def test_loop_syncs_fewer_times_than_it_steps(tmp_path):
         torch_compile=False,
     )
     r = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "gpu" / "loop_syncs_worker.py"), str(cfg)],
+        [sys.executable, str(ROOT / "tests" / "training" / "loop_syncs_worker.py"), str(cfg)],
         capture_output=True,
         text=True,
         timeout=300,

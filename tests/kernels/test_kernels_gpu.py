@@ -21,7 +21,6 @@ except ImportError:
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
     pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed"),
 ]
 

@@ -5,9 +5,9 @@ and compiled blocks under tensor parallelism (TP=2, 2 GPUs)."""
 import pytest
 import torch
 
-from tests.train_helpers import SHORT_RUN, losses, make_dataset, train, write_config
+from tests.train_helpers import SHORT_RUN, losses, make_dataset, run_deepy, write_config
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = pytest.mark.gpu  # skipped without CUDA (tests/conftest.py)
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 
 COMMON = dict(SHORT_RUN, distributed_backend="nccl", train_iters=10, num_gpus=1)
@@ -25,7 +25,7 @@ BF16 = {"bf16": {"enabled": True}}
 
 
 def curve(data, name: str, **options) -> dict[int, float]:
-    train(write_config(data, name, **{**COMMON, **options}), cpu=False)
+    run_deepy("train.py", write_config(data, name, **{**COMMON, **options}), cpu=False)
     return losses(data / name / "logs")
 
 

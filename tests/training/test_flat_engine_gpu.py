@@ -14,7 +14,7 @@ from tests.training.test_flat_engine import (
     weights,
 )
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = pytest.mark.gpu  # skipped without CUDA (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from tests.inference.test_engine import PADDED, PROMPTS, VOCAB, hf_greedy, tiny_
 
 ROOT = Path(__file__).resolve().parents[2]
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = pytest.mark.gpu  # skipped without CUDA (tests/conftest.py)
 
 TEXT = (
     "the quick brown fox jumps over the lazy dog. a stitch in time saves nine. "

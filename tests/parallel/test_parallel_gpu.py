@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
-from tests.train_helpers import SHORT_RUN, losses, make_dataset, train, write_config
+from tests.train_helpers import SHORT_RUN, losses, make_dataset, run_deepy, write_config
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = pytest.mark.gpu  # skipped without CUDA (tests/conftest.py)
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 
 COMMON = dict(SHORT_RUN, distributed_backend="nccl")
@@ -28,7 +28,7 @@ def test_tensor_and_pipeline_parallel_match_one_gpu(data):
     }
     result = {}
     for name, layout in runs.items():
-        train(write_config(data, name, **COMMON, **layout), cpu=False)
+        run_deepy("train.py", write_config(data, name, **COMMON, **layout), cpu=False)
         result[name] = losses(data / name / "logs")
         print(name, result[name])
     for name in ("tp2", "pp2"):
@@ -49,7 +49,7 @@ def test_half_precision_training_runs_and_learns(data, precision):
         master_port=29664,
         **{precision: section},
     )
-    train(cfg, cpu=False)
+    run_deepy("train.py", cfg, cpu=False)
     curve = losses(data / precision / "logs")
     print(precision, curve)
     assert all(math.isfinite(v) for v in curve.values())
