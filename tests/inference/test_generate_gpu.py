@@ -33,7 +33,14 @@ def trained():
     """A tiny char-level model trained on TEXT for a few hundred steps (seconds on a GPU): its
     greedy continuations are words, not the loop of one token a random model falls into."""
     cfg = ModelConfig(
-        num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=64, pos_emb="rotary"
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        seq_length=64,
+        # Decoding goes past the training length (96 new tokens): the rotary table must cover it,
+        # as generate.py's maximum_tokens cut ensures.
+        max_position_embeddings=256,
+        pos_emb="rotary",
     )
     torch.manual_seed(0)
     model = build_model(cfg, 512, seed=1).cuda()
