@@ -387,6 +387,29 @@ def preflight(loaded: LoadedConfig, script: str) -> tuple[Optional[int], list[st
     return vocab_size, problems
 
 
+def zero_section_problems(loaded: LoadedConfig, ds_config: dict) -> list[str]:
+    """The zero_optimization section checked by DeepSpeed's own config model (its rules, not a
+    copy of them), one line per bad key, before any rank would meet them. DeepSpeed's model
+    imports torch (about 2 s), so it runs only when the configs give the section keys beyond
+    `stage` (gpt-neox's stock configs do; neox's own defaults need no check)."""
+    section = loaded.config.deepspeed.zero_optimization or {}
+    if not set(section) - {"stage"}:
+        return []
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    from pydantic import ValidationError
+
+    try:
+        DeepSpeedZeroConfig(**ds_config.get("zero_optimization", {}))
+    except ValidationError as e:
+        where = loaded.source_of("zero_optimization")
+        return [
+            f"{where}: zero_optimization.{'.'.join(map(str, err['loc']))}={err.get('input')!r}: "
+            f"{err['msg']} (DeepSpeed's ZeRO config); fix or remove the key"
+            for err in e.errors()
+        ]
+    return []
+
+
 def derived_problems(loaded: LoadedConfig, derived, script: str, cpu_ranks: bool) -> list[str]:
     """The checks that need the derived values: precision on CPU ranks, empty paths, the save
     directory (looked at only: it is created once the launch is accepted), empty splits."""

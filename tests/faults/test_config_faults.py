@@ -107,6 +107,14 @@ FAULTS = [
         "load='' is an empty path, which would silently start from scratch",
     ),
     Fault(
+        "zero_section_deepspeed_refuses",
+        "a zero_optimization value DeepSpeed's own config model refuses (offload to 'gpu') is "
+        "refused before launch by that model, the key and value named (it failed on every rank)",
+        {"bad.yml": "{data}zero_optimization:\n  stage: 1\n  offload_optimizer: {device: gpu}\n"},
+        "zero_optimization.offload_optimizer.device='gpu': Input should be 'none', 'cpu' or "
+        "'nvme' (DeepSpeed's ZeRO config)",
+    ),
+    Fault(
         "memory_estimate_absurd",
         "a run estimated far over what each rank has (here 834 TiB) is refused, not left to "
         "fail on the ranks",
