@@ -25,10 +25,10 @@ from neox.plan.preflight import (
     NEEDS_DATA,
     adopt_checkpoint_tokenizer,
     check_save_dir,
+    deepspeed_section_problems,
     derived_problems,
     git_hash,
     preflight,
-    zero_section_problems,
 )
 from neox.plan.report import GPUS, estimate_report, estimate_vocab, fit_refusal, fit_warning
 
@@ -150,7 +150,7 @@ def main(argv: list[str]) -> int:
         derived = derive(cfg, plan.world_size, vocab_size)
         ds_config = build_ds_config(cfg, derived)
         problems += derived_problems(loaded, derived, args.script, cpu_ranks=plan.cpu)
-        problems += zero_section_problems(loaded, ds_config)
+        problems += deepspeed_section_problems(loaded, ds_config)
         try:
             attention = describe_attention_paths(cfg.model, cpu_ranks=plan.cpu)
         except ValueError as e:  # e.g. `local` layers without a window: the model would refuse

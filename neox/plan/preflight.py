@@ -387,27 +387,47 @@ def preflight(loaded: LoadedConfig, script: str) -> tuple[Optional[int], list[st
     return vocab_size, problems
 
 
-def zero_section_problems(loaded: LoadedConfig, ds_config: dict) -> list[str]:
-    """The zero_optimization section checked by DeepSpeed's own config model (its rules, not a
-    copy of them), one line per bad key, before any rank would meet them. DeepSpeed's model
-    imports torch (about 2 s), so it runs only when the configs give the section keys beyond
-    `stage` (gpt-neox's stock configs do; neox's own defaults need no check)."""
-    section = loaded.config.deepspeed.zero_optimization or {}
-    if not set(section) - {"stage"}:
-        return []
-    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
-    from pydantic import ValidationError
+# DeepSpeed config sections with a pydantic model of DeepSpeed's own: section -> (module, class).
+DEEPSPEED_MODELS = {
+    "zero_optimization": ("deepspeed.runtime.zero.config", "DeepSpeedZeroConfig"),
+    "fp16": ("deepspeed.runtime.precision_config", "DeepSpeedFP16Config"),
+    "bf16": ("deepspeed.runtime.precision_config", "DeepSpeedBF16Config"),
+    "comms_logger": ("deepspeed.comm.config", "CommsLoggerConfig"),
+    "csv_monitor": ("deepspeed.monitor.config", "CSVConfig"),
+}
+# Keys neox itself checks in these sections (the rest is DeepSpeed's to judge).
+OWN_KEYS = {"stage", "enabled"}
 
-    try:
-        DeepSpeedZeroConfig(**ds_config.get("zero_optimization", {}))
-    except ValidationError as e:
-        where = loaded.source_of("zero_optimization")
-        return [
-            f"{where}: zero_optimization.{'.'.join(map(str, err['loc']))}={err.get('input')!r}: "
-            f"{err['msg']} (DeepSpeed's ZeRO config); fix or remove the key"
-            for err in e.errors()
-        ]
-    return []
+
+def deepspeed_section_problems(loaded: LoadedConfig, ds_config: dict) -> list[str]:
+    """The DeepSpeed sections the configs fill in, checked by DeepSpeed's own config models
+    (its rules, not a copy of them), one line per bad key, before any rank would meet them.
+    DeepSpeed's models import torch (about 2 s), so they run only for sections the configs give
+    keys beyond `stage`/`enabled` (gpt-neox's stock configs do; neox's defaults need no check)."""
+    import importlib
+
+    cfg = loaded.config
+    given = {
+        name: getattr(cfg.deepspeed, name, None) or getattr(cfg.precision, name, None)
+        for name in DEEPSPEED_MODELS
+    }
+    problems = []
+    for name, (module, cls) in DEEPSPEED_MODELS.items():
+        if not isinstance(given[name], dict) or not set(given[name]) - OWN_KEYS:
+            continue
+        from pydantic import ValidationError
+
+        model = getattr(importlib.import_module(module), cls)
+        try:
+            model(**ds_config.get(name, {}))
+        except ValidationError as e:
+            where = loaded.source_of(name)
+            problems += [
+                f"{where}: {name}.{'.'.join(map(str, err['loc']))}={err.get('input')!r}: "
+                f"{err['msg']} (DeepSpeed's {cls}); fix or remove the key"
+                for err in e.errors()
+            ]
+    return problems
 
 
 def derived_problems(loaded: LoadedConfig, derived, script: str, cpu_ranks: bool) -> list[str]:

@@ -112,7 +112,7 @@ FAULTS = [
         "refused before launch by that model, the key and value named (it failed on every rank)",
         {"bad.yml": "{data}zero_optimization:\n  stage: 1\n  offload_optimizer: {device: gpu}\n"},
         "zero_optimization.offload_optimizer.device='gpu': Input should be 'none', 'cpu' or "
-        "'nvme' (DeepSpeed's ZeRO config)",
+        "'nvme' (DeepSpeed's DeepSpeedZeroConfig)",
     ),
     Fault(
         "memory_estimate_absurd",
