@@ -270,11 +270,26 @@ def check_resume(cfg: NeoXConfig, derived: Derived) -> str:
 
 
 def describe_stop(cfg: NeoXConfig, result) -> str:
-    """The line deepy.py prints after a stop signal: where the run can resume from."""
+    """The line deepy.py prints after a stop signal (`result` is launch()'s LaunchResult):
+    where the run can resume from. A checkpoint is claimed only after a clean stop."""
     name = signal.Signals(result.signal).name
+    save = None if cfg.checkpoint.save is None else Path(cfg.checkpoint.save)
+    if result.killed:
+        # The stop saved nothing: `latest` names the last checkpoint saved before it.
+        tag = None if save is None else read_latest(save)
+        if save is None:
+            where = "no `save` directory is configured"
+        elif tag is None:
+            where = f"no checkpoint in {save} to resume from"
+        else:
+            where = f"the run can resume from the last checkpoint, {save / tag}"
+        return (
+            f"stopped by {name}; the ranks were killed before saving (exit status "
+            f"{result.code}); {where}"
+        )
     if result.code not in (0, 130):
         return f"stopped by {name}; the ranks did not exit cleanly (exit status {result.code})"
-    if cfg.checkpoint.save is None:
+    if save is None:
         return f"stopped by {name}; nothing saved (no `save` directory is configured)"
-    tag = read_latest(Path(cfg.checkpoint.save))
-    return f"stopped by {name}; checkpoint saved in {Path(cfg.checkpoint.save) / str(tag)}"
+    tag = read_latest(save)
+    return f"stopped by {name}; checkpoint saved in {save / str(tag)}"

@@ -28,11 +28,18 @@ from neox.launcher.signals import AbortLaunch, StopRequest
 
 log = logging.getLogger(__name__)
 
+# deepy.py's exit status when a stop killed the ranks unsaved (128 + SIGKILL, what they got):
+# distinct from a clean stop's 0 (SIGTERM) or 130 (Ctrl-C), after which a checkpoint exists.
+KILLED_EXIT = 128 + signal.SIGKILL
+
 
 @dataclass
 class LaunchResult:
     code: int  # exit status for deepy.py to return
-    signal: Optional[int]  # the stop signal deepy.py received, if any
+    signal: Optional[int]  # the (first) stop signal deepy.py received, if any
+    # The ranks were killed before they could save: a second stop signal, or a stop on an
+    # mpirun/srun launch. Whatever `latest` names was saved before the stop.
+    killed: bool = False
 
 
 class _Node:
@@ -143,7 +150,8 @@ def launch(plan: LaunchPlan) -> LaunchResult:
     A failed rank is named (rank, host, pid, status, the end of its stderr when it was piped)
     and every other node is told to kill its ranks at once. A first SIGTERM/SIGINT is passed
     to every agent, whose ranks save and exit (killed after stop_grace_s); a second kills them.
-    mpirun and srun launches are stopped unsaved.
+    mpirun and srun launches are stopped unsaved. A kill is reported as `killed` and exit
+    status KILLED_EXIT, so that no one takes it for a clean stop that saved.
     """
     env_fd = None
     if plan.env_file_text:
@@ -178,6 +186,7 @@ def launch(plan: LaunchPlan) -> LaunchResult:
 
     stop = StopRequest(forward)
     code = 0
+    killed = False
     try:
         with stop:
             start()
@@ -185,7 +194,7 @@ def launch(plan: LaunchPlan) -> LaunchResult:
     except AbortLaunch as e:
         log.error("%s", e)
         _kill(nodes)
-        code = 128 + (stop.signum or signal.SIGTERM)
+        code, killed = KILLED_EXIT, True
     except BaseException:
         log.error("launch interrupted; stopping all ranks")
         _kill(nodes)
@@ -197,7 +206,7 @@ def launch(plan: LaunchPlan) -> LaunchResult:
             remove_shm_buffers(plan.master_port)
     if stop.signum is not None and code == 0:
         code = stop.exit_code
-    return LaunchResult(code, stop.signum)
+    return LaunchResult(code, stop.signum, killed)
 
 
 def _wait(nodes: list[_Node], ended: queue.Queue) -> int:

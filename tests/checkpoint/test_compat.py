@@ -1,13 +1,16 @@
 """neox/checkpoint/compat.py: what deepy.py refuses to resume (or generate, evaluate, export)
 from, before any rank starts."""
 
+import signal
+
 import pytest
 import torch
 
-from neox.checkpoint.compat import check_resume, tokenizer_mismatch
+from neox.checkpoint.compat import check_resume, describe_stop, tokenizer_mismatch
 from neox.checkpoint.find import WEIGHTS_ONLY
 from neox.config import ConfigError, derive, load_dict, write_config
 from neox.config.transport import read_saved_config
+from neox.launcher.run import KILLED_EXIT, LaunchResult
 
 MODEL = {
     "hidden_size": 64,
@@ -120,3 +123,36 @@ def test_a_file_the_tokenizer_type_does_not_read_is_not_compared(tmp_path):
     step_dir = tmp_path / "ckpt" / "global_step3"
     char = load_dict({**MODEL, "tokenizer_type": "CharLevelTokenizer"})
     assert tokenizer_mismatch(read_saved_config(step_dir), step_dir, char) is None
+
+
+def test_describe_stop_claims_a_checkpoint_only_after_a_clean_stop(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    saving = load_dict({"save": str(ckpt)})
+    int_, term = signal.SIGINT, signal.SIGTERM
+    killed = LaunchResult(KILLED_EXIT, int_, killed=True)
+    # Killed before any checkpoint exists, then with one saved before the stop.
+    assert describe_stop(saving, killed) == (
+        "stopped by SIGINT; the ranks were killed before saving (exit status 137); "
+        f"no checkpoint in {ckpt} to resume from"
+    )
+    (ckpt / "global_step2").mkdir(parents=True)
+    (ckpt / "latest").write_text("global_step2")
+    assert describe_stop(saving, killed) == (
+        "stopped by SIGINT; the ranks were killed before saving (exit status 137); "
+        f"the run can resume from the last checkpoint, {ckpt / 'global_step2'}"
+    )
+    assert describe_stop(load_dict({}), LaunchResult(KILLED_EXIT, term, killed=True)) == (
+        "stopped by SIGTERM; the ranks were killed before saving (exit status 137); "
+        "no `save` directory is configured"
+    )
+    # A clean stop (0 for SIGTERM, 130 for Ctrl-C) saved what `latest` now names.
+    for code, sig in ((0, term), (130, int_)):
+        assert describe_stop(saving, LaunchResult(code, sig)) == (
+            f"stopped by {sig.name}; checkpoint saved in {ckpt / 'global_step2'}"
+        )
+    assert describe_stop(load_dict({}), LaunchResult(0, term)) == (
+        "stopped by SIGTERM; nothing saved (no `save` directory is configured)"
+    )
+    assert describe_stop(saving, LaunchResult(1, term)) == (
+        "stopped by SIGTERM; the ranks did not exit cleanly (exit status 1)"
+    )

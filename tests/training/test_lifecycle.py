@@ -338,25 +338,46 @@ def test_stop_signal_saves_once_and_leaves_no_process(runs, target, sig, code):
     assert "step/s" not in out and "%|" not in out and "\r" not in out
 
 
-def test_second_signal_stops_at_once(runs):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_second_signal_stops_at_once_and_claims_no_checkpoint(runs, sig):
+    """Two stop signals (a double Ctrl-C): the ranks are killed unsaved; deepy.py says so, names
+    the checkpoint saved before (where the run resumes) and exits 137, not a clean stop's 0/130."""
+    from neox.launcher.run import KILLED_EXIT
     from tests.training.lifecycle_helpers import BackgroundRun
 
     tmp = runs
+    name = f"twice-{sig.name}"
     cfg = write_config(
-        tmp, "twice", train_iters=1000, checkpoint_factor=None, eval_interval=1000, **BASE
+        tmp,
+        name,
+        train_iters=1000,
+        checkpoint_factor=None,
+        extra_save_iters=[2],
+        eval_interval=1000,
+        **BASE,
     )
-    run = BackgroundRun(cfg, tmp / "twice.out")
+    run = BackgroundRun(cfg, tmp / f"{name}.out")
     try:
-        run.wait_for("iter 1/1000")
-        os.kill(run.proc.pid, signal.SIGTERM)
+        run.wait_for("iter 3/1000")  # step 2 is saved
+        os.kill(run.proc.pid, sig)
         time.sleep(0.05)  # two signals at once would be delivered as one
-        os.kill(run.proc.pid, signal.SIGTERM)
-        assert run.wait(timeout=30) == 128 + signal.SIGTERM
+        os.kill(run.proc.pid, sig)
+        assert run.wait(timeout=30) == KILLED_EXIT == 137, run.text()[-3000:]
         time.sleep(1)
         assert run.pids() == []
     finally:
         run.kill_all()
-    assert "second stop signal" in run.text()
+    out = run.text()
+    assert "second stop signal" in out
+    assert "checkpoint saved in" not in out, out[-3000:]
+    ckpt = tmp / name / "ckpt"
+    last = ckpt / (ckpt / "latest").read_text()
+    assert last.name == "global_step2"  # killed within 50 ms: the stop saved nothing
+    assert (
+        f"deepy: stopped by {sig.name}; the ranks were killed before saving (exit status 137); "
+        f"the run can resume from the last checkpoint, {last}"
+    ) in out, out[-3000:]
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out
 
 
 def shm_buffers(out: str) -> list[Path]:
