@@ -59,8 +59,11 @@ def read_gpt2_files(
             parts = line.split(" ")
             if len(parts) != 2:
                 raise ValueError(
+                    # Never echo the line: a file passed by mistake may hold secrets.
                     f"merge_file={merge_file!r} line {lineno}: expected two tokens separated "
-                    f"by one space, got {line!r}; set `merge_file` to a GPT-2 merges.txt"
+                    f"by one space, found {len(parts)} space-separated fields in "
+                    f"{len(line)} characters (content not shown); "
+                    "set `merge_file` to a GPT-2 merges.txt"
                 )
             merges.append((parts[0], parts[1]))
     return vocab, merges
