@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from typing import Literal
 
 from neox.tokenizer.base import Tokenizer, require_file
@@ -23,6 +24,12 @@ END_OF_TEXT = "<|endoftext|>"
 PADDING = "<|padding|>"
 
 Backend = Literal["auto", "tiktoken", "tokenizers"]
+
+
+def _without_quoted(message: str) -> str:
+    """A JSON parser's error with the file's strings it quotes ("..." or `...`) blanked: a file
+    passed by mistake may hold secrets, and the line and column already say where to look."""
+    return re.sub(r'"(?:[^"\\]|\\.)*"|`[^`]*`', "<...>", message)
 
 
 class HFTokenizer(Tokenizer):
@@ -44,7 +51,8 @@ class HFTokenizer(Tokenizer):
             self._tok = TokenizersBackend.from_file(vocab_file)
         except Exception as err:  # tokenizers raises a bare Exception on malformed JSON
             raise ValueError(
-                f"HFTokenizer: vocab_file={vocab_file!r} is not a tokenizers JSON file ({err}); "
+                f"HFTokenizer: vocab_file={vocab_file!r} is not a tokenizers JSON file "
+                f"({_without_quoted(str(err))}); "
                 "set `vocab_file` to a tokenizer.json (tools/train_tokenizer.py writes one)"
             ) from err
         eod = self._tok.token_to_id(END_OF_TEXT)
