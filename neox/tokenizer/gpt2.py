@@ -50,6 +50,17 @@ def read_gpt2_files(
         ) from err
     if not isinstance(vocab, dict):
         raise ValueError(f"vocab_file={vocab_file!r} must hold a JSON object of token -> id")
+    try:
+        merges = _read_merges(merge_file)
+    except UnicodeDecodeError as err:
+        raise ValueError(
+            f"merge_file={merge_file!r} is not UTF-8 text ({err.reason}); "
+            "set `merge_file` to a GPT-2 merges.txt"
+        ) from None
+    return vocab, merges
+
+
+def _read_merges(merge_file: str) -> list[tuple[str, str]]:
     merges: list[tuple[str, str]] = []
     with open(merge_file, encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
@@ -66,7 +77,7 @@ def read_gpt2_files(
                     "set `merge_file` to a GPT-2 merges.txt"
                 )
             merges.append((parts[0], parts[1]))
-    return vocab, merges
+    return merges
 
 
 def tiktoken_ranks(vocab: dict[str, int], merges: list[tuple[str, str]]) -> dict[bytes, int] | None:

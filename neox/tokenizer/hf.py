@@ -168,6 +168,13 @@ def _gpt2_from_files(cls, vocab_file: str, merge_file: str):
     import inspect
 
     params = inspect.signature(cls.__init__).parameters
-    if "vocab" in params:
-        return cls(vocab=vocab_file, merges=merge_file)
-    return cls(vocab_file=vocab_file, merges_file=merge_file)
+    try:
+        if "vocab" in params:
+            return cls(vocab=vocab_file, merges=merge_file)
+        return cls(vocab_file=vocab_file, merges_file=merge_file)
+    except Exception as err:  # tokenizers raises a bare Exception on a malformed file
+        raise ValueError(
+            f"HFGPT2Tokenizer: vocab_file={vocab_file!r} and merge_file={merge_file!r} are not a "
+            f"GPT-2 vocab.json and merges.txt ({_without_quoted(str(err))}); set them to "
+            "the JSON token -> id map and its merges.txt"
+        ) from err

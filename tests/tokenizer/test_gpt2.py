@@ -113,3 +113,10 @@ def test_bad_merges_line_is_not_echoed(gpt2_files, tmp_path):
     assert f"{bad}" in message and "line 1" in message, message
     for word in ("aws_secret_access_key", "wJalrXUtnFEMI"):
         assert word not in message, message
+
+
+def test_binary_merges_file_is_named(gpt2_files, tmp_path):
+    bad = tmp_path / "key.der"
+    bad.write_bytes(b"\xff\xfe secret bytes\n")
+    with pytest.raises(ValueError, match=r"merge_file=.*key\.der.* is not UTF-8 text"):
+        GPT2BPETokenizer(gpt2_files[0], str(bad))

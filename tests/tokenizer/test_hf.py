@@ -60,3 +60,14 @@ def test_malformed_json_error_does_not_echo_its_strings(tmp_path):
         HFTokenizer(str(bad))
     assert "line 1 column" in str(err.value), err.value
     assert "wJalrXUtnFEMI" not in str(err.value), err.value
+
+
+def test_hf_gpt2_bad_vocab_file_is_named_without_its_strings(shared_data, tmp_path):
+    """A credentials JSON passed as vocab_file: one ValueError naming the files, no secret."""
+    pytest.importorskip("transformers")
+    bad = tmp_path / "credentials.json"
+    bad.write_text('{"aws_secret_access_key": "wJalrXUtnFEMI/K7MDENG"}')
+    merges = str(shared_data / "gpt2-merges.txt")
+    with pytest.raises(ValueError, match="credentials.json") as err:
+        build_tokenizer("HFGPT2Tokenizer", str(bad), merges)
+    assert "wJalrXUtnFEMI" not in str(err.value), err.value
