@@ -7,7 +7,8 @@ worker are in flight, so memory stays bounded whatever the corpus size.
 
 Output goes to temporary files beside the final ones and is renamed at the end (the .idx
 last), so an interrupted run never leaves a dataset that looks complete, and an existing
-dataset is replaced only by a complete one (and only with `overwrite=True`).
+dataset is replaced only by a complete one (and only with `overwrite=True`). A worker that dies
+(the OOM killer) aborts the run the same way, with an error naming it, instead of hanging it.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import signal
 import time
 from collections import deque
 from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -174,7 +177,7 @@ def _init_worker() -> None:
     # Each worker tokenizes on one core; the pool provides the parallelism.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     os.environ["RAYON_NUM_THREADS"] = "1"
-    # The parent turns SIGTERM into cleanup; a worker just ends when the pool is terminated.
+    # The parent turns SIGTERM into cleanup; a worker just ends when the pool is closed.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
@@ -332,10 +335,10 @@ def preprocess(config: PreprocessConfig) -> PreprocessReport:
             # Forked workers inherit the encoder built here: no tokenizer is loaded twice.
             global _WORKER
             _WORKER = _Encoder(config, dtype, tokenizer)
-            pool = multiprocessing.get_context("fork").Pool(
-                config.workers, initializer=_init_worker
-            )
-            results = _ordered(pool, batches, window=2 * config.workers + 2)
+            # An executor, not a Pool: a Pool silently replaces a worker killed mid-batch (the
+            # OOM killer) and waits forever for its batch; an executor reports it as broken.
+            pool = _WorkerPool(config.workers)
+            results = pool.ordered(batches, window=2 * config.workers + 2)
         _consume(results, writers, report, config, files, start)
         _check_not_empty(writers, report)
         for key, w in writers.items():
@@ -346,8 +349,7 @@ def preprocess(config: PreprocessConfig) -> PreprocessReport:
         raise
     finally:
         if pool is not None:
-            pool.terminate()
-            pool.join()
+            pool.close()
     report.elapsed_s = time.perf_counter() - start
     return report
 
@@ -393,15 +395,70 @@ def _process_alive(pid: int) -> bool:
     return True
 
 
-def _ordered(pool, batches, window: int):
-    """Results of the pool in input order, with at most `window` batches in flight."""
-    pending: deque = deque()
-    for batch in batches:
-        pending.append(pool.apply_async(_encode_in_worker, (batch,)))
-        if len(pending) >= window:
-            yield pending.popleft().get()
-    while pending:
-        yield pending.popleft().get()
+class WorkerDiedError(ChildProcessError):
+    """A tokenizing worker process ended in the middle of the run (killed, e.g. out of memory)."""
+
+
+class _WorkerPool:
+    """Forked tokenizing workers; a worker that dies aborts the run instead of hanging it."""
+
+    def __init__(self, workers: int):
+        self._before = set(multiprocessing.active_children())
+        self._workers: set = set()  # every worker process seen, kept to read its exit code
+        self._executor = ProcessPoolExecutor(
+            workers, mp_context=multiprocessing.get_context("fork"), initializer=_init_worker
+        )
+
+    def ordered(self, batches, window: int):
+        """Results in input order, with at most `window` batches in flight."""
+        pending: deque = deque()
+        for batch in batches:
+            pending.append(self._submit(batch))
+            if len(pending) >= window:
+                yield self._result(pending.popleft())
+        while pending:
+            yield self._result(pending.popleft())
+
+    def _submit(self, batch: RawBatch):
+        try:
+            future = self._executor.submit(_encode_in_worker, batch)
+        except BrokenProcessPool:
+            raise self._died() from None
+        # Workers start inside submit(); remember them while they are alive.
+        self._workers |= set(multiprocessing.active_children()) - self._before
+        return future
+
+    def _result(self, future) -> EncodedBatch:
+        try:
+            return future.result()
+        except BrokenProcessPool:
+            raise self._died() from None
+
+    def _died(self) -> WorkerDiedError:
+        # A broken executor ends and reaps all workers: after that every exit code is known.
+        self._executor.shutdown(wait=True)
+        dead = [p for p in self._workers if p.exitcode is not None]
+        # The executor SIGTERMs the survivors once one died: name the others first.
+        culprits = [p for p in dead if p.exitcode != -signal.SIGTERM] or dead
+        what = ", ".join(f"pid {p.pid} ({_exit_reason(p.exitcode)})" for p in culprits)
+        return WorkerDiedError(
+            f"tokenizing worker {what or '(unknown pid)'} died mid-run, as when the "
+            "out-of-memory killer ends it; rerun with fewer --workers or more memory"
+        )
+
+    def close(self) -> None:
+        """Stop now: in-flight batches are dropped (the run succeeded or is being aborted)."""
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        for p in self._workers:
+            if p.exitcode is None:
+                p.kill()
+        self._executor.shutdown(wait=True)
+
+
+def _exit_reason(exitcode: int | None) -> str:
+    if exitcode is not None and exitcode < 0:
+        return f"killed by {signal.Signals(-exitcode).name}"
+    return f"exit code {exitcode}"
 
 
 def _consume(results, writers, report: PreprocessReport, config, files, start) -> None:

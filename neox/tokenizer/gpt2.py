@@ -50,6 +50,17 @@ def read_gpt2_files(
         ) from err
     if not isinstance(vocab, dict):
         raise ValueError(f"vocab_file={vocab_file!r} must hold a JSON object of token -> id")
+    try:
+        merges = _read_merges(merge_file)
+    except UnicodeDecodeError as err:
+        raise ValueError(
+            f"merge_file={merge_file!r} is not UTF-8 text ({err.reason}); "
+            "set `merge_file` to a GPT-2 merges.txt"
+        ) from None
+    return vocab, merges
+
+
+def _read_merges(merge_file: str) -> list[tuple[str, str]]:
     merges: list[tuple[str, str]] = []
     with open(merge_file, encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
@@ -59,11 +70,14 @@ def read_gpt2_files(
             parts = line.split(" ")
             if len(parts) != 2:
                 raise ValueError(
+                    # Never echo the line: a file passed by mistake may hold secrets.
                     f"merge_file={merge_file!r} line {lineno}: expected two tokens separated "
-                    f"by one space, got {line!r}; set `merge_file` to a GPT-2 merges.txt"
+                    f"by one space, found {len(parts)} space-separated fields in "
+                    f"{len(line)} characters (content not shown); "
+                    "set `merge_file` to a GPT-2 merges.txt"
                 )
             merges.append((parts[0], parts[1]))
-    return vocab, merges
+    return merges
 
 
 def tiktoken_ranks(vocab: dict[str, int], merges: list[tuple[str, str]]) -> dict[bytes, int] | None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from typing import Literal
 
 from neox.tokenizer.base import Tokenizer, require_file
@@ -23,6 +24,12 @@ END_OF_TEXT = "<|endoftext|>"
 PADDING = "<|padding|>"
 
 Backend = Literal["auto", "tiktoken", "tokenizers"]
+
+
+def _without_quoted(message: str) -> str:
+    """A JSON parser's error with the file's strings it quotes ("..." or `...`) blanked: a file
+    passed by mistake may hold secrets, and the line and column already say where to look."""
+    return re.sub(r'"(?:[^"\\]|\\.)*"|`[^`]*`', "<...>", message)
 
 
 class HFTokenizer(Tokenizer):
@@ -44,7 +51,8 @@ class HFTokenizer(Tokenizer):
             self._tok = TokenizersBackend.from_file(vocab_file)
         except Exception as err:  # tokenizers raises a bare Exception on malformed JSON
             raise ValueError(
-                f"HFTokenizer: vocab_file={vocab_file!r} is not a tokenizers JSON file ({err}); "
+                f"HFTokenizer: vocab_file={vocab_file!r} is not a tokenizers JSON file "
+                f"({_without_quoted(str(err))}); "
                 "set `vocab_file` to a tokenizer.json (tools/train_tokenizer.py writes one)"
             ) from err
         eod = self._tok.token_to_id(END_OF_TEXT)
@@ -160,6 +168,13 @@ def _gpt2_from_files(cls, vocab_file: str, merge_file: str):
     import inspect
 
     params = inspect.signature(cls.__init__).parameters
-    if "vocab" in params:
-        return cls(vocab=vocab_file, merges=merge_file)
-    return cls(vocab_file=vocab_file, merges_file=merge_file)
+    try:
+        if "vocab" in params:
+            return cls(vocab=vocab_file, merges=merge_file)
+        return cls(vocab_file=vocab_file, merges_file=merge_file)
+    except Exception as err:  # tokenizers raises a bare Exception on a malformed file
+        raise ValueError(
+            f"HFGPT2Tokenizer: vocab_file={vocab_file!r} and merge_file={merge_file!r} are not a "
+            f"GPT-2 vocab.json and merges.txt ({_without_quoted(str(err))}); set them to "
+            "the JSON token -> id map and its merges.txt"
+        ) from err

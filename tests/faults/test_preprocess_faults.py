@@ -119,3 +119,45 @@ def test_kill_9_at_random_points_then_rerun(corpus, tmp_path):
         assert prefix.with_suffix(".bin").read_bytes() == ref_bin
         assert prefix.with_suffix(".idx").read_bytes() == ref_idx
         assert [n for n in outputs(tmp_path) if ".tmp" in n] == [], outputs(tmp_path)
+
+
+def children(pid: int) -> list[int]:
+    """Live child processes of `pid` (read from /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # ended meanwhile
+        if int(fields[1]) == pid and fields[0] != "Z":
+            found.append(int(stat.parent.name))
+    return found
+
+
+def test_worker_killed_by_oom_killer_aborts_the_run(tmp_path):
+    """Fault: SIGKILL of one tokenizing worker mid-run (what the OOM killer does). Promise: the
+    run stops within seconds, exits 1 naming the dead worker and the fix, and leaves no files."""
+    inp = tmp_path / "corpus.jsonl"
+    write_jsonl(inp, 80_000)  # a few seconds on 2 workers: the kill lands mid-run
+    proc = preprocess(inp, tmp_path / "out", "--workers", "2")
+    workers: list[int] = []
+    deadline = time.monotonic() + 60
+    while len(workers) < 2 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+        workers = children(proc.pid)
+    assert len(workers) == 2, f"workers not seen: {workers}"
+    time.sleep(0.3)  # let them start tokenizing
+    os.kill(workers[0], signal.SIGKILL)
+    try:
+        out, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        for pid in [proc.pid, *children(proc.pid)]:
+            os.kill(pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail("preprocess_data.py hung after a worker was killed")
+    log = out + err
+    assert proc.returncode == 1, log
+    assert f"worker pid {workers[0]} (killed by SIGKILL) died mid-run" in log, log
+    assert "fewer --workers or more memory" in log, log
+    assert "Traceback" not in log, log
+    assert outputs(tmp_path) == [], log

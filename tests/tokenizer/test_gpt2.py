@@ -99,3 +99,24 @@ def test_bad_merges_line_is_named(gpt2_files, tmp_path):
     bad.write_text("#version: 0.2\nĠ t\nthree parts here\n")
     with pytest.raises(ValueError, match=r"line 3.*merge_file"):
         GPT2BPETokenizer(gpt2_files[0], str(bad))
+
+
+def test_bad_merges_line_is_not_echoed(gpt2_files, tmp_path):
+    """A credentials file passed as merge_file by mistake: the error names the file and line,
+    never the secret on it."""
+    secret = "aws_secret_access_key = wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"
+    bad = tmp_path / "credentials"
+    bad.write_text(f"{secret}\n")
+    with pytest.raises(ValueError) as err:
+        GPT2BPETokenizer(gpt2_files[0], str(bad))
+    message = str(err.value)
+    assert f"{bad}" in message and "line 1" in message, message
+    for word in ("aws_secret_access_key", "wJalrXUtnFEMI"):
+        assert word not in message, message
+
+
+def test_binary_merges_file_is_named(gpt2_files, tmp_path):
+    bad = tmp_path / "key.der"
+    bad.write_bytes(b"\xff\xfe secret bytes\n")
+    with pytest.raises(ValueError, match=r"merge_file=.*key\.der.* is not UTF-8 text"):
+        GPT2BPETokenizer(gpt2_files[0], str(bad))

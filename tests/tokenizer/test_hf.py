@@ -49,3 +49,25 @@ def test_hf_gpt2_vocab_file_without_merge_file_names_the_key(shared_data):
     pytest.importorskip("transformers")
     with pytest.raises(ValueError, match="merge_file"):
         HFGPT2Tokenizer(str(shared_data / "gpt2-vocab.json"))
+
+
+def test_malformed_json_error_does_not_echo_its_strings(tmp_path):
+    """A credentials JSON passed as vocab_file: the parser's error keeps the line and column,
+    never the secret it read."""
+    bad = tmp_path / "credentials.json"
+    bad.write_text('{"model": {"type": "BPE", "vocab": "wJalrXUtnFEMI/K7MDENG"}}')
+    with pytest.raises(ValueError, match="not a tokenizers JSON file") as err:
+        HFTokenizer(str(bad))
+    assert "line 1 column" in str(err.value), err.value
+    assert "wJalrXUtnFEMI" not in str(err.value), err.value
+
+
+def test_hf_gpt2_bad_vocab_file_is_named_without_its_strings(shared_data, tmp_path):
+    """A credentials JSON passed as vocab_file: one ValueError naming the files, no secret."""
+    pytest.importorskip("transformers")
+    bad = tmp_path / "credentials.json"
+    bad.write_text('{"aws_secret_access_key": "wJalrXUtnFEMI/K7MDENG"}')
+    merges = str(shared_data / "gpt2-merges.txt")
+    with pytest.raises(ValueError, match="credentials.json") as err:
+        build_tokenizer("HFGPT2Tokenizer", str(bad), merges)
+    assert "wJalrXUtnFEMI" not in str(err.value), err.value
