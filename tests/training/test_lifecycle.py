@@ -360,7 +360,13 @@ def test_second_signal_stops_at_once_and_claims_no_checkpoint(runs, sig):
     try:
         run.wait_for("iter 3/1000")  # step 2 is saved
         os.kill(run.proc.pid, sig)
-        time.sleep(0.05)  # two signals at once would be delivered as one
+        # The second only once deepy.py has taken the first (two pending signals of one kind
+        # are delivered as one; on a loaded machine a fixed pause may not be enough), and
+        # before the ranks could save: the output is polled every 5 ms.
+        deadline = time.monotonic() + 30
+        while "received: every rank finishes its step" not in run.text():
+            assert time.monotonic() < deadline, run.text()[-3000:]
+            time.sleep(0.005)
         os.kill(run.proc.pid, sig)
         assert run.wait(timeout=30) == KILLED_EXIT == 137, run.text()[-3000:]
         time.sleep(1)
