@@ -12,6 +12,7 @@ import pytest
 from neox.config.launcher import LauncherConfig
 from neox.launcher import build_launch, launch
 from tests.launcher.conftest import free_port
+from tests.training.lifecycle_helpers import pids_with_env
 
 PROBE = str(Path(__file__).with_name("probe.py"))
 TRICKY = "a \"b\" $(echo injected) 'c' `id` \\ end"
@@ -21,17 +22,7 @@ pytestmark = pytest.mark.slow
 
 def launch_pids(launch_id: str) -> list[int]:
     """Live processes (not zombies) whose environment carries this launch's NEOX_LAUNCH_ID."""
-    tag = f"\0NEOX_LAUNCH_ID={launch_id}\0".encode()
-    found = []
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            environ = b"\0" + Path(f"/proc/{entry}/environ").read_bytes() + b"\0"
-            state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if tag in environ and state != "Z":
-            found.append(int(entry))
-    return found
+    return pids_with_env("NEOX_LAUNCH_ID", launch_id)
 
 
 def results(out: Path) -> dict[int, dict]:

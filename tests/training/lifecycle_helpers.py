@@ -12,6 +12,22 @@ from tests.train_helpers import ROOT, deepy_env
 MARK = "NEOX_TEST_RUN_MARK"
 
 
+def pids_with_env(name: str, value: str) -> list[int]:
+    """Live processes (not zombies) whose environment has name=value: how the tests find every
+    process of one launch, whoever its parent is."""
+    tag = f"\0{name}={value}\0".encode()
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            environ = b"\0" + Path(f"/proc/{entry}/environ").read_bytes() + b"\0"
+            state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if tag in environ and state != "Z":
+            found.append(int(entry))
+    return found
+
+
 class BackgroundRun:
     """deepy.py train.py in the background; every process it starts carries a unique mark."""
 
@@ -59,17 +75,7 @@ class BackgroundRun:
 
     def pids(self) -> list[int]:
         """Processes alive with this run's mark (zombies excluded), deepy.py included."""
-        tag = f"\0{MARK}={self.mark}\0".encode()
-        found = []
-        for entry in filter(str.isdigit, os.listdir("/proc")):
-            try:
-                environ = b"\0" + Path(f"/proc/{entry}/environ").read_bytes() + b"\0"
-                state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
-            except OSError:
-                continue
-            if tag in environ and state != "Z":
-                found.append(int(entry))
-        return found
+        return pids_with_env(MARK, self.mark)
 
     def rank_pid(self, rank: int) -> int:
         for pid in self.pids():
