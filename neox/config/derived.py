@@ -160,12 +160,14 @@ def rope_scaling(m: ModelConfig, max_positions: int) -> Optional[RopeScaling]:
     flat["rope_yarn_truncate"] = None if m.rope_yarn_truncate else False  # True is the default
     if m.rope_scaling is not None:
         if any(v is not None for v in flat.values()):
-            given = ", ".join(k for k, v in flat.items() if v is not None)
-            raise ValueError(f"rope_scaling and {given} are both set; keep one spelling")
+            given = ", ".join(f"{k}={v}" for k, v in flat.items() if v is not None)
+            raise ValueError(
+                f"rope_scaling={m.rope_scaling} and {given} are both set; keep one spelling"
+            )
         flat = _flat_rope_keys(m.rope_scaling, m.rotary_emb_base)
     kind = flat["rope_scaling_type"]
     if kind is None:
-        stray = [k for k, v in flat.items() if v is not None]
+        stray = [f"{k}={v}" for k, v in flat.items() if v is not None]
         if stray:
             raise ValueError(
                 f"{', '.join(stray)} set without rope_scaling_type; set it or drop them"
@@ -174,7 +176,7 @@ def rope_scaling(m: ModelConfig, max_positions: int) -> Optional[RopeScaling]:
     if m.pos_emb != "rotary":
         raise ValueError(f"rope_scaling_type={kind!r} needs pos_emb=rotary (got {m.pos_emb!r})")
     stray = [
-        k
+        f"{k}={v}"
         for k, v in flat.items()
         if v is not None and k not in ("rope_scaling_type", *ROPE_TYPE_KEYS[kind])
     ]
@@ -226,29 +228,41 @@ def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
 
 
 def _flat_rope_keys(mapping: dict, base: int) -> dict:
-    """A transformers-style rope_scaling mapping as the flat rope_* keys (None where unset)."""
-    mapping = dict(mapping)
+    """A transformers-style rope_scaling mapping as the flat rope_* keys (None where unset);
+    raises ValueError quoting the mapping."""
+    given, mapping = dict(mapping), dict(mapping)
     kind = mapping.pop("rope_type", mapping.pop("type", None))
     theta = mapping.pop("rope_theta", base)
-    if theta != base:
-        raise ValueError(
-            f"rope_scaling rope_theta={theta} differs from rotary_emb_base={base}; set "
-            "rotary_emb_base and drop rope_theta"
-        )
-    unknown = sorted(k for k in mapping if k not in ROPE_SCALING_KEYS)
+    problem = None
+    unknown = sorted(str(k) for k in mapping if k not in ROPE_SCALING_KEYS)
     if unknown:
-        raise ValueError(
-            f"rope_scaling has unknown key(s) {unknown}; it takes rope_type and "
-            f"{', '.join(ROPE_SCALING_KEYS)} (rotary_emb_base sets the base)"
+        problem = (
+            f"unknown key(s) {unknown}; it takes rope_type and {', '.join(ROPE_SCALING_KEYS)} "
+            "(rotary_emb_base sets the base)"
         )
-    if kind == "default":
-        kind = None
-    if kind is not None and kind not in ROPE_TYPES:
-        raise ValueError(
-            f"rope_scaling rope_type={kind!r} is not supported; use one of {ROPE_TYPES}"
-        )
+    elif theta != base:
+        problem = f"rope_theta={theta} differs from rotary_emb_base={base}; drop rope_theta"
+    elif kind not in (None, "default", *ROPE_TYPES):
+        problem = f"rope_type={kind!r} is not supported; use one of {ROPE_TYPES}"
+    for key, value in mapping.items():
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if problem is None and key == "truncate" and not isinstance(value, bool):
+            problem = f"truncate={value!r} must be true or false"
+        elif problem is None and key != "truncate" and value is not None:
+            may_be_zero = key in ("attention_factor", "mscale", "mscale_all_dim")
+            if (
+                not number
+                or not math.isfinite(value)
+                or value < 0
+                or (value == 0 and not may_be_zero)
+            ):
+                problem = f"{key}={value!r} must be a finite number > 0"
+    if problem:
+        raise ValueError(f"rope_scaling={given}: {problem}")
     flat = {flat_key: mapping.get(key) for key, flat_key in ROPE_SCALING_KEYS.items()}
-    return {"rope_scaling_type": kind, **flat}
+    if flat["rope_yarn_truncate"] is True:
+        flat["rope_yarn_truncate"] = None  # the default, as the flat key's True
+    return {"rope_scaling_type": None if kind == "default" else kind, **flat}
 
 
 def _ffn_size(m: ModelConfig) -> int:
