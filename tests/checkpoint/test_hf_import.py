@@ -95,9 +95,12 @@ def test_hf_to_neox_to_hf_is_byte_exact(case, bpe_tokenizer, tmp_path):
 
 def test_unsupported_hf_models_are_refused_before_writing(bpe_tokenizer, tmp_path):
     random_hf_model(
-        "llama", bpe_tokenizer, tmp_path / "hf", rope_scaling={"rope_type": "linear", "factor": 2.0}
+        "llama",
+        bpe_tokenizer,
+        tmp_path / "hf",
+        rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4},
     )
-    with pytest.raises(HFImportError, match="rope_type='linear'"):
+    with pytest.raises(HFImportError, match="rope_type='longrope'"):
         convert_from_hf(tmp_path / "hf", tmp_path / "out")
     assert not (tmp_path / "out").exists()
     r = subprocess.run(
