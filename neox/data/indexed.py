@@ -326,6 +326,23 @@ class IndexedDataset:
         self._open(prefix)
 
 
+def check_label_dataset(text: IndexedDataset, label: IndexedDataset) -> None:
+    """A label dataset must hold one label per token of its text dataset, document by document."""
+    if len(text.sizes) != len(label.sizes) or not np.array_equal(text.sizes, label.sizes):
+        differ = np.flatnonzero(text.sizes[: len(label.sizes)] != label.sizes[: len(text.sizes)])
+        where = (
+            f"document {int(differ[0])} has {int(text.sizes[differ[0]])} tokens but "
+            f"{int(label.sizes[differ[0]])} labels"
+            if differ.size
+            else f"{len(text.sizes)} documents but {len(label.sizes)} label documents"
+        )
+        raise IndexedDatasetError(
+            f"label dataset {label.prefix}.bin/.idx does not match its text dataset "
+            f"{text.prefix}.bin/.idx: {where}; write both with one run of "
+            "tools/preprocess_data_with_chat_template.py (or _with_mask.py)"
+        )
+
+
 def find_datasets(inputs: str | Sequence[str]) -> list[str]:
     """Dataset prefixes from a directory (every .bin/.idx pair, sorted) or a list of prefixes."""
     if isinstance(inputs, str) and os.path.isdir(inputs):

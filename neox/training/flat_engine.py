@@ -43,7 +43,7 @@ from torch import nn
 from neox.checkpoint.trust import load_file
 from neox.data.batch import Batch
 from neox.plan.engine_choice import one_pass_adamw
-from neox.training.engine import StepResult, forward_loss
+from neox.training.engine import StepResult, forward_loss, take, weigh_micro_batches
 
 log = logging.getLogger(__name__)
 
@@ -213,21 +213,24 @@ class FlatEngine:
         """One optimizer step: forward, backward and step over each of its micro-batches."""
         losses = []
         skipped_before = self._skipped.clone()
-        for _ in range(self.grad_accum):
+        step = take(batches, self.grad_accum)
+        trained = weigh_micro_batches(step, self.dp_group, self.dp)
+        for batch in step:
             with self.timers(FWD):
-                loss = forward_loss(self, next(batches))
+                loss = forward_loss(self, batch)
             with self.timers(BWD):
                 self.backward(loss)
             with self.timers(STEP):
                 self.step()
             losses.append(loss.detach())
         loss = torch.stack(losses).mean()
-        return StepResult(loss, self._norm, self._skipped > skipped_before)
+        return StepResult(loss, self._norm, self._skipped > skipped_before, None, trained)
 
     @torch.no_grad()
     def eval_batch(self, batches: Iterator[Batch]) -> torch.Tensor:
-        losses = [forward_loss(self, next(batches)) for _ in range(self.grad_accum)]
-        return torch.stack(losses).mean()
+        step = take(batches, self.grad_accum)
+        weigh_micro_batches(step, self.dp_group, self.dp)
+        return torch.stack([forward_loss(self, b) for b in step]).mean()
 
     def is_gradient_accumulation_boundary(self) -> bool:
         return (self.micro_steps + 1) % self.grad_accum == 0
