@@ -7,8 +7,7 @@ from typing import Optional
 
 import torch
 
-# gpt-neox's label value for "not trained": the token is context only (a prompt, padding).
-IGNORE_INDEX = -100
+from neox.data.indexed import IGNORE_INDEX  # noqa: F401  (the label value of "not trained")
 
 
 @dataclass

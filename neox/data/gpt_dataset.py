@@ -19,8 +19,7 @@ import time
 import numpy as np
 import torch
 
-from neox.data.batch import IGNORE_INDEX
-from neox.data.indexed import IndexedDataset, check_label_dataset
+from neox.data.indexed import IGNORE_INDEX, IndexedDataset, check_label_dataset
 from neox.data.sample_index import (
     PACK_IMPLS,
     SampleIndex,

@@ -40,6 +40,9 @@ DTYPE_CODES: dict[int, np.dtype] = {
     7: np.dtype(np.float64),
     8: np.dtype(np.uint16),
 }
+# Label datasets (gpt-neox's label_data_paths) hold the token id where trained and this where not
+# (a prompt, another role's turn, padding); they are written as int32 so it fits.
+IGNORE_INDEX = -100
 _CODE_OF = {dtype: code for code, dtype in DTYPE_CODES.items()}
 _HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, len, doc_count
 
