@@ -109,6 +109,8 @@ def weigh_micro_batches(
     and gradient, however unevenly the mask falls. One all-reduce of one number over `group`
     (the data-parallel group; None: the world); queued on the device, no host sync. Without
     masks every weight is exactly 1.0 and the losses are bit for bit the per-batch means.
+    DeepSpeed's engine (every layout: TP, the pipeline's loss_fn, ZeRO) steps so; the flat
+    engine reaches the same numbers without this all-reduce (FlatEngine.train_batch).
     """
     counts = torch.stack([b.trained_tokens for b in batches])
     total = counts.sum()
