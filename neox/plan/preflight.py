@@ -80,9 +80,12 @@ def check_data(loaded: LoadedConfig) -> None:
     for key, prefix in prefixes:
         absent = [s for s in (".bin", ".idx") if not Path(prefix + s).is_file()]
         if absent:
+            tool = "tools/preprocess_data.py"
+            if "label" in key:
+                tool = "tools/preprocess_data_with_chat_template.py (or _with_mask.py)"
             missing.append(
                 f"{loaded.source_of(key)}: {key}={prefix!r}: {' and '.join(prefix + s for s in absent)} "
-                "not found; run tools/preprocess_data.py (it writes <prefix>.bin/.idx) or fix the path"
+                f"not found; run {tool} (it writes <prefix>.bin/.idx) or fix the path"
             )
         elif (problem := dataset_problem(prefix)) is not None:
             missing.append(f"{loaded.source_of(key)}: {key}={prefix!r}: {problem}")
