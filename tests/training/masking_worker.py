@@ -22,12 +22,15 @@ MODEL = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=SEQ
 TRAINED = [(3, 5), (1, 13), None, (4, 11)]
 SAMPLES = len(TRAINED)
 
-# name -> layout, engine, ZeRO stage; every case is 2 ranks, 4 samples a step.
+# name -> layout, engine, ZeRO stage; world = tp * pp * dp, 4 samples a step.
 CASES = {
     "flat_dp2": dict(tp=1, pp=1, dp=2, engine="flat", zero=1),
     "zero1_dp2": dict(tp=1, pp=1, dp=2, engine="deepspeed", zero=1),
     "tp2": dict(tp=2, pp=1, dp=1, engine="deepspeed", zero=0),
     "pp2": dict(tp=1, pp=2, dp=1, engine="deepspeed", zero=1),
+    # The count's all-reduce over the data-parallel group inside model-parallel layouts.
+    "tp2_dp2": dict(tp=2, pp=1, dp=2, engine="deepspeed", zero=1),
+    "pp2_dp2": dict(tp=1, pp=2, dp=2, engine="deepspeed", zero=1),
 }
 
 

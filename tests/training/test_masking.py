@@ -10,7 +10,6 @@ import torch
 from neox.training.engine import forward_loss, weigh_micro_batches
 from tests.parallel.parallel_harness import run_ranks
 from tests.training.masking_worker import (
-    CASES,
     STEPS,
     TRAINED,
     global_batch,
@@ -64,14 +63,11 @@ def test_without_masks_the_weights_are_exactly_one():
     assert [b.loss_weight.item() for b in batches] == [1.0, 1.0]
 
 
-@pytest.mark.slow
-def test_masked_training_matches_the_dense_global_mean_in_every_layout(tmp_path):
-    names = list(CASES)
-    run_ranks(run_cases, 2, names, str(tmp_path))
+def _check(out_dir, names):
     want = reference_losses()
     assert want == reference_losses(poisoned=True)
     for name in names:
-        got = json.loads((tmp_path / f"{name}.json").read_text())
+        got = json.loads((out_dir / f"{name}.json").read_text())
         clean, poisoned = got["clean"], got["poisoned"]
         assert len(clean["losses"]) == STEPS
         # Random targets where masked and random inputs after the last trained token: the
@@ -79,3 +75,17 @@ def test_masked_training_matches_the_dense_global_mean_in_every_layout(tmp_path)
         assert poisoned["losses"] == pytest.approx(clean["losses"], rel=1e-6, abs=0), name
         assert clean["losses"] == pytest.approx(want, rel=1e-5), f"{name}: {clean} vs {want}"
         assert clean["trained_tokens"] == [TRAINED_TOKENS] * STEPS, name
+
+
+@pytest.mark.slow
+def test_masked_training_matches_the_dense_global_mean_in_every_layout(tmp_path):
+    names = ["flat_dp2", "zero1_dp2", "tp2", "pp2"]
+    run_ranks(run_cases, 2, names, str(tmp_path))
+    _check(tmp_path, names)
+
+
+@pytest.mark.slow
+def test_masked_training_with_data_parallel_inside_model_parallel(tmp_path):
+    names = ["tp2_dp2", "pp2_dp2"]
+    run_ranks(run_cases, 4, names, str(tmp_path))
+    _check(tmp_path, names)
