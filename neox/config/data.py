@@ -63,6 +63,24 @@ class DataConfig(ConfigGroup):
     test_data_paths: Annotated[Optional[list[str]], Reads("neox/training/setup.py")] = None
     """Prefixes of test datasets."""
 
+    label_data_paths: Annotated[
+        Optional[list[str]], Reads("neox/training/setup.py", "neox/plan/preflight.py")
+    ] = None
+    """The label dataset of data_path (one prefix, written beside it by
+    tools/preprocess_data_with_chat_template.py or _with_mask.py), split the same way: the
+    token id where trained, -100 where not. With train_data_paths use train_label_data_paths."""
+
+    train_label_data_paths: Annotated[Optional[list[str]], Reads("neox/training/setup.py")] = None
+    """Label datasets of train_data_paths, one per path (gpt-neox key): the token id where
+    trained, -100 where not (prompts, other roles); each must match its data path's document
+    lengths."""
+
+    valid_label_data_paths: Annotated[Optional[list[str]], Reads("neox/training/setup.py")] = None
+    """Label datasets of valid_data_paths, one per path (validation loss on trained tokens)."""
+
+    test_label_data_paths: Annotated[Optional[list[str]], Reads("neox/training/setup.py")] = None
+    """Label datasets of test_data_paths, one per path."""
+
     train_data_weights: Annotated[Optional[list[Weight]], Reads("neox/training/setup.py")] = None
     """Blending weights of train_data_paths (default: equal)."""
 
@@ -114,21 +132,18 @@ class DataConfig(ConfigGroup):
     (DPO, reward models, RL) is refused."""
 
     pack_impl: Annotated[
-        str,
-        Refused(
-            feature="unpacked samples",
-            example="unpacked",
-            allowed=("packed",),
-            message=(
-                "pack_impl={value!r}: unpacked samples are not implemented in neox; use packed"
-            ),
-        ),
+        Literal["packed", "pack_until_overflow", "unpacked"], Reads("neox/training/setup.py")
     ] = "packed"
-    """Sample packing (gpt-neox key): documents are packed into full sequences; "unpacked" and
-    "pack_until_overflow" are refused."""
+    """How documents fill samples (gpt-neox key): "packed" cuts the document stream into
+    windows of seq_length + 1 tokens that run across documents; "pack_until_overflow" lays
+    whole documents into a sample until the next would overflow it, which starts the next
+    sample; "unpacked" gives each document its own sample. The last two cut a longer
+    document, pad the rest of a sample and never train on the padding, and skip documents
+    with no trained label."""
 
-    allow_chopped: bool = True
-    """No-op (gpt-neox key): it only matters for unpacked samples, which neox refuses."""
+    allow_chopped: Annotated[bool, Reads("neox/training/setup.py")] = True
+    """With pack_impl pack_until_overflow or unpacked: cut documents longer than seq_length + 1
+    tokens to their start (true) or leave them out (false). Ignored by "packed"."""
 
     eod_mask_loss: Annotated[bool, Reads("neox/training/loop.py")] = False
     """Exclude end-of-document tokens from the loss."""
@@ -153,6 +168,16 @@ class DataConfig(ConfigGroup):
 
     short_seq_prob: float = Field(0.0, ge=0, le=1)
     """No-op (gpt-neox key): a BERT-era option gpt-neox does not read either."""
+
+    @field_validator("label_data_paths")
+    @classmethod
+    def _one_label_dataset(cls, v: Optional[list[str]]) -> Optional[list[str]]:
+        if v is not None and len(v) != 1:
+            raise ValueError(
+                f"label_data_paths has {len(v)} entries; it is the one label dataset of "
+                "data_path (per-split paths take train/valid/test_label_data_paths)"
+            )
+        return v
 
     @field_validator("split")
     @classmethod

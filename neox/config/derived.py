@@ -367,6 +367,19 @@ def check_config(cfg: NeoXConfig) -> None:
                 f"{name}_data_weights has {len(weights)} entries but {name}_data_paths has "
                 f"{0 if paths is None else len(paths)}; give one weight per path"
             )
+    for name in ("train", "valid", "test"):
+        paths = getattr(d, f"{name}_data_paths")
+        labels = getattr(d, f"{name}_label_data_paths")
+        if labels is not None and (paths is None or len(labels) != len(paths)):
+            raise ValueError(
+                f"{name}_label_data_paths has {len(labels)} entries but {name}_data_paths has "
+                f"{0 if paths is None else len(paths)}; give one label dataset per data path"
+            )
+    if d.label_data_paths and not d.data_path:
+        raise ValueError(
+            "label_data_paths is the label dataset of data_path, which is not set; with "
+            "train/valid/test_data_paths use train/valid/test_label_data_paths"
+        )
     if d.train_data_paths and d.data_path:
         raise ValueError(
             "data_path and train_data_paths are both set; use data_path (with split) or "

@@ -25,9 +25,6 @@ UNSUPPORTED_KEYS: dict[str, str] = {
     "neg_valid_": "DPO/KTO pairwise data",
     "pos_test_": "DPO/KTO pairwise data",
     "neg_test_": "DPO/KTO pairwise data",
-    "train_label_data_paths": "label data (DPO/RM)",
-    "valid_label_data_paths": "label data (DPO/RM)",
-    "test_label_data_paths": "label data (DPO/RM)",
     "train_reward_data_paths": "reward-model data",
     "valid_reward_data_paths": "reward-model data",
     "test_reward_data_paths": "reward-model data",
@@ -116,7 +113,6 @@ RUNTIME_KEYS = {
     "config_files",
     "is_pipe_parallel",
     "autotuning_run",
-    "label_data_paths",
     # deepspeed_args.py slots for objects gpt-neox builds at run time
     "scheduler",
     "tensorboard",
