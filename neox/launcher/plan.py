@@ -219,8 +219,9 @@ def _launcher_argv(
     if launcher == "mvapich":
         argv = ["mpirun", "-np", nodes, "-ppn", "1", "-hosts", ",".join(hosts)]
         return argv + ["-genvlist", ",".join(exports)]
-    # srun numbers nodes in slurm's own order: every host has the same slots (checked).
-    argv = ["srun", "-n", nodes, "--nodes", nodes, "--ntasks-per-node=1"]
+    # srun numbers nodes in slurm's own order: every host has the same slots (checked). Like
+    # mpirun, it ends the step when an agent fails (one that fails before it can report, too).
+    argv = ["srun", "-n", nodes, "--nodes", nodes, "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
     if cfg.include or cfg.exclude:
         argv += ["--nodelist", ",".join(hosts)]
     if cfg.num_gpus is not None and not cpu:
@@ -416,8 +417,8 @@ def _check_backend_filters(cfg: LauncherConfig) -> None:
 
 
 def _user_env_file_exports(environ: Mapping[str, str], cwd: str) -> dict[str, str]:
-    """NAME=value lines of the .deepspeed_env files DeepSpeed's runner reads (home, then cwd),
-    exported to every node as DeepSpeed does."""
+    """NAME=value lines of the .deepspeed_env files (home, then cwd), exported to every node as
+    DeepSpeed's runner does."""
     name = environ.get("DS_ENV_FILE", ".deepspeed_env")
     lines: dict[str, str] = {}
     for folder in (os.path.expanduser("~"), cwd):

@@ -162,9 +162,24 @@ def test_mpirun_and_srun_start_one_agent_per_node_and_name_the_exports(tmp_path)
         "0,1/0,1,2",
     )
     assert args.tee and not args.control and args.script_args == ["--a"]
+    mvapich = build_launch(
+        cfg.model_copy(update={"launcher": "mvapich"}), "t.py", [], environ=environ
+    )
+    hydra, args = launched(mvapich)
+    assert hydra[:7] == ["mpirun", "-np", "2", "-ppn", "1", "-hosts", "node-a,node-b"]
+    assert "MY_VAR" in hydra[hydra.index("-genvlist") + 1].split(",")
+    assert args.node_rank_env == "MV2_COMM_WORLD_RANK,PMI_RANK"
     slurm = cfg.model_copy(update={"launcher": "slurm", "num_gpus": 2})
     srun, args = launched(build_launch(slurm, "t.py", [], cpu=True, environ=environ))
-    assert srun[:5] == ["srun", "-n", "2", "--nodes", "2"] and "--ntasks-per-node=1" in srun
+    assert srun[:7] == [
+        "srun",
+        "-n",
+        "2",
+        "--nodes",
+        "2",
+        "--ntasks-per-node=1",
+        "--kill-on-bad-exit=1",
+    ]
     assert srun[-1].startswith("--export=ALL,") and "MY_VAR" in srun[-1].split(",")
     assert args.devices == "0,1/0,1" and "--gpus-per-node" not in srun  # CPU ranks
     srun, _ = launched(build_launch(slurm, "t.py", [], cpu=False, environ=environ))
