@@ -67,6 +67,8 @@ class LaunchPlan:
     """Seconds the ranks get to save after a stop before they are killed."""
     ssh_port: Optional[int] = None
     """sshd port of the nodes."""
+    ssh_check: bool = False
+    """Log into every node over ssh before the launch (pdsh; mpirun's too, unless no_ssh_check)."""
     cpu: bool = False
     """Ranks run on CPU (DS_ACCELERATOR=cpu, gloo)."""
     script_args: list[str] = field(default_factory=list)
@@ -182,6 +184,7 @@ def build_launch(
             cwd,
             master_port=port,
             ssh_port=cfg.ssh_port,
+            ssh_check=True,
             **common,
         )
 
@@ -201,6 +204,9 @@ def build_launch(
         launcher,
         cwd,
         master_port=port,
+        ssh_port=cfg.ssh_port,
+        # mpirun reaches the nodes over ssh, as DeepSpeed's runner checked; srun does not.
+        ssh_check=launcher != "slurm" and not cfg.no_ssh_check,
         **common,
     )
 

@@ -162,6 +162,10 @@ def test_mpirun_and_srun_start_one_agent_per_node_and_name_the_exports(tmp_path)
         "0,1/0,1,2",
     )
     assert args.tee and not args.control and args.script_args == ["--a"]
+    assert plan.ssh_check  # mpirun goes over ssh; gpt-neox's no_ssh_check skips the check
+    assert not build_launch(
+        cfg.model_copy(update={"no_ssh_check": True}), "t.py", [], environ=environ
+    ).ssh_check
     mvapich = build_launch(
         cfg.model_copy(update={"launcher": "mvapich"}), "t.py", [], environ=environ
     )
@@ -170,7 +174,9 @@ def test_mpirun_and_srun_start_one_agent_per_node_and_name_the_exports(tmp_path)
     assert "MY_VAR" in hydra[hydra.index("-genvlist") + 1].split(",")
     assert args.node_rank_env == "MV2_COMM_WORLD_RANK,PMI_RANK"
     slurm = cfg.model_copy(update={"launcher": "slurm", "num_gpus": 2})
-    srun, args = launched(build_launch(slurm, "t.py", [], cpu=True, environ=environ))
+    plan = build_launch(slurm, "t.py", [], cpu=True, environ=environ)
+    srun, args = launched(plan)
+    assert not plan.ssh_check  # srun needs no ssh
     assert srun[:7] == [
         "srun",
         "-n",
