@@ -294,6 +294,25 @@ def node_rank_from_launcher(args: argparse.Namespace) -> int:
     return int(os.environ[name])
 
 
+def warn_if_master_elsewhere(args: argparse.Namespace) -> None:
+    """Rank 0 serves the rendezvous at master_addr; mpirun/srun chose this node for it by their
+    own numbering, which may not put it on master_addr's host (the ranks would then wait)."""
+    if args.node_rank != 0:
+        return
+    try:
+        with socket.socket() as s:
+            s.bind((args.master_addr, 0))
+    except OSError:
+        log.warning(
+            "WARNING: this node (%s) runs rank 0 (%s=0), but master_addr=%s is not one of its "
+            "addresses, so the other ranks look for rank 0 there; set master_addr to this "
+            "node, or list the hostfile in the launcher's node order",
+            socket.gethostname(),
+            args.node_rank_env,
+            args.master_addr,
+        )
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m neox.launcher.agent", description=__doc__)
     place = p.add_mutually_exclusive_group(required=True)
@@ -337,6 +356,7 @@ def main(argv: list[str]) -> int:
     die_with_parent(signal.SIGHUP, os.getppid())
     if args.node_rank_env:
         args.node_rank = node_rank_from_launcher(args)
+        warn_if_master_elsewhere(args)
     agent.start_ranks()
     if args.control or args.control_fd is not None:
         threading.Thread(target=agent.read_control, daemon=True).start()

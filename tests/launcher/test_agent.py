@@ -1,6 +1,7 @@
 """The per-node agent: the ranks' parent. It names the first rank to fail by construction, stops
 its ranks when its own parent dies (kill -9), and leaves neither a process nor a /dev/shm buffer."""
 
+import argparse
 import json
 import os
 import signal
@@ -226,3 +227,13 @@ def test_under_srun_the_node_rank_comes_from_it_and_usr1_usr2_stop_and_kill(tmp_
     finally:
         agent.kill()
         agent.wait()
+
+
+def test_rank_0_placed_away_from_master_addr_is_warned_about(caplog):
+    from neox.launcher.agent import warn_if_master_elsewhere
+
+    for addr in ("127.0.0.1", "192.0.2.1"):  # here; a documentation address, on no machine
+        args = argparse.Namespace(node_rank=0, master_addr=addr, node_rank_env="SLURM_NODEID")
+        warn_if_master_elsewhere(args)
+    [message] = caplog.messages
+    assert "runs rank 0 (SLURM_NODEID=0), but master_addr=192.0.2.1 is not one of" in message
