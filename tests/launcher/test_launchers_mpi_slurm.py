@@ -244,7 +244,7 @@ def sleeping_ranks(
     while True:
         try:
             return run, [run.rank_pid(0), run.rank_pid(1)]
-        except AssertionError:
+        except (AssertionError, OSError):  # not started yet; a short-lived process just ended
             assert run.proc.poll() is None and time.monotonic() < deadline, run.text()[-3000:]
             time.sleep(0.2)
 
