@@ -230,20 +230,20 @@ def test_ranks_are_the_agents_children_and_sigterm_saves(launcher, tmp_path):
     assert "Traceback" not in out
 
 
-def sleeping_ranks(
-    tmp_path: Path, launcher: str, host: str, env: dict
-) -> tuple[BackgroundRun, list[int]]:
-    """deepy.py starting 2 ranks of tests/deepy_probe.py that sleep (no rank is `exit_interval`),
-    and their pids."""
+def sleeping_ranks(tmp_path: Path, launcher: str, host: str, env: dict) -> BackgroundRun:
+    """deepy.py starting 2 ranks of tests/deepy_probe.py that sleep (no rank is `exit_interval`)."""
     flat = dict(one_node(tmp_path, launcher, host), exit_interval=7, master_port=free_port())
     flat.update(tokenizer_type="CharLevelTokenizer", log_dir=str(tmp_path))
     cfg = tmp_path / "probe.yml"
     cfg.write_text("".join(f"{k}: {json.dumps(v)}\n" for k, v in flat.items()))
-    run = BackgroundRun(cfg, tmp_path / "run.out", "tests/deepy_probe.py", **env)
+    return BackgroundRun(cfg, tmp_path / "run.out", "tests/deepy_probe.py", **env)
+
+
+def rank_pids(run: BackgroundRun) -> list[int]:
     deadline = time.monotonic() + 120
     while True:
         try:
-            return run, [run.rank_pid(0), run.rank_pid(1)]
+            return [run.rank_pid(0), run.rank_pid(1)]
         except (AssertionError, OSError):  # not started yet; a short-lived process just ended
             assert run.proc.poll() is None and time.monotonic() < deadline, run.text()[-3000:]
             time.sleep(0.2)
@@ -251,8 +251,9 @@ def sleeping_ranks(
 
 def test_a_rank_killed_ends_the_job_naming_it(launcher, tmp_path):
     name, host, env = launcher
-    run, (_, rank1) = sleeping_ranks(tmp_path, name, host, env)
+    run = sleeping_ranks(tmp_path, name, host, env)
     try:
+        rank1 = rank_pids(run)[1]
         os.kill(rank1, signal.SIGKILL)
         killed = time.monotonic()
         assert run.wait() == 128 + signal.SIGKILL, run.text()[-3000:]
@@ -265,11 +266,27 @@ def test_a_rank_killed_ends_the_job_naming_it(launcher, tmp_path):
 
 def test_kill_9_of_deepy_leaves_nothing(launcher, tmp_path):
     name, host, env = launcher
-    run, _ = sleeping_ranks(tmp_path, name, host, env)
+    run = sleeping_ranks(tmp_path, name, host, env)
     try:
+        rank_pids(run)
         # mpirun/srun get SIGUSR1 from the kernel (PR_SET_PDEATHSIG) and pass it on: the agent
         # stops its ranks as on SIGTERM (training ranks save), then everything exits.
         run.kill_9_deepy()
     finally:
         run.kill_all()
+    assert "stop requested by deepy.py: SIGTERM to 2 rank(s)" in run.text(), run.text()[-3000:]
+
+
+def test_sigterm_while_the_agent_starts_still_reaches_the_ranks(launcher, tmp_path):
+    name, host, env = launcher
+    run = sleeping_ranks(tmp_path, name, host, env)
+    try:
+        run.wait_for("launching 2 rank(s)")  # the agent does not exist yet
+        os.kill(run.proc.pid, signal.SIGTERM)
+        start = time.monotonic()
+        run.wait()
+        assert time.monotonic() - start < 60 and run.pids() == []
+    finally:
+        run.kill_all()
+    # The stop waited for the agent's ready line: it did not kill the agent before its ranks.
     assert "stop requested by deepy.py: SIGTERM to 2 rank(s)" in run.text(), run.text()[-3000:]
