@@ -18,8 +18,8 @@ its ranks have ended (REPORT_PREFIX + JSON, on --report_fd or stdout). deepy.py'
 channel is the agent's stdin over ssh, or a pipe of its own on deepy's machine (--control_fd;
 then the agent's stdin, deepy.py's, is rank 0's, for generate.py's interactive mode): `stop` (SIGTERM to every rank, SIGKILL after stop_grace_s), `kill` (SIGKILL
 now); end of file means deepy.py is gone and acts as `stop`, as does the agent's parent dying
-(PR_SET_PDEATHSIG) or a SIGTERM/SIGINT/SIGUSR1 to the agent itself (a second one kills the
-ranks; SIGUSR2 kills them at once).
+(PR_SET_PDEATHSIG) or a SIGTERM/SIGINT to the agent itself (a second one kills the ranks);
+SIGUSR1 is always a stop, SIGUSR2 kills them at once.
 Each rank is started with PR_SET_PDEATHSIG=SIGKILL, so no rank outlives its agent.
 """
 
@@ -186,7 +186,9 @@ class Agent:
             self.stop("deepy.py is gone (the agent's parent ended)")
         elif signum == signal.SIGUSR2:  # from deepy.py, through mpirun/srun
             self.kill("deepy.py asked")
-        elif signum == signal.SIGUSR1 and not self.stopping:
+        elif signum == signal.SIGUSR1:
+            # Always a stop, never the second that kills: a parent-death signal comes once per
+            # thread of the dead parent, so mpirun/srun may pass on several.
             self.stop("stop requested by deepy.py")
         elif self.stopping:
             log.warning("second %s: killing the ranks now", name)
