@@ -425,6 +425,7 @@ def batch_triple(cfg: NeoXConfig, dp: int) -> tuple[int, int, int]:
     t = cfg.training
     micro = t.train_micro_batch_size_per_gpu or t.batch_size
     gas, glob = t.gradient_accumulation_steps, t.train_batch_size
+    dp_is = f"data-parallel size {dp}"
     if micro is not None and gas is not None and glob is not None:
         if micro * gas * dp != glob:
             raise ConfigError(
@@ -435,14 +436,14 @@ def batch_triple(cfg: NeoXConfig, dp: int) -> tuple[int, int, int]:
     elif micro is not None and gas is not None:
         glob = micro * gas * dp
     elif micro is not None and glob is not None:
-        gas = _exact_div(glob, micro * dp, "train_batch_size", "micro batch x data-parallel size")
+        gas = _exact_div(glob, micro * dp, f"train_micro_batch_size_per_gpu={micro} x {dp_is}")
     elif gas is not None and glob is not None:
-        micro = _exact_div(glob, gas * dp, "train_batch_size", "accumulation x data-parallel size")
+        micro = _exact_div(glob, gas * dp, f"gradient_accumulation_steps={gas} x {dp_is}")
     elif micro is not None:
         gas, glob = 1, micro * dp
     elif glob is not None:
         gas = 1
-        micro = _exact_div(glob, dp, "train_batch_size", "data-parallel size")
+        micro = _exact_div(glob, dp, dp_is)
     else:
         micro, gas = 1, gas or 1
         glob = micro * gas * dp
@@ -452,12 +453,14 @@ def batch_triple(cfg: NeoXConfig, dp: int) -> tuple[int, int, int]:
     return micro, gas, glob
 
 
-def _exact_div(total: int, part: int, total_name: str, part_name: str) -> int:
-    if part == 0 or total % part:
+def _exact_div(glob: int, part: int, part_is: str) -> int:
+    if part == 0 or glob % part:
         raise ConfigError(
-            f"{total_name}={total} is not divisible by {part_name} = {part}; adjust the batch sizes"
+            f"train_batch_size={glob} is not divisible by {part_is} = {part}; set any two of "
+            "train_batch_size, train_micro_batch_size_per_gpu and gradient_accumulation_steps "
+            "that fit, and neox derives the third"
         )
-    return total // part
+    return glob // part
 
 
 def precision_of(cfg: NeoXConfig) -> str:
