@@ -1,13 +1,14 @@
-"""Read a local Hugging Face model directory as neox config keys and weights, and write it as a
-neox checkpoint at any TP/PP, one layer at a time.
+"""Read a local Hugging Face model directory (GPTNeoX, Llama, Mistral, Qwen2, Qwen3) as neox
+config keys and weights, and write it as a neox checkpoint at any TP/PP, one layer at a time.
 
-The config keys are the inverse of hf_map.hf_config_for; a config.json field neox does not know
-is refused by name, as is anything our model cannot express (neox_model_keys). The weights are
-planned from the file headers (every name and shape checked against the model) before anything
-is written, then read, converted and written layer by layer (hf_weights.py, stream_writer.py),
-so host memory stays near one layer rather than the model. The tokenizer files, the generation
-config and the chat template are carried into the checkpoint's `hf/` directory, and the family
-into the config (hf_architecture), so convert_to_hf.py gives them back.
+The config keys are the inverse of hf_map.hf_config_for; any config.json field our model cannot
+express (longrope, an unknown field, ...) is refused by name before anything is written
+(neox_model_keys). The weights are planned from the file headers (every name and shape checked
+against the model) before anything is written, then read, converted and written layer by layer
+(hf_weights.py, stream_writer.py), so host memory stays near one layer rather than the model.
+The tokenizer files, the generation config and the chat template are carried into the
+checkpoint's `hf/` directory, and the family into the config (hf_architecture), so
+convert_to_hf.py gives them back.
 """
 
 from __future__ import annotations
@@ -22,7 +23,13 @@ import torch
 import yaml
 
 from neox.checkpoint.consolidate import check_state_dict
-from neox.checkpoint.hf_map import HF_ACTIVATIONS, check_exportable, from_hf_state_dict
+from neox.checkpoint.hf_map import (
+    ARCHS,
+    HF_ACTIVATIONS,
+    LLAMA_FAMILY,
+    check_exportable,
+    from_hf_state_dict,
+)
 from neox.checkpoint.hf_weights import HFWeights, HFWeightsError
 from neox.checkpoint.staging import check_output_dir, staged_directory
 from neox.checkpoint.stream_writer import StreamingCheckpoint
@@ -31,13 +38,99 @@ from neox.config import ConfigError, load_dict, pad_vocab_size
 from neox.model import build_model
 from neox.tokenizer import build_tokenizer
 
-# HF model_type -> hf_map's architecture name.
-MODEL_TYPES = ("gpt_neox", "llama")
-# HF hidden_act -> our `activation` (Llama's gated MLP applies it to the gate branch).
+# HF model_type -> hf_map's architecture name (the same words).
+MODEL_TYPES = ARCHS
+# HF hidden_act -> our `activation` (the Llama family's gated MLP applies it to the gate branch).
 ACTIVATIONS = {
     "gpt_neox": {hf: ours for ours, hf in HF_ACTIVATIONS.items()},
-    "llama": {"silu": "swiglu", "gelu": "geglu"},
+    **{arch: {"silu": "swiglu", "gelu": "geglu"} for arch in LLAMA_FAMILY},
 }
+# config.json fields that change nothing the weights compute (bookkeeping, generation, heads
+# other than the causal LM's).
+NEUTRAL_FIELDS = {
+    "_name_or_path",
+    "architectures",
+    "model_type",
+    "transformers_version",
+    "torch_dtype",
+    "dtype",
+    "use_cache",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "chunk_size_feed_forward",
+    "id2label",
+    "label2id",
+    "is_decoder",
+    "is_encoder_decoder",
+    "output_attentions",
+    "output_hidden_states",
+    "problem_type",
+    "return_dict",
+    "classifier_dropout",
+    "pretraining_tp",  # transformers 5 ignores it; its slicing never changed the math
+}
+_LLAMA_FIELDS = {
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "hidden_act",
+    "max_position_embeddings",
+    "initializer_range",
+    "rms_norm_eps",
+    "tie_word_embeddings",
+    "rope_parameters",
+    "rope_scaling",
+    "rope_theta",
+    "attention_dropout",
+}
+_QWEN_WINDOW = {"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"}
+# The fields neox_model_keys reads, per model_type; any other field is refused by name.
+READ_FIELDS = {
+    "gpt_neox": {
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "hidden_act",
+        "max_position_embeddings",
+        "initializer_range",
+        "layer_norm_eps",
+        "tie_word_embeddings",
+        "rope_parameters",
+        "rope_scaling",
+        "rotary_pct",
+        "rotary_emb_base",
+        "partial_rotary_factor",
+        "use_parallel_residual",
+        "hidden_dropout",
+        "attention_dropout",
+        "attention_bias",
+    },
+    "llama": _LLAMA_FIELDS | {"attention_bias", "mlp_bias"},
+    "mistral": _LLAMA_FIELDS | {"sliding_window"},
+    "qwen2": _LLAMA_FIELDS | _QWEN_WINDOW,
+    "qwen3": _LLAMA_FIELDS | _QWEN_WINDOW | {"attention_bias"},
+}
+# rope_parameters / rope_scaling entry -> our flat key.
+ROPE_FIELDS = {
+    "factor": "rope_scaling_factor",
+    "original_max_position_embeddings": "rope_original_max_position_embeddings",
+    "low_freq_factor": "rope_low_freq_factor",
+    "high_freq_factor": "rope_high_freq_factor",
+    "beta_fast": "rope_yarn_beta_fast",
+    "beta_slow": "rope_yarn_beta_slow",
+    "attention_factor": "rope_yarn_attention_factor",
+    "mscale": "rope_yarn_mscale",
+    "mscale_all_dim": "rope_yarn_mscale_all_dim",
+    "truncate": "rope_yarn_truncate",
+}
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 # HF model_type -> the name convert_to_hf.py's --architecture (and hf_architecture) use.
@@ -47,74 +140,6 @@ FAMILIES = {
     "mistral": "mistral",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
-}
-
-# config.json fields that change no weight and no computation of the causal LM: provenance,
-# transformers' run-time switches, the token ids of generation, other heads' labels. (The
-# tokenizer and generation files carry the ids back on export.)
-METADATA_FIELDS = frozenset(
-    {
-        "_name_or_path",
-        "_attn_implementation",
-        "_commit_hash",
-        "architectures",
-        "transformers_version",
-        "torch_dtype",
-        "dtype",
-        "model_type",
-        "bos_token_id",
-        "eos_token_id",
-        "pad_token_id",
-        "use_cache",
-        "id2label",
-        "label2id",
-        "output_attentions",
-        "output_hidden_states",
-        "return_dict",
-        "problem_type",
-        "chunk_size_feed_forward",
-        "is_encoder_decoder",
-        "is_decoder",
-        "classifier_dropout",  # the sequence-classification head's, not the LM's
-        "tokenizer_class",
-        "initializer_range",  # init only; kept as init_method_std
-        "pretraining_tp",  # transformers < 5 splits the matmuls; same weights, same function
-    }
-)
-_COMMON = {
-    "vocab_size",
-    "hidden_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "intermediate_size",
-    "hidden_act",
-    "max_position_embeddings",
-    "tie_word_embeddings",
-    "attention_dropout",
-    "head_dim",
-    "rope_theta",
-    "rope_scaling",
-    "rope_parameters",
-    "partial_rotary_factor",
-}
-_GQA = {"num_key_value_heads", "rms_norm_eps"}
-_QWEN = {"sliding_window", "use_sliding_window", "max_window_layers", "layer_types"}
-# The fields of each family's config.json that neox_model_keys turns into model keys (or
-# checks); any other field is refused by name, since neox cannot tell what it changes.
-MODEL_FIELDS = {
-    "gpt_neox": _COMMON
-    | {
-        "rotary_pct",
-        "rotary_emb_base",
-        "layer_norm_eps",
-        "use_parallel_residual",
-        "hidden_dropout",
-        "attention_bias",
-    },
-    "llama": _COMMON | _GQA | {"attention_bias", "mlp_bias"},
-    "mistral": _COMMON | _GQA | {"sliding_window"},
-    "qwen2": _COMMON | _GQA | _QWEN | {"use_mrope"},
-    "qwen3": _COMMON | _GQA | _QWEN | {"attention_bias"},
 }
 
 # Files of an HF model directory besides config.json and the weights, carried into the
@@ -151,39 +176,113 @@ def read_hf_config(hf_dir: Path) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
-def _rope(hf: dict[str, Any]) -> tuple[float, float, str]:
-    """(theta, partial rotary factor, rope type), from transformers 5's rope_parameters or
-    the older top-level keys."""
-    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    theta = params.get("rope_theta", hf.get("rope_theta", hf.get("rotary_emb_base", 10000)))
-    partial = params.get(
+def _rope(hf: dict[str, Any], problems: list[str]) -> dict[str, Any]:
+    """Our rotary keys (base, rotary_pct, rope_* scaling) from transformers 5's
+    rope_parameters or the older rope_scaling / top-level keys; problems are appended."""
+    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    theta = params.pop("rope_theta", hf.get("rope_theta", hf.get("rotary_emb_base", 10000)))
+    partial = params.pop(
         "partial_rotary_factor", hf.get("partial_rotary_factor", hf.get("rotary_pct", 1.0))
     )
-    kind = params.get("rope_type", params.get("type", "default"))
-    return float(theta), float(partial), kind
+    kind = params.pop("rope_type", params.pop("type", "default"))
+    keys: dict[str, Any] = {"rotary_pct": float(partial)}
+    if float(theta) != int(float(theta)):
+        problems.append(f"rope_theta={theta} (rotary_emb_base is an integer)")
+    else:
+        keys["rotary_emb_base"] = int(float(theta))
+    if kind not in ROPE_TYPES:
+        problems.append(f"rope_type={kind!r} (neox implements {', '.join(ROPE_TYPES)})")
+        return keys
+    unknown = sorted(k for k in params if k not in ROPE_FIELDS)
+    if unknown:
+        problems.append(f"rope_parameters field(s) {unknown} (not used by rope_type={kind!r})")
+    if kind == "default":
+        if any(v is not None for k, v in params.items() if k in ROPE_FIELDS):
+            problems.append(f"rope_parameters {params} with rope_type='default'")
+        return keys
+    keys["rope_scaling_type"] = kind
+    for field, flat in ROPE_FIELDS.items():
+        value = params.get(field)
+        if field == "truncate":
+            if value is False:
+                keys[flat] = False
+        elif value is not None:
+            keys[flat] = value
+    if kind in ("llama3", "yarn"):
+        # transformers' default for the pretraining length.
+        keys.setdefault("rope_original_max_position_embeddings", hf["max_position_embeddings"])
+    if kind in ("linear", "dynamic"):
+        keys.pop("rope_original_max_position_embeddings", None)  # transformers ignores it here
+    return keys
+
+
+def _windows(hf: dict[str, Any], arch: str, problems: list[str]) -> dict[str, Any]:
+    """sliding_window_width (and attention_config for Qwen's mixed layers). HF counts the query
+    among the window's keys: HF sliding_window N is our width N - 1."""
+    n = hf["num_hidden_layers"]
+    if arch == "mistral":
+        sliding = [True] * n if hf.get("sliding_window") is not None else [False] * n
+    elif arch in ("qwen2", "qwen3"):
+        on = hf.get("use_sliding_window", False)
+        types = hf.get("layer_types")
+        if types is None:
+            first = hf.get("max_window_layers", 28)
+            types = [
+                "sliding_attention" if on and i >= first else "full_attention" for i in range(n)
+            ]
+        unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
+        if unknown or len(types) != n:
+            problems.append(f"layer_types={types} (give one of full/sliding_attention per layer)")
+            return {}
+        sliding = [t == "sliding_attention" for t in types]
+        if any(sliding) and not on:
+            problems.append("layer_types with sliding_attention but use_sliding_window=false")
+            return {}
+    else:
+        return {}
+    if not any(sliding):
+        return {}
+    window = hf.get("sliding_window")
+    if not isinstance(window, int) or window < 2:
+        problems.append(f"sliding_window={window!r} (a window of at least 2 keys)")
+        return {}
+    keys: dict[str, Any] = {"sliding_window_width": window - 1}
+    if not all(sliding):
+        runs: list[list[Any]] = []
+        for s in sliding:
+            kind = "local" if s else "global"
+            if runs and runs[-1][0] == [kind]:
+                runs[-1][1] += 1
+            else:
+                runs.append([[kind], 1])
+        keys["attention_config"] = runs
+    return keys
 
 
 def neox_model_keys(hf: dict[str, Any]) -> dict[str, Any]:
-    """Our flat model config keys for an HF GPTNeoX / Llama config.json."""
+    """Our flat model config keys for an HF config.json of a family in hf_map.ARCHS; raises
+    HFImportError naming every field that neox cannot express or does not know."""
     arch = hf.get("model_type")
     if arch not in MODEL_TYPES:
         raise HFImportError(
             f"model_type={arch!r} is not supported; convert_from_hf reads {', '.join(MODEL_TYPES)}"
         )
-    theta, partial, rope_type = _rope(hf)
+    problems = [
+        f"unknown field {k}={hf[k]!r} (neox does not know what it changes)"
+        for k in sorted(set(hf) - READ_FIELDS[arch] - NEUTRAL_FIELDS)
+    ]
     heads = hf["num_attention_heads"]
-    problems = []
-    if rope_type != "default":
-        problems.append(f"rope_type={rope_type!r} (only unscaled rotary is supported)")
-    if theta != int(theta):
-        problems.append(f"rope_theta={theta} (rotary_emb_base is an integer)")
-    if hf.get("head_dim") not in (None, hf["hidden_size"] // heads):
-        problems.append(f"head_dim={hf['head_dim']} (ours is hidden_size / num_attention_heads)")
-    act = ACTIVATIONS[arch].get(hf.get("hidden_act", "silu" if arch == "llama" else "gelu"))
+    rope = _rope(hf, problems)
+    llama = arch in LLAMA_FAMILY
+    act = ACTIVATIONS[arch].get(hf.get("hidden_act", "silu" if llama else "gelu"))
     if act is None:
         problems.append(
             f"hidden_act={hf.get('hidden_act')!r} (use one of {', '.join(ACTIVATIONS[arch])})"
         )
+    head_dim = hf.get("head_dim")
+    if arch == "gpt_neox" and head_dim not in (None, hf["hidden_size"] // heads):
+        problems.append(f"head_dim={head_dim} (GPTNeoX's is hidden_size / num_attention_heads)")
+    windows = _windows(hf, arch, problems)
     if problems:
         raise HFImportError(f"this HF {arch} model cannot be read: " + "; ".join(problems))
     intermediate = hf["intermediate_size"]
@@ -194,12 +293,12 @@ def neox_model_keys(hf: dict[str, Any]) -> dict[str, Any]:
         "seq_length": hf["max_position_embeddings"],
         "max_position_embeddings": hf["max_position_embeddings"],
         "pos_emb": "rotary",
-        "rotary_pct": partial,
-        "rotary_emb_base": int(theta),
+        **rope,
         "activation": act,
         "no_weight_tying": not hf.get("tie_word_embeddings", False),
         "init_method_std": hf.get("initializer_range", 0.02),
         "attention_dropout": hf.get("attention_dropout", 0.0),
+        **windows,
     }
     if arch == "gpt_neox":
         keys.update(
@@ -210,55 +309,32 @@ def neox_model_keys(hf: dict[str, Any]) -> dict[str, Any]:
             hidden_dropout=hf.get("hidden_dropout", 0.0),
             use_bias_in_attn_linear=hf.get("attention_bias", True),
         )
-    else:
-        keys.update(
-            # Our gated width is int(intermediate_size * 2/3) // 2: 3x gives HF's exactly.
-            intermediate_size=3 * intermediate,
-            norm="rmsnorm",
-            rms_norm_epsilon=hf.get("rms_norm_eps", 1e-6),
-            num_kv_heads=hf.get("num_key_value_heads") or heads,
-            use_bias_in_attn_linear=hf.get("attention_bias", False),
-            use_bias_in_mlp=hf.get("mlp_bias", False),
-        )
+        return keys
+    keys.update(
+        # Our gated width is int(intermediate_size * 2/3) // 2: 3x gives HF's exactly.
+        intermediate_size=3 * intermediate,
+        norm="rmsnorm",
+        rms_norm_epsilon=hf.get("rms_norm_eps", 1e-6),
+        num_kv_heads=hf.get("num_key_value_heads") or heads,
+        use_bias_in_attn_linear=hf.get("attention_bias", False),
+        use_bias_in_mlp=hf.get("mlp_bias", False),
+    )
+    if head_dim is not None and head_dim * heads != hf["hidden_size"]:
+        keys["head_dim"] = head_dim
+    if arch == "qwen2":  # q/k/v biases, none on the output, always
+        keys.update(use_bias_in_attn_linear=True, use_bias_in_attn_dense=False)
+    if arch == "qwen3":
+        keys["use_qk_layernorm"] = True
     return keys
 
 
-def check_hf_fields(hf: dict[str, Any]) -> None:
-    """Refuse, by name, every config.json field neox does not know for this family, and the
-    known ones set to values our model cannot express (mixed attention layer types, M-RoPE)."""
-    family = hf.get("model_type")
-    if family not in MODEL_FIELDS:
-        raise HFImportError(
-            f"model_type={family!r} is not supported; convert_from_hf reads "
-            f"{', '.join(MODEL_FIELDS)}"
-        )
-    unknown = sorted(set(hf) - METADATA_FIELDS - MODEL_FIELDS[family])
-    problems = [
-        f"{k}={json.dumps(hf[k])[:60]} (not a field neox knows for HF {family}; it may change "
-        "the model)"
-        for k in unknown
-    ]
-    layer_types = hf.get("layer_types")
-    if layer_types and len(set(layer_types)) > 1:
-        problems.append(
-            f"layer_types={sorted(set(layer_types))} (neox gives every layer the same attention)"
-        )
-    window_layers = hf.get("max_window_layers")
-    if (
-        hf.get("use_sliding_window")
-        and window_layers is not None
-        and window_layers < hf.get("num_hidden_layers", 0)
-    ):
-        problems.append(
-            f"max_window_layers={window_layers} with use_sliding_window=true (sliding window "
-            "on some layers only; neox gives every layer the same attention)"
-        )
-    if hf.get("use_mrope"):
-        problems.append("use_mrope=true (multimodal rotary is not implemented)")
-    if problems:
-        raise HFImportError(
-            f"this HF {family} config.json cannot be imported: " + "; ".join(problems)
-        )
+# Fields that change nothing at these values but that neox_model_keys does not list (Qwen2.5's
+# config.json has use_mrope: false): dropped before it reads the config.
+NEUTRAL_VALUES = {"use_mrope": False}
+
+
+def without_neutral_values(hf: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in hf.items() if not (k in NEUTRAL_VALUES and v == NEUTRAL_VALUES[k])}
 
 
 def read_hf_weights(hf_dir: Path) -> dict[str, torch.Tensor]:
@@ -316,11 +392,11 @@ def convert_from_hf(
     if dtype != "auto" and dtype not in DTYPES:
         raise HFImportError(f"dtype={dtype!r} is not one of auto, {', '.join(DTYPES)}")
     hf = read_hf_config(hf_dir)
-    check_hf_fields(hf)
+    flat: dict[str, Any] = dict(neox_model_keys(without_neutral_values(hf)))
     family = hf["model_type"]
     arch = family  # hf_map's architecture names are HF's model_type
     carried = out.resolve() / CARRIED_DIR
-    flat: dict[str, Any] = dict(neox_model_keys(hf), model_parallel_size=tp)
+    flat["model_parallel_size"] = tp
     if pp > 1:
         flat["pipe_parallel_size"] = pp
     tokenizer_keys, note = _tokenizer_keys(hf_dir, carried)

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from neox.config.model import ModelConfig
@@ -114,7 +115,7 @@ def apply_tensor_parallel(
 
     for _, module in model.named_modules():
         if hasattr(module, "query_key_value") and hasattr(module, "num_kv_heads"):
-            _shard_attention(module, rank, tp)
+            _shard_attention(module, rank, tp, group)
 
     # The head reads embed_in.weight (tied) or embed_out.weight as F.linear(norm(x), W): with
     # W split by vocab rows the hidden state enters every rank, so its gradient is the sum
@@ -128,14 +129,27 @@ def apply_tensor_parallel(
     return model
 
 
-def _shard_attention(attn: nn.Module, rank: int, tp: int) -> None:
-    """Per-rank head counts: the qkv column split gave this rank whole kv groups."""
+def _shard_attention(attn: nn.Module, rank: int, tp: int, group: Any) -> None:
+    """Per-rank head counts: the qkv column split gave this rank whole kv groups. The q/k norms,
+    one weight shared by all heads, see only this rank's heads: their gradients are summed
+    over the tp ranks (each rank holds the same full weight)."""
     attn.num_heads //= tp
     attn.num_kv_heads //= tp
+    for name in ("q_layernorm", "k_layernorm"):
+        norm = getattr(attn, name, None)
+        for param in norm.parameters() if norm is not None else ():
+            param.register_hook(functools.partial(_sum_over_ranks, group=group))
     slopes = getattr(attn, "alibi_slopes", None)
     if slopes is not None:
         n = attn.num_heads
         attn.alibi_slopes = list(slopes)[rank * n : (rank + 1) * n]
+
+
+def _sum_over_ranks(grad: torch.Tensor, group: Any) -> torch.Tensor:
+    """A replicated parameter's gradient from partial ones: the sum over the tp group."""
+    grad = grad.clone()
+    dist.all_reduce(grad, group=group)
+    return grad
 
 
 def _wrap_forward(module: nn.Module, wrapper: Callable[..., Any]) -> None:

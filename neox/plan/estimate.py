@@ -51,7 +51,9 @@ def block_vector_sizes(cfg: ModelConfig, tp: int = 1) -> list[int]:
     ffn = shape.ffn_size // tp
     sizes = []
     if cfg.use_bias_in_attn_linear:
-        sizes += [qkv_out, h]
+        sizes.append(qkv_out)
+    if shape.attn_dense_bias:
+        sizes.append(h)
     if cfg.use_qk_layernorm:
         sizes += 2 * _norm_tensors(cfg, hs)
     if cfg.use_bias_in_mlp:
@@ -126,6 +128,8 @@ def flops_parameters(cfg: ModelConfig, vocab_size: int) -> int:
 
 def train_flops_per_token(cfg: ModelConfig, vocab_size: int) -> int:
     """Training FLOPs per token, forward + backward: 6N + 12 * L * h * s (attention scores and
-    their weighted sum over the full sequence, as Megatron and PaLM count them; no recompute)."""
-    attention = 12 * cfg.num_layers * cfg.hidden_size * cfg.seq_length
+    their weighted sum over the full sequence, as Megatron and PaLM count them; no recompute),
+    h being the query width heads x head_dim (hidden_size unless head_dim says otherwise)."""
+    width = cfg.num_attention_heads * cfg.shape.head_dim
+    attention = 12 * cfg.num_layers * width * cfg.seq_length
     return 6 * flops_parameters(cfg, vocab_size) + attention

@@ -284,11 +284,10 @@ def check_generation(loaded: LoadedConfig) -> None:
     problem = checkpoint_problem(cfg.checkpoint.load, cfg.training.iteration)
     problems = [problem] if problem else tokenizer_problems(cfg)
     g, m = cfg.generation, cfg.model
-    if not g.recompute and (m.pos_emb == "alibi" or m.sliding_window_width is not None):
-        what = "pos_emb=alibi" if m.pos_emb == "alibi" else "sliding_window_width"
+    if not g.recompute and m.pos_emb == "alibi":
         problems.append(
-            f"generate.py's KV cache does not support {what}; set `recompute: true` (the whole "
-            "sequence is recomputed each token)"
+            "generate.py's KV cache does not support pos_emb=alibi; set `recompute: true` (the "
+            "whole sequence is recomputed each token)"
         )
     if g.text_gen_type == "input-file":
         if g.sample_input_file is None:

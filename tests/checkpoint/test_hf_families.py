@@ -1,0 +1,171 @@
+"""Every HF family (GPTNeoX, Llama 1-3.x, Mistral, Qwen2, Qwen3) with its features on: HF -> neox
+-> HF is byte-exact, the exported config rebuilds the same transformers model, the config keys
+round-trip, a 150k vocabulary's padding never leaks out, and what neox cannot express is refused
+by name."""
+
+import pytest
+import torch
+
+from neox.checkpoint.hf_import import HFImportError, neox_model_keys
+from neox.checkpoint.hf_map import (
+    check_exportable,
+    from_hf_state_dict,
+    hf_config_for,
+    to_hf_state_dict,
+)
+from neox.config.derived import pad_vocab_size
+from neox.config.model import ModelConfig
+from tests.hf_families import FAMILIES, PADDED, VOCAB, hf_model, neox_pair, token_ids
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_hf_to_neox_to_hf_is_byte_exact(name):
+    arch, config, hf = hf_model(name)
+    cfg = ModelConfig(**neox_model_keys(config))
+    hf_sd = hf.state_dict()
+    ours = from_hf_state_dict(hf_sd, cfg, PADDED, arch)
+    assert torch.all(ours["embed_in.weight"][VOCAB:] == 0)  # padding rows, zero
+    back = to_hf_state_dict(ours, cfg, VOCAB, arch)
+    if config["tie_word_embeddings"]:
+        hf_sd = {k: v for k, v in hf_sd.items() if k != "lm_head.weight"}  # not in HF's files
+    assert sorted(back) == sorted(hf_sd)
+    for key, tensor in hf_sd.items():
+        assert back[key].dtype == tensor.dtype and torch.equal(back[key], tensor), key
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_one_layer_at_a_time_gives_the_whole_conversion(name):
+    """The contract a streaming converter relies on: any subset of whole layers converts alone."""
+    arch, config, hf = hf_model(name)
+    cfg = ModelConfig(**neox_model_keys(config))
+    hf_sd = hf.state_dict()
+    whole = from_hf_state_dict(hf_sd, cfg, PADDED, arch)
+    groups: dict[str, dict] = {}
+    for key, tensor in hf_sd.items():
+        layer = key.split(".")[2] if key.startswith("model.layers.") else key
+        groups.setdefault(layer, {})[key] = tensor
+    pieces: dict[str, torch.Tensor] = {}
+    for part in groups.values():
+        pieces.update(from_hf_state_dict(part, cfg, PADDED, arch))
+    assert sorted(pieces) == sorted(whole)
+    assert all(torch.equal(pieces[k], whole[k]) for k in whole)
+    back: dict[str, torch.Tensor] = {}
+    for i in range(cfg.num_layers):
+        back.update(
+            to_hf_state_dict(
+                {k: v for k, v in whole.items() if k.startswith(f"layers.{i}.")}, cfg, VOCAB, arch
+            )
+        )
+    assert all(torch.equal(back[k], hf_sd[k]) for k in back)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_exported_config_rebuilds_the_same_transformers_model(name):
+    """hf_config_for's config.json, loaded by transformers with the exported weights, computes
+    the original model's logits: windows, scalings, biases and norms all say the same thing."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    arch, cfg, model, hf = neox_pair(name)
+    exported = hf_config_for(cfg, VOCAB, arch)
+    again = AutoModelForCausalLM.from_config(
+        AutoConfig.for_model(**exported), attn_implementation="eager"
+    ).eval()
+    missing, unexpected = again.load_state_dict(
+        to_hf_state_dict(model.state_dict(), cfg, VOCAB, arch), strict=False
+    )
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    assert type(again) is type(hf)
+    ids = token_ids()
+    with torch.no_grad():
+        torch.testing.assert_close(again(ids).logits, hf(ids).logits, rtol=0, atol=0)
+    # And the config reads back as the same neox keys.
+    assert ModelConfig(**neox_model_keys(exported)).shape == cfg.shape
+
+
+def test_a_large_vocabulary_is_padded_for_tp_and_cut_back_on_export():
+    """Qwen2.5's 151,936 rows padded to make_vocab_size_divisible_by x tp (152,064 at tp=2):
+    the extra rows exist only inside neox; the export has HF's rows, byte for byte."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    vocab = 151_936
+    hf = Qwen2ForCausalLM(
+        Qwen2Config(
+            vocab_size=vocab,
+            hidden_size=8,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            intermediate_size=16,
+            tie_word_embeddings=False,
+        )
+    )
+    cfg = ModelConfig(**neox_model_keys(hf.config.to_dict()))
+    padded = pad_vocab_size(vocab, cfg.make_vocab_size_divisible_by, 2)
+    assert padded == 152_064
+    ours = from_hf_state_dict(hf.state_dict(), cfg, padded, "qwen2")
+    assert ours["embed_out.weight"].shape[0] == padded
+    back = to_hf_state_dict(ours, cfg, vocab, "qwen2")
+    for key, tensor in hf.state_dict().items():
+        assert torch.equal(back[key], tensor), key
+    assert hf_config_for(cfg, vocab, "qwen2")["vocab_size"] == vocab
+
+
+def _hf(arch: str, **changes):
+    config = dict(hf_model(next(n for n, (a, _) in FAMILIES.items() if a == arch))[1])
+    config.update(changes)
+    return config
+
+
+@pytest.mark.parametrize(
+    "config,words",
+    [
+        (_hf("llama", rope_parameters={"rope_type": "longrope", "rope_theta": 1e4}), "longrope"),
+        (_hf("llama", attn_logit_softcapping=30.0), "unknown field attn_logit_softcapping=30.0"),
+        (
+            _hf("llama", rope_parameters={"rope_type": "linear", "factor": 2.0, "mrope": 1}),
+            "['mrope']",
+        ),
+        (_hf("mistral", sliding_window=1), "sliding_window=1"),
+        (_hf("qwen2", layer_types=["full_attention", "chunked_attention"]), "layer_types"),
+        (_hf("qwen3", rope_theta=1.5, rope_parameters=None), "rope_theta=1.5"),
+        (_hf("qwen3", model_type="gemma"), "model_type='gemma'"),
+    ],
+)
+def test_configs_neox_cannot_express_are_refused_by_field(config, words):
+    with pytest.raises(HFImportError) as e:
+        neox_model_keys(config)
+    assert words in str(e.value)
+
+
+LLAMA_LIKE = dict(
+    pos_emb="rotary",
+    norm="rmsnorm",
+    activation="swiglu",
+    use_bias_in_attn_linear=False,
+    use_bias_in_mlp=False,
+)
+TINY = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16)
+
+
+@pytest.mark.parametrize(
+    "arch,overrides,words",
+    [
+        ("llama", dict(sliding_window_width=4), "has no window"),
+        ("llama", dict(use_qk_layernorm=True), "has no q/k norm"),
+        ("llama", dict(use_bias_in_attn_linear=True, use_bias_in_attn_dense=False), "covers"),
+        ("mistral", dict(use_bias_in_attn_linear=True), "no biases"),
+        (
+            "mistral",
+            dict(sliding_window_width=3, attention_config=[[["global", "local"], 1]]),
+            "mixing local and global",
+        ),
+        ("qwen2", dict(), "true and false"),
+        ("qwen3", dict(), "always normalises"),
+        ("qwen3", dict(use_qk_layernorm=True, use_bias_in_mlp=True), "MLP has no biases"),
+        ("gpt_neox", dict(head_dim=16, norm="layernorm", activation="gelu"), "head_dim=16"),
+    ],
+)
+def test_inexpressible_models_are_refused_by_name(arch, overrides, words):
+    cfg = ModelConfig(**{**TINY, **LLAMA_LIKE, **overrides})
+    with pytest.raises(ValueError, match=words):
+        check_exportable(cfg, arch)
