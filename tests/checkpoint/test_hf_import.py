@@ -266,3 +266,46 @@ def test_finetune_from_import_then_export(bpe_tokenizer, tmp_path):
         torch.testing.assert_close(
             exported(sample).logits, ours(sample)[..., :320], rtol=0, atol=1e-4
         )
+
+
+# The real config.json of each shipped family config (public values, tests/checkpoint/hf_configs).
+SHIPPED = {
+    "Llama-3.2-1B": "configs/llama3/1B.yml",
+    "Llama-3.2-3B": "configs/llama3/3B.yml",
+    "Llama-3.1-8B": "configs/llama3/8B.yml",
+    "Mistral-7B-v0.1": "configs/mistral/7B.yml",
+    "Qwen2.5-0.5B": "configs/qwen2.5/0-5B.yml",
+    "Qwen2.5-7B": "configs/qwen2.5/7B.yml",
+    "Qwen3-0.6B": "configs/qwen3/0-6B.yml",
+    "Qwen3-8B": "configs/qwen3/8B.yml",
+}
+
+
+@pytest.mark.parametrize("model", SHIPPED)
+def test_shipped_config_is_what_importing_the_real_model_gives(model):
+    """The shipped config has the keys convert_from_hf derives from the real config.json, and
+    the real model's weights (transformers, on the meta device) pass the import's plan: every
+    name converts and every shape fits the model the config builds."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from neox.checkpoint.consolidate import check_state_dict
+    from neox.checkpoint.hf_import import neox_model_keys, without_neutral_values
+    from neox.checkpoint.hf_map import from_hf_state_dict
+    from neox.config import load_config
+    from neox.model import build_model
+
+    hf = json.loads((Path(__file__).parent / "hf_configs" / f"{model}.json").read_text())
+    shipped = yaml.safe_load((ROOT / SHIPPED[model]).read_text())
+    keys = neox_model_keys(without_neutral_values(hf))
+    keys.pop("seq_length")  # the shipped file trains at a shorter context
+    assert {k: shipped.get(k) for k in keys} == keys
+    assert shipped["padded_vocab_size"] == hf["vocab_size"]
+
+    cfg = load_config([str(ROOT / SHIPPED[model])]).config
+    fields = {k: v for k, v in hf.items() if k != "model_type"}
+    with torch.device("meta"):
+        real = AutoModelForCausalLM.from_config(AutoConfig.for_model(hf["model_type"], **fields))
+    sd = from_hf_state_dict(real.state_dict(), cfg.model, hf["vocab_size"], hf["model_type"])
+    ours = build_model(cfg.model, hf["vocab_size"], device="meta")
+    check_state_dict(sd, ours, Path(model))
+    assert sum(p.numel() for p in ours.parameters()) == real.num_parameters()
