@@ -30,6 +30,7 @@ from neox.checkpoint.hf_tokenizer import (
     carried_files,
     copy_carried_files,
     export_problem,
+    imported_files,
     save_hf_tokenizer,
 )
 from neox.checkpoint.staging import check_output_dir, staged_directory
@@ -133,22 +134,28 @@ def export_to_hf(
     except (ConfigError, ValueError) as e:
         raise ExportError(str(e)) from None
     dtype = export_dtype(precision, cfg)
+    carried = carried_files(cfg)
     try:
         tokenizer = build_run_tokenizer(cfg.tokenizer)
     except (ValueError, OSError) as e:
-        raise ExportError(f"cannot build the run's tokenizer: {e}") from None
-    note = export_problem(cfg.tokenizer)
-    carried = carried_files(cfg)
+        # An import whose tokenizer neox cannot build (Llama 3's has no <|endoftext|>) and a
+        # run that named none: the imported files are the only tokenizer there is.
+        carried = carried or imported_files(cfg)
+        if carried is None:
+            raise ExportError(f"cannot build the run's tokenizer: {e}") from None
+        tokenizer = None
+    note = None if carried is not None else export_problem(cfg.tokenizer)
     check_output_dir(Path(output_dir), overwrite, protected=[tag_dir])
 
     _, sd = load_model_state(tag_dir, config=cfg, trust=trust)
-    vocab = tokenizer.vocab_size
-    special = dict(bos_token_id=tokenizer.eod, eos_token_id=tokenizer.eod)
     if carried is not None:
         # The imported model's own rows (Qwen's exceed its tokenizer's) and token ids.
         original = json.loads((carried / "config.json").read_text())
-        vocab = max(vocab, original.get("vocab_size", vocab))
+        vocab = max(tokenizer.vocab_size if tokenizer else 0, original["vocab_size"])
         special = {k: original[k] for k in SPECIAL_IDS if original.get(k) is not None}
+    else:
+        vocab = tokenizer.vocab_size
+        special = dict(bos_token_id=tokenizer.eod, eos_token_id=tokenizer.eod)
     if sd["embed_in.weight"].shape[0] < vocab:
         raise CheckpointError(
             f"the checkpoint has {sd['embed_in.weight'].shape[0]} vocabulary rows but the "

@@ -111,6 +111,15 @@ def carried_files(cfg: NeoXConfig) -> Optional[Path]:
     return carried
 
 
+def imported_files(cfg: NeoXConfig) -> Optional[Path]:
+    """The carried HF files of a run that names no vocabulary file of its own (an import whose
+    tokenizer neox cannot build, e.g. Llama 3's); None otherwise."""
+    if cfg.tokenizer.vocab_file is not None or not cfg.checkpoint.hf_files:
+        return None
+    carried = Path(cfg.checkpoint.hf_files)
+    return carried if (carried / "config.json").is_file() else None
+
+
 def copy_carried_files(carried: Path, out: Path) -> None:
     """Every carried file but config.json (the export writes its own) into `out`."""
     for path in sorted(carried.iterdir()):

@@ -309,3 +309,46 @@ def test_shipped_config_is_what_importing_the_real_model_gives(model):
     ours = build_model(cfg.model, hf["vocab_size"], device="meta")
     check_state_dict(sd, ours, Path(model))
     assert sum(p.numel() for p in ours.parameters()) == real.num_parameters()
+
+
+# Every family of tests/hf_families.py through the files, each at a layout its heads allow.
+FAMILY_LAYOUTS = {
+    "llama3_gqa": (2, 2),
+    "llama_linear_biases_tied": (2, 1),
+    "llama_dynamic_mqa": (1, 2),  # one kv head: no tp
+    "mistral_window": (2, 1),
+    "qwen2_window_yarn_tied": (2, 2),
+    "qwen3_qknorm_head_dim_yarn": (2, 1),
+    "qwen3_window_linear_tied": (1, 2),
+}
+
+
+@pytest.mark.parametrize("name", FAMILY_LAYOUTS)
+def test_every_family_round_trips_through_sharded_files(name, tmp_path):
+    """A sharded HF directory of each family (no tokenizer neox can build) -> neox files at
+    tp/pp -> export without --architecture: the same tensors, the same family, the same
+    logits past every window and original RoPE length."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.hf_families import FAMILIES, VOCAB, hf_model, token_ids
+
+    assert set(FAMILY_LAYOUTS) == set(FAMILIES)
+    tp, pp = FAMILY_LAYOUTS[name]
+    arch, _, hf = hf_model(name)
+    hf.save_pretrained(tmp_path / "hf", max_shard_size="20KB")
+    assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
+    _, note = convert_from_hf(tmp_path / "hf", tmp_path / "neox", tp=tp, pp=pp)
+    assert "no tokenizer keys written" in note
+    export_to_hf(tmp_path / "neox", tmp_path / "back", max_shard_size="30KB")
+    assert_same_tensors(hf_weights(tmp_path / "back"), hf_weights(tmp_path / "hf"))
+    back = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert back["model_type"] == arch and back["vocab_size"] == VOCAB
+
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "back", attn_implementation="eager")
+    assert type(exported) is type(hf)
+    ours, _ = load_model(tmp_path / "neox")
+    ids = token_ids()
+    with torch.no_grad():
+        expected = hf(ids).logits
+        torch.testing.assert_close(exported.eval()(ids).logits, expected, rtol=0, atol=0)
+        torch.testing.assert_close(ours(ids)[..., :VOCAB], expected, rtol=0, atol=1e-4)
