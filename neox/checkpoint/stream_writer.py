@@ -98,18 +98,18 @@ class StreamingCheckpoint:
         for rank, module in enumerate(shards):
             if self.pp == 1:
                 path = self.tag_dir / f"mp_rank_{rank:02d}_model_states.pt"
-                self._place(path, _engine_state(module, self.tp, iteration), module, rank, "")
+                self._place(path, _engine_state(module, self.tp, iteration), module, rank)
             else:
                 for index, layer in pipeline_layers(module, cfg.model.num_layers).items():
                     path = self.tag_dir / f"layer_{index:02d}-model_{rank:02d}-model_states.pt"
-                    self._place(path, layer, module, rank, "layer")
+                    self._place(path, layer, module, rank)
         if self.pp > 1:
             for rank in range(self.pp * self.tp):
                 state = _engine_state(None, self.pp * self.tp, iteration)
                 torch.save(state, self.tag_dir / f"mp_rank_{rank:02d}_model_states.pt")
         self.written: set[tuple[str, int]] = set()
 
-    def _place(self, path: Path, obj: Any, module: StateDict, rank: int, kind: str) -> None:
+    def _place(self, path: Path, obj: Any, module: StateDict, rank: int) -> None:
         offsets = _layout_file(path, obj)
         for name, fake in module.items():
             if id(fake) in offsets:
@@ -123,6 +123,8 @@ class StreamingCheckpoint:
                 f"{name}: got {tuple(tensor.shape)} {tensor.dtype}, the layout says "
                 f"{tuple(want.shape)} {want.dtype}"
             )
+        if any((name, rank) in self.written for rank in range(self.tp)):
+            raise ValueError(f"{name} written twice")
         dim = partition_dim(name)
         for rank in range(self.tp):
             part = tensor if dim is None or self.tp == 1 else shard(tensor, dim, rank, self.tp)
