@@ -23,6 +23,17 @@ BASE = dict(
 # Test sequences run to 52 tokens: past every window (5-7 keys) and every original RoPE length
 # (16), so each feature shows in the logits.
 FAMILIES = {
+    "gpt_neox_partial_dynamic_untied": (
+        "gpt_neox",
+        dict(
+            use_parallel_residual=True,
+            tie_word_embeddings=False,
+            max_position_embeddings=16,
+            rope_parameters=dict(
+                rope_type="dynamic", rope_theta=10000.0, factor=2.0, partial_rotary_factor=0.5
+            ),
+        ),
+    ),
     "llama3_gqa": (
         "llama",
         dict(
@@ -126,7 +137,10 @@ def hf_model(name: str, seed: int = 0):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     arch, overrides = FAMILIES[name]
-    config = AutoConfig.for_model(arch, **{**BASE, **overrides})
+    base = dict(BASE)
+    if arch == "gpt_neox":
+        base["layer_norm_eps"] = base.pop("rms_norm_eps")
+    config = AutoConfig.for_model(arch, **{**base, **overrides})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     return arch, json.loads(config.to_json_string()), randomize(model, seed)

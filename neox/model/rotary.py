@@ -195,7 +195,7 @@ class RotaryEmbedding(nn.Module):
             position_ids = torch.arange(T, device=device)
         seq_len = position_ids.max() + 1
         # transformers' tensor path: fp32 from here, as its update on a longer sequence computes.
-        seq = torch.maximum(seq_len, torch.tensor(orig, dtype=seq_len.dtype, device=device))
+        seq = seq_len.clamp(min=orig)  # no host tensor: a CUDA graph may capture this
         f, dim = self.scaling.factor, self.dim
         base = self.base * ((f * seq / orig) - (f - 1)) ** (dim / (dim - 2))
         inv_freq = 1.0 / (base ** _exponents(dim, device))

@@ -3,6 +3,8 @@
 round-trip, a 150k vocabulary's padding never leaks out, and what neox cannot express is refused
 by name."""
 
+import re
+
 import pytest
 import torch
 
@@ -18,16 +20,23 @@ from neox.config.model import ModelConfig
 from tests.hf_families import FAMILIES, PADDED, VOCAB, hf_model, neox_pair, token_ids
 
 
+def file_names(arch: str, sd: dict) -> dict:
+    """transformers' in-memory names as its files spell them (GPTNeoX: lm_head -> embed_out)."""
+    if arch != "gpt_neox":
+        return sd
+    return {k.replace("lm_head.", "embed_out."): v for k, v in sd.items()}
+
+
 @pytest.mark.parametrize("name", FAMILIES)
 def test_hf_to_neox_to_hf_is_byte_exact(name):
     arch, config, hf = hf_model(name)
     cfg = ModelConfig(**neox_model_keys(config))
-    hf_sd = hf.state_dict()
+    hf_sd = file_names(arch, hf.state_dict())
     ours = from_hf_state_dict(hf_sd, cfg, PADDED, arch)
     assert torch.all(ours["embed_in.weight"][VOCAB:] == 0)  # padding rows, zero
     back = to_hf_state_dict(ours, cfg, VOCAB, arch)
     if config["tie_word_embeddings"]:
-        hf_sd = {k: v for k, v in hf_sd.items() if k != "lm_head.weight"}  # not in HF's files
+        hf_sd = {k: v for k, v in hf_sd.items() if not k.endswith("lm_head.weight")}
     assert sorted(back) == sorted(hf_sd)
     for key, tensor in hf_sd.items():
         assert back[key].dtype == tensor.dtype and torch.equal(back[key], tensor), key
@@ -38,12 +47,12 @@ def test_one_layer_at_a_time_gives_the_whole_conversion(name):
     """The contract a streaming converter relies on: any subset of whole layers converts alone."""
     arch, config, hf = hf_model(name)
     cfg = ModelConfig(**neox_model_keys(config))
-    hf_sd = hf.state_dict()
+    hf_sd = file_names(arch, hf.state_dict())
     whole = from_hf_state_dict(hf_sd, cfg, PADDED, arch)
     groups: dict[str, dict] = {}
     for key, tensor in hf_sd.items():
-        layer = key.split(".")[2] if key.startswith("model.layers.") else key
-        groups.setdefault(layer, {})[key] = tensor
+        layer = re.search(r"\.layers\.(\d+)\.", key)
+        groups.setdefault(layer.group(1) if layer else key, {})[key] = tensor
     pieces: dict[str, torch.Tensor] = {}
     for part in groups.values():
         pieces.update(from_hf_state_dict(part, cfg, PADDED, arch))
@@ -70,9 +79,10 @@ def test_exported_config_rebuilds_the_same_transformers_model(name):
     again = AutoModelForCausalLM.from_config(
         AutoConfig.for_model(**exported), attn_implementation="eager"
     ).eval()
-    missing, unexpected = again.load_state_dict(
-        to_hf_state_dict(model.state_dict(), cfg, VOCAB, arch), strict=False
-    )
+    exported_sd = to_hf_state_dict(model.state_dict(), cfg, VOCAB, arch)
+    if arch == "gpt_neox":
+        exported_sd = {k.replace("embed_out.", "lm_head."): v for k, v in exported_sd.items()}
+    missing, unexpected = again.load_state_dict(exported_sd, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}
     assert type(again) is type(hf)
     ids = token_ids()
