@@ -313,6 +313,7 @@ def test_shipped_config_is_what_importing_the_real_model_gives(model):
 
 # Every family of tests/hf_families.py through the files, each at a layout its heads allow.
 FAMILY_LAYOUTS = {
+    "gpt_neox_partial_dynamic_untied": (2, 2),
     "llama3_gqa": (2, 2),
     "llama_linear_biases_tied": (2, 1),
     "llama_dynamic_mqa": (1, 2),  # one kv head: no tp
