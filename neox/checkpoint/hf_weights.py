@@ -64,11 +64,15 @@ def _load_bin(path: Path, map_location: str) -> dict[str, torch.Tensor]:
     """A PyTorch weight file through torch's weights-only unpickler (no code runs), mapped
     rather than read where its format allows."""
     try:
-        return torch.load(path, map_location=map_location, weights_only=True, mmap=True)
-    except RuntimeError:  # the pre-zip format cannot be mapped
-        return torch.load(path, map_location=map_location, weights_only=True)
+        try:
+            sd = torch.load(path, map_location=map_location, weights_only=True, mmap=True)
+        except RuntimeError:  # the pre-zip format cannot be mapped
+            sd = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:  # the weights-only unpickler refuses anything but tensors
         raise HFWeightsError(f"{path} cannot be read as plain tensors: {e}") from None
+    if not isinstance(sd, dict) or not all(isinstance(t, torch.Tensor) for t in sd.values()):
+        raise HFWeightsError(f"{path} is not a state dict (tensor names -> tensors)")
+    return sd
 
 
 class HFWeights:
