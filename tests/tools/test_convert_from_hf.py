@@ -30,3 +30,28 @@ def test_refusal_exits_2_and_writes_nothing(bpe_tokenizer, tmp_path):
         main([*argv, "--tp", "3"])  # 4 heads, 2 kv heads: not divisible by 3
     assert e.value.code == 2
     assert not (tmp_path / "out").exists()
+
+
+def test_tokenizer_neox_cannot_build_still_round_trips(bpe_tokenizer, tmp_path, capsys):
+    """Llama 3's tokenizer has no <|endoftext|>, so neox writes no tokenizer keys; the export
+    still carries the imported tokenizer files and --verify compares on their ids."""
+    from transformers import PreTrainedTokenizerFast
+
+    from tools.convert_to_hf import main as export
+
+    renamed = tmp_path / "tokenizer.json"
+    renamed.write_text(bpe_tokenizer.read_text().replace("<|endoftext|>", "<|end_of_text|>"))
+    random_hf_model("llama", bpe_tokenizer, tmp_path / "hf")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / "hf" / name).unlink()
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(renamed), eos_token="<|end_of_text|>")
+    tok.save_pretrained(tmp_path / "hf")
+    out = tmp_path / "neox"
+    main(["--input_dir", str(tmp_path / "hf"), "--output_dir", str(out)])
+    assert "no tokenizer keys written" in capsys.readouterr().out
+    keys = yaml.safe_load((out / "model.yml").read_text())
+    assert "vocab_file" not in keys and keys["hf_files"] == str((out / "hf").resolve())
+    export(["--input_dir", str(out), "--output_dir", str(tmp_path / "back"), "--verify"])
+    assert "greedy tokens identical" in capsys.readouterr().out
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert (tmp_path / "back" / name).read_bytes() == (tmp_path / "hf" / name).read_bytes()
