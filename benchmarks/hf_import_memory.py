@@ -169,6 +169,41 @@ def child_peak_rss(argv: list[str]) -> tuple[int, float]:
     return int(peak.split()[1]) * 1024, seconds
 
 
+def check_sample(hf_dir: Path, out: Path, tp: int) -> int:
+    """Compare the first and last blocks and everything outside the blocks, converted again
+    from the HF files, with the tp rank files read through torch.load(mmap=True) (so > 4 GB
+    zip64 offsets are exercised); returns the number of tensors compared."""
+    from neox.checkpoint.consolidate import partition_dim
+    from neox.checkpoint.hf_import import layer_groups
+    from neox.checkpoint.hf_map import from_hf_state_dict
+    from neox.checkpoint.hf_weights import HFWeights
+    from neox.config import read_saved_config
+    from neox.parallel.layers import shard
+
+    cfg = read_saved_config(out / "global_step0" / "config.yml")
+    padded = cfg.tokenizer.padded_vocab_size
+    ranks = [
+        torch.load(
+            out / "global_step0" / f"mp_rank_{r:02d}_model_states.pt", mmap=True, weights_only=True
+        )["module"]
+        for r in range(tp)
+    ]
+    weights = HFWeights(hf_dir)
+    groups = layer_groups(list(weights.meta()))
+    compared = 0
+    for names in (groups[0], groups[1], groups[-1]):
+        for name, full in from_hf_state_dict(
+            weights.read(names), cfg.model, padded, "llama"
+        ).items():
+            dim = partition_dim(name)
+            for r in range(tp):
+                part = full if dim is None else shard(full, dim, r, tp)
+                if not torch.equal(ranks[r][name], part):
+                    raise SystemExit(f"{name} differs on tp rank {r}")
+                compared += 1
+    return compared
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--work", type=Path, required=True, help="scratch directory (needs 2x model)")
@@ -188,6 +223,7 @@ def main() -> None:
         [tool, "--input_dir", str(hf_dir), "--output_dir", str(out), "--tp", str(args.tp)]
     )
     written = sum(f.stat().st_size for f in (out / "global_step0").glob("*.pt"))
+    checked = check_sample(hf_dir, out, args.tp)
     emit(
         {
             "benchmark": "hf_import_memory",
@@ -202,6 +238,7 @@ def main() -> None:
             "peak_over_largest_shard": round(peak / max(sizes), 3),
             "import_seconds": round(seconds, 1),
             "build_seconds": round(built, 1),
+            "tensors_checked": checked,
         },
         args.json,
     )
