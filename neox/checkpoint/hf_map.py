@@ -319,9 +319,19 @@ def to_hf_state_dict(
 
 
 def from_hf_state_dict(
-    hf_sd: dict[str, torch.Tensor], cfg: ModelConfig, padded_vocab_size: int, arch: str
+    hf_sd: dict[str, torch.Tensor],
+    cfg: ModelConfig,
+    padded_vocab_size: int,
+    arch: str,
+    fill_untied_head: bool = True,
 ) -> dict[str, torch.Tensor]:
-    """HF `arch` state dict (hub file names or transformers' in-memory ones) -> ours."""
+    """HF `arch` state dict (hub file names or transformers' in-memory ones) -> ours.
+
+    Any subset holding whole layers converts alone (q, k and v of a layer together).
+    fill_untied_head: an untied model given an embedding but no output layer gets a copy of the
+    embedding (a tied HF checkpoint); a caller converting part of a checkpoint whose output layer
+    may come in another part passes False.
+    """
     check_exportable(cfg, arch)
     table = HF_KEYS[arch]
     # HF module template -> (our template, index in a fused (q, k, v) or None).
@@ -361,7 +371,8 @@ def from_hf_state_dict(
         if q is None or k is None or v is None:
             raise KeyError(f"HF checkpoint lacks one of q/k/v for {ours_name!r}")
         out[ours_name] = fuse_qkv(q, k, v, cfg.num_attention_heads, cfg.shape.kv_heads)
-    if cfg.no_weight_tying and "embed_out.weight" not in out and "embed_in.weight" in out:
+    fill = fill_untied_head and cfg.no_weight_tying
+    if fill and "embed_out.weight" not in out and "embed_in.weight" in out:
         # A tied HF checkpoint loaded into an untied model: both start from the embedding.
         out["embed_out.weight"] = out["embed_in.weight"].clone()
     return out

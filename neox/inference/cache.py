@@ -31,9 +31,9 @@ class LayerKVCache:
 
     def query_slots(self) -> torch.Tensor | None:
         """The key index of each query among the keys `update` returned: None in a prefill
-        (the queries are those T keys), else the slots being written. Sliding windows and ALiBi
-        measure distances from them, so a decode step sees exactly the keys a full forward would
-        (slots and positions differ by the row's left padding, a constant)."""
+        (the queries are those T keys), else the slots being written. Sliding windows measure
+        distances from them, so a decode step sees exactly the keys a full forward would (slots
+        and positions differ by the row's left padding, a constant)."""
         return None if self.owner.prefill else self.owner.position
 
 

@@ -24,8 +24,9 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def _exponents(dim: int, device: Optional[torch.device]) -> torch.Tensor:
-    """2i / dim for i < dim / 2, in fp32: the exponent of the base in each frequency."""
-    return torch.arange(0, dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float) / dim
+    """2i / dim for i < dim / 2, in fp32: the exponent of the base in each frequency. Made on
+    the device (no host copy, which a CUDA graph capturing a decode step would refuse)."""
+    return torch.arange(0, dim, 2, dtype=torch.int64, device=device).to(torch.float) / dim
 
 
 def inverse_frequencies(

@@ -44,9 +44,7 @@ class DeepSpeedAdapter:
         fuse_overflow_check(self.ds.optimizer)
         self.pipeline = isinstance(self.ds, PipelineEngine)
         self.fp16 = self.ds.fp16_enabled()
-        self.grad_accum = int(
-            ds_config["gradient_accumulation_steps"]
-        )  # derive()'s, as DeepSpeed reads it
+        self.grad_accum = int(ds_config["gradient_accumulation_steps"])  # derive()'s, as DeepSpeed reads it
         # ZeRO and the reduced precisions skip non-finite steps and report the norm themselves.
         self.own_norm = (
             self.ds.zero_optimization_stage() == 0

@@ -17,6 +17,7 @@ from neox.checkpoint.hf_map import (
 )
 from neox.config.derived import pad_vocab_size
 from neox.config.model import ModelConfig
+from neox.model import count_parameters
 from tests.hf_families import FAMILIES, PADDED, VOCAB, hf_model, neox_pair, token_ids
 
 
@@ -55,7 +56,7 @@ def test_one_layer_at_a_time_gives_the_whole_conversion(name):
         groups.setdefault(layer.group(1) if layer else key, {})[key] = tensor
     pieces: dict[str, torch.Tensor] = {}
     for part in groups.values():
-        pieces.update(from_hf_state_dict(part, cfg, PADDED, arch))
+        pieces.update(from_hf_state_dict(part, cfg, PADDED, arch, fill_untied_head=False))
     assert sorted(pieces) == sorted(whole)
     assert all(torch.equal(pieces[k], whole[k]) for k in whole)
     back: dict[str, torch.Tensor] = {}
@@ -179,3 +180,109 @@ def test_inexpressible_models_are_refused_by_name(arch, overrides, words):
     cfg = ModelConfig(**{**TINY, **LLAMA_LIKE, **overrides})
     with pytest.raises(ValueError, match=words):
         check_exportable(cfg, arch)
+
+
+# config.json of released models (as published with their weights) and their published sizes.
+RELEASED = {
+    "Llama-3.1-8B": (
+        dict(
+            model_type="llama",
+            architectures=["LlamaForCausalLM"],
+            attention_bias=False,
+            attention_dropout=0.0,
+            bos_token_id=128000,
+            eos_token_id=[128001, 128008, 128009],
+            hidden_act="silu",
+            hidden_size=4096,
+            initializer_range=0.02,
+            intermediate_size=14336,
+            max_position_embeddings=131072,
+            mlp_bias=False,
+            num_attention_heads=32,
+            num_hidden_layers=32,
+            num_key_value_heads=8,
+            pretraining_tp=1,
+            rms_norm_eps=1e-05,
+            rope_scaling=dict(
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=8192,
+                rope_type="llama3",
+            ),
+            rope_theta=500000.0,
+            tie_word_embeddings=False,
+            torch_dtype="bfloat16",
+            transformers_version="4.43.0.dev0",
+            use_cache=True,
+            vocab_size=128256,
+        ),
+        8_030_261_248,
+    ),
+    "Mistral-7B-v0.1": (
+        dict(
+            model_type="mistral",
+            architectures=["MistralForCausalLM"],
+            bos_token_id=1,
+            eos_token_id=2,
+            hidden_act="silu",
+            hidden_size=4096,
+            initializer_range=0.02,
+            intermediate_size=14336,
+            max_position_embeddings=32768,
+            num_attention_heads=32,
+            num_hidden_layers=32,
+            num_key_value_heads=8,
+            rms_norm_eps=1e-05,
+            rope_theta=10000.0,
+            sliding_window=4096,
+            tie_word_embeddings=False,
+            torch_dtype="bfloat16",
+            transformers_version="4.34.0.dev0",
+            use_cache=True,
+            vocab_size=32000,
+        ),
+        7_241_732_096,
+    ),
+    "Qwen2.5-7B": (
+        dict(
+            model_type="qwen2",
+            architectures=["Qwen2ForCausalLM"],
+            attention_dropout=0.0,
+            bos_token_id=151643,
+            eos_token_id=151643,
+            hidden_act="silu",
+            hidden_size=3584,
+            initializer_range=0.02,
+            intermediate_size=18944,
+            max_position_embeddings=131072,
+            max_window_layers=28,
+            num_attention_heads=28,
+            num_hidden_layers=28,
+            num_key_value_heads=4,
+            rms_norm_eps=1e-06,
+            rope_theta=1000000.0,
+            sliding_window=131072,
+            tie_word_embeddings=False,
+            torch_dtype="bfloat16",
+            transformers_version="4.43.1",
+            use_cache=True,
+            use_sliding_window=False,
+            vocab_size=152064,
+        ),
+        7_615_616_512,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", RELEASED)
+def test_released_configs_import_with_their_published_size(name):
+    config, size = RELEASED[name]
+    cfg = ModelConfig(**neox_model_keys(config))
+    assert count_parameters(cfg, config["vocab_size"]) == size
+    if name.startswith("Mistral"):
+        assert cfg.sliding_window_width == 4095  # HF's 4096 keys include the query
+    if name.startswith("Llama"):
+        assert (
+            cfg.shape.rope.rope_type == "llama3" and cfg.shape.rope.original_max_positions == 8192
+        )

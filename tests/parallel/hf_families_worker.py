@@ -7,9 +7,9 @@ import copy
 import torch
 import torch.distributed as dist
 
-from neox.checkpoint.writer import pipeline_layers
+from neox.checkpoint.writer import pipeline_layers, shard_tensor_parallel
 from neox.model import lm_loss
-from neox.parallel import Topology
+from neox.parallel import Topology, parallelize
 from neox.parallel.mappings import gather_from_tensor_parallel
 from neox.parallel.pipeline import to_pipeline
 from neox.parallel.tensor import apply_tensor_parallel
@@ -24,10 +24,15 @@ def check_tensor_parallel(name: str) -> None:
     with torch.no_grad():
         expected = hf(ids).logits
     groups = Topology(tp=2).build_groups()
-    tp_model = apply_tensor_parallel(copy.deepcopy(model), groups, cfg, copy_weights=True)
-    with torch.no_grad():
-        logits = gather_from_tensor_parallel(tp_model(ids), groups.tensor)[..., :VOCAB]
-    torch.testing.assert_close(logits, expected, rtol=0, atol=ATOL)
+    copied = apply_tensor_parallel(copy.deepcopy(model), groups, cfg, copy_weights=True)
+    # The training path: built on meta, sharded, materialised, then the weights loaded.
+    tp_model = parallelize(cfg, PADDED, groups)
+    rank = groups.get_tensor_model_parallel_rank()
+    tp_model.load_state_dict(shard_tensor_parallel(model.state_dict(), 2)[rank])
+    for built in (copied, tp_model):
+        with torch.no_grad():
+            logits = gather_from_tensor_parallel(built(ids), groups.tensor)[..., :VOCAB]
+        torch.testing.assert_close(logits, expected, rtol=0, atol=ATOL)
     if cfg.use_qk_layernorm:
         # Each rank's q/k norm sees half the heads; the summed gradient is the dense one.
         model.train(), tp_model.train()
