@@ -190,11 +190,11 @@ def check_sample(hf_dir: Path, out: Path, tp: int) -> int:
     ]
     weights = HFWeights(hf_dir)
     groups = layer_groups(list(weights.meta()))
+    blocks = [g for g in groups if len(g) > 1]
     compared = 0
-    for names in (groups[0], groups[1], groups[-1]):
-        for name, full in from_hf_state_dict(
-            weights.read(names), cfg.model, padded, "llama"
-        ).items():
+    for names in [g for g in groups if len(g) == 1] + [blocks[0], blocks[-1]]:
+        part = from_hf_state_dict(weights.read(names), cfg.model, padded, "llama", False)
+        for name, full in part.items():
             dim = partition_dim(name)
             for r in range(tp):
                 part = full if dim is None else shard(full, dim, r, tp)

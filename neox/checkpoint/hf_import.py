@@ -351,8 +351,8 @@ def _weights(hf_dir: Path) -> HFWeights:
 
 
 def layer_groups(names: list[str]) -> list[list[str]]:
-    """HF tensor names grouped for conversion: everything outside the blocks (embedding, final
-    norm, head: converted together, as tying relates them), then one group per block."""
+    """HF tensor names grouped for conversion: each tensor outside the blocks alone (embedding,
+    final norm, head: the largest tensors), then one group per block (q, k, v fuse)."""
     blocks: dict[int, list[str]] = {}
     rest = []
     for name in names:
@@ -360,8 +360,36 @@ def layer_groups(names: list[str]) -> list[list[str]]:
         if m:
             blocks.setdefault(int(m.group(1)), []).append(name)
         else:
-            rest.append(name)
-    return [rest, *(blocks[i] for i in sorted(blocks))]
+            rest.append([name])
+    return [*rest, *(blocks[i] for i in sorted(blocks))]
+
+
+def write_converted(
+    writer: StreamingCheckpoint,
+    weights: HFWeights,
+    cfg: Any,
+    padded: int,
+    arch: str,
+    cast: Optional[torch.dtype],
+) -> None:
+    """Convert and write the weights group by group; an untied model from a tied HF checkpoint
+    (no head in the files) gets the embedding as its head, as from_hf_state_dict gives it."""
+    embedding: list[str] = []
+    for names in layer_groups(list(weights.meta())):
+        part = from_hf_state_dict(
+            weights.read(names), cfg.model, padded, arch, fill_untied_head=False
+        )
+        if "embed_in.weight" in part:
+            embedding = names
+        for name in list(part):
+            tensor = part.pop(name)
+            writer.write(name, tensor.to(cast) if cast else tensor)
+        del part
+    if ("embed_out.weight", 0) in writer.places and ("embed_out.weight", 0) not in writer.written:
+        head = from_hf_state_dict(weights.read(embedding), cfg.model, padded, arch)[
+            "embed_out.weight"
+        ]
+        writer.write("embed_out.weight", head.to(cast) if cast else head)
 
 
 def _tokenizer_keys(hf_dir: Path, carried: Path) -> tuple[dict[str, Any], Optional[str]]:
@@ -430,12 +458,7 @@ def convert_from_hf(
 
     with staged_directory(out, overwrite) as tmp:
         writer = StreamingCheckpoint(cfg, tmp, layout)
-        for names in layer_groups(list(weights.meta())):
-            part = from_hf_state_dict(weights.read(names), cfg.model, padded, arch)
-            for name in list(part):
-                tensor = part.pop(name)
-                writer.write(name, tensor.to(cast) if cast else tensor)
-            del part
+        write_converted(writer, weights, cfg, padded, arch, cast)
         writer.finish()
         (tmp / CARRIED_DIR).mkdir()
         for name in CARRIED_FILES:

@@ -353,3 +353,21 @@ def test_every_family_round_trips_through_sharded_files(name, tmp_path):
         expected = hf(ids).logits
         torch.testing.assert_close(exported.eval()(ids).logits, expected, rtol=0, atol=0)
         torch.testing.assert_close(ours(ids)[..., :VOCAB], expected, rtol=0, atol=1e-4)
+
+
+def test_untied_model_without_a_head_in_the_files_starts_from_the_embedding(tmp_path):
+    """Converted one tensor at a time, the head still comes out as from_hf_state_dict makes it
+    from a whole state dict: a copy of the embedding when the files hold no head."""
+    from safetensors.torch import save_file
+
+    from tests.hf_families import hf_model
+
+    _, _, hf = hf_model("llama3_gqa")  # untied
+    hf.save_pretrained(tmp_path / "hf")
+    files = tmp_path / "hf" / "model.safetensors"
+    weights = {k: v for k, v in load_file(files).items() if k != "lm_head.weight"}
+    save_file(weights, str(files), metadata={"format": "pt"})
+    convert_from_hf(tmp_path / "hf", tmp_path / "neox", tp=2)
+    _, sd = load_model_state(tmp_path / "neox")
+    assert torch.equal(sd["embed_out.weight"], sd["embed_in.weight"])
+    assert torch.equal(sd["embed_in.weight"][:100], weights["model.embed_tokens.weight"])
