@@ -1,13 +1,21 @@
 """Read a local Hugging Face model directory (GPTNeoX, Llama, Mistral, Qwen2, Qwen3) as neox
-config keys and weights.
+config keys and weights, and write it as a neox checkpoint at any TP/PP, one layer at a time.
 
 The config keys are the inverse of hf_map.hf_config_for; any config.json field our model cannot
-express (longrope, an unknown field, ...) is refused by name before anything is written.
+express (longrope, an unknown field, ...) is refused by name before anything is written
+(neox_model_keys). The weights are planned from the file headers (every name and shape checked
+against the model) before anything is written, then read, converted and written layer by layer
+(hf_weights.py, stream_writer.py), so host memory stays near one layer rather than the model.
+The tokenizer files, the generation config and the chat template are carried into the
+checkpoint's `hf/` directory, and the family into the config (hf_architecture), so
+convert_to_hf.py gives them back.
 """
 
 from __future__ import annotations
 
 import json
+import re
+import shutil
 from pathlib import Path
 from typing import Any, Optional
 
@@ -22,8 +30,10 @@ from neox.checkpoint.hf_map import (
     check_exportable,
     from_hf_state_dict,
 )
+from neox.checkpoint.hf_weights import HFWeights, HFWeightsError
 from neox.checkpoint.staging import check_output_dir, staged_directory
-from neox.checkpoint.writer import check_layout, write_checkpoint
+from neox.checkpoint.stream_writer import StreamingCheckpoint
+from neox.checkpoint.writer import check_layout
 from neox.config import ConfigError, load_dict, pad_vocab_size
 from neox.model import build_model
 from neox.tokenizer import build_tokenizer
@@ -121,7 +131,35 @@ ROPE_FIELDS = {
     "truncate": "rope_yarn_truncate",
 }
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
-WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+# HF model_type -> the name convert_to_hf.py's --architecture (and hf_architecture) use.
+FAMILIES = {
+    "gpt_neox": "neox",
+    "llama": "llama",
+    "mistral": "mistral",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+}
+
+# Files of an HF model directory besides config.json and the weights, carried into the
+# checkpoint's hf/ directory and written back on export.
+CARRIED_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+CARRIED_DIR = "hf"
+
+LAYER = re.compile(r"\.layers\.(\d+)\.")
 
 
 class HFImportError(ValueError):
@@ -290,57 +328,115 @@ def neox_model_keys(hf: dict[str, Any]) -> dict[str, Any]:
     return keys
 
 
-def _weight_files(hf_dir: Path) -> list[Path]:
-    for name in WEIGHT_FILES:
-        if (hf_dir / name).is_file():
-            return [hf_dir / name]
-        index = hf_dir / f"{name}.index.json"
-        if index.is_file():
-            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-            return [hf_dir / s for s in shards]
-    raise HFImportError(
-        f"{hf_dir} has no weights: expected {' or '.join(WEIGHT_FILES)} (or a sharded "
-        "*.index.json beside its shards)"
-    )
+# Fields that change nothing at these values but that neox_model_keys does not list (Qwen2.5's
+# config.json has use_mrope: false): dropped before it reads the config.
+NEUTRAL_VALUES = {"use_mrope": False}
+
+
+def without_neutral_values(hf: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in hf.items() if not (k in NEUTRAL_VALUES and v == NEUTRAL_VALUES[k])}
 
 
 def read_hf_weights(hf_dir: Path) -> dict[str, torch.Tensor]:
     """Every tensor of the directory's (possibly sharded) safetensors or PyTorch weights."""
-    from safetensors.torch import load_file
+    weights = _weights(Path(hf_dir))
+    return weights.read(weights.meta())
 
-    sd: dict[str, torch.Tensor] = {}
-    for path in _weight_files(Path(hf_dir)):
-        if not path.is_file():
-            raise HFImportError(f"{path} is listed in the weight index but missing")
-        if path.suffix == ".safetensors":
-            sd.update(load_file(str(path)))
+
+def _weights(hf_dir: Path) -> HFWeights:
+    try:
+        return HFWeights(hf_dir)
+    except HFWeightsError as e:
+        raise HFImportError(str(e)) from None
+
+
+def layer_groups(names: list[str]) -> list[list[str]]:
+    """HF tensor names grouped for conversion: each tensor outside the blocks alone (embedding,
+    final norm, head: the largest tensors), then one group per block (q, k, v fuse)."""
+    blocks: dict[int, list[str]] = {}
+    rest = []
+    for name in names:
+        m = LAYER.search(name)
+        if m:
+            blocks.setdefault(int(m.group(1)), []).append(name)
         else:
-            sd.update(torch.load(path, map_location="cpu", weights_only=True))
-    return sd
+            rest.append([name])
+    return [*rest, *(blocks[i] for i in sorted(blocks))]
+
+
+def write_converted(
+    writer: StreamingCheckpoint,
+    weights: HFWeights,
+    cfg: Any,
+    padded: int,
+    arch: str,
+    cast: Optional[torch.dtype],
+) -> None:
+    """Convert and write the weights group by group; an untied model from a tied HF checkpoint
+    (no head in the files) gets the embedding as its head, as from_hf_state_dict gives it."""
+    embedding: list[str] = []
+    for names in layer_groups(list(weights.meta())):
+        part = from_hf_state_dict(
+            weights.read(names), cfg.model, padded, arch, fill_untied_head=False
+        )
+        if "embed_in.weight" in part:
+            embedding = names
+        for name in list(part):
+            tensor = part.pop(name)
+            writer.write(name, tensor.to(cast) if cast else tensor)
+        del part
+    if ("embed_out.weight", 0) in writer.places and ("embed_out.weight", 0) not in writer.written:
+        head = from_hf_state_dict(weights.read(embedding), cfg.model, padded, arch)[
+            "embed_out.weight"
+        ]
+        writer.write("embed_out.weight", head.to(cast) if cast else head)
+
+
+def _tokenizer_keys(hf_dir: Path, carried: Path) -> tuple[dict[str, Any], Optional[str]]:
+    """HFTokenizer keys on the carried tokenizer.json, or a note why there are none."""
+    source = hf_dir / "tokenizer.json"
+    try:
+        build_tokenizer("HFTokenizer", str(source))
+    except (ValueError, OSError) as e:
+        return {}, f"no tokenizer keys written ({e}); set tokenizer_type and vocab_file yourself"
+    return {"tokenizer_type": "HFTokenizer", "vocab_file": str(carried / "tokenizer.json")}, None
 
 
 def convert_from_hf(
-    hf_dir: str | Path, output_dir: str | Path, tp: int = 1, pp: int = 1, overwrite: bool = False
+    hf_dir: str | Path,
+    output_dir: str | Path,
+    tp: int = 1,
+    pp: int = 1,
+    overwrite: bool = False,
+    dtype: str = "auto",
 ) -> tuple[Path, Optional[str]]:
     """Write the HF model as a neox checkpoint at tp/pp in output_dir, with `model.yml` (the
     config keys to finetune it); returns that YAML's path and a note when the tokenizer could
-    not be wired up."""
+    not be wired up. `dtype` (auto: as stored) is the written weights' dtype.
+
+    Every refusal (config fields, tokenizer, layout, weight names and shapes, output
+    directory) happens before anything is written."""
     hf_dir, out = Path(hf_dir), Path(output_dir)
+    if dtype != "auto" and dtype not in DTYPES:
+        raise HFImportError(f"dtype={dtype!r} is not one of auto, {', '.join(DTYPES)}")
     hf = read_hf_config(hf_dir)
-    arch = hf.get("model_type")
-    flat: dict[str, Any] = dict(neox_model_keys(hf), model_parallel_size=tp)
+    flat: dict[str, Any] = dict(neox_model_keys(without_neutral_values(hf)))
+    family = hf["model_type"]
+    arch = family  # hf_map's architecture names are HF's model_type
+    carried = out.resolve() / CARRIED_DIR
+    flat["model_parallel_size"] = tp
     if pp > 1:
         flat["pipe_parallel_size"] = pp
-    note = None
-    tokenizer = hf_dir / "tokenizer.json"
-    try:
-        build_tokenizer("HFTokenizer", str(tokenizer))
-        flat.update(tokenizer_type="HFTokenizer", vocab_file=str(tokenizer.resolve()))
-    except (ValueError, OSError) as e:
-        note = f"no tokenizer keys written ({e}); set tokenizer_type and vocab_file yourself"
+    tokenizer_keys, note = _tokenizer_keys(hf_dir, carried)
+    flat.update(tokenizer_keys)
     # HF's rows exactly (rounded up to a multiple of tp): extra zero rows would change softmax.
     flat["padded_vocab_size"] = pad_vocab_size(hf["vocab_size"], 1, tp)
-    flat.update(finetune=True, load=str(out.resolve()))
+    flat.update(
+        finetune=True,
+        load=str(out.resolve()),
+        hf_architecture=FAMILIES[family],
+        hf_files=str(carried),
+    )
     try:
         cfg = load_dict(flat, source=str(hf_dir / "config.json"))
         check_exportable(cfg.model, arch)
@@ -349,10 +445,24 @@ def convert_from_hf(
     check_layout(cfg, tp, pp)
     check_output_dir(out, overwrite, protected=[hf_dir])
 
+    # The plan: every converted name, shape and dtype, from the headers alone.
     padded = flat["padded_vocab_size"]
-    sd = from_hf_state_dict(read_hf_weights(hf_dir), cfg.model, padded, arch)
-    check_state_dict(sd, build_model(cfg.model, padded, device="meta"), hf_dir)
+    weights = _weights(hf_dir)
+    cast = DTYPES.get(dtype)
+    try:
+        layout = from_hf_state_dict(weights.meta(), cfg.model, padded, arch)
+    except KeyError as e:
+        raise HFImportError(f"{hf_dir}: {e.args[0]}") from None
+    layout = {k: v.to(cast) if cast else v for k, v in layout.items()}
+    check_state_dict(layout, build_model(cfg.model, padded, device="meta"), hf_dir)
+
     with staged_directory(out, overwrite) as tmp:
-        write_checkpoint(sd, cfg, tmp, 0)
+        writer = StreamingCheckpoint(cfg, tmp, layout)
+        write_converted(writer, weights, cfg, padded, arch, cast)
+        writer.finish()
+        (tmp / CARRIED_DIR).mkdir()
+        for name in CARRIED_FILES:
+            if (hf_dir / name).is_file():
+                shutil.copyfile(hf_dir / name, tmp / CARRIED_DIR / name)
         (tmp / "model.yml").write_text(yaml.safe_dump(flat, sort_keys=False))
     return out / "model.yml", note
