@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from neox.kernels.flex_attention import DocumentMask
+
 
 @dataclass
 class Batch:
@@ -19,9 +21,10 @@ class Batch:
     """1.0 where the prediction counts toward the loss, 0.0 where it does not (float32)."""
     position_ids: torch.Tensor
     """Position of each input token; restarts at 0 after each EOD when reset_position_ids."""
-    attention_mask: torch.Tensor | None = None
-    """[B, 1, T, T] bool, True where query i may attend to key j (causal and within one document);
-    None unless reset_attention_mask, meaning plain causal attention."""
+    attention_mask: DocumentMask | None = None
+    """The document of each token, for attention within one document (causal): attention
+    kernels skip other documents' tiles, or take its dense [B, 1, T, T] bool mask
+    (`attention_mask.dense()`); None unless reset_attention_mask, meaning plain causal."""
     document_ids: torch.Tensor | None = None
     """Document number of each input token within its row (EOD belongs to the document it ends);
     None unless reset_attention_mask."""
@@ -78,7 +81,6 @@ def build_batch(
     attention_mask = doc_ids = None
     if reset_attention_mask:
         doc_ids = document_ids(tokens, eod_token)
-        causal = torch.ones((T, T), dtype=torch.bool, device=text.device).tril()
-        same_doc = doc_ids[:, :, None] == doc_ids[:, None, :]  # (B, T, T)
-        attention_mask = (same_doc & causal).unsqueeze(1)  # (B, 1, T, T)
+        # No T x T mask here: only kernels that need one build it, from the ids.
+        attention_mask = DocumentMask(doc_ids, T)
     return Batch(tokens, labels, loss_mask, position_ids, attention_mask, doc_ids)
