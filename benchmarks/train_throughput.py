@@ -361,6 +361,9 @@ def run_long_context(args, device) -> list[dict[str, Any]]:
                     if key in overrides
                 },
             }
+        # Each row compiles its own shapes; one process's compile cache would otherwise hit
+        # dynamo's recompile limit after a few rows and fall back to eager.
+        torch._dynamo.reset()
         row = argparse.Namespace(**vars(args))
         row.micro_batch = args.micro_batch or micro_batch
         row.neox_overrides = json.dumps({**base, **overrides})

@@ -160,15 +160,18 @@ class DocumentMask:
         return self
 
 
-_compiled = None
+@functools.cache
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention as flex
+
+    return torch.compile(flex, dynamic=False)
 
 
 def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask, scale: float):
     """FlexAttention compiled (its eager form materialises scores); (B, nh, T, hs) each."""
-    global _compiled
-    if _compiled is None:
+    if torch.compiler.is_compiling():
+        # Inside a compiled block: the block's graph takes the kernel in, nothing to wrap.
         from torch.nn.attention.flex_attention import flex_attention as flex
 
-        # Inside an already compiled block this call is inlined into the block's graph.
-        _compiled = torch.compile(flex, dynamic=False)
-    return _compiled(q, k, v, block_mask=block_mask, scale=scale)
+        return flex(q, k, v, block_mask=block_mask, scale=scale)
+    return _compiled_flex()(q, k, v, block_mask=block_mask, scale=scale)

@@ -119,16 +119,16 @@ class Attention(nn.Module):
         impl = self.kernel(x.device, attention_mask)
         if kv_cache is not None:
             impl = "flash"  # queries are not the last T keys: only SDPA's explicit mask fits
-        if impl == "flex" and (attention_mask is None or isinstance(attention_mask, DocumentMask)):
+        blocks = attention_mask is None or isinstance(attention_mask, DocumentMask)
+        if impl == "flex" and blocks:
             y = self._attend_flex(q, k, v, attention_mask)
-            y = y.transpose(1, 2).reshape(B, T, nh * hs)  # (B, T, nh*hs)
-            return self.dense(y)
-        if isinstance(attention_mask, DocumentMask):
-            attention_mask = attention_mask.dense()  # (B, 1, T, T), or None: plain causal
-        if impl in ("flash", "flex"):  # flex with a padding mask: SDPA takes it
-            y = self._attend_sdpa(q, k, v, attention_mask)
         else:
-            y = self._attend_scores(q, k, v, attention_mask, fused=impl == "triton")
+            if isinstance(attention_mask, DocumentMask):
+                attention_mask = attention_mask.dense()  # (B, 1, T, T), or None: plain causal
+            if impl in ("flash", "flex"):  # flex given a padding mask: SDPA takes it
+                y = self._attend_sdpa(q, k, v, attention_mask)
+            else:
+                y = self._attend_scores(q, k, v, attention_mask, fused=impl == "triton")
         y = y.transpose(1, 2).reshape(B, T, nh * hs)  # (B, T, nh*hs)
         return self.dense(y)
 
@@ -143,12 +143,10 @@ class Attention(nn.Module):
 
     def _attend_flex(self, q, k, v, attention_mask: Optional[DocumentMask]):
         """FlexAttention over the tiles the block mask allows (causal, window, document)."""
-        if attention_mask is None:  # called without the model's forward (e.g. a pipeline stage)
-            attention_mask = DocumentMask(None, q.shape[-2])
-        block_mask = attention_mask.block_masks.get(self.window)
-        if block_mask is None:
-            attention_mask.prepare({self.window}, q.device)
-            block_mask = attention_mask.block_masks[self.window]
+        masks = {} if attention_mask is None else attention_mask.block_masks
+        block_mask = masks.get(self.window)
+        if block_mask is None:  # not built by the model's forward (e.g. a pipeline stage)
+            block_mask = _late_block_mask(attention_mask, q.shape[-2], self.window, q.device)
         return flex_attention(q, k, v, block_mask, self.scale)
 
     def _bias(
@@ -206,6 +204,13 @@ def masked_softmax_torch(
     if allowed is None:
         allowed = allowed_mask(*scores.shape[-2:], scores.device)
     return torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+
+
+@torch.compiler.disable
+def _late_block_mask(mask: Optional[DocumentMask], seq_len: int, window, device) -> object:
+    """Build a missing block mask eagerly (a graph break, off the model's usual path)."""
+    mask = mask if mask is not None else DocumentMask(None, seq_len)
+    return mask.prepare({window}, device).block_masks[window]
 
 
 def attention_inputs(
