@@ -128,3 +128,13 @@ def test_local_layers_without_a_window_stop_a_launch(tmp_path):
     bad.write_text('attention_config: [[["global", "local"], 1]]\n')
     r = deepy("train.py", "configs/tiny.yml", bad)
     assert r.returncode == 2 and "sliding_window_width is unset" in r.stderr
+
+
+def test_dry_run_names_flex_for_packed_documents(tmp_path):
+    packed = tmp_path / "packed.yml"
+    packed.write_text("reset_attention_mask: true\n")
+    r = deepy("train.py", "configs/tiny.yml", packed, "--dry-run")
+    assert r.returncode == 0, r.stderr
+    section = r.stdout.split("# attention per layer type", 1)[1].split("# estimate", 1)[0]
+    assert "FlexAttention (block-sparse) (why: attention_impl auto, packed documents" in section
+    assert "attends within each packed document" in section
