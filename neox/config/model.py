@@ -160,11 +160,12 @@ class ModelConfig(ConfigGroup):
         Literal["auto", "flash", "flex", "triton", "torch"], Reads("neox/plan/attention_path.py")
     ] = "auto"
     """Attention kernel: flash = torch SDPA, flex = torch FlexAttention (block-sparse: skips the
-    tiles a sliding window or packed documents mask out; CUDA only, CPU ranks take SDPA),
-    triton = scores + the fused Triton softmax, torch = reference. auto = the fastest exact one
-    per layer: on GPU FlexAttention for sliding-window layers and packed documents
-    (reset_attention_mask), SDPA flash otherwise, also where the gpt-neox fusion flags ask for
-    a fused softmax (the same math); SDPA elsewhere. `deepy.py --dry-run` names each layer's."""
+    tiles a sliding window or packed documents mask out, adds ALiBi in the kernel; CUDA only, CPU
+    ranks take SDPA; no attention_dropout), triton = scores + the fused Triton softmax, torch =
+    reference. auto = the fastest exact one per layer: on GPU FlexAttention for sliding-window
+    layers, packed documents (reset_attention_mask) and ALiBi, SDPA flash otherwise, also where
+    the gpt-neox fusion flags ask for a fused softmax (the same math); SDPA elsewhere.
+    `deepy.py --dry-run` names each layer's."""
 
     scaled_upper_triang_masked_softmax_fusion: Annotated[
         bool, Reads("neox/plan/attention_path.py")

@@ -167,11 +167,29 @@ def _compiled_flex():
     return torch.compile(flex, dynamic=False)
 
 
-def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask, scale: float):
-    """FlexAttention compiled (its eager form materialises scores); (B, nh, T, hs) each."""
+def alibi_score_mod(slopes: torch.Tensor):
+    """ALiBi inside the kernel: score - slope[head] * (query position - key position)."""
+
+    def alibi(score, b, h, q, k):
+        return score - slopes[h] * (q - k)
+
+    return alibi
+
+
+def flex_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_mask,
+    scale: float,
+    score_mod=None,
+):
+    """FlexAttention compiled (its eager form materialises scores); (B, nh, T, hs) each.
+    score_mod (e.g. alibi_score_mod) adds to the scaled scores, as an additive mask would."""
+    kwargs = dict(block_mask=block_mask, scale=scale, score_mod=score_mod)
     if torch.compiler.is_compiling():
         # Inside a compiled block: the block's graph takes the kernel in, nothing to wrap.
         from torch.nn.attention.flex_attention import flex_attention as flex
 
-        return flex(q, k, v, block_mask=block_mask, scale=scale)
-    return _compiled_flex()(q, k, v, block_mask=block_mask, scale=scale)
+        return flex(q, k, v, **kwargs)
+    return _compiled_flex()(q, k, v, **kwargs)

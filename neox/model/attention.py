@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from neox.config.model import ModelConfig
-from neox.kernels.flex_attention import DocumentMask, flex_attention
+from neox.kernels.flex_attention import DocumentMask, alibi_score_mod, flex_attention
 from neox.model.norms import build_norm
 from neox.model.positional import alibi_bias, alibi_slopes
 from neox.model.rotary import RotaryEmbedding
@@ -142,12 +142,17 @@ class Attention(nn.Module):
         return self.impl_cuda_packed if packed else self.impl_cuda
 
     def _attend_flex(self, q, k, v, attention_mask: Optional[DocumentMask]):
-        """FlexAttention over the tiles the block mask allows (causal, window, document)."""
+        """FlexAttention over the tiles the block mask allows (causal, window, document), with
+        ALiBi's bias added inside the kernel."""
         masks = {} if attention_mask is None else attention_mask.block_masks
         block_mask = masks.get(self.window)
         if block_mask is None:  # not built by the model's forward (e.g. a pipeline stage)
             block_mask = _late_block_mask(attention_mask, q.shape[-2], self.window, q.device)
-        return flex_attention(q, k, v, block_mask, self.scale)
+        score_mod = None
+        if self.alibi_slopes is not None:
+            slopes = torch.tensor(self.alibi_slopes, device=q.device, dtype=torch.float32)
+            score_mod = alibi_score_mod(slopes)
+        return flex_attention(q, k, v, block_mask, self.scale, score_mod)
 
     def _bias(
         self, q: torch.Tensor, k: torch.Tensor, attention_mask: Optional[torch.Tensor]

@@ -46,8 +46,6 @@ def _fusion_flags(cfg: ModelConfig) -> list[str]:
 
 def _flex_refusal(cfg: ModelConfig) -> Optional[str]:
     """Why FlexAttention cannot run this model's attention exactly, or None."""
-    if cfg.pos_emb == "alibi":
-        return "ALiBi biases"
     if cfg.attention_dropout > 0:
         return f"attention_dropout={cfg.attention_dropout}"
     return None
@@ -61,10 +59,10 @@ def select_attention_path(
 
     attention_impl other than "auto" is obeyed (flex needs CUDA: FlexAttention has no CPU
     backward, so CPU ranks take SDPA with the dense mask). "auto" is exact everywhere and on
-    CUDA picks the fastest kernel: FlexAttention where a mask would rule out SDPA's flash
-    kernel (sliding windows, packed documents), SDPA flash otherwise, also where gpt-neox's
-    fusion flags ask for a fused softmax (the same math, fused further). ALiBi and attention
-    dropout keep SDPA with an explicit mask. (Decoding with a KV cache always takes SDPA: only
+    CUDA picks the fastest kernel: FlexAttention where a mask or bias would rule out SDPA's
+    flash kernel (sliding windows, packed documents, ALiBi), SDPA flash otherwise, also where
+    gpt-neox's fusion flags ask for a fused softmax (the same math, fused further). Attention
+    dropout keeps SDPA with an explicit mask (FlexAttention has none). (Decoding with a KV cache always takes SDPA: only
     its explicit mask fits Sq < Sk.)
     """
     device_type = getattr(device, "type", str(device).split(":")[0])
@@ -75,8 +73,8 @@ def select_attention_path(
     if cfg.attention_impl == "flex":
         if no_flex:
             raise ValueError(
-                f"attention_impl: flex cannot run {no_flex} (FlexAttention here has no ALiBi "
-                "score_mod or dropout); use attention_impl: auto or flash"
+                f"attention_impl: flex cannot run {no_flex} (FlexAttention has no dropout); "
+                "use attention_impl: auto or flash"
             )
         if device_type != "cuda":
             return AttentionPath("flash", "attention_impl: flex, not on CUDA (no CPU backward)")
@@ -84,6 +82,8 @@ def select_attention_path(
         return AttentionPath(cfg.attention_impl, f"attention_impl: {cfg.attention_impl}")
     masked = [f"sliding window {window}"] if window is not None else []
     masked += ["packed documents (reset_attention_mask)"] if packed else []
+    # ALiBi as a dense bias would rule out SDPA's flash kernel; FlexAttention adds it per tile.
+    masked += ["ALiBi"] if cfg.pos_emb == "alibi" else []
     if device_type != "cuda":
         return AttentionPath("flash", "attention_impl auto, not on CUDA")
     if masked and not no_flex:

@@ -43,6 +43,29 @@ def test_block_mask_matches_dense_reference(seq, window, packed):
     torch.testing.assert_close(out, reference(q, k, v, docs, window), rtol=1e-5, atol=1e-5)
 
 
+def test_alibi_score_mod_matches_the_dense_bias():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from neox.kernels.flex_attention import alibi_score_mod
+    from neox.model.positional import alibi_bias, alibi_slopes
+
+    seq, heads = 200, 4
+    docs = random_documents(2, seq, seed=3, inside=BLOCK + 9)
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(2, heads, seq, 16, generator=g) for _ in range(3))
+    slopes = alibi_slopes(heads)
+    score_mod = alibi_score_mod(torch.tensor(slopes))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = flex_attention(
+            q, k, v, score_mod=score_mod, block_mask=build_block_mask(docs, seq, 50, "cpu")
+        )
+    bias = alibi_bias(slopes, seq, seq, q.device, torch.float32)  # (nh, T, T)
+    mask = bias.masked_fill(~allowed(docs, seq, seq, "cpu", 50), float("-inf"))
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_tiles_outside_documents_and_windows_are_skipped():
     seq = 4 * BLOCK
     docs = torch.zeros(1, seq, dtype=torch.long)

@@ -229,10 +229,10 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("local", [False, True])
-def test_flex_attention_in_the_model_matches_the_reference_on_gpu(local):
-    """attention_impl auto takes compiled FlexAttention for packed documents (and a window) on
-    CUDA; in bf16 its loss and gradients match the reference softmax on the dense mask."""
+@pytest.mark.parametrize("local,pos_emb", [(False, "rotary"), (True, "rotary"), (True, "alibi")])
+def test_flex_attention_in_the_model_matches_the_reference_on_gpu(local, pos_emb):
+    """attention_impl auto takes compiled FlexAttention for packed documents (and a window, and
+    ALiBi) on CUDA; in bf16 its loss and gradients match the reference softmax on the dense mask."""
     from neox.config import load_dict
     from neox.data.batch import build_batch
     from neox.model import build_model
@@ -243,7 +243,7 @@ def test_flex_attention_in_the_model_matches_the_reference_on_gpu(local):
             "num_layers": 2,
             "hidden_size": 256,
             "num_attention_heads": 4,
-            "pos_emb": "rotary",
+            "pos_emb": pos_emb,
             "seq_length": 1024,
             "attention_config": layers,
             "sliding_window_width": 200 if local else None,

@@ -39,13 +39,19 @@ def test_auto_picks_the_fastest_exact_kernel_per_layer_on_cuda():
     assert select_attention_path(plain, "global", "cpu", packed=True).impl == "flash"
     window = ModelConfig(**TINY, sliding_window_width=4)
     assert select_attention_path(window, "global", "cuda").impl == "flex"
-    alibi = ModelConfig(**TINY, pos_emb="alibi", sliding_window_width=4)
-    assert select_attention_path(alibi, "global", "cuda", packed=True).impl == "flash"
+    alibi = ModelConfig(**TINY, pos_emb="alibi")
+    path = select_attention_path(alibi, "global", "cuda")
+    assert path.impl == "flex" and "ALiBi" in path.reason
+    dropout = ModelConfig(**TINY, pos_emb="alibi", sliding_window_width=4, attention_dropout=0.1)
+    path = select_attention_path(dropout, "global", "cuda", packed=True)
+    assert path.impl == "flash" and "attention_dropout=0.1" in path.reason
     flex = ModelConfig(**TINY, attention_impl="flex")
     assert select_attention_path(flex, "global", "cuda").impl == "flex"
     assert select_attention_path(flex, "global", "cpu").impl == "flash"  # no CPU backward
-    with pytest.raises(ValueError, match="attention_impl: flex cannot run ALiBi"):
-        select_attention_path(ModelConfig(**TINY, attention_impl="flex", pos_emb="alibi"), "global")
+    with pytest.raises(ValueError, match="attention_impl: flex cannot run attention_dropout"):
+        select_attention_path(
+            ModelConfig(**TINY, attention_impl="flex", attention_dropout=0.1), "global"
+        )
 
 
 @pytest.mark.parametrize(
