@@ -155,7 +155,9 @@ def main(argv: list[str]) -> int:
         problems += derived_problems(loaded, derived, args.script, cpu_ranks=plan.cpu)
         problems += deepspeed_section_problems(loaded, ds_config)
         try:
-            attention = describe_attention_paths(cfg.model, cpu_ranks=plan.cpu)
+            attention = describe_attention_paths(
+                cfg.model, cpu_ranks=plan.cpu, packed=cfg.data.reset_attention_mask
+            )
         except ValueError as e:  # e.g. `local` layers without a window: the model would refuse
             problems.append(str(e))
             attention = []

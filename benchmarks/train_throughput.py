@@ -6,12 +6,16 @@ python benchmarks/train_throughput.py --vocab-file data/20B_tokenizer.json      
 python benchmarks/train_throughput.py --models 410M --impls neox --profile-dir prof
 python benchmarks/train_throughput.py --models 410M --impls neox --attention flash triton
 python benchmarks/train_throughput.py --tiny                                       # CPU smoke run
+python benchmarks/train_throughput.py --models 1-4B --long-context 2k 8k 8k_packed 16k 32k
 
 Prints tokens/s, TFLOPS, MFU (neox.plan.estimate.train_flops_per_token), peak memory, and neox's
 ratio to each HF variant; --json appends one record per run. Results go in docs/benchmarks.md.
 --attention runs neox once per attention kernel (attention_impl: flash = torch SDPA, triton =
 scores + the Triton fused softmax, as global layers with the gpt-neox fusion flags take it) at
 the same shape, and prints their ratio.
+--long-context runs neox at longer sequences on the model's shape (LONG_CONTEXT: micro batch,
+activation checkpointing, chunked loss; `_packed` rows pack documents of --doc-length tokens on
+average with reset_attention_mask) and prints each row's tokens/s against the first row's.
 """
 
 from __future__ import annotations
@@ -153,14 +157,21 @@ def profile_steps(step: Callable[[int], Any], start: int, out_dir: Path, name: s
         f.write(avg.table(sort_by=dev_key, row_limit=40))
 
 
-def neox_step(cfg, device) -> tuple[Callable[[int], Any], Any, Callable[[], None]]:
-    """neox's own training step on the engine train.py builds."""
+def neox_step(
+    cfg, device, doc_length: int | None = None
+) -> tuple[Callable[[int], Any], Any, Callable[[], None]]:
+    """neox's own training step on the engine train.py builds (with `doc_length`, random
+    documents of that mean length end in EOD)."""
     from neox.training.loop import train_step
     from neox.training.setup import build_run
 
     run = build_run(cfg)
     d = run.derived
     batches = random_batches(run.tokenizer.vocab_size, d.micro_batch, cfg.model.seq_length, device)
+    if doc_length:
+        batches = [
+            end_documents(b, run.tokenizer.eod, doc_length, i) for i, b in enumerate(batches)
+        ]
     stream = cycle([{"text": b} for b in batches])
 
     pending = []
@@ -235,7 +246,8 @@ def run_one(args, model: str, impl: str, device, attention: str = "config") -> d
         # Whatever an earlier run in this process left allocated is not this run's.
         base_mem = torch.cuda.memory_allocated(device)
     if impl == "neox":
-        step, keep, close = neox_step(cfg, device)
+        doc_length = getattr(args, "doc_length", None) if cfg.data.reset_attention_mask else None
+        step, keep, close = neox_step(cfg, device, doc_length)
     else:
         step, keep, close = hf_step(cfg, vocab, micro_batch, device, impl == "hf_compile")
     times = time_steps(step, args.iters, args.warmup, device)
@@ -304,6 +316,78 @@ def print_table(records: list[dict[str, Any]]) -> None:
             print(f"{model}: neox triton / flash attention = {tps / flash:.2f}")
 
 
+# Long-context rows: name -> (micro batch, overrides). One document of 2k tokens per sample at
+# micro batch 4 is the reference; longer rows keep ~8k+ tokens a step at micro batch 1, chunk
+# the loss (no (tokens, vocab) fp32 logits), and recompute activations where they would not fit.
+# RoPE keeps the config's rotary_emb_base; max_position_embeddings grows with the sequence.
+LONG_CONTEXT: dict[str, tuple[int, dict[str, Any]]] = {
+    "2k": (4, {}),
+    **{
+        f"{k}k{suffix}": (
+            1,
+            {
+                "seq_length": k * 1024,
+                "max_position_embeddings": k * 1024,
+                "lm_loss_chunk_size": 4096,
+                "checkpoint_activations": k >= 32,
+                **({"reset_attention_mask": True, "reset_position_ids": True} if suffix else {}),
+            },
+        )
+        for k in (4, 8, 16, 32)
+        for suffix in ("", "_packed")
+    },
+}
+
+
+def end_documents(text: torch.Tensor, eod: int, mean_length: int, seed: int) -> torch.Tensor:
+    """`text` with EOD tokens at random, about one per `mean_length` tokens (packed documents)."""
+    g = torch.Generator().manual_seed(seed)
+    ends = (torch.rand(text.shape, generator=g) < 1 / mean_length).to(text.device)
+    return torch.where(ends, torch.full_like(text, eod), text)
+
+
+def run_long_context(args, device) -> list[dict[str, Any]]:
+    """neox at each --long-context row on the first --models shape, against the first row."""
+    records = []
+    base = dict(json.loads(args.neox_overrides)) if args.neox_overrides else {}
+    for name in args.long_context:
+        micro_batch, overrides = LONG_CONTEXT[name]
+        if args.tiny:  # CPU smoke: the same rows at 1/32 the length
+            overrides = {
+                **overrides,
+                **{
+                    key: overrides[key] // 32
+                    for key in ("seq_length", "max_position_embeddings")
+                    if key in overrides
+                },
+            }
+        # Each row compiles its own shapes; one process's compile cache would otherwise hit
+        # dynamo's recompile limit after a few rows and fall back to eager.
+        torch._dynamo.reset()
+        row = argparse.Namespace(**vars(args))
+        row.micro_batch = args.micro_batch or micro_batch
+        row.neox_overrides = json.dumps({**base, **overrides})
+        rec = run_one(row, args.models[0], "neox", device)
+        rec["long_context"] = name
+        rec["doc_length"] = args.doc_length if overrides.get("reset_attention_mask") else None
+        rec["device"] = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        records.append(rec)
+        common.emit(rec, args.json)
+    first = records[0]["tokens_per_s"]
+    print(
+        f"{'row':>10} {'seq':>6} {'mb':>3} {'ckpt':>4} {'tok/s':>9} {'MFU':>6} {'memGiB':>7} ratio"
+    )
+    for r in records:
+        mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
+        mem = f"{r['peak_mem_gib']:.1f}" if r["peak_mem_gib"] is not None else "-"
+        ckpt = "yes" if r["neox_overrides"].get("checkpoint_activations") else "no"
+        print(
+            f"{r['long_context']:>10} {r['seq']:>6} {r['micro_batch']:>3} {ckpt:>4} "
+            f"{r['tokens_per_s']:>9.0f} {mfu:>6} {mem:>7} {r['tokens_per_s'] / first:.2f}"
+        )
+    return records
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--models", nargs="+", default=list(MICRO_BATCH))
@@ -327,6 +411,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile-models", nargs="+", default=list(MICRO_BATCH))
     p.add_argument("--json", default=None, help="append one JSON record per run here")
     p.add_argument("--tiny", action="store_true", help="2-layer model on CPU: a smoke test")
+    p.add_argument(
+        "--long-context",
+        nargs="+",
+        choices=list(LONG_CONTEXT),
+        default=None,
+        help="neox rows at these sequence lengths (the first is the reference), nothing else",
+    )
+    p.add_argument(
+        "--doc-length", type=int, default=1024, help="mean document length of _packed rows"
+    )
     args = p.parse_args(argv)
     if args.tiny:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -334,6 +428,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.impls == p.get_default("impls"):
             args.impls = ["neox", "hf"]
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
+    if args.long_context:
+        run_long_context(args, device)
+        return 0
     records = []
     runs = [
         (model, impl, attention)

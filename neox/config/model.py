@@ -241,18 +241,25 @@ class ModelConfig(ConfigGroup):
     """gpt-neox per-layer attention types, e.g. [[["flash"], 24]] or [[["global", "local"], 12]]."""
 
     attention_impl: Annotated[
-        Literal["auto", "flash", "triton", "torch"], Reads("neox/plan/attention_path.py")
+        Literal["auto", "flash", "flex", "triton", "torch"], Reads("neox/plan/attention_path.py")
     ] = "auto"
-    """Attention kernel: flash = torch SDPA, triton = scores + fused Triton softmax, torch = reference;
-    auto = flash on GPU unless attention_config or the fusion flags ask for the Triton softmax."""
+    """Attention kernel: flash = torch SDPA, flex = torch FlexAttention (block-sparse: skips the
+    tiles a sliding window or packed documents mask out, adds ALiBi in the kernel; CUDA only, CPU
+    ranks take SDPA; no attention_dropout), triton = scores + the fused Triton softmax, torch =
+    reference. auto = the fastest exact one per layer: on GPU FlexAttention for sliding-window
+    layers, packed documents (reset_attention_mask) and ALiBi, SDPA flash otherwise, also where
+    the gpt-neox fusion flags ask for a fused softmax (the same math); SDPA elsewhere.
+    `deepy.py --dry-run` names each layer's."""
 
     scaled_upper_triang_masked_softmax_fusion: Annotated[
         bool, Reads("neox/plan/attention_path.py")
     ] = False
-    """Use the fused Triton scale + causal mask + softmax for `global` attention (gpt-neox key)."""
+    """gpt-neox key asking for a fused scale + causal mask + softmax; attention_impl auto runs that
+    math fused further in SDPA flash, attention_impl: triton in the Triton softmax."""
 
     scaled_masked_softmax_fusion: Annotated[bool, Reads("neox/plan/attention_path.py")] = False
-    """Use the fused Triton softmax with a padding mask as well (gpt-neox key)."""
+    """gpt-neox key asking for the fused softmax with a padding mask as well; read as
+    scaled_upper_triang_masked_softmax_fusion is."""
 
     attention_softmax_in_fp32: Annotated[bool, Reads("neox/model/attention.py")] = True
     """Compute attention softmax in float32 under fp16/bf16."""

@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 
 from neox.data.indexed import IGNORE_INDEX  # noqa: F401  (the label value of "not trained")
+from neox.kernels.flex_attention import DocumentMask
 
 
 @dataclass
@@ -33,13 +34,14 @@ class Batch:
     neox.training.engine.weigh_micro_batches; None: the plain per-micro-batch mean)."""
 
     @property
-    def attention_mask(self) -> torch.Tensor | None:
-        """[B, 1, T, T] bool, True where query i may attend to key j (causal and within one
-        document); None unless reset_attention_mask, meaning plain causal attention. Built on
-        each read, never stored: an engine holds a whole step's micro-batches at once."""
+    def attention_mask(self) -> DocumentMask | None:
+        """The document of each token, for attention within one document (causal): attention
+        kernels skip other documents' tiles, or build the dense [B, 1, T, T] bool mask from it
+        (`attention_mask.dense()`); None unless reset_attention_mask, meaning plain causal.
+        Made on each read (ids only, no T x T tensor): block masks are built per forward."""
         if self.document_ids is None:
             return None
-        return document_attention_mask(self.document_ids)
+        return DocumentMask(self.document_ids, self.document_ids.shape[1])
 
     @property
     def trained_tokens(self) -> torch.Tensor:
@@ -52,14 +54,6 @@ def document_ids(tokens: torch.Tensor, eod_token: int) -> torch.Tensor:
     is_eod = (tokens == eod_token).long()
     # Exclusive cumulative sum: the EOD token itself still belongs to the document it closes.
     return torch.cumsum(is_eod, dim=1) - is_eod
-
-
-def document_attention_mask(doc_ids: torch.Tensor) -> torch.Tensor:
-    """[B, 1, T, T] bool: causal, and only between tokens of the same document."""
-    T = doc_ids.shape[1]
-    causal = torch.ones((T, T), dtype=torch.bool, device=doc_ids.device).tril()
-    same_doc = doc_ids[:, :, None] == doc_ids[:, None, :]  # (B, T, T)
-    return (same_doc & causal).unsqueeze(1)
 
 
 def document_positions(tokens: torch.Tensor, eod_token: int) -> torch.Tensor:

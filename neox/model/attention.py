@@ -1,4 +1,5 @@
-"""Causal self-attention with fused grouped QKV, rotary/ALiBi, sliding window and three kernels."""
+"""Causal self-attention with fused grouped QKV, rotary/ALiBi, sliding window, packed documents
+and four kernels (SDPA, FlexAttention, the Triton softmax, the torch reference)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from neox.config.model import ModelConfig
+from neox.kernels.flex_attention import DocumentMask, alibi_score_mod, flex_attention
 from neox.model.norms import build_norm
 from neox.model.positional import alibi_bias, alibi_slopes
 from neox.model.rotary import RotaryEmbedding
@@ -18,7 +20,7 @@ from neox.plan.attention_path import layer_window, select_attention_path
 if TYPE_CHECKING:
     from neox.inference.cache import LayerKVCache
 
-ATTENTION_IMPLS = ("flash", "triton", "torch")
+ATTENTION_IMPLS = ("flash", "flex", "triton", "torch")
 
 
 def allowed_mask(
@@ -71,6 +73,7 @@ class Attention(nn.Module):
         self.layer_type = layer_type
         # Kernel on a CUDA device and elsewhere: the model may move after it is built.
         self.impl_cuda = select_attention_path(cfg, layer_type, "cuda").impl
+        self.impl_cuda_packed = select_attention_path(cfg, layer_type, "cuda", packed=True).impl
         self.impl_other = select_attention_path(cfg, layer_type, "cpu").impl
         self.window = layer_window(cfg, layer_type)
         self.dropout = cfg.attention_dropout
@@ -100,9 +103,10 @@ class Attention(nn.Module):
         attention_mask: Optional[torch.Tensor] = None,
         kv_cache: Optional[LayerKVCache] = None,
     ) -> torch.Tensor:
-        """x (B, T, C) -> (B, T, C); attention_mask (B, T) marks real tokens with 1, or
-        (B, 1, T, S) marks the allowed query/key pairs (reset_attention_mask, or the S cached
-        keys when decoding with kv_cache, which stores this step's k and v and returns all S)."""
+        """x (B, T, C) -> (B, T, C); attention_mask (B, T) marks real tokens with 1, (B, 1, T, S)
+        marks the allowed query/key pairs (the S cached keys when decoding with kv_cache, which
+        stores this step's k and v and returns all S), or a DocumentMask gives each token's
+        packed document (reset_attention_mask) and the FlexAttention block masks."""
         B, T, _ = x.shape
         nh, nkv, hs = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.query_key_value(x).view(B, T, nkv, nh // nkv + 2, hs)  # (B, T, nkv, grp+2, hs)
@@ -121,15 +125,43 @@ class Attention(nn.Module):
             # Query head h reads kv head h // (nh / nkv): the grouping of the fused layout.
             k = k.repeat_interleave(nh // nkv, dim=1)  # (B, nh, T, hs)
             v = v.repeat_interleave(nh // nkv, dim=1)
-        impl = self.impl_cuda if x.is_cuda else self.impl_other
+        impl = self.kernel(x.device, attention_mask)
         if kv_cache is not None:
             impl = "flash"  # queries are not the last T keys: only SDPA's explicit mask fits
-        if impl == "flash":
-            y = self._attend_sdpa(q, k, v, attention_mask, slots)
+        blocks = attention_mask is None or isinstance(attention_mask, DocumentMask)
+        if impl == "flex" and blocks and slots is None:
+            y = self._attend_flex(q, k, v, attention_mask)
         else:
-            y = self._attend_scores(q, k, v, attention_mask, fused=impl == "triton")
+            if isinstance(attention_mask, DocumentMask):
+                attention_mask = attention_mask.dense()  # (B, 1, T, T), or None: plain causal
+            if impl in ("flash", "flex"):  # flex given a padding mask: SDPA takes it
+                y = self._attend_sdpa(q, k, v, attention_mask, slots)
+            else:
+                y = self._attend_scores(q, k, v, attention_mask, fused=impl == "triton")
         y = y.transpose(1, 2).reshape(B, T, nh * hs)  # (B, T, nh*hs)
         return self.dense(y)
+
+    def kernel(self, device: torch.device, attention_mask: object = None) -> str:
+        """The attention_impl this layer runs on `device` for this kind of attention_mask."""
+        if device.type != "cuda":
+            return self.impl_other
+        packed = (
+            isinstance(attention_mask, DocumentMask) and attention_mask.document_ids is not None
+        )
+        return self.impl_cuda_packed if packed else self.impl_cuda
+
+    def _attend_flex(self, q, k, v, attention_mask: Optional[DocumentMask]):
+        """FlexAttention over the tiles the block mask allows (causal, window, document), with
+        ALiBi's bias added inside the kernel."""
+        masks = {} if attention_mask is None else attention_mask.block_masks
+        block_mask = masks.get(self.window)
+        if block_mask is None:  # not built by the model's forward (e.g. a pipeline stage)
+            block_mask = _late_block_mask(attention_mask, q.shape[-2], self.window, q.device)
+        score_mod = None
+        if self.alibi_slopes is not None:
+            slopes = torch.tensor(self.alibi_slopes, device=q.device, dtype=torch.float32)
+            score_mod = alibi_score_mod(slopes)
+        return flex_attention(q, k, v, block_mask, self.scale, score_mod)
 
     def _bias(
         self,
@@ -193,6 +225,37 @@ def masked_softmax_torch(
     if allowed is None:
         allowed = allowed_mask(*scores.shape[-2:], scores.device)
     return torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+
+
+@torch.compiler.disable
+def _late_block_mask(mask: Optional[DocumentMask], seq_len: int, window, device) -> object:
+    """Build a missing block mask eagerly (a graph break, off the model's usual path)."""
+    mask = mask if mask is not None else DocumentMask(None, seq_len)
+    return mask.prepare({window}, device).block_masks[window]
+
+
+def attention_inputs(
+    model: nn.Module,
+    attention_mask: object,
+    input_ids: torch.Tensor,
+    kv_cache: object = None,
+) -> object:
+    """The attention_mask the blocks get: with layers that run FlexAttention on this device,
+    a DocumentMask carrying their block masks, built here once rather than in every layer."""
+    if kv_cache is not None or not (
+        attention_mask is None or isinstance(attention_mask, DocumentMask)
+    ):
+        return attention_mask
+    device = input_ids.device
+    windows = {
+        a.window
+        for a in model.modules()
+        if isinstance(a, Attention) and a.kernel(device, attention_mask) == "flex"
+    }
+    if not windows:
+        return attention_mask
+    mask = attention_mask if attention_mask is not None else DocumentMask(None, input_ids.shape[1])
+    return mask.prepare(windows, device)
 
 
 def _fused_softmax():

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from neox.config.model import ModelConfig
+from neox.model.attention import attention_inputs
 from neox.model.block import Block
 from neox.model.init import init_parameter
 from neox.model.loss import chunked_lm_loss, lm_loss
@@ -79,12 +80,14 @@ class GPTNeoX(nn.Module):
     ) -> torch.Tensor:
         """Logits (B, T, V) for input_ids (B, T), or with labels (B, T) the scalar training loss.
 
-        attention_mask (B, T) marks real tokens. Computing the loss here, inside the module the
+        attention_mask (B, T) marks real tokens; a DocumentMask (neox.kernels.flex_attention)
+        keeps packed documents apart. Computing the loss here, inside the module the
         engine runs, lets the loss be fused with the output layer (lm_loss_chunk_size).
         Decoding passes a KVCache (neox.inference.cache), explicit position_ids and the
         (B, 1, T, S) mask of cached keys each query may see.
         """
         x = self.embed(input_ids, position_ids)
+        attention_mask = attention_inputs(self, attention_mask, input_ids, kv_cache)
         for i, block in enumerate(self.layers):
             x = block(x, position_ids, attention_mask, None if kv_cache is None else kv_cache[i])
         if labels is None:

@@ -15,9 +15,17 @@ from neox.config.model import ModelConfig
 # What each attention_impl value runs, in words.
 IMPL_NAMES = {
     "flash": "torch SDPA (flash)",
+    "flex": "FlexAttention (block-sparse)",
     "triton": "Triton fused softmax",
     "torch": "unfused torch softmax",
 }
+
+# Why auto prefers SDPA's flash kernel to the Triton softmax the fusion flags name.
+_SAME_MATH = (
+    "SDPA flash runs the same scale + causal mask + softmax (float32 softmax statistics) fused "
+    "with both matmuls, 1.9x the Triton path's tokens/s at 410M (docs/benchmarks.md); "
+    "attention_impl: triton still selects the Triton softmax"
+)
 
 
 @dataclass(frozen=True)
@@ -36,28 +44,61 @@ def _fusion_flags(cfg: ModelConfig) -> list[str]:
     return [flag for flag in flags if getattr(cfg, flag)]
 
 
-def select_attention_path(
-    cfg: ModelConfig, layer_type: str, device: object = "cuda"
-) -> AttentionPath:
-    """The kernel of a `layer_type` layer on `device` ("cuda", "cpu" or a torch.device).
+def _flex_refusal(cfg: ModelConfig) -> Optional[str]:
+    """Why FlexAttention cannot run this model's attention exactly, or None."""
+    if cfg.attention_dropout > 0:
+        return f"attention_dropout={cfg.attention_dropout}"
+    return None
 
-    attention_impl other than "auto" is obeyed everywhere. "auto" gives CUDA `global` layers
-    the Triton kernel when a gpt-neox fusion flag asks for a fused softmax, and SDPA otherwise.
-    (Decoding with a KV cache always takes SDPA: only its explicit mask fits Sq < Sk.)
+
+def select_attention_path(
+    cfg: ModelConfig, layer_type: str, device: object = "cuda", packed: bool = False
+) -> AttentionPath:
+    """The kernel of a `layer_type` layer on `device` ("cuda", "cpu" or a torch.device), with
+    `packed` documents (reset_attention_mask: attention within each document) or not.
+
+    attention_impl other than "auto" is obeyed (flex needs CUDA: FlexAttention has no CPU
+    backward, so CPU ranks take SDPA with the dense mask). "auto" is exact everywhere and on
+    CUDA picks the fastest kernel: FlexAttention where a mask or bias would rule out SDPA's
+    flash kernel (sliding windows, packed documents, ALiBi), SDPA flash otherwise, also where
+    gpt-neox's fusion flags ask for a fused softmax (the same math, fused further). Attention
+    dropout keeps SDPA with an explicit mask (FlexAttention has none). (Decoding with a KV cache always takes SDPA: only
+    its explicit mask fits Sq < Sk.)
     """
     device_type = getattr(device, "type", str(device).split(":")[0])
+    # layer_window's check (a `local` layer needs a width) is the model's and the dry run's.
+    local = "local" in cfg.shape.layer_types
+    window = cfg.sliding_window_width if layer_type == "local" or not local else None
+    no_flex = _flex_refusal(cfg)
+    if cfg.attention_impl == "flex":
+        if no_flex:
+            raise ValueError(
+                f"attention_impl: flex cannot run {no_flex} (FlexAttention has no dropout); "
+                "use attention_impl: auto or flash"
+            )
+        if device_type != "cuda":
+            return AttentionPath("flash", "attention_impl: flex, not on CUDA (no CPU backward)")
     if cfg.attention_impl != "auto":
         return AttentionPath(cfg.attention_impl, f"attention_impl: {cfg.attention_impl}")
-    flags = _fusion_flags(cfg)
-    if layer_type != "global":
-        return AttentionPath("flash", f"attention_impl auto, `{layer_type}` layers take SDPA")
-    if not flags:
-        return AttentionPath(
-            "flash", "attention_impl auto, `global` layers, no softmax fusion flag"
-        )
+    masked = [f"sliding window {window}"] if window is not None else []
+    masked += ["packed documents (reset_attention_mask)"] if packed else []
+    # ALiBi as a dense bias would rule out SDPA's flash kernel; FlexAttention adds it per tile.
+    masked += ["ALiBi"] if cfg.pos_emb == "alibi" else []
     if device_type != "cuda":
-        return AttentionPath("flash", f"attention_impl auto, {' + '.join(flags)}, not on CUDA")
-    return AttentionPath("triton", f"attention_impl auto, `global` layers + {' + '.join(flags)}")
+        return AttentionPath("flash", "attention_impl auto, not on CUDA")
+    if masked and not no_flex:
+        return AttentionPath(
+            "flex", f"attention_impl auto, {' + '.join(masked)}: skips the masked tiles"
+        )
+    if masked:
+        return AttentionPath("flash", f"attention_impl auto, {' + '.join(masked)} with {no_flex}")
+    flags = _fusion_flags(cfg)
+    if flags:
+        return AttentionPath(
+            "flash",
+            f"attention_impl auto, `{layer_type}` layers + {' + '.join(flags)}: {_SAME_MATH}",
+        )
+    return AttentionPath("flash", f"attention_impl auto, `{layer_type}` layers, causal")
 
 
 def layer_window(cfg: ModelConfig, layer_type: str) -> Optional[int]:
@@ -77,24 +118,30 @@ def layer_window(cfg: ModelConfig, layer_type: str) -> Optional[int]:
     return cfg.sliding_window_width
 
 
-def describe_attention_paths(cfg: ModelConfig, cpu_ranks: bool = False) -> list[str]:
+def describe_attention_paths(
+    cfg: ModelConfig, cpu_ranks: bool = False, packed: bool = False
+) -> list[str]:
     """One line per layer type, in order of first appearance: count, kernel on GPU ranks, why,
-    what else the layer adds (window, ALiBi), and the CPU kernel if `cpu_ranks` and it differs."""
+    what else the layer adds (window, ALiBi), and the CPU kernel if `cpu_ranks` and it differs.
+    `packed`: documents are packed with reset_attention_mask."""
     lines = []
     for layer_type, count in Counter(cfg.shape.layer_types).items():
-        path = select_attention_path(cfg, layer_type, "cuda")
+        path = select_attention_path(cfg, layer_type, "cuda", packed)
         extras = []
         window = layer_window(cfg, layer_type)
         if window is not None:
             extras.append(f"sliding window {window}")
+        if packed:
+            extras.append("attends within each packed document")
         if cfg.pos_emb == "alibi":
             extras.append("ALiBi bias")
         if extras and path.impl == "flash":
             # An explicit mask rules out SDPA's flash kernel; torch picks efficient or math.
             extras.append("SDPA gets an explicit mask, so not its flash kernel")
-        on_cpu = select_attention_path(cfg, layer_type, "cpu")
+        on_cpu = select_attention_path(cfg, layer_type, "cpu", packed)
         if cpu_ranks and on_cpu != path:
-            extras.append(f"on these CPU ranks: {IMPL_NAMES[on_cpu.impl]}, Triton needs CUDA")
+            needs = "Triton" if path.impl == "triton" else "this kernel"
+            extras.append(f"on these CPU ranks: {IMPL_NAMES[on_cpu.impl]}, {needs} needs CUDA")
         note = f"; {'; '.join(extras)}" if extras else ""
         lines.append(f"{layer_type} x{count}: {path}{note}")
     return lines

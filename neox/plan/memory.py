@@ -247,10 +247,10 @@ def block_activation_bytes(
     mha = shape.kv_heads == cfg.num_attention_heads
     rotary, qk_norm = cfg.pos_emb == "rotary", cfg.use_qk_layernorm
     kv = hkv if mha else hq  # GQA repeats k and v over the query group
-    if kernel == "flash":
-        # SDPA saves q, k, v and its output. q and k are new tensors when rotated or normed
-        # (q also when GQA's strided slice must be copied), v only when repeated; a view of k
-        # or v keeps the whole fused qkv output alive. Rotated q is laid out (B, nh, T, hs), so
+    if kernel in ("flash", "flex"):
+        # SDPA (FlexAttention too) saves q, k, v and its output. q and k are new tensors when
+        # rotated or normed (q also when GQA's strided slice must be copied), v only when
+        # repeated; a view of k or v keeps the whole fused qkv output alive. Rotated q is laid out (B, nh, T, hs), so
         # the output is too, and the dense layer saves a (B, T, C) copy of it.
         per_token += k * hq if (rotary or qk_norm or not mha) else 0
         per_token += k * kv if (rotary or qk_norm or not mha) else 0
@@ -280,9 +280,9 @@ def block_activation_bytes(
     total = per_token * tokens
     # Whole-sequence terms.
     scores = micro_batch * nh * seq * seq
-    if kernel == "flash":
+    if kernel in ("flash", "flex"):
         total += 4 * nh * tokens  # logsumexp
-        if cfg.pos_emb == "alibi" or cfg.sliding_window_width is not None:
+        if kernel == "flash" and (cfg.pos_emb == "alibi" or cfg.sliding_window_width is not None):
             total += k * nh * seq * seq  # the explicit additive mask SDPA then saves
     else:
         fp32_probs = kernel == "torch" and cfg.attention_softmax_in_fp32 and k != 4

@@ -25,3 +25,22 @@ def test_tiny_run_reports_both_implementations(tmp_path):
     assert "160M: neox (flash) / hf =" in r.stdout
     assert "160M: neox triton / flash attention =" in r.stdout
     assert (tmp_path / "prof" / "neox_triton_160M.trace.json").stat().st_size > 0
+
+
+def test_tiny_long_context_rows(tmp_path):
+    """--long-context: the reference row and a packed-documents row (reset_attention_mask),
+    each through neox's real step, with its ratio to the first."""
+    out = tmp_path / "long.jsonl"
+    r = run_benchmark(
+        "train_throughput.py",
+        *["--tiny", "--models", "160M", "--json", out],
+        *["--long-context", "2k", "8k_packed", "--doc-length", "32"],
+        DS_ACCELERATOR="cpu",
+    )
+    records = {rec["long_context"]: rec for rec in map(json.loads, out.read_text().splitlines())}
+    assert set(records) == {"2k", "8k_packed"}
+    assert records["2k"]["seq"] == 64 and records["8k_packed"]["seq"] == 256
+    assert records["8k_packed"]["neox_overrides"]["reset_attention_mask"] is True
+    assert records["8k_packed"]["doc_length"] == 32 and records["2k"]["doc_length"] is None
+    assert all(rec["tokens_per_s"] > 0 for rec in records.values())
+    assert "8k_packed    256   1   no" in r.stdout

@@ -40,7 +40,8 @@ def test_reset_attention_mask_keeps_attention_causal_and_within_documents():
     assert document_ids(tokens, EOD).tolist() == [[0, 0, 1, 1, 1, 2]]
     text = torch.cat([tokens, torch.tensor([[9]])], dim=1)
     batch = build_batch(text, EOD, reset_attention_mask=True)
-    mask = batch.attention_mask
+    assert batch.attention_mask.document_ids is batch.document_ids
+    mask = batch.attention_mask.dense()  # built on demand, for kernels that take a dense mask
     assert mask.shape == (1, 1, 6, 6) and mask.dtype == torch.bool
     docs = batch.document_ids[0]
     for i in range(6):

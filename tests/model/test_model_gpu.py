@@ -51,8 +51,11 @@ def test_triton_attention_is_the_fused_kernel_on_gpu():
 
     cfg = load_config([str(ROOT / "configs" / "pythia" / "410M.yml")]).config.model
     device = torch.device("cuda")
-    # Pythia's config asks for flash attention per layer; the 20B config's global + fusion -> triton.
+    # Pythia's config asks for flash attention per layer; the 20B config's global + fusion
+    # flags take SDPA flash (the same math, faster) unless attention_impl: triton asks.
     assert select_attention_path(cfg, "flash", device).impl == "flash"
     neox20b = load_config([str(ROOT / "configs" / "20B.yml")]).config.model
-    assert select_attention_path(neox20b, "global", device).impl == "triton"
+    assert select_attention_path(neox20b, "global", device).impl == "flash"
+    forced = neox20b.model_copy(update={"attention_impl": "triton"})
+    assert select_attention_path(forced, "global", device).impl == "triton"
     assert triton_available(torch.empty(1, device=device))

@@ -15,20 +15,43 @@ TINY = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16)
 FUSED = "scaled_upper_triang_masked_softmax_fusion"
 
 
-def test_auto_picks_triton_only_for_fused_global_layers_on_cuda():
+def test_auto_picks_the_fastest_exact_kernel_per_layer_on_cuda():
     plain = ModelConfig(**TINY)
     assert select_attention_path(plain, "global", "cuda").impl == "flash"
+    # The fusion flags ask for scale + causal mask + softmax fused: SDPA flash is that math.
     fused = ModelConfig(**TINY, **{FUSED: True})
     path = select_attention_path(fused, "global", "cuda")
-    assert path.impl == "triton" and FUSED in path.reason
-    assert select_attention_path(fused, "global", torch.device("cuda", 1)).impl == "triton"
+    assert path.impl == "flash" and FUSED in path.reason and "float32" in path.reason
+    assert select_attention_path(fused, "global", torch.device("cuda", 1)).impl == "flash"
     assert select_attention_path(fused, "flash", "cuda").impl == "flash"
     assert select_attention_path(fused, "global", "cpu").impl == "flash"
     masked = ModelConfig(**TINY, scaled_masked_softmax_fusion=True)
-    assert select_attention_path(masked, "global", "cuda").impl == "triton"
+    assert select_attention_path(masked, "global", "cuda").impl == "flash"
+    # The Triton softmax stays one key away, and explicit choices are obeyed.
+    triton = ModelConfig(**TINY, attention_impl="triton", **{FUSED: True})
+    assert select_attention_path(triton, "global", "cuda").impl == "triton"
     forced = ModelConfig(**TINY, attention_impl="torch", scaled_masked_softmax_fusion=True)
     path = select_attention_path(forced, "global", "cuda")
     assert path.impl == "torch" and path.reason == "attention_impl: torch"
+    # Masks that rule out SDPA's flash kernel take FlexAttention on CUDA, SDPA elsewhere.
+    packed = select_attention_path(plain, "global", "cuda", packed=True)
+    assert packed.impl == "flex" and "packed documents" in packed.reason
+    assert select_attention_path(plain, "global", "cpu", packed=True).impl == "flash"
+    window = ModelConfig(**TINY, sliding_window_width=4)
+    assert select_attention_path(window, "global", "cuda").impl == "flex"
+    alibi = ModelConfig(**TINY, pos_emb="alibi")
+    path = select_attention_path(alibi, "global", "cuda")
+    assert path.impl == "flex" and "ALiBi" in path.reason
+    dropout = ModelConfig(**TINY, pos_emb="alibi", sliding_window_width=4, attention_dropout=0.1)
+    path = select_attention_path(dropout, "global", "cuda", packed=True)
+    assert path.impl == "flash" and "attention_dropout=0.1" in path.reason
+    flex = ModelConfig(**TINY, attention_impl="flex")
+    assert select_attention_path(flex, "global", "cuda").impl == "flex"
+    assert select_attention_path(flex, "global", "cpu").impl == "flash"  # no CPU backward
+    with pytest.raises(ValueError, match="attention_impl: flex cannot run attention_dropout"):
+        select_attention_path(
+            ModelConfig(**TINY, attention_impl="flex", attention_dropout=0.1), "global"
+        )
 
 
 @pytest.mark.parametrize(
@@ -59,14 +82,24 @@ def test_describe_names_counts_windows_and_cpu_fallback():
         **{**TINY, "num_layers": 4},
         attention_config=[[["global", "local"], 2]],
         sliding_window_width=8,
-        **{FUSED: True},
+        attention_impl="triton",
     )
     lines = describe_attention_paths(mixed, cpu_ranks=True)
-    assert lines[0].startswith("global x2: Triton fused softmax (why: attention_impl auto, ")
-    assert "on these CPU ranks: torch SDPA (flash)" in lines[0]
-    assert lines[1].startswith("local x2: torch SDPA (flash)")
-    assert "sliding window 8" in lines[1] and "not its flash kernel" in lines[1]
-    assert describe_attention_paths(mixed)[0].endswith(FUSED + ")")  # GPU ranks: no CPU note
+    assert lines[0].startswith("global x2: Triton fused softmax (why: attention_impl: triton)")
+    assert "on these CPU ranks" not in lines[0]  # Triton's module falls back to its reference
+    assert lines[1].startswith("local x2: Triton fused softmax")
+    assert "sliding window 8" in lines[1]
+    auto = ModelConfig(**{**mixed.model_dump(), "attention_impl": "auto", FUSED: True})
+    lines = describe_attention_paths(auto, cpu_ranks=True, packed=True)
+    assert lines[0].startswith("global x2: FlexAttention (block-sparse) (why: attention_impl auto")
+    assert "attends within each packed document" in lines[0]
+    assert "on these CPU ranks: torch SDPA (flash), this kernel needs CUDA" in lines[0]
+    assert "on these CPU ranks" not in describe_attention_paths(auto, packed=True)[0]
+    assert lines[1].startswith("local x2: FlexAttention (block-sparse)")
+    assert "sliding window 8 + packed documents" in lines[1]
+    plain = describe_attention_paths(auto)
+    assert plain[0].startswith("global x2: torch SDPA (flash) (why: attention_impl auto")
+    assert plain[1].startswith("local x2: FlexAttention (block-sparse) (why: attention_impl auto")
 
 
 @pytest.mark.parametrize(
@@ -75,11 +108,15 @@ def test_describe_names_counts_windows_and_cpu_fallback():
         ("configs/pythia/410M.yml", "flash x24: torch SDPA (flash)"),
         (
             "configs/20B.yml",
-            "global x44: Triton fused softmax (why: attention_impl auto, `global` layers + "
-            + FUSED,
+            "global x44: torch SDPA (flash) (why: attention_impl auto, `global` layers + "
+            + FUSED
+            + ": SDPA flash runs the same scale + causal mask + softmax",
         ),
-        ("configs/llama2/7B.yml", "global x32: Triton fused softmax"),
-        ("configs/mistral/7B.yml", "flash x32: torch SDPA (flash)"),
+        ("configs/llama2/7B.yml", "global x32: torch SDPA (flash)"),
+        (
+            "configs/mistral/7B.yml",
+            "flash x32: FlexAttention (block-sparse) (why: attention_impl auto, sliding window",
+        ),
     ],
 )
 def test_dry_run_reports_each_shipped_path(config, line):
@@ -97,3 +134,13 @@ def test_local_layers_without_a_window_stop_a_launch(tmp_path):
     bad.write_text('attention_config: [[["global", "local"], 1]]\n')
     r = deepy("train.py", "configs/tiny.yml", bad)
     assert r.returncode == 2 and "sliding_window_width is unset" in r.stderr
+
+
+def test_dry_run_names_flex_for_packed_documents(tmp_path):
+    packed = tmp_path / "packed.yml"
+    packed.write_text("reset_attention_mask: true\n")
+    r = deepy("train.py", "configs/tiny.yml", packed, "--dry-run")
+    assert r.returncode == 0, r.stderr
+    section = r.stdout.split("# attention per layer type", 1)[1].split("# estimate", 1)[0]
+    assert "FlexAttention (block-sparse) (why: attention_impl auto, packed documents" in section
+    assert "attends within each packed document" in section
