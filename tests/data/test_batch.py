@@ -69,6 +69,6 @@ def test_label_windows_mask_where_minus_100_and_target_their_own_values():
     both = build_batch(text, EOD, True, True, True, label=label)
     assert both.loss_mask.tolist() == [[1, 0, 1, 1]]
     assert both.position_ids.tolist() == [[0, 1, 0, 1]]
-    assert both.attention_mask[0, 0].tolist()[2] == [False, False, True, False]
+    assert both.attention_mask.dense()[0, 0].tolist()[2] == [False, False, True, False]
     with pytest.raises(ValueError, match="must match the text windows"):
         build_batch(text, EOD, label=label[:, :-1])
