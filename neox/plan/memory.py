@@ -41,6 +41,16 @@ where each comes from:
   of the head weight and of the hidden states. Chunked (lm_loss_chunk_size): one chunk's fp32
   softmax and its gradient, and the fp32 head-weight gradient kept for backward.
 - overheads (documented constants): the CUDA context and the caching allocator's slack.
+
+ZeRO-Offload (zero_optimization.offload_optimizer / offload_param, device cpu) moves parts to
+host memory, counted apart (`host_*`, per rank, as DeepSpeed 0.19 allocates them, pinned by
+default): offload_optimizer puts the fp32 master partition, its fp32 gradient and the CPU Adam
+moments on the host (stage 1/2 also a bf16 staging copy of the partition and a gradient buffer
+of the largest tensor; stage 3 its flat gradient partition in the gradient-accumulation dtype),
+and the GPU keeps no master, no moments and no fp32 step copy; offload_param (stage 3) keeps
+the parameter partitions on the host, the GPU only the persistent small tensors. With device
+nvme the moments and masters live on disk and only DeepSpeed's swap buffers (buffer_count x
+buffer_size) are counted on the host.
 """
 
 from __future__ import annotations
@@ -91,6 +101,11 @@ ZERO_DEFAULTS = {
     "stage3_max_live_parameters": 1_000_000_000,
     "sub_group_size": 1_000_000_000,
 }
+# DeepSpeed's NVMe swap defaults (deepspeed/runtime/zero/offload_config.py).
+NVME_DEFAULTS = {"buffer_count": 5, "buffer_size": 100_000_000}
+# A training rank's host memory besides what offload allocates: torch, CUDA and NCCL
+# libraries, DeepSpeed's ops, the data loader. Measured on the H100 machine (docs/benchmarks.md).
+HOST_PROCESS_BYTES = int(4 * GiB)
 # fp32 optimizer-state values per parameter.
 OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "cpu_adam": 2, "cpu_torch_adam": 2, "lion": 1}
 BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
@@ -138,6 +153,22 @@ class MemoryEstimate:
     step_transient: int
     activations: int
     logits: int
+    host_master_weights: int = 0
+    host_gradients: int = 0
+    host_optimizer_states: int = 0
+    host_params: int = 0
+    host_buffers: int = 0
+
+    @property
+    def host_total(self) -> int:
+        """Host memory ZeRO-Offload allocates on one rank (the process itself not counted)."""
+        return (
+            self.host_master_weights
+            + self.host_gradients
+            + self.host_optimizer_states
+            + self.host_params
+            + self.host_buffers
+        )
 
     @property
     def model_states(self) -> int:
@@ -162,7 +193,10 @@ class MemoryEstimate:
     def as_dict(self) -> dict[str, int]:
         parts = asdict(self)
         parts.update(
-            peak_allocated=self.peak_allocated, peak_reserved=self.peak_reserved, total=self.total
+            peak_allocated=self.peak_allocated,
+            peak_reserved=self.peak_reserved,
+            total=self.total,
+            host_total=self.host_total,
         )
         return parts
 
@@ -424,7 +458,7 @@ def estimate_memory(cfg: ModelConfig, shape: TrainingShape) -> MemoryEstimate:
         step = 4 * part
     else:
         step = 4 * min(part, shape.zero_setting("sub_group_size"))
-    return MemoryEstimate(
+    on_gpu = MemoryEstimate(
         weights=weights,
         gradients=gradients,
         master_weights=master,
@@ -435,3 +469,59 @@ def estimate_memory(cfg: ModelConfig, shape: TrainingShape) -> MemoryEstimate:
         activations=activations,
         logits=logits,
     )
+    return offloaded(on_gpu, shape, sizes, part)
+
+
+def _offload_device(shape: TrainingShape, key: str) -> str:
+    return ((shape.zero or {}).get(key) or {}).get("device", "none")
+
+
+def offloaded(
+    est: MemoryEstimate, shape: TrainingShape, sizes: list[int], part: int
+) -> MemoryEstimate:
+    """`est` with ZeRO-Offload's parts moved from the GPU to the host (DeepSpeed 0.19's
+    stage_1_and_2.py and stage3.py allocations; see the module docstring)."""
+    k, stage = BYTES[shape.precision], shape.zero_stage
+    optimizer = _offload_device(shape, "offload_optimizer") if stage else "none"
+    params = _offload_device(shape, "offload_param") if stage == 3 else "none"
+    if optimizer == "none" and params == "none":
+        return est
+    host: dict[str, int] = {}
+    gpu: dict[str, int] = {}
+    largest = max(sizes)
+    if optimizer != "none":
+        gpu.update(master_weights=0, optimizer_states=0, step_transient=0)
+        states = est.optimizer_states // max(1, part)  # bytes of moments per parameter
+        if optimizer == "cpu":
+            host.update(
+                host_master_weights=4 * part,
+                host_gradients=4 * part,  # the fp32 gradient CPU Adam steps on
+                host_optimizer_states=states * part,
+            )
+        else:  # nvme: masters, gradients and moments swap through pinned buffers
+            swap = (shape.zero or {}).get("offload_optimizer") or {}
+            count = swap.get("buffer_count", 4)
+            host["host_buffers"] = count * 4 * min(part, shape.zero_setting("sub_group_size"))
+        if stage in (1, 2):
+            # A bf16 staging copy of the partition and a buffer of the largest gradient on the
+            # host; the GPU copies each gradient through one of that size.
+            host["host_buffers"] = host.get("host_buffers", 0) + k * (part + largest)
+            host["host_gradients"] = host.get("host_gradients", 0) + (
+                k * part if shape.grad_accum > 1 else 0  # accumulated across micro-batches
+            )
+            gpu["gradients"] = (k * sum(sizes) if stage == 1 else 0) + k * largest
+        else:
+            # The flat gradient partition moves to the host; the GPU keeps the one just made.
+            host["host_gradients"] = host.get("host_gradients", 0) + k * part
+            gpu["gradients"] = k * largest
+    if params != "none":
+        threshold = shape.zero_setting("stage3_param_persistence_threshold")
+        gpu["weights"] = k * sum(x for x in sizes if x < threshold)
+        if params == "cpu":
+            host["host_params"] = k * part
+        else:
+            swap = (shape.zero or {}).get("offload_param") or {}
+            count = swap.get("buffer_count", NVME_DEFAULTS["buffer_count"])
+            size = swap.get("buffer_size", NVME_DEFAULTS["buffer_size"])
+            host["host_buffers"] = host.get("host_buffers", 0) + k * count * size
+    return replace(est, **gpu, **host)

@@ -254,3 +254,52 @@ def test_flat_engine_buffers_match_estimate_on_one_rank(precision):
     assert FLAT_ALIGNMENT == flat_engine.ALIGNMENT  # the torch-free copy of the engine's
     on_gpu = estimate_memory(cfg.model, training_shape(cfg, derived, 512))
     assert on_gpu.step_transient == 0 and on_gpu.model_states == est.model_states
+
+
+# ZeRO-Offload of the optimizer at stages 1-3, and of the parameters at stage 3, in bf16.
+OFFLOAD_CASES = {
+    "zero1_optimizer": {"stage": 1, "offload_optimizer": {"device": "cpu"}},
+    "zero2_optimizer": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+    "zero3_optimizer_params": {
+        "stage": 3,
+        "offload_optimizer": {"device": "cpu"},
+        "offload_param": {"device": "cpu"},
+        "stage3_param_persistence_threshold": 0,
+    },
+}
+
+
+@pytest.mark.slow
+def test_offload_host_memory_matches_deepspeed_engine(tmp_path):
+    """Each host part of the estimate against the tensors DeepSpeed's offloading engine holds
+    on two CPU ranks after a step (DeepSpeed's CPU Adam), and the GPU parts it moves away."""
+    from tests.memory_worker import measure_offload_all
+    from tests.training.test_engine_offload import cpu_adam_builds
+
+    if not cpu_adam_builds():
+        pytest.skip("DeepSpeed's CPU Adam (a C++ op built on first use) cannot build here")
+    flats = [
+        dict(
+            ENGINE_MODEL,
+            zero_optimization=dict(zero, reduce_bucket_size=5000),
+            bf16={"enabled": True},
+        )
+        for zero in OFFLOAD_CASES.values()
+    ]
+    out = tmp_path / "offload.json"
+    run_ranks(measure_offload_all, 2, flats, str(out))
+    for name, flat, measured in zip(OFFLOAD_CASES, flats, json.loads(out.read_text())):
+        cfg = load_dict(flat)
+        est = estimate_memory(cfg.model, training_shape(cfg, derive(cfg, 2, 512), 512))
+        assert measured["optimizer_class"] == "DeepSpeedCPUAdam", name
+        for part in (
+            "host_master_weights",
+            "host_gradients",
+            "host_optimizer_states",
+            "host_params",
+            "host_buffers",
+        ):
+            assert measured[part] == getattr(est, part), (name, part, measured)
+        assert est.master_weights == est.optimizer_states == est.step_transient == 0
+        stage3 = flat["zero_optimization"]["stage"] == 3
+        assert (est.weights == 0) == stage3 and (est.host_params > 0) == stage3
