@@ -290,7 +290,8 @@ def test_offload_host_memory_matches_deepspeed_engine(tmp_path):
     run_ranks(measure_offload_all, 2, flats, str(out))
     for name, flat, measured in zip(OFFLOAD_CASES, flats, json.loads(out.read_text())):
         cfg = load_dict(flat)
-        est = estimate_memory(cfg.model, training_shape(cfg, derive(cfg, 2, 512), 512))
+        shape = training_shape(cfg, derive(cfg, 2, 512), 512, device="cpu")
+        est = estimate_memory(cfg.model, shape)
         assert measured["optimizer_class"] == "DeepSpeedCPUAdam", name
         for part in (
             "host_master_weights",
@@ -303,3 +304,7 @@ def test_offload_host_memory_matches_deepspeed_engine(tmp_path):
         assert est.master_weights == est.optimizer_states == est.step_transient == 0
         stage3 = flat["zero_optimization"]["stage"] == 3
         assert (est.weights == 0) == stage3 and (est.host_params > 0) == stage3
+        # On a GPU each pinned buffer is rounded up to a power of two (torch's host allocator).
+        pinned = estimate_memory(cfg.model, training_shape(cfg, derive(cfg, 2, 512), 512))
+        assert pinned.host_total > est.host_total
+        assert pinned.host_optimizer_states == est.host_optimizer_states  # CPU Adam's: unpinned
