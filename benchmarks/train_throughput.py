@@ -283,8 +283,9 @@ def run_one(
     extra = dict(json.loads(args.neox_overrides)) if args.neox_overrides else {}
     if attention != "config":
         extra["attention_impl"] = attention
-    if args.num_layers:
+    if args.num_layers:  # a slice: every layer flash attention, as the Pythia files say
         extra["num_layers"] = args.num_layers
+        extra["attention_config"] = [[["flash"], args.num_layers]]
     if impl == "neox":
         extra.update(VARIANTS[variant])
         if args.tiny and "fp8" in extra:
