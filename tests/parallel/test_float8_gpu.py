@@ -71,7 +71,7 @@ def test_compiled_float8_blocks_train_beside_bf16(recipe):
 def test_fp8_trains_through_deepy_on_each_engine(tmp_path, engine):
     """`deepy.py train.py` with fp8 on the flat engine and DeepSpeed's (ZeRO-2, ZeRO-3): the
     loss falls, and the checkpoint holds bf16 weights under the bf16 run's names."""
-    from tests.train_helpers import losses, make_dataset, run_deepy, write_config
+    from tests.train_helpers import losses, make_dataset, run_train, write_config
 
     make_dataset(tmp_path / "data" / "chars", docs=400)
     zero = {"flat": 1, "deepspeed_zero2": 2, "deepspeed_zero3": 3}[engine]
@@ -94,7 +94,9 @@ def test_fp8_trains_through_deepy_on_each_engine(tmp_path, engine):
         zero_optimization={"stage": zero},
         flat_engine=engine == "flat",
     )
-    run_deepy("train.py", cfg, cpu=False)
+    # tests/conftest.py sets DS_ACCELERATOR=cpu for the CPU tests; these ranks take the GPU.
+    r = run_train(cfg, cpu=False, DS_ACCELERATOR="cuda")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     curve = losses(tmp_path / engine / "logs")
     assert curve[30] < 0.8 * curve[1], curve
     state = torch.load(
