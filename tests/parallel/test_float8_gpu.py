@@ -98,7 +98,8 @@ def test_fp8_trains_through_deepy_on_each_engine(tmp_path, engine):
     r = run_train(cfg, cpu=False, DS_ACCELERATOR="cuda")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     curve = losses(tmp_path / engine / "logs")
-    assert curve[30] < 0.8 * curve[1], curve
+    # Random characters 1-255: the loss falls toward their entropy, ln 255 = 5.54.
+    assert curve[30] < curve[1] - 0.4, curve
     state = torch.load(
         next((tmp_path / engine / "ckpt").rglob("*model_states.pt")), weights_only=False
     )["module"]
