@@ -9,6 +9,7 @@ estimate names, and its gradients at their peak in backward; so must the flat en
 
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -308,3 +309,34 @@ def test_offload_host_memory_matches_deepspeed_engine(tmp_path):
         pinned = estimate_memory(cfg.model, training_shape(cfg, derive(cfg, 2, 512), 512))
         assert pinned.host_total > est.host_total
         assert pinned.host_optimizer_states == est.host_optimizer_states  # CPU Adam's: unpinned
+
+
+def test_host_refusal_names_the_offload_keys_when_the_host_cannot_hold_it():
+    """Pythia 6.9B at ZeRO-3 with optimizer and parameters offloaded needs ~139 GiB of host
+    memory (the H100 machine's 125 GiB host died of it); 2.8B (~61 GiB) fits; no offload, or
+    skip_memory_check, asks nothing of the host."""
+    from neox.config import load_config
+    from neox.plan.report import host_refusal
+
+    offload = {
+        "zero_optimization": {
+            "stage": 3,
+            "offload_optimizer": {"device": "cpu"},
+            "offload_param": {"device": "cpu"},
+        },
+        "model_parallel_size": 1,
+        "fp16": {"enabled": False},
+        "bf16": {"enabled": True},
+    }
+    host = 125 * 2**30
+
+    def refusal(model, **extra):
+        cfg = load_config([f"configs/pythia/{model}.yml"], overrides={**offload, **extra}).config
+        return host_refusal(cfg, derive(cfg, 1, 50277), 50432, 1, host, "this machine has")
+
+    problem = refusal("6-9B")
+    assert problem and "offload_param" in problem and "skip_memory_check" in problem
+    assert "optimizer states 51.1 GiB" in problem
+    assert refusal("2-8B") is None
+    assert refusal("6-9B", skip_memory_check=True) is None
+    assert refusal("6-9B", zero_optimization={"stage": 1}) is None
