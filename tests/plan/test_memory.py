@@ -331,7 +331,8 @@ def test_host_refusal_names_the_offload_keys_when_the_host_cannot_hold_it():
     host = 125 * 2**30
 
     def refusal(model, **extra):
-        cfg = load_config([f"configs/pythia/{model}.yml"], overrides={**offload, **extra}).config
+        path = Path(__file__).resolve().parents[2] / "configs" / "pythia" / f"{model}.yml"
+        cfg = load_config([str(path)], overrides={**offload, **extra}).config
         return host_refusal(cfg, derive(cfg, 1, 50277), 50432, 1, host, "this machine has")
 
     problem = refusal("6-9B")
