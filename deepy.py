@@ -8,6 +8,7 @@ import argparse
 import json
 import logging
 import os
+import socket
 import sys
 from pathlib import Path
 
@@ -30,7 +31,14 @@ from neox.plan.preflight import (
     git_hash,
     preflight,
 )
-from neox.plan.report import GPUS, estimate_report, estimate_vocab, fit_refusal, fit_warning
+from neox.plan.report import (
+    GPUS,
+    estimate_report,
+    estimate_vocab,
+    fit_refusal,
+    fit_warning,
+    host_refusal,
+)
 
 # gpt-neox's deepy.py flags that set a config key (flag -> key).
 KEY_FLAGS = {
@@ -119,6 +127,27 @@ def memory_problem(cfg, derived, plan, dry_run: bool) -> str | None:
     )
 
 
+def available_host_bytes() -> int | None:
+    """MemAvailable of this machine (/proc/meminfo), None where there is no such file."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def host_memory_problem(cfg, derived, plan) -> str | None:
+    """ZeRO-Offload's host memory against this machine's, for a launch on this machine only."""
+    local = {"localhost", "127.0.0.1", socket.gethostname()}
+    if plan.cpu or not set(plan.hosts) <= local or (host := available_host_bytes()) is None:
+        return None
+    ranks = max(len(slots) for slots in plan.hosts.values())
+    vocab = estimate_vocab(cfg, derived)[0]
+    return host_refusal(cfg, derived, vocab, ranks, host, "this machine has available")
+
+
 def warn_if_too_big(cfg, derived) -> None:
     """Warn, before a GPU launch, when the memory estimate exceeds the GPUs this machine has."""
     gpu_bytes = local_gpu_bytes()
@@ -170,6 +199,10 @@ def main(argv: list[str]) -> int:
                 problems.append(str(e))
         if Path(args.script).name in NEEDS_DATA and (
             problem := memory_problem(cfg, derived, plan, args.dry_run)
+        ):
+            problems.append(problem)
+        if Path(args.script).name in NEEDS_DATA and (
+            problem := host_memory_problem(cfg, derived, plan)
         ):
             problems.append(problem)
         if problems and not args.dry_run:

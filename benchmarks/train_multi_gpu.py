@@ -4,6 +4,8 @@ run, each a short run whose metrics.jsonl is read back, printed as one table.
 
 python benchmarks/train_multi_gpu.py --vocab-file data/20B_tokenizer.json   # on 2 GPUs
 python benchmarks/train_multi_gpu.py --tiny --runs 1gpu dp2                  # CPU, 2 ranks
+python benchmarks/train_multi_gpu.py --models 410M --runs 1gpu 1gpu_seed2 1gpu_fp8 \
+    --data-prefix data/shakespeare_text_document --seq-length 512 --iters 300   # loss curves
 
 Runs (configs/pythia/<M>.yml with bf16, no activation checkpointing, the micro batch below,
 random tokens): one GPU with ZeRO-1; DP=2 with ZeRO-1 (and its ratio to one GPU: issue 11's
@@ -36,7 +38,7 @@ from benchmarks import common  # noqa: E402
 from neox.data.indexed import IndexedDatasetBuilder  # noqa: E402
 
 # Pythia shape -> micro batch per GPU (issue 11's one-GPU shapes; fits an 80 GB H100).
-MICRO_BATCH = {"410M": 8, "1-4B": 4}
+MICRO_BATCH = {"410M": 8, "1-4B": 4, "2-8B": 4}
 
 # Run name -> config keys on top of the model's file and OVERLAY.
 RUNS: dict[str, dict[str, Any]] = {
@@ -47,9 +49,28 @@ RUNS: dict[str, dict[str, Any]] = {
     "tp2_compile": {"num_gpus": 2, "model_parallel_size": 2, "torch_compile": True},
     "pp2": {"num_gpus": 2, "pipe_parallel_size": 2, "gradient_accumulation_steps": 4},
     "dp2_zero3": {"num_gpus": 2, "zero_optimization": {"stage": 3}},
+    # One GPU through deepy: FP8, a second bf16 seed (the loss noise band beside FP8's) and
+    # ZeRO-3 with the optimizer and parameters offloaded to the host (DeepSpeed's CPU Adam).
+    "1gpu_seed2": {"num_gpus": 1, "seed": 4321},
+    "1gpu_fp8": {"num_gpus": 1, "fp8": {"enabled": True}},
+    "1gpu_zero3_offload": {
+        "num_gpus": 1,
+        "zero_optimization": {
+            "stage": 3,
+            "offload_optimizer": {"device": "cpu"},
+            "offload_param": {"device": "cpu"},
+        },
+        "checkpoint_activations": True,
+    },
 }
+ONE_GPU_EXTRA = ("1gpu_seed2", "1gpu_fp8", "1gpu_zero3_offload")
 # (model, run) in order; ZeRO-3 only where the issue asks for its memory (1.4B).
-DEFAULT_PLAN = [(m, r) for m in MICRO_BATCH for r in RUNS if r != "dp2_zero3" or m == "1-4B"]
+DEFAULT_PLAN = [
+    (m, r)
+    for m in ("410M", "1-4B")
+    for r in RUNS
+    if (r != "dp2_zero3" or m == "1-4B") and r not in ONE_GPU_EXTRA
+]
 
 OVERLAY: dict[str, Any] = {
     **common.OVERLAY,
@@ -91,9 +112,13 @@ def run_config(args, model: str, run: str, work: Path, data: Path) -> Path:
     cfg |= {"log_dir": str(work / f"{model}_{run}"), "master_port": free_port()}
     if args.vocab_file:
         cfg["vocab_file"] = args.vocab_file
+    if args.seq_length:
+        cfg |= {"seq_length": args.seq_length, "max_position_embeddings": args.seq_length}
     if args.tiny:
         cfg |= TINY
     cfg |= RUNS[run]
+    if args.tiny and "fp8" in cfg:
+        cfg.pop("fp8")  # no float8 matmuls on CPU ranks: the smoke run keeps the row
     if run == "dp2_zero3":
         # Stage 3 keeps the file's other ZeRO settings; the keys are merged over it.
         base = yaml.safe_load((ROOT / "configs" / "pythia" / f"{model}.yml").read_text())
@@ -113,14 +138,41 @@ def launch(args, model: str, run: str, overlay: Path, log: Path) -> tuple[int, f
     if args.tiny:
         env["DS_ACCELERATOR"] = "cpu"
     tick = time.perf_counter()
+    peak = 0
     with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+        while proc.poll() is None:
+            peak = max(peak, tree_rss(proc.pid))
+            if time.perf_counter() - tick > args.timeout:
+                proc.kill()
+                proc.wait()
+                return 124, time.perf_counter() - tick, peak
+            time.sleep(0.5)
+    return proc.returncode, time.perf_counter() - tick, peak
+
+
+def tree_rss(root: int) -> int:
+    """Resident host memory of `root` and all its descendants (Linux /proc), bytes."""
+    parents: dict[int, int] = {}
+    rss: dict[int, int] = {}
+    page = os.sysconf("SC_PAGE_SIZE")
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
         try:
-            code = subprocess.run(
-                cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=args.timeout
-            ).returncode
-        except subprocess.TimeoutExpired:
-            code = 124
-    return code, time.perf_counter() - tick
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read().rsplit(")", 1)[1].split()
+            parents[int(entry)] = int(stat[1])
+            rss[int(entry)] = int(stat[21]) * page
+        except (OSError, IndexError, ValueError):
+            continue
+    tree, frontier = {root}, [root]
+    while frontier:
+        pid = frontier.pop()
+        children = [c for c, p in parents.items() if p == pid and c not in tree]
+        tree.update(children)
+        frontier += children
+    return sum(rss.get(pid, 0) for pid in tree)
 
 
 def summarize(metrics_file: Path, first: int) -> dict[str, Any]:
@@ -136,14 +188,21 @@ def summarize(metrics_file: Path, first: int) -> dict[str, Any]:
     out["mfu"] = mean("mfu") if "mfu" in train[0] else None
     peaks = [r.get("mem_peak_allocated_gb", r.get("rss_gb")) for r in train]
     out["peak_mem_gb"] = max(peaks) if None not in peaks else None
+    # The loss curve of every logged step, and the mean of its last tenth (the noise band of
+    # two seeds is read from these).
+    every = [r for r in records if r.get("split") == "train"]
+    out["losses"] = [round(r["loss"], 4) for r in every]
+    tail = out["losses"][-max(1, len(every) // 10) :]
+    out["loss_tail_mean"] = sum(tail) / len(tail)
     return out
 
 
 def measure(args, model: str, run: str, work: Path, data: Path) -> dict[str, Any]:
     overlay = run_config(args, model, run, work, data)
     log = work / f"{model}_{run}.log"
-    code, seconds = launch(args, model, run, overlay, log)
+    code, seconds, host_peak = launch(args, model, run, overlay, log)
     rec: dict[str, Any] = {"model": model, "run": run, "exit_code": code, "wall_s": seconds}
+    rec["host_peak_rss_gb"] = host_peak / 2**30  # every process of the launch, summed
     rec |= {"micro_batch": args.micro_batch or MICRO_BATCH[model], "config": RUNS[run]}
     metrics = work / f"{model}_{run}" / "metrics.jsonl"
     if code == 0 and metrics.is_file():
@@ -170,6 +229,9 @@ def print_table(records: list[dict[str, Any]]) -> None:
         tflops = f"{r['tflops_per_gpu']:.1f}" if r["tflops_per_gpu"] is not None else "-"
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
         mem = f"{r['peak_mem_gb']:.2f}" if r["peak_mem_gb"] is not None else "-"
+        print(
+            f"{r['model']} {r['run']}: loss {r['losses'][0]:.3f} -> tail mean {r['loss_tail_mean']:.4f}; host peak {r['host_peak_rss_gb']:.1f} GB"
+        )
         print(
             f"{r['model']:>6} {r['run']:>11} {r['tokens_per_s']:>9.0f} {ratio:>7} "
             f"{r['step_ms']:>8.1f} {tflops:>10} {mfu:>6} {mem:>8} {r['wall_s']:>7.0f}"
@@ -199,6 +261,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work-dir", default=None, help="keep configs, logs and metrics here")
     p.add_argument("--json", default=None, help="append one JSON record per run here")
     p.add_argument("--tiny", action="store_true", help="2-layer model on 2 CPU ranks: a smoke test")
+    p.add_argument(
+        "--data-prefix",
+        default=None,
+        help="train on this .bin/.idx dataset (real text, for loss curves) instead of random tokens",
+    )
+    p.add_argument("--seq-length", type=int, default=None, help="override seq_length")
     args = p.parse_args(argv)
     if args.tiny:
         args.iters, args.first, args.vocab_file = min(args.iters, 6), min(args.first, 3), None
@@ -212,15 +280,17 @@ def main(argv: list[str] | None = None) -> int:
         for m, r in DEFAULT_PLAN
         if (args.models is None or m in args.models) and (args.runs is None or r in args.runs)
     ]
-    if args.runs and "dp2_zero3" in args.runs and args.models:
-        plan += [(m, "dp2_zero3") for m in args.models if (m, "dp2_zero3") not in plan]
+    for extra in ("dp2_zero3", *ONE_GPU_EXTRA):
+        if args.runs and extra in args.runs:
+            plan += [(m, extra) for m in args.models or MICRO_BATCH if (m, extra) not in plan]
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="neox_multi_gpu_"))
     work.mkdir(parents=True, exist_ok=True)
-    data = work / "random_tokens"
+    data = Path(args.data_prefix) if args.data_prefix else work / "random_tokens"
     batch = max(MICRO_BATCH.values()) if args.micro_batch is None else args.micro_batch
-    seq = 64 if args.tiny else 2048
+    seq = 64 if args.tiny else args.seq_length or 2048
     # Enough for the largest step (DP=2 or PP's 4 micro batches) over every iteration.
-    write_random_tokens(data, 256 if args.tiny else 50277, 8 * batch * (seq + 1) * args.iters)
+    if not args.data_prefix:
+        write_random_tokens(data, 256 if args.tiny else 50277, 8 * batch * (seq + 1) * args.iters)
     print(f"work dir: {work}", flush=True)
     records = []
     for model, run in plan:

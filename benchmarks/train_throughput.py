@@ -7,6 +7,8 @@ python benchmarks/train_throughput.py --models 410M --impls neox --profile-dir p
 python benchmarks/train_throughput.py --models 410M --impls neox --attention flash triton
 python benchmarks/train_throughput.py --tiny                                       # CPU smoke run
 python benchmarks/train_throughput.py --models 1-4B --long-context 2k 8k 8k_packed 16k 32k
+python benchmarks/train_throughput.py --models 1-4B --impls neox --variants bf16 fp8 zero3
+python benchmarks/train_throughput.py --models 6-9B --num-layers 8 --impls neox --variants bf16 fp8
 
 Prints tokens/s, TFLOPS, MFU (neox.plan.estimate.train_flops_per_token), peak memory, and neox's
 ratio to each HF variant; --json appends one record per run. Results go in docs/benchmarks.md.
@@ -16,6 +18,9 @@ the same shape, and prints their ratio.
 --long-context runs neox at longer sequences on the model's shape (LONG_CONTEXT: micro batch,
 activation checkpointing, chunked loss; `_packed` rows pack documents of --doc-length tokens on
 average with reset_attention_mask) and prints each row's tokens/s against the first row's.
+the same shape, and prints their ratio. --variants runs neox with FP8, ZeRO-3 (and its
+options) or ZeRO-3 + CPU offload (VARIANTS), each beside bf16, and records the host memory the
+run added against the estimate's ZeRO-Offload count.
 """
 
 from __future__ import annotations
@@ -44,8 +49,48 @@ from neox.config.derived import precision_of  # noqa: E402
 from neox.plan.estimate import train_flops_per_token  # noqa: E402
 from neox.training.metrics import peak_tflops  # noqa: E402
 
-# Pythia shape -> micro batch that fits one 80 GB H100 without activation checkpointing.
-MICRO_BATCH = {"160M": 16, "410M": 8, "1-4B": 4}
+# Pythia shape -> micro batch that fits one 80 GB H100 without activation checkpointing (6.9B:
+# a slice of its width, --num-layers; 2.8B: under ZeRO-3 + offload).
+MICRO_BATCH = {"160M": 16, "410M": 8, "1-4B": 4, "2-8B": 4, "6-9B": 4}
+DEFAULT_MODELS = ["160M", "410M", "1-4B"]
+
+# --variants: neox runs with these keys on top of the model file (bf16: as the file says).
+_ZERO3 = {"stage": 3, "overlap_comm": True, "contiguous_gradients": True}
+VARIANTS: dict[str, dict[str, Any]] = {
+    "bf16": {},
+    "fp8": {"fp8": {"enabled": True}},
+    "fp8_rowwise": {"fp8": {"enabled": True, "recipe": "rowwise"}},
+    "fp8_all_layers": {"fp8": {"enabled": True, "skip_first_layers": 0, "skip_last_layers": 0}},
+    "zero3": {"zero_optimization": _ZERO3},
+    # Larger gathers and every parameter kept whole: ZeRO-3 at one rank has nothing to shard.
+    "zero3_prefetch": {
+        "zero_optimization": {
+            **_ZERO3,
+            "stage3_prefetch_bucket_size": 500_000_000,
+            "stage3_max_live_parameters": 3_000_000_000,
+            "stage3_max_reuse_distance": 3_000_000_000,
+        }
+    },
+    "zero3_persist": {
+        "zero_optimization": {**_ZERO3, "stage3_param_persistence_threshold": 10**12}
+    },
+    # DeepSpeed's DeepCompile: the whole module compiled with ZeRO-3's gathers in the graph
+    # (in place of neox's per-block torch.compile).
+    "zero3_deepcompile": {
+        "zero_optimization": _ZERO3,
+        "torch_compile": False,
+        "deepspeed_extra_args": {"compile": {"deepcompile": True}},
+    },
+    "zero3_fp8": {"zero_optimization": _ZERO3, "fp8": {"enabled": True}},
+    "zero3_offload": {
+        "zero_optimization": {
+            **_ZERO3,
+            "offload_optimizer": {"device": "cpu"},
+            "offload_param": {"device": "cpu"},
+        },
+        "checkpoint_activations": True,
+    },
+}
 
 # Overlay on configs/pythia/<M>.yml: bf16, no recompute, nothing written to disk.
 OVERLAY: dict[str, Any] = {
@@ -53,6 +98,8 @@ OVERLAY: dict[str, Any] = {
     "log_dir": None,
     "train_iters": 100,
     "log_interval": 10**6,
+    "model_parallel_size": 1,  # one device (the 6.9B and larger files say 2 or more)
+    "pipe_parallel_size": 1,
 }
 TINY: dict[str, Any] = {**common.TINY, "zero_optimization": {"stage": 1}}
 
@@ -227,11 +274,34 @@ def hf_step(cfg, vocab: int, micro_batch: int, device, compile_: bool):
     return step, model, lambda: None
 
 
-def run_one(args, model: str, impl: str, device, attention: str = "config") -> dict[str, Any]:
+def host_rss() -> int:
+    """This process's resident host memory now (bytes), pinned buffers included."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def estimated_host(cfg, vocab: int) -> int:
+    """The memory estimate's ZeRO-Offload host bytes for this run (neox/plan/memory.py)."""
+    from neox.config import derive
+    from neox.plan.memory import estimate_memory, training_shape
+
+    return estimate_memory(cfg.model, training_shape(cfg, derive(cfg, 1, vocab), vocab)).host_total
+
+
+def run_one(
+    args, model: str, impl: str, device, attention: str = "config", variant: str = "bf16"
+) -> dict[str, Any]:
     micro_batch = args.micro_batch or (2 if args.tiny else MICRO_BATCH[model])
     extra = dict(json.loads(args.neox_overrides)) if args.neox_overrides else {}
     if attention != "config":
         extra["attention_impl"] = attention
+    if args.num_layers:  # a slice: every layer flash attention, as the Pythia files say
+        extra["num_layers"] = args.num_layers
+        extra["attention_config"] = [[["flash"], args.num_layers]]
+    if impl == "neox":
+        extra.update(VARIANTS[variant])
+        if args.tiny and "fp8" in extra:
+            extra.pop("fp8")  # no float8 matmuls on CPU: the smoke run keeps the row's shape
     cfg = neox_config(model, micro_batch, args.vocab_file, args.tiny, extra)
     from neox.config import derive
     from neox.tokenizer import build_tokenizer
@@ -245,12 +315,14 @@ def run_one(args, model: str, impl: str, device, attention: str = "config") -> d
         torch.cuda.reset_peak_memory_stats(device)
         # Whatever an earlier run in this process left allocated is not this run's.
         base_mem = torch.cuda.memory_allocated(device)
+    rss_before = host_rss()
     if impl == "neox":
         doc_length = getattr(args, "doc_length", None) if cfg.data.reset_attention_mask else None
         step, keep, close = neox_step(cfg, device, doc_length)
     else:
         step, keep, close = hf_step(cfg, vocab, micro_batch, device, impl == "hf_compile")
     times = time_steps(step, args.iters, args.warmup, device)
+    rss_after = host_rss()
     mean = sum(times) / len(times)
     tokens = micro_batch * cfg.model.seq_length
     flops = train_flops_per_token(cfg.model, vocab)
@@ -273,6 +345,11 @@ def run_one(args, model: str, impl: str, device, attention: str = "config") -> d
             else None
         ),
         "neox_overrides": extra,
+        "variant": variant if impl == "neox" else "-",
+        "num_layers": cfg.model.num_layers,
+        # Host memory the run added (ZeRO-Offload's buffers), beside the estimate's count.
+        "host_rss_added_gib": (rss_after - rss_before) / 2**30,
+        "host_estimate_gib": estimated_host(cfg, vocab) / 2**30 if impl == "neox" else None,
     }
     if args.sync_count:
         sites = count_syncs(step, args.iters, device)
@@ -291,18 +368,30 @@ def run_one(args, model: str, impl: str, device, attention: str = "config") -> d
 
 def print_table(records: list[dict[str, Any]]) -> None:
     print(
-        f"{'model':>6} {'impl':>10} {'attention':>9} {'mb':>3} {'ms/step':>8} {'tok/s':>9} "
-        f"{'TFLOPS':>7} {'MFU':>6} {'memGiB':>7} {'syncs':>5}"
+        f"{'model':>6} {'L':>3} {'impl':>10} {'variant':>14} {'attention':>9} {'mb':>3} "
+        f"{'ms/step':>8} {'tok/s':>9} {'TFLOPS':>7} {'MFU':>6} {'memGiB':>7} {'syncs':>5}"
     )
     for r in records:
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
         mem = f"{r['peak_mem_gib']:.1f}" if r["peak_mem_gib"] is not None else "-"
         print(
-            f"{r['model']:>6} {r['impl']:>10} {r['attention']:>9} {r['micro_batch']:>3} "
-            f"{r['step_ms']:>8.1f} "
+            f"{r['model']:>6} {r['num_layers']:>3} {r['impl']:>10} {r['variant']:>14} "
+            f"{r['attention']:>9} {r['micro_batch']:>3} {r['step_ms']:>8.1f} "
             f"{r['tokens_per_s']:>9.0f} {r['tflops']:>7.1f} {mfu:>6} {mem:>7} "
             f"{r.get('syncs_per_step', '-'):>5}"
         )
+    for r in records:
+        if r.get("host_estimate_gib"):
+            print(
+                f"{r['model']} {r['variant']}: host memory added {r['host_rss_added_gib']:.1f} "
+                f"GiB, estimated {r['host_estimate_gib']:.1f} GiB"
+            )
+    base = {r["model"]: r["tokens_per_s"] for r in records if r["variant"] == "bf16"}
+    for r in records:
+        if r["variant"] not in ("bf16", "-") and r["model"] in base:
+            ratio = r["tokens_per_s"] / base[r["model"]]
+            print(f"{r['model']}: neox {r['variant']} / bf16 = {ratio:.2f}")
+    records = [r for r in records if r["variant"] in ("bf16", "-")]
     by = {(r["model"], r["impl"], r["attention"]): r["tokens_per_s"] for r in records}
     for (model, impl, attention), tps in by.items():
         if impl != "neox":
@@ -390,7 +479,16 @@ def run_long_context(args, device) -> list[dict[str, Any]]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--models", nargs="+", default=list(MICRO_BATCH))
+    p.add_argument("--models", nargs="+", choices=list(MICRO_BATCH), default=DEFAULT_MODELS)
+    p.add_argument(
+        "--variants",
+        nargs="+",
+        choices=list(VARIANTS),
+        default=["bf16"],
+        help="neox runs once per variant (fp8, ZeRO-3 and its options, ZeRO-3 + offload); "
+        "each prints its ratio to bf16",
+    )
+    p.add_argument("--num-layers", type=int, default=None, help="a slice: fewer layers")
     p.add_argument("--impls", nargs="+", default=["neox", "hf", "hf_compile"])
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--warmup", type=int, default=10)
@@ -408,7 +506,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sync-count", action="store_true", help="count host syncs of one step")
     p.add_argument("--profile-dir", default=None)
     p.add_argument("--profile-impls", nargs="+", default=["neox"])
-    p.add_argument("--profile-models", nargs="+", default=list(MICRO_BATCH))
+    p.add_argument("--profile-models", nargs="+", default=DEFAULT_MODELS)
     p.add_argument("--json", default=None, help="append one JSON record per run here")
     p.add_argument("--tiny", action="store_true", help="2-layer model on CPU: a smoke test")
     p.add_argument(
@@ -433,13 +531,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     records = []
     runs = [
-        (model, impl, attention)
+        (model, impl, attention, variant)
         for model in args.models
         for impl in args.impls
         for attention in (args.attention if impl == "neox" else ["config"])
+        for variant in (args.variants if impl == "neox" else ["bf16"])
     ]
-    for model, impl, attention in runs:
-        rec = run_one(args, model, impl, device, attention)
+    for model, impl, attention, variant in runs:
+        rec = run_one(args, model, impl, device, attention, variant)
         rec["device"] = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         records.append(rec)
         common.emit(rec, args.json)

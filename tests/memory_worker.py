@@ -178,3 +178,71 @@ def measure(rank: int, world: int, flat: dict) -> dict:
         master_weights=storage_bytes(masters),
         optimizer_states=storage_bytes(states),
     )
+
+
+# Where DeepSpeed 0.19 keeps what ZeRO-Offload puts on the host, by the estimate's host parts.
+OFFLOAD_ATTRIBUTES = {
+    "host_params": ("param_groups_fp16_flat_cpu_memory",),
+    "host_buffers": (
+        "param_buffer_of_bit16_for_cpu_offload_groups",
+        "temp_grad_buffer_for_cpu_offload",
+    ),
+}
+
+
+def measure_offload_all(rank: int, world: int, flats: list[dict], out: str) -> None:
+    """measure_offload() for each config in turn; rank 0 writes the results as JSON."""
+    results = [measure_offload(rank, world, flat) for flat in flats]
+    if rank == 0:
+        Path(out).write_text(json.dumps(results))
+
+
+def measure_offload(rank: int, world: int, flat: dict) -> dict:
+    """The host tensors a ZeRO-Offload engine holds after one step, by the estimate's parts:
+    fp32 master partitions, their fp32 gradients (and ZeRO-3's flat gradient partition), CPU
+    Adam's moments, ZeRO-3's offloaded parameter partitions, stage 1/2's staging buffers."""
+    from neox.config import build_ds_config, derive, load_dict
+    from neox.parallel import ProcessGroups, Topology, engine_mpu, parallelize
+    from neox.plan.engine_choice import engine_for
+    from neox.training.optim import build_optimizer
+    from neox.training.setup import build_engine
+
+    cfg = load_dict(flat)
+    vocab = cfg.tokenizer.padded_vocab_size
+    derived = derive(cfg, world, vocab)
+    groups = ProcessGroups(Topology(1, 1, derived.data_parallel))
+    model = parallelize(cfg.model, vocab, groups, cfg.training.seed)
+    choice = engine_for(cfg, derived)
+    optimizer = build_optimizer(
+        model, cfg.optimizer, choice.optimizer, derived.lr, choice.adamw_mode
+    )
+    built = build_engine(
+        choice, build_ds_config(cfg, derived), model, optimizer, engine_mpu(model, groups)
+    )
+    engine = built.ds
+    g = torch.Generator().manual_seed(rank)
+    ids = torch.randint(0, vocab, (derived.micro_batch, cfg.model.seq_length), generator=g)
+    logits = engine(ids)
+    engine.backward(torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), ids.flatten()))
+    engine.step()
+
+    opt = engine.optimizer
+    masters = [t for name in MASTER_ATTRIBUTES for t in _tensors(getattr(opt, name, None))]
+    grads = [t.grad for t in masters] + [getattr(opt, "grad_partitions_flat_buffer", None)]
+    grads += list(getattr(opt, "accumulated_grads_in_cpu", {}).values())
+    states = [
+        t
+        for state in inner_optimizer(engine).state.values()
+        for t in state.values()
+        if isinstance(t, torch.Tensor) and t.numel() > 1
+    ]
+    out = dict(
+        optimizer_class=type(inner_optimizer(engine)).__name__,
+        host_master_weights=storage_bytes(masters),
+        host_gradients=storage_bytes(grads),
+        host_optimizer_states=storage_bytes(states),
+    )
+    for part, names in OFFLOAD_ATTRIBUTES.items():
+        out[part] = storage_bytes(t for name in names for t in _tensors(getattr(opt, name, None)))
+    built.destroy()
+    return out

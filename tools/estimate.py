@@ -17,8 +17,11 @@ Takes the same config arguments as deepy.py. Prints:
                loss over the logits (compiled, chunked or eager fp32); peak allocated
                (torch.cuda.max_memory_allocated), reserved (plus the caching allocator's
                slack) and total (plus the CUDA context).
+               Under ZeRO-Offload (offload_optimizer/offload_param), the host memory per
+               rank: fp32 masters and gradients, CPU Adam moments, offloaded parameters
+               (pinned buffers rounded to powers of two); the GPU rows drop what moved.
   throughput   tokens/s of all GPUs at --mfu of --peak-tflops (default per --gpu).
-Not included: CPU/NVMe offload, pipeline communication buffers, ALiBi/sliding-window masks
+Not included: NVMe offload's files (only its swap buffers), pipeline communication buffers, ALiBi/sliding-window masks
 beyond one (heads, s, s) tensor per layer. docs/estimate.md lists the constants and sources.
 """
 

@@ -554,6 +554,7 @@ def derive(cfg: NeoXConfig, world_size: int, vocab_size: Optional[int] = None) -
     padded = padded_vocab(cfg, vocab_size)
     check_pipeline_clipping(cfg, precision_of(cfg))
     check_loss_scale(cfg, precision_of(cfg))
+    check_float8(cfg, precision_of(cfg))
     check_pipeline_inputs(cfg)
     check_as_gpt_neox_does(cfg)
     check_fused_loss(cfg)
@@ -653,6 +654,24 @@ def check_pipeline_clipping(cfg: NeoXConfig, precision: str) -> None:
             f"pipe_parallel_size={cfg.parallel.pp} with fp32, ZeRO stage 0 and gradient_clipping="
             f"{clip}: DeepSpeed computes the clipping norm from stage 0's parameters only in this "
             "mode; use zero_optimization.stage 1 (or fp16/bf16), or gradient_clipping 0"
+        )
+
+
+def check_float8(cfg: NeoXConfig, precision: str) -> None:
+    """FP8 (neox/parallel/float8.py) converts the plain model's linears: bf16 or fp32 master
+    precision, no pipeline (its stages are built apart, neox/parallel/pipeline.py)."""
+    if not cfg.float8.fp8.enabled:
+        return
+    if precision == "fp16":
+        raise ConfigError(
+            "fp8.enabled with fp16: torchao's float8 training runs beside bf16 or fp32, not "
+            "fp16 loss scaling; set bf16: {enabled: true} (precision: bfloat16)"
+        )
+    if cfg.parallel.pp > 1:
+        raise ConfigError(
+            f"fp8.enabled with pipe_parallel_size={cfg.parallel.pp}: FP8 is applied to the "
+            "plain model, not to pipeline stages; use pipe_parallel_size 1 (tensor or data "
+            "parallelism) or set fp8.enabled: false"
         )
 
 

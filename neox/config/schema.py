@@ -10,6 +10,7 @@ from neox.config.data import DataConfig, TokenizerConfig
 from neox.config.deepspeed import DeepSpeedConfig
 from neox.config.derived import check_config
 from neox.config.evaluation import EvalConfig
+from neox.config.float8 import Float8Config
 from neox.config.generation import GenerationConfig
 from neox.config.launcher import LauncherConfig
 from neox.config.log import LoggingConfig
@@ -25,6 +26,7 @@ GROUPS: dict[str, type[ConfigGroup]] = {
     "parallel": ParallelConfig,
     "optimizer": OptimizerConfig,
     "precision": PrecisionConfig,
+    "float8": Float8Config,
     "tokenizer": TokenizerConfig,
     "data": DataConfig,
     "training": TrainingConfig,
@@ -60,6 +62,7 @@ class NeoXConfig(BaseModel):
     parallel: ParallelConfig = ParallelConfig()
     optimizer: OptimizerConfig = OptimizerConfig()
     precision: PrecisionConfig = PrecisionConfig()
+    float8: Float8Config = Float8Config()
     tokenizer: TokenizerConfig = TokenizerConfig()
     data: DataConfig = DataConfig()
     training: TrainingConfig = TrainingConfig()

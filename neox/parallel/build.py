@@ -8,11 +8,13 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from neox.config.float8 import Float8Spec
 from neox.config.model import ModelConfig
 from neox.model import GPTNeoX, build_model, lm_loss
 from neox.model.block import Block
 from neox.model.rotary import RotaryEmbedding
 from neox.parallel.checkpointing import checkpoint_blocks, configure_checkpointing
+from neox.parallel.float8 import apply_float8
 from neox.parallel.pipeline import to_pipeline
 from neox.parallel.tensor import (
     apply_tensor_parallel,
@@ -39,10 +41,12 @@ def parallelize(
     checkpointing_options: Optional[dict[str, Any]] = None,
     pipe_partition_method: str = "type:Block",
     device: Any = "cpu",
+    float8: Optional[Float8Spec] = None,
 ) -> nn.Module:
     """The GPTNeoX for this rank: plain with tp applied when pp = 1, else a PipelineModule.
 
-    Seeds the RNG streams (seed_parallel_rng). torch_compile compiles every block. Weights equal the tp=1, pp=1 model's for the
+    Seeds the RNG streams (seed_parallel_rng). `float8` (the resolved fp8 section) converts the
+    chosen linears to float8 compute after tp. torch_compile compiles every block. Weights equal the tp=1, pp=1 model's for the
     same seed, whatever the layout; no rank materialises more than its own shard.
     """
     groups.topo.check_model(model_cfg)
@@ -66,6 +70,7 @@ def parallelize(
     init_tensor_parallel(model, model_cfg, seed, groups, device=device)
     if groups.get_tensor_model_parallel_world_size() > 1:
         use_tensor_parallel_rng(model)
+    apply_float8(model, float8, model_cfg.num_layers, device)
     if torch_compile:
         # Before checkpointing, which then recomputes through the compiled forward.
         compile_blocks(model, torch_compile_backend, device)

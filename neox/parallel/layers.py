@@ -64,6 +64,8 @@ class ColumnParallelLinear(nn.Module):
     """
 
     PARTITION_DIMS = {"weight": 0, "bias": 0}
+    # The local matmul; neox/parallel/float8.py sets a float8 one on chosen instances.
+    linear = staticmethod(F.linear)
 
     def __init__(
         self,
@@ -98,7 +100,7 @@ class ColumnParallelLinear(nn.Module):
             self.bias.copy_(shard(bias, 0, self.rank, self.world))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(copy_to_tensor_parallel(x, self.group), self.weight, self.bias)
+        y = self.linear(copy_to_tensor_parallel(x, self.group), self.weight, self.bias)
         return gather_from_tensor_parallel(y, self.group) if self.gather_output else y
 
     def extra_repr(self) -> str:
@@ -113,6 +115,7 @@ class RowParallelLinear(nn.Module):
     """
 
     PARTITION_DIMS = {"weight": 1}
+    linear = staticmethod(F.linear)  # as ColumnParallelLinear.linear
 
     def __init__(
         self,
@@ -147,7 +150,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel(x, self.group)
-        y = reduce_from_tensor_parallel(F.linear(x, self.weight), self.group)
+        y = reduce_from_tensor_parallel(self.linear(x, self.weight), self.group)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:

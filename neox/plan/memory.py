@@ -41,6 +41,16 @@ where each comes from:
   of the head weight and of the hidden states. Chunked (lm_loss_chunk_size): one chunk's fp32
   softmax and its gradient, and the fp32 head-weight gradient kept for backward.
 - overheads (documented constants): the CUDA context and the caching allocator's slack.
+
+ZeRO-Offload (zero_optimization.offload_optimizer / offload_param, device cpu) moves parts to
+host memory, counted apart (`host_*`, per rank, as DeepSpeed 0.19 allocates them, pinned by
+default): offload_optimizer puts the fp32 master partition, its fp32 gradient and the CPU Adam
+moments on the host (stage 1/2 also a bf16 staging copy of the partition and a gradient buffer
+of the largest tensor; stage 3 its flat gradient partition in the gradient-accumulation dtype),
+and the GPU keeps no master, no moments and no fp32 step copy; offload_param (stage 3) keeps
+the parameter partitions on the host, the GPU only the persistent small tensors. With device
+nvme the moments and masters live on disk and only DeepSpeed's swap buffers (buffer_count x
+buffer_size) are counted on the host.
 """
 
 from __future__ import annotations
@@ -91,6 +101,13 @@ ZERO_DEFAULTS = {
     "stage3_max_live_parameters": 1_000_000_000,
     "sub_group_size": 1_000_000_000,
 }
+# DeepSpeed's NVMe swap defaults (deepspeed/runtime/zero/offload_config.py).
+NVME_DEFAULTS = {"buffer_count": 5, "buffer_size": 100_000_000}
+# A training rank's host memory besides the buffers counted: torch, CUDA and NCCL libraries,
+# DeepSpeed's ops, compiled graphs, the data loader, and DeepSpeed's smaller offload buffers.
+# Pythia-2.8B at ZeRO-3 with both offloads on an H100 host grew by 67.4 GiB against 60.7 GiB
+# counted (docs/benchmarks.md, 2026-11-26), so 8 GiB per rank covers the rest.
+HOST_PROCESS_BYTES = int(8 * GiB)
 # fp32 optimizer-state values per parameter.
 OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "cpu_adam": 2, "cpu_torch_adam": 2, "lion": 1}
 BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
@@ -118,6 +135,7 @@ class TrainingShape:
     loss: str = "eager"  # or "compiled", "chunked" (neox.plan.engine_choice.loss_path)
     loss_chunk: int = 0  # tokens per chunk of the chunked loss (lm_loss_chunk_size)
     one_pass_adamw: bool = True  # flat engine: AdamW in one pass over the bf16 gradient (GPU)
+    pinned_host: bool = True  # offload buffers are pinned (CUDA; a no-op on CPU ranks)
 
     def zero_setting(self, key: str) -> Any:
         zero = self.zero or {}
@@ -138,6 +156,22 @@ class MemoryEstimate:
     step_transient: int
     activations: int
     logits: int
+    host_master_weights: int = 0
+    host_gradients: int = 0
+    host_optimizer_states: int = 0
+    host_params: int = 0
+    host_buffers: int = 0
+
+    @property
+    def host_total(self) -> int:
+        """Host memory ZeRO-Offload allocates on one rank (the process itself not counted)."""
+        return (
+            self.host_master_weights
+            + self.host_gradients
+            + self.host_optimizer_states
+            + self.host_params
+            + self.host_buffers
+        )
 
     @property
     def model_states(self) -> int:
@@ -162,7 +196,10 @@ class MemoryEstimate:
     def as_dict(self) -> dict[str, int]:
         parts = asdict(self)
         parts.update(
-            peak_allocated=self.peak_allocated, peak_reserved=self.peak_reserved, total=self.total
+            peak_allocated=self.peak_allocated,
+            peak_reserved=self.peak_reserved,
+            total=self.total,
+            host_total=self.host_total,
         )
         return parts
 
@@ -199,6 +236,7 @@ def training_shape(
         engine=engine_for(cfg, derived, zero_stage).engine,
         loss=loss_path(compiled, tp, pp, cfg.model.lm_loss_chunk_size),
         loss_chunk=cfg.model.lm_loss_chunk_size,
+        pinned_host=device == "cuda",
         one_pass_adamw=one_pass_adamw(
             derived.optimizer_type in FLAT_OPTIMIZERS,  # neox builds torch's AdamW for both
             bool(spec.params.get("amsgrad")),
@@ -424,7 +462,7 @@ def estimate_memory(cfg: ModelConfig, shape: TrainingShape) -> MemoryEstimate:
         step = 4 * part
     else:
         step = 4 * min(part, shape.zero_setting("sub_group_size"))
-    return MemoryEstimate(
+    on_gpu = MemoryEstimate(
         weights=weights,
         gradients=gradients,
         master_weights=master,
@@ -435,3 +473,84 @@ def estimate_memory(cfg: ModelConfig, shape: TrainingShape) -> MemoryEstimate:
         activations=activations,
         logits=logits,
     )
+    return offloaded(on_gpu, shape, sizes, part, vector_parameters(cfg))
+
+
+def _offload_device(shape: TrainingShape, key: str) -> str:
+    return ((shape.zero or {}).get(key) or {}).get("device", "none")
+
+
+def pinned_bytes(nbytes: int, pinned: bool) -> int:
+    """Host bytes of one pinned buffer: torch's caching host allocator rounds each pinned
+    allocation up to a power of two (pinned_max_round_threshold is unlimited by default)."""
+    return 1 << (nbytes - 1).bit_length() if pinned and nbytes > 0 else nbytes
+
+
+def offloaded(
+    est: MemoryEstimate, shape: TrainingShape, sizes: list[int], part: int, vectors: int
+) -> MemoryEstimate:
+    """`est` with ZeRO-Offload's parts moved from the GPU to the host (DeepSpeed 0.19's
+    stage_1_and_2.py and stage3.py allocations; see the module docstring). DeepSpeed keeps one
+    flat buffer per optimizer group (matrices; `vectors` biases and norms), ZeRO-3 one per
+    sub-group of at most sub_group_size elements; each pinned one is rounded (pinned_bytes)."""
+    k, stage, dp = BYTES[shape.precision], shape.zero_stage, shape.dp
+    optimizer = _offload_device(shape, "offload_optimizer") if stage else "none"
+    params = _offload_device(shape, "offload_param") if stage == 3 else "none"
+    if optimizer == "none" and params == "none":
+        return est
+    zero = shape.zero or {}
+    vectors = min(vectors, sum(sizes))
+    groups = [-(-g // dp) for g in (sum(sizes) - vectors, vectors) if g]  # this rank's shares
+    if stage == 3:  # sub-groups of at most sub_group_size elements
+        limit = shape.zero_setting("sub_group_size")
+        groups = [min(limit, g - i) for g in groups for i in range(0, g, limit)]
+
+    def host_sum(nbytes_each: int, key: str, buffers=None) -> int:
+        pinned = shape.pinned_host and (zero.get(key) or {}).get("pin_memory", True)
+        return sum(pinned_bytes(nbytes_each * n, pinned) for n in buffers or groups)
+
+    host: dict[str, int] = {}
+    gpu: dict[str, int] = {}
+    largest = max(sizes)
+    if optimizer != "none":
+        gpu.update(master_weights=0, optimizer_states=0, step_transient=0)
+        states = est.optimizer_states // max(1, part)  # bytes of moments per parameter
+        if optimizer == "cpu":
+            host.update(
+                host_master_weights=host_sum(4, "offload_optimizer"),
+                host_gradients=host_sum(4, "offload_optimizer"),  # what CPU Adam steps on
+                host_optimizer_states=states * part,  # CPU Adam's own, not pinned
+            )
+        else:  # nvme: masters, gradients and moments swap through pinned buffers
+            count = (zero.get("offload_optimizer") or {}).get("buffer_count", 4)
+            host["host_buffers"] = count * 4 * min(part, shape.zero_setting("sub_group_size"))
+        if stage in (1, 2):
+            # A bf16 staging copy of each group's partition and a buffer of the largest
+            # gradient on the host; the GPU copies each gradient through one of that size.
+            host["host_buffers"] = (
+                host.get("host_buffers", 0)
+                + host_sum(k, "offload_optimizer")
+                + host_sum(k, "offload_optimizer", [largest])
+            )
+            if shape.grad_accum > 1:  # gradients accumulated across micro-batches
+                host["host_gradients"] = host.get("host_gradients", 0) + k * part
+            gpu["gradients"] = (k * sum(sizes) if stage == 1 else 0) + k * largest
+        else:
+            # The flat gradient partition moves to the host; the GPU keeps the one just made.
+            host["host_gradients"] = host.get("host_gradients", 0) + host_sum(
+                k, "offload_optimizer", [part]
+            )
+            gpu["gradients"] = k * largest
+    if params != "none":
+        threshold = shape.zero_setting("stage3_param_persistence_threshold")
+        gpu["weights"] = k * sum(x for x in sizes if x < threshold)
+        if params == "cpu":
+            # One pinned buffer per optimizer group, pinned whatever pin_memory says.
+            whole = [-(-g // dp) for g in (sum(sizes) - vectors, vectors) if g]
+            host["host_params"] = sum(pinned_bytes(k * n, shape.pinned_host) for n in whole)
+        else:
+            swap = zero.get("offload_param") or {}
+            count = swap.get("buffer_count", NVME_DEFAULTS["buffer_count"])
+            size = swap.get("buffer_size", NVME_DEFAULTS["buffer_size"])
+            host["host_buffers"] = host.get("host_buffers", 0) + k * count * size
+    return replace(est, **gpu, **host)

@@ -402,6 +402,29 @@ def precision_problem(loaded: LoadedConfig, precision: str, cpu_ranks: bool) -> 
     )
 
 
+def fp8_problem(loaded: LoadedConfig, cpu_ranks: bool) -> Optional[str]:
+    """Why the ranks cannot train with fp8.enabled, or None: float8 matmuls need compute
+    capability 8.9+ (neox/parallel/float8.py checks each rank's GPU again). Imports torch only
+    when fp8 is on and the ranks use this machine's GPUs."""
+    if not loaded.config.float8.fp8.enabled:
+        return None
+    where = loaded.source_of("fp8")
+    fix = "set fp8: {enabled: false}, or run on H100/H200/L40S-class GPUs"
+    if cpu_ranks:
+        return f"{where}: fp8.enabled needs GPUs with float8 tensor cores; these ranks run on CPU; {fix}"
+    import torch
+
+    if not torch.cuda.is_available():
+        return None  # launching for other machines' GPUs: each rank checks its own
+    major, minor = torch.cuda.get_device_capability(0)
+    if (major, minor) >= (8, 9):
+        return None
+    return (
+        f"{where}: fp8.enabled needs compute capability 8.9 or newer; this machine's "
+        f"{torch.cuda.get_device_name(0)} is {major}.{minor}; {fix}"
+    )
+
+
 # Entry scripts that read training data.
 NEEDS_DATA = {"train.py"}
 # Entry scripts that read a trained checkpoint, with the check of what each one reads.
@@ -482,7 +505,14 @@ def deepspeed_section_problems(loaded: LoadedConfig, ds_config: dict) -> list[st
 def derived_problems(loaded: LoadedConfig, derived, script: str, cpu_ranks: bool) -> list[str]:
     """The checks that need the derived values: precision on CPU ranks, empty paths, the save
     directory (looked at only: it is created once the launch is accepted), empty splits."""
-    problems = [p for p in [precision_problem(loaded, derived.precision, cpu_ranks)] if p]
+    problems = [
+        p
+        for p in [
+            precision_problem(loaded, derived.precision, cpu_ranks),
+            fp8_problem(loaded, cpu_ranks),
+        ]
+        if p
+    ]
     problems += empty_path_problems(loaded)
     try:
         check_save_dir(loaded, derived, create=False)

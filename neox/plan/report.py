@@ -12,7 +12,14 @@ from neox.config.derived import Derived, padded_vocab
 from neox.config.schema import NeoXConfig
 from neox.plan.engine_choice import engine_for
 from neox.plan.estimate import count_parameters, embedding_parameters, train_flops_per_token
-from neox.plan.memory import GiB, MemoryEstimate, TrainingShape, estimate_memory, training_shape
+from neox.plan.memory import (
+    HOST_PROCESS_BYTES,
+    GiB,
+    MemoryEstimate,
+    TrainingShape,
+    estimate_memory,
+    training_shape,
+)
 
 # Dense bf16/fp16 tensor-core peak per GPU, TFLOPS (no sparsity), and memory in GiB.
 GPUS = {
@@ -36,6 +43,7 @@ MEMORY_ROWS = (
     ("peak_allocated", "peak allocated"),
     ("peak_reserved", "peak reserved"),
     ("total", "total incl. CUDA context"),
+    ("host_total", "host, ZeRO-Offload (per rank)"),
 )
 
 
@@ -185,6 +193,45 @@ def fit_refusal(
         f"{what} (seq_length={cfg.model.seq_length}, micro batch {derived.micro_batch}, "
         f"hidden_size={cfg.model.hidden_size}; python tools/estimate.py shows the parts); fix "
         "the config, or set skip_memory_check: true to launch anyway"
+    )
+
+
+def host_refusal(
+    cfg: NeoXConfig,
+    derived: Derived,
+    vocab_size: int,
+    ranks_per_node: int,
+    host_bytes: int,
+    what: str,
+) -> Optional[str]:
+    """Why the launch is refused: ZeRO-Offload's host memory for `ranks_per_node` ranks (plus
+    HOST_PROCESS_BYTES each) exceeds `host_bytes` (`what` says whose); None when it fits, when
+    nothing is offloaded, or when launcher.skip_memory_check is set."""
+    if cfg.launcher.skip_memory_check:
+        return None
+    est = estimate_memory(cfg.model, training_shape(cfg, derived, vocab_size))
+    if not est.host_total:
+        return None
+    need = ranks_per_node * (est.host_total + HOST_PROCESS_BYTES)
+    if need <= host_bytes:
+        return None
+    parts = ", ".join(
+        f"{label} {_size(value)}"
+        for label, value in (
+            ("fp32 master weights", est.host_master_weights),
+            ("gradients", est.host_gradients),
+            ("optimizer states", est.host_optimizer_states),
+            ("parameters (offload_param)", est.host_params),
+            ("staging/swap buffers", est.host_buffers),
+        )
+        if value
+    )
+    return (
+        f"ZeRO-Offload needs an estimated {_size(need)} of host memory per node, over the "
+        f"{_size(host_bytes)} {what}: {ranks_per_node} rank(s) x ({parts}, plus "
+        f"{_size(HOST_PROCESS_BYTES)} per process); drop zero_optimization.offload_param, set "
+        "zero_optimization.offload_optimizer.device: nvme (with nvme_path), use fewer ranks per "
+        "node, or set skip_memory_check: true to launch anyway"
     )
 
 

@@ -42,6 +42,10 @@ class DeepSpeedAdapter:
             model=model, optimizer=optimizer, config=ds_config, mpu=mpu
         )
         fuse_overflow_check(self.ds.optimizer)
+        if (ds_config.get("compile") or {}).get("deepcompile"):
+            # DeepSpeed's DeepCompile (deepspeed_extra_args: {compile: {deepcompile: true}})
+            # compiles the whole module with ZeRO's gathers scheduled in the graph.
+            self.ds.compile()
         self.pipeline = isinstance(self.ds, PipelineEngine)
         self.fp16 = self.ds.fp16_enabled()
         self.grad_accum = int(

@@ -99,6 +99,7 @@ def build_run(cfg: NeoXConfig) -> Run:
         torch_compile_backend=tr.torch_compile_backend,
         pipe_partition_method=cfg.parallel.pipe_partition_method,
         device=device,
+        float8=cfg.float8.resolved(),
     )
     engine = make_engine(cfg, derived, ds_config, model, engine_mpu(model, groups))
     o = cfg.optimizer

@@ -33,6 +33,7 @@ ACCEPTED = {
     ("optimizer", "zero"): "lr 0 leaves the weights unchanged; the loop runs (a smoke test)",
     ("optimizer", "huge"): "an lr up to 1e30 runs into the non-finite-step guard, which stops "
     "the run and names the last good checkpoint (tests/faults/test_checkpoint_faults.py)",
+    ("fp8", "zero"): "skip_first_layers 0 converts the first block too, as documented",
 }
 
 # Keys that only mean something beside others: the context makes their bad value the problem.
@@ -103,6 +104,14 @@ def in_declared_range(key: str, value) -> bool:
     )
 
 
+def _optimizer_with(v):
+    return {"type": "Adam", "params": {"lr": v}}
+
+
+# A section key's bad values: the number placed in the section (the optimizer's lr otherwise).
+SECTION_WITH = {"fp8": lambda v: {"enabled": True, "skip_first_layers": v}}
+
+
 def bad_values(key: str) -> st.SearchStrategy:
     """(kind, value, scalar the message must show) for one key."""
     kind, element = _base(FIELDS[key].annotation)
@@ -146,7 +155,7 @@ def bad_values(key: str) -> st.SearchStrategy:
             if name != "nonfinite":
                 continue  # other numbers in a passed-through section are DeepSpeed's to judge
         elif kind == "section" and name != "wrong type":
-            values = values.map(lambda v: {"type": "Adam", "params": {"lr": v}})
+            values = values.map(SECTION_WITH.get(key, _optimizer_with))
         strategies.append(values.map(lambda v, name=name: (name, v)))
     return st.one_of(strategies)
 

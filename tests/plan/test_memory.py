@@ -9,6 +9,7 @@ estimate names, and its gradients at their peak in backward; so must the flat en
 
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -254,3 +255,89 @@ def test_flat_engine_buffers_match_estimate_on_one_rank(precision):
     assert FLAT_ALIGNMENT == flat_engine.ALIGNMENT  # the torch-free copy of the engine's
     on_gpu = estimate_memory(cfg.model, training_shape(cfg, derived, 512))
     assert on_gpu.step_transient == 0 and on_gpu.model_states == est.model_states
+
+
+# ZeRO-Offload of the optimizer at stages 1-3, and of the parameters at stage 3, in bf16.
+OFFLOAD_CASES = {
+    "zero1_optimizer": {"stage": 1, "offload_optimizer": {"device": "cpu"}},
+    "zero2_optimizer": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+    "zero3_optimizer_params": {
+        "stage": 3,
+        "offload_optimizer": {"device": "cpu"},
+        "offload_param": {"device": "cpu"},
+        "stage3_param_persistence_threshold": 0,
+    },
+}
+
+
+@pytest.mark.slow
+def test_offload_host_memory_matches_deepspeed_engine(tmp_path):
+    """Each host part of the estimate against the tensors DeepSpeed's offloading engine holds
+    on two CPU ranks after a step (DeepSpeed's CPU Adam), and the GPU parts it moves away."""
+    from tests.memory_worker import measure_offload_all
+    from tests.training.test_engine_offload import cpu_adam_builds
+
+    if not cpu_adam_builds():
+        pytest.skip("DeepSpeed's CPU Adam (a C++ op built on first use) cannot build here")
+    flats = [
+        dict(
+            ENGINE_MODEL,
+            zero_optimization=dict(zero, reduce_bucket_size=5000),
+            bf16={"enabled": True},
+        )
+        for zero in OFFLOAD_CASES.values()
+    ]
+    out = tmp_path / "offload.json"
+    run_ranks(measure_offload_all, 2, flats, str(out))
+    for name, flat, measured in zip(OFFLOAD_CASES, flats, json.loads(out.read_text())):
+        cfg = load_dict(flat)
+        shape = training_shape(cfg, derive(cfg, 2, 512), 512, device="cpu")
+        est = estimate_memory(cfg.model, shape)
+        assert measured["optimizer_class"] == "DeepSpeedCPUAdam", name
+        for part in (
+            "host_master_weights",
+            "host_gradients",
+            "host_optimizer_states",
+            "host_params",
+            "host_buffers",
+        ):
+            assert measured[part] == getattr(est, part), (name, part, measured)
+        assert est.master_weights == est.optimizer_states == est.step_transient == 0
+        stage3 = flat["zero_optimization"]["stage"] == 3
+        assert (est.weights == 0) == stage3 and (est.host_params > 0) == stage3
+        # On a GPU each pinned buffer is rounded up to a power of two (torch's host allocator).
+        pinned = estimate_memory(cfg.model, training_shape(cfg, derive(cfg, 2, 512), 512))
+        assert pinned.host_total > est.host_total
+        assert pinned.host_optimizer_states == est.host_optimizer_states  # CPU Adam's: unpinned
+
+
+def test_host_refusal_names_the_offload_keys_when_the_host_cannot_hold_it():
+    """Pythia 6.9B at ZeRO-3 with optimizer and parameters offloaded needs ~139 GiB of host
+    memory (the H100 machine's 125 GiB host died of it); 2.8B (~61 GiB) fits; no offload, or
+    skip_memory_check, asks nothing of the host."""
+    from neox.config import load_config
+    from neox.plan.report import host_refusal
+
+    offload = {
+        "zero_optimization": {
+            "stage": 3,
+            "offload_optimizer": {"device": "cpu"},
+            "offload_param": {"device": "cpu"},
+        },
+        "model_parallel_size": 1,
+        "fp16": {"enabled": False},
+        "bf16": {"enabled": True},
+    }
+    host = 125 * 2**30
+
+    def refusal(model, **extra):
+        path = Path(__file__).resolve().parents[2] / "configs" / "pythia" / f"{model}.yml"
+        cfg = load_config([str(path)], overrides={**offload, **extra}).config
+        return host_refusal(cfg, derive(cfg, 1, 50277), 50432, 1, host, "this machine has")
+
+    problem = refusal("6-9B")
+    assert problem and "offload_param" in problem and "skip_memory_check" in problem
+    assert "optimizer states 51.1 GiB" in problem
+    assert refusal("2-8B") is None
+    assert refusal("6-9B", skip_memory_check=True) is None
+    assert refusal("6-9B", zero_optimization={"stage": 1}) is None

@@ -38,15 +38,15 @@ def cpu_adam_builds() -> bool:
 
 
 @pytest.mark.usefixtures("rank")
-@pytest.mark.parametrize("kind", ["Adam", "AdamW"])
-def test_offload_steps_with_deepspeeds_cpu_adam(kind):
+@pytest.mark.parametrize("kind, stage", [("Adam", 1), ("AdamW", 1), ("Adam", 2)])
+def test_offload_steps_with_deepspeeds_cpu_adam(kind, stage):
     if not cpu_adam_builds():
         pytest.skip("DeepSpeed's CPU Adam (a C++ op built on first use) cannot build here")
     from deepspeed.ops.adam import DeepSpeedCPUAdam
 
     from neox.training.setup import make_engine
 
-    cfg = offload_config(kind, betas=[0.8, 0.9], eps=1e-6)
+    cfg = offload_config(kind, stage, betas=[0.8, 0.9], eps=1e-6)
     derived = derive(cfg, 1, VOCAB)
     choice = engine_for(cfg, derived)
     assert (choice.engine, choice.optimizer, choice.adamw_mode) == ("deepspeed", "cpu_adam", True)
