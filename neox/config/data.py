@@ -101,34 +101,47 @@ class DataConfig(ConfigGroup):
     dataset_impl: Annotated[
         str,
         Refused(
-            feature="pairwise/reward/online datasets",
-            example="pairwise",
-            allowed=("gpt2",),
+            feature="online datasets",
+            example="online",
+            allowed=("gpt2", "pairwise"),
             message=(
-                "dataset_impl={value!r}: pairwise/reward/online datasets (DPO, reward models, RL)"
-                " are not implemented in neox; use gpt2"
+                "dataset_impl={value!r}: online datasets (RL) are not implemented in neox; use "
+                "gpt2, or pairwise with train_impl dpo or rm"
             ),
         ),
     ] = "gpt2"
-    """Dataset kind (gpt-neox key): only "gpt2" language modelling; pairwise/reward/online data
-    (DPO, reward models, RL) is refused."""
+    """Dataset kind (gpt-neox key): "gpt2" (token windows; KTO's rewarded answers too) or
+    "pairwise" (chosen/rejected pairs, what train_impl dpo and rm read); "online" is refused."""
 
     pack_impl: Annotated[
         str,
         Refused(
-            feature="unpacked samples",
-            example="unpacked",
-            allowed=("packed",),
+            feature="pack_until_overflow",
+            example="pack_until_overflow",
+            allowed=("packed", "unpacked"),
             message=(
-                "pack_impl={value!r}: unpacked samples are not implemented in neox; use packed"
+                "pack_impl={value!r}: pack_until_overflow is not implemented in neox; use packed"
+                " (or unpacked with a preference train_impl)"
             ),
         ),
     ] = "packed"
-    """Sample packing (gpt-neox key): documents are packed into full sequences; "unpacked" and
-    "pack_until_overflow" are refused."""
+    """Sample packing (gpt-neox key): "packed" fills windows with documents back to back;
+    "unpacked" (one document per sample, padded) is what preference training (train_impl dpo,
+    kto, rm) always reads, so it is accepted there only."""
 
-    allow_chopped: bool = True
-    """No-op (gpt-neox key): it only matters for unpacked samples, which neox refuses."""
+    allow_chopped: Annotated[bool, Reads("neox/data/pairs.py")] = True
+    """Preference data (unpacked samples): cut a document longer than seq_length + 1 tokens to
+    that length; false skips such documents (gpt-neox key; packed data ignores it)."""
+
+    train_label_data_paths: Annotated[Optional[list[str]], Reads("neox/data/pairs.py")] = None
+    """Label files of train_data_paths (the token where trained, -100 where masked), as
+    preprocess_data_with_chat_template.py writes them; read by KTO here."""
+
+    valid_label_data_paths: Annotated[Optional[list[str]], Reads("neox/data/pairs.py")] = None
+    """Label files of valid_data_paths."""
+
+    test_label_data_paths: Annotated[Optional[list[str]], Reads("neox/data/pairs.py")] = None
+    """Label files of test_data_paths."""
 
     eod_mask_loss: Annotated[bool, Reads("neox/training/loop.py")] = False
     """Exclude end-of-document tokens from the loss."""

@@ -18,6 +18,13 @@ def data_prefixes(cfg) -> list[tuple[str, str]]:
     out = [("data_path", d.data_path)] if d.data_path else []
     for split in ("train", "valid", "test"):
         out += [(f"{split}_data_paths", p) for p in getattr(d, f"{split}_data_paths") or []]
+        label = f"{split}_label_data_paths"
+        out += [(label, p) for p in getattr(d, label) or []]
+    # Preference training's pairs, their labels and KTO's rewards (neox/data/pairs.py).
+    pref = cfg.preference
+    for key in type(pref).model_fields:
+        if key.endswith("_data_paths"):
+            out += [(key, p) for p in getattr(pref, key) or []]
     return out
 
 

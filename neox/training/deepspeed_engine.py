@@ -26,14 +26,19 @@ import torch
 from torch import nn
 
 from neox.data.batch import Batch
-from neox.training.engine import StepResult, forward_loss
+from neox.training.engine import LossFn, StepResult, forward_loss
 
 
 class DeepSpeedAdapter:
     """deepspeed.initialize's engine (plain, ZeRO or pipeline) as a neox Engine."""
 
     def __init__(
-        self, ds_config: dict[str, Any], model: nn.Module, optimizer: Any, mpu: Any
+        self,
+        ds_config: dict[str, Any],
+        model: nn.Module,
+        optimizer: Any,
+        mpu: Any,
+        loss_fn: LossFn = forward_loss,
     ) -> None:
         import deepspeed
         from deepspeed.runtime.pipe.engine import PipelineEngine
@@ -42,9 +47,12 @@ class DeepSpeedAdapter:
             model=model, optimizer=optimizer, config=ds_config, mpu=mpu
         )
         fuse_overflow_check(self.ds.optimizer)
+        self.loss_fn = loss_fn
         self.pipeline = isinstance(self.ds, PipelineEngine)
         self.fp16 = self.ds.fp16_enabled()
-        self.grad_accum = int(ds_config["gradient_accumulation_steps"])  # derive()'s, as DeepSpeed reads it
+        self.grad_accum = int(
+            ds_config["gradient_accumulation_steps"]
+        )  # derive()'s, as DeepSpeed reads it
         # ZeRO and the reduced precisions skip non-finite steps and report the norm themselves.
         self.own_norm = (
             self.ds.zero_optimization_stage() == 0
@@ -74,7 +82,7 @@ class DeepSpeedAdapter:
         else:
             losses = []
             for micro in range(self.grad_accum):
-                loss = forward_loss(self.ds, next(batches))
+                loss = self.loss_fn(self.ds, next(batches))
                 self.ds.backward(loss)
                 losses.append(loss.detach())
                 if micro == self.grad_accum - 1 and self.own_norm:
@@ -96,7 +104,7 @@ class DeepSpeedAdapter:
         if self.pipeline:
             return self.ds.eval_batch(data_iter=_pipeline_batches(batches))
         return torch.stack(
-            [forward_loss(self.ds, next(batches)) for _ in range(self.grad_accum)]
+            [self.loss_fn(self.ds, next(batches)) for _ in range(self.grad_accum)]
         ).mean()
 
     def save(self, save_dir: str, tag: str, client_state: dict[str, Any]) -> None:

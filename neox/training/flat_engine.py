@@ -43,7 +43,7 @@ from torch import nn
 from neox.checkpoint.trust import load_file
 from neox.data.batch import Batch
 from neox.plan.engine_choice import one_pass_adamw
-from neox.training.engine import StepResult, forward_loss
+from neox.training.engine import LossFn, StepResult, forward_loss
 
 log = logging.getLogger(__name__)
 
@@ -153,9 +153,15 @@ class FlatEngine:
     backward and step are DeepSpeed's engine's, so the two can be compared call for call."""
 
     def __init__(
-        self, ds_config: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer, mpu
+        self,
+        ds_config: dict[str, Any],
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        mpu,
+        loss_fn: LossFn = forward_loss,
     ) -> None:
         self.config = ds_config
+        self.loss_fn = loss_fn
         self.bf16 = bool(ds_config.get("bf16", {}).get("enabled"))
         dtype = torch.bfloat16 if self.bf16 else torch.float32
         self.module = model.to(dtype)
@@ -215,7 +221,7 @@ class FlatEngine:
         skipped_before = self._skipped.clone()
         for _ in range(self.grad_accum):
             with self.timers(FWD):
-                loss = forward_loss(self, next(batches))
+                loss = self.loss_fn(self, next(batches))
             with self.timers(BWD):
                 self.backward(loss)
             with self.timers(STEP):
@@ -226,7 +232,7 @@ class FlatEngine:
 
     @torch.no_grad()
     def eval_batch(self, batches: Iterator[Batch]) -> torch.Tensor:
-        losses = [forward_loss(self, next(batches)) for _ in range(self.grad_accum)]
+        losses = [self.loss_fn(self, next(batches)) for _ in range(self.grad_accum)]
         return torch.stack(losses).mean()
 
     def is_gradient_accumulation_boundary(self) -> bool:
