@@ -637,6 +637,14 @@ def check_preference_run(cfg: NeoXConfig, micro: int, samples: tuple[int, int, i
             f"train_impl='kto' needs train_micro_batch_size_per_gpu >= 2 (got {micro}): each "
             "half of a micro-batch is the other's KL baseline"
         )
+    p = cfg.preference
+    reference = impl == "kto" or (impl == "dpo" and not p.dpo_reference_free)
+    if reference and zero_stage_of(cfg) == 3:
+        raise ConfigError(
+            f"train_impl={impl!r} with ZeRO stage 3: the frozen reference copy is taken from "
+            "whole weights, which ZeRO-3 partitions; use ZeRO stage 1 or 2 (or "
+            "dpo_reference_free: true)"
+        )
     if impl not in PAIRED:
         return
     off = {"valid": "do_valid: false (or eval_iters: 0)", "test": "do_test: false"}

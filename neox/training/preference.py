@@ -14,6 +14,7 @@ saved in its checkpoint (client state "preference_reference"), never the resumed
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,6 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from neox.data.batch import Batch
+
+log = logging.getLogger(__name__)
 
 REFERENCE_KEY = "preference_reference"
 
@@ -267,8 +270,9 @@ def attach_reward_head(model: nn.Module, seed: int, tp_group: Any = None) -> nn.
     train_impl: rm does: the model then returns (B, T, 1) values instead of logits.
 
     Under tensor parallelism the head is replicated; the final norm's output already carries
-    the all-reduce that sums its gradient over ranks (apply_tensor_parallel), so only tp rank 0
-    passes the gradient on and the sum is that of one rank."""
+    the all-reduce that sums its gradient over the tp ranks (apply_tensor_parallel), made for a
+    vocab-split head. Each rank passes 1/tp of its (equal) gradient on, so the sum is one
+    rank's; every rank still takes part in that all-reduce."""
     from neox.model.gpt import GPTNeoX
 
     if not isinstance(model, GPTNeoX):
@@ -280,17 +284,33 @@ def attach_reward_head(model: nn.Module, seed: int, tp_group: Any = None) -> nn.
     with torch.no_grad():
         head.weight.copy_(torch.randn(1, hidden, generator=g) / math.sqrt(hidden))
     model.embed_out = head
-    rank0 = tp_group is None or torch.distributed.get_rank(group=tp_group) == 0
+    tp = 1 if tp_group is None else torch.distributed.get_world_size(group=tp_group)
 
     def reward_head(x: torch.Tensor) -> torch.Tensor:
         h = model.final_layer_norm(x)
-        return F.linear(h if rank0 else h.detach(), model.embed_out.weight)
+        if tp > 1:
+            h = h.detach() + (h - h.detach()) / tp  # the same values; 1/tp of the gradient
+        return F.linear(h, model.embed_out.weight)
 
     model.head = reward_head
+    model.register_load_state_dict_pre_hook(_keep_fresh_reward_head)
     from neox.parallel.build import _register_head_weight
 
     _register_head_weight(model)  # ZeRO-3: the head's weight is read outside its own forward
     return model
+
+
+def _keep_fresh_reward_head(module: nn.Module, state: dict, prefix: str, *_: Any) -> None:
+    """Loading a language model's weights (finetune from a pretrained checkpoint) into a reward
+    model: its output layer (V x hidden, or none when tied) is not a reward head, so the fresh
+    head is kept; a reward model's own checkpoint (1 x hidden) loads as saved."""
+    key = prefix + "embed_out.weight"
+    head = module.embed_out.weight
+    if key not in state or state[key].shape != head.shape:
+        log.info(
+            "the checkpoint holds a language model's output layer: the reward head starts fresh"
+        )
+        state[key] = head.detach().clone()
 
 
 # -- setup ----------------------------------------------------------------------------------------

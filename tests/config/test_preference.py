@@ -68,6 +68,10 @@ def test_run_rules_kto_batch_and_evaluated_pairs():
     }
     with pytest.raises(ConfigError, match="train_micro_batch_size_per_gpu >= 2"):
         derive(load_dict(kto), 1)
+    zero3 = {**PAIRS, "train_impl": "dpo", "zero_optimization": {"stage": 3}}
+    with pytest.raises(ConfigError, match="use ZeRO stage 1 or 2"):
+        derive(load_dict(zero3), 1)
+    derive(load_dict({**zero3, "dpo_reference_free": True}), 1)
     evaluated = {**PAIRS, "train_impl": "dpo", "do_valid": True}
     with pytest.raises(ConfigError, match="add pos_/neg_valid_data_paths"):
         derive(load_dict(evaluated), 1)

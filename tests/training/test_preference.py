@@ -185,3 +185,24 @@ def test_masked_tokens_change_nothing(tmp_path):
     other = documents_batch(sample["chosen"], sample["chosen_label"])
     assert other.loss_mask.shape == (4, MODEL["seq_length"])
     assert logp.shape == batch.labels.shape
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_reward_model_starts_from_a_language_models_weights(tied):
+    """finetune from a pretrained checkpoint: every weight but the head loads strictly, the
+    fresh reward head stays; a reward model's own weights load back head and all."""
+    cfg = load_dict({**MODEL, "no_weight_tying": not tied}).model
+    lm = build_model(cfg, VOCAB, seed=3).state_dict()
+    rm = attach_reward_head(build_model(cfg, VOCAB, seed=1), seed=1)
+    head = rm.embed_out.weight.detach().clone()
+    rm.load_state_dict(lm, strict=True)
+    assert torch.equal(rm.embed_out.weight, head)
+    assert torch.equal(
+        rm.layers[0].attention.query_key_value.weight,
+        lm["layers.0.attention.query_key_value.weight"],
+    )
+    saved = {k: v.clone() for k, v in rm.state_dict().items()}
+    saved["embed_out.weight"] += 1.0
+    other = attach_reward_head(build_model(cfg, VOCAB, seed=2), seed=2)
+    other.load_state_dict(saved, strict=True)
+    assert torch.equal(other.embed_out.weight, saved["embed_out.weight"])

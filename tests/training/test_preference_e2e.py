@@ -17,14 +17,15 @@ WATCHED = {"chosen_rewards", "rejected_rewards", "reward_acc", "margins"}
 
 def dpo_config(tmp_path, name, **overrides):
     keys = pair_keys(tmp_path / "pairs")
+    overrides = {"train_impl": "dpo", **overrides}
+    if overrides["train_impl"] == "dpo":
+        overrides["dpo_beta"] = 0.5
     return write_config(
         tmp_path,
         name,
         data_path=None,
-        train_impl="dpo",
         dataset_impl="pairwise",
         pack_impl="unpacked",
-        dpo_beta=0.5,
         seq_length=16,
         max_position_embeddings=16,
         hidden_dropout=0.0,
@@ -66,3 +67,19 @@ def test_dpo_on_deepspeeds_engine_matches_the_flat_engine(tmp_path):
         assert ds[step] == pytest.approx(flat[step], rel=1e-4), step
     logged = [r for r in records(tmp_path / "ds" / "logs") if r["split"] == "train"]
     assert all(WATCHED <= r.keys() for r in logged)
+
+
+@pytest.mark.parametrize("impl", ["dpo", "rm"])
+def test_tensor_parallel_equals_one_rank(tmp_path, impl):
+    """tp=2 (vocab-split log-probabilities for DPO; the replicated reward head for RM, whose
+    input gradient one rank passes on) trains as one rank does."""
+    short = dict(train_iters=3, checkpoint_factor=None, save=None, load=None, do_test=False)
+    over = dict(train_impl=impl, **short)
+    train(dpo_config(tmp_path, "one", num_gpus=1, **over))
+    train(dpo_config(tmp_path, "tp", model_parallel_size=2, **over))
+    one, tp = losses(tmp_path / "one" / "logs"), losses(tmp_path / "tp" / "logs")
+    if impl == "dpo":
+        assert one[1] == pytest.approx(math.log(2), abs=1e-4)
+    assert one[3] != one[1]
+    for step in (1, 2, 3):
+        assert tp[step] == pytest.approx(one[step], rel=1e-4, abs=1e-5), step
