@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from tests.preference_helpers import pair_keys
+from tests.preference_helpers import pair_keys, rewarded_keys
 from tests.train_helpers import losses, records, train, write_config
 
 pytestmark = pytest.mark.slow
@@ -83,3 +83,34 @@ def test_tensor_parallel_equals_one_rank(tmp_path, impl):
     assert one[3] != one[1]
     for step in (1, 2, 3):
         assert tp[step] == pytest.approx(one[step], rel=1e-4, abs=1e-5), step
+
+
+def test_kto_through_train_py(tmp_path):
+    """KTO's rewarded answers through the loop: its step-1 loss is gpt-neox's 0.25 (policy =
+    reference) and its metrics are logged."""
+    keys = rewarded_keys(tmp_path / "kto")
+    cfg = write_config(
+        tmp_path,
+        "kto",
+        data_path=None,
+        train_impl="kto",
+        pack_impl="unpacked",
+        kto_beta=0.5,
+        seq_length=16,
+        max_position_embeddings=16,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        train_micro_batch_size_per_gpu=4,
+        train_iters=3,
+        checkpoint_factor=None,
+        save=None,
+        load=None,
+        **keys,
+    )
+    train(cfg)
+    kto = losses(tmp_path / "kto" / "logs")
+    assert kto[1] == pytest.approx(0.25, abs=1e-5)
+    logged = [r for r in records(tmp_path / "kto" / "logs") if r["split"] == "train"]
+    assert all(
+        {"kl", "reward_acc", "chosen_rewards", "rejected_rewards"} <= r.keys() for r in logged
+    )
