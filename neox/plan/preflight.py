@@ -383,6 +383,12 @@ def preflight(loaded: LoadedConfig, script: str) -> tuple[Optional[int], list[st
     except ConfigError as e:
         problems.append(str(e))
     name = Path(script).name
+    if name in NEEDS_CHECKPOINT and loaded.config.preference.train_impl == "rm":
+        problems.append(
+            f"{loaded.source_of('train_impl')}: train_impl='rm' is a reward model: its output "
+            f"layer is a scalar head, so {name} (which reads a language model's logits) cannot "
+            "use it; point it at a language model's config and checkpoint"
+        )
     checks = ([check_data, check_save_lock] if name in NEEDS_DATA else []) + (
         [NEEDS_CHECKPOINT[name]] if name in NEEDS_CHECKPOINT else []
     )
