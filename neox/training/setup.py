@@ -146,7 +146,12 @@ def preference_objective(
     tp_group = groups.tensor if derived.tensor_parallel > 1 else None
     if p.train_impl == "rm":
         attach_reward_head(model, cfg.training.seed, tp_group)
-    reference = build_model(checkpointing=False) if needs_reference(cfg) else None
+    reference = None
+    if needs_reference(cfg):
+        # In the training dtype at once: never a second set of fp32 weights (the engines cast
+        # the policy to it too; Objective.start copies the policy's weights in).
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(derived.precision)
+        reference = build_model(checkpointing=False).to(dtype or torch.float32)
     return build_objective(cfg, tp_group, reference)
 
 

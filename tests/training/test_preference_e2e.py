@@ -114,3 +114,13 @@ def test_kto_through_train_py(tmp_path):
     assert all(
         {"kl", "reward_acc", "chosen_rewards", "rejected_rewards"} <= r.keys() for r in logged
     )
+
+
+def test_bf16_reference_is_the_policys_own_weights(tmp_path):
+    """Under bf16 the reference copy is bf16 too, the very weights the policy starts from: the
+    step-1 loss is still exactly log 2."""
+    short = dict(train_iters=2, checkpoint_factor=None, save=None, load=None, do_test=False)
+    train(dpo_config(tmp_path, "bf16", bf16={"enabled": True}, **short))
+    bf16 = losses(tmp_path / "bf16" / "logs")
+    assert bf16[1] == pytest.approx(math.log(2), abs=1e-4)
+    assert math.isfinite(bf16[2])
