@@ -213,6 +213,7 @@ def check_config(cfg: NeoXConfig) -> None:
 
 
 PAIRED = ("dpo", "rm")
+SPLIT_LABEL_KEYS = ("train_label_data_paths", "valid_label_data_paths", "test_label_data_paths")
 SPLITS = ("train", "valid", "test")
 
 
@@ -246,6 +247,13 @@ def check_preference(cfg: NeoXConfig) -> None:
             "rm) only; use pack_impl: packed"
         )
     if impl == "normal":
+        labelled = [k for k in SPLIT_LABEL_KEYS if getattr(d, k)]
+        if labelled:
+            # Until language modelling reads label files (SFT loss masks), they would be ignored.
+            raise ValueError(
+                f"{labelled[0]} is read by train_impl: kto only; language-model training with "
+                "label files (SFT loss masks) is not implemented; remove it"
+            )
         return
     if cfg.parallel.pp > 1:
         raise ValueError(

@@ -50,6 +50,7 @@ def test_dpo_keys_are_read():
         ({**PAIRS, "train_impl": "dpo", "pipe_parallel_size": 2}, "use pipe_parallel_size 1"),
         ({"train_impl": "kto", "train_data_paths": ["a"]}, "train_reward_data_paths"),
         ({"train_impl": "reinforce"}, "train_impl"),
+        ({"train_label_data_paths": ["a_label"]}, "read by train_impl: kto only"),
     ],
 )
 def test_wrong_combinations_are_refused_by_name(flat, message):
