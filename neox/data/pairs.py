@@ -45,6 +45,14 @@ class _Documents:
         counts = [d.num_documents for d in self.datasets]
         self.starts = np.cumsum([0, *counts])
         self.counts = counts
+        # Tokens per document, all prefixes back to back (documents may span sequences).
+        self.lengths = np.concatenate(
+            [np.zeros(0, dtype=np.int64)]
+            + [
+                np.diff(np.concatenate([[0], np.cumsum(d.sizes, dtype=np.int64)])[d.doc_idx])
+                for d in self.datasets
+            ]
+        )
 
     def __len__(self) -> int:
         return int(self.starts[-1])
@@ -54,9 +62,7 @@ class _Documents:
         return self.datasets[which], doc - int(self.starts[which])
 
     def length(self, doc: int) -> int:
-        ds, d = self.locate(doc)
-        lo, hi = ds.doc_idx[d], ds.doc_idx[d + 1]
-        return int(ds.sizes[lo:hi].sum())
+        return int(self.lengths[doc])
 
     def get(self, doc: int, limit: int) -> np.ndarray:
         """The document's first `limit` values."""
@@ -107,12 +113,13 @@ class Side:
         labels = _Documents(label_paths) if label_paths else None
         if labels is not None:
             _same_documents(tokens, labels, f"{what} and its labels")
-            for doc in range(len(tokens)):
-                if tokens.length(doc) != labels.length(doc):
-                    raise PreferenceDataError(
-                        f"{what}: document {doc} has {tokens.length(doc)} tokens but "
-                        f"{labels.length(doc)} labels; re-run the preprocessing of both"
-                    )
+            differ = np.flatnonzero(tokens.lengths != labels.lengths)
+            if differ.size:
+                doc = int(differ[0])
+                raise PreferenceDataError(
+                    f"{what}: document {doc} has {tokens.length(doc)} tokens but "
+                    f"{labels.length(doc)} labels; re-run the preprocessing of both"
+                )
         return cls(tokens, labels)
 
     def sample(self, doc: int, width: int) -> tuple[np.ndarray, np.ndarray]:
@@ -154,9 +161,9 @@ class PreferenceDataset(torch.utils.data.Dataset):
         self.width = seq_length + 1
         self.seed, self.num_samples = seed, num_samples
         kept, chopped, empty = [], 0, 0
+        longest = np.max([s.tokens.lengths for s in sides.values()], axis=0)
         for doc in range(len(first.tokens)):
-            too_long = any(s.tokens.length(doc) > self.width for s in sides.values())
-            if too_long and not allow_chopped:
+            if longest[doc] > self.width and not allow_chopped:
                 chopped += 1
                 continue
             if not all(s.trains_something(doc, self.width) for s in sides.values()):

@@ -89,3 +89,24 @@ def test_kto_samples_carry_their_reward(tmp_path):
     )
     rewards = {data.document(i): float(data[i]["reward"]) for i in range(6)}
     assert rewards == {d: (1.0 if d % 2 == 0 else -1.0) for d in range(6)}
+
+
+def test_documents_number_on_across_prefixes(tmp_path):
+    """pos_ path i pairs with neg_ path i (gpt-neox's lists), documents numbered on across them."""
+    chosen = [write(tmp_path / "c1", [[1, 2], [3, 4, 5]]), write(tmp_path / "c2", [[6, 7, 8, 9]])]
+    rejected = [write(tmp_path / "r1", [[1, 9], [3, 4, 9]]), write(tmp_path / "r2", [[6, 7, 0]])]
+    sides = {"chosen": Side.open(chosen, None, "c"), "rejected": Side.open(rejected, None, "r")}
+    data = PreferenceDataset(sides, 3, 8, seed=0)
+    firsts = set()
+    for i in range(3):
+        s = data[i]
+        assert s["chosen"][0] == s["rejected"][0]  # the same pair, whichever file it is in
+        firsts.add(int(s["chosen"][0]))
+    assert firsts == {1, 3, 6}
+    assert sides["chosen"].tokens.lengths.tolist() == [2, 3, 4]
+    one_file = {
+        "chosen": sides["chosen"],
+        "rejected": Side.open([write(tmp_path / "r", [[1]] * 3)], None, "r"),
+    }
+    with pytest.raises(PreferenceDataError, match=r"hold \[2, 1\] documents"):
+        PreferenceDataset(one_file, 3, 8, seed=0)
