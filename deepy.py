@@ -147,7 +147,10 @@ def main(argv: list[str]) -> int:
         if args.dry_run:
             plan = plan_smallest_layout(cfg, plan, args.script)
         vocab_size, problems = preflight(loaded, args.script)
-        derived = derive(cfg, plan.world_size, vocab_size)
+        try:
+            derived = derive(cfg, plan.world_size, vocab_size)
+        except ConfigError as e:
+            raise loaded.explain(e) from None
         ds_config = build_ds_config(cfg, derived)
         problems += derived_problems(loaded, derived, args.script, cpu_ranks=plan.cpu)
         problems += deepspeed_section_problems(loaded, ds_config)

@@ -2,9 +2,12 @@
 
 Example:
     python tools/convert_to_hf.py --input_dir checkpoints/pythia-14m --output_dir hf/pythia-14m
-The output holds config.json, model.safetensors, generation_config.json and the tokenizer
-files, ready for AutoModelForCausalLM / AutoTokenizer.from_pretrained. CharLevelTokenizer,
-SPMTokenizer and TiktokenTokenizer runs are exported without tokenizer files.
+The output holds config.json, model.safetensors (or shards of at most --max_shard_size with
+model.safetensors.index.json), generation_config.json and the tokenizer files, ready for
+AutoModelForCausalLM / AutoTokenizer.from_pretrained. A checkpoint imported with
+convert_from_hf.py is written as the family it came from, with the tokenizer files, generation
+config and chat template it carried. CharLevelTokenizer, SPMTokenizer and TiktokenTokenizer runs
+are exported without tokenizer files.
 """
 
 from __future__ import annotations
@@ -12,7 +15,13 @@ from __future__ import annotations
 import argparse
 
 from neox.checkpoint.consolidate import CheckpointError
-from neox.checkpoint.export import ARCHITECTURES, PRECISIONS, ExportError, export_to_hf
+from neox.checkpoint.export import (
+    ARCHITECTURES,
+    MAX_SHARD_SIZE,
+    PRECISIONS,
+    ExportError,
+    export_to_hf,
+)
 from neox.checkpoint.staging import OutputDirError
 from neox.cli import CHECKPOINT_INPUT, add_directories, add_iteration, exit_on, tool_parser
 
@@ -33,8 +42,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--architecture",
         choices=list(ARCHITECTURES),
-        default="neox",
-        help="HF class: neox = GPTNeoXForCausalLM, llama = LlamaForCausalLM",
+        default=None,
+        help="HF class: neox = GPTNeoXForCausalLM, llama = LlamaForCausalLM, mistral, qwen2, "
+        "qwen3 (default: the family the checkpoint was imported from, else neox)",
+    )
+    p.add_argument(
+        "--max_shard_size",
+        default=MAX_SHARD_SIZE,
+        help="largest safetensors file (e.g. 5GB, 500MB, 2GiB); bigger models are split into "
+        "shards with model.safetensors.index.json (default: %(default)s, as transformers)",
     )
     p.add_argument(
         "--trust-checkpoint",
@@ -84,6 +100,7 @@ def main(argv: list[str] | None = None) -> None:
             architecture=args.architecture,
             overwrite=args.overwrite,
             trust=args.trust_checkpoint,
+            max_shard_size=args.max_shard_size,
         )
     print(f"wrote {args.output_dir}")
     if note:

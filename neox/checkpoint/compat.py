@@ -25,6 +25,7 @@ ARCHITECTURE_FIELDS = (
     "hidden_size",
     "num_attention_heads",
     "num_kv_heads",
+    "head_dim",
     "intermediate_size",
     "mlp_multiple_of",
     "expansion_factor",

@@ -1,13 +1,18 @@
 """Export a neox checkpoint as a Hugging Face model directory (config, safetensors, tokenizer).
 
-Everything that can be refused (architecture, precision, tokenizer files, output directory) is
-checked before any weight is read; the directory is built beside its target and renamed in.
+Everything that can be refused (architecture, precision, shard size, tokenizer files, output
+directory) is checked before any weight is read; the directory is built beside its target and
+renamed in. A checkpoint imported by convert_from_hf.py exports as the family it came from
+(hf_architecture), with the tokenizer files, generation config and chat template it carried
+(hf_files) when the run still uses that tokenizer. Weights above `max_shard_size` are split into
+shards with a `model.safetensors.index.json`, as transformers' save_pretrained writes them.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 from typing import Optional
 
@@ -20,17 +25,37 @@ from neox.checkpoint.consolidate import (
     resolve_checkpoint,
 )
 from neox.checkpoint.hf_map import check_exportable, hf_config_for, to_hf_state_dict
-from neox.checkpoint.hf_tokenizer import build_run_tokenizer, export_problem, save_hf_tokenizer
+from neox.checkpoint.hf_tokenizer import (
+    build_run_tokenizer,
+    carried_files,
+    copy_carried_files,
+    export_problem,
+    imported_files,
+    save_hf_tokenizer,
+)
 from neox.checkpoint.staging import check_output_dir, staged_directory
 from neox.config import ConfigError, NeoXConfig, read_saved_config
 from neox.config.derived import precision_of
 
 log = logging.getLogger(__name__)
 
-# gpt-neox's --architecture values -> hf_map's names.
-ARCHITECTURES = {"neox": "gpt_neox", "llama": "llama"}
+# --architecture values (gpt-neox's neox|llama, then the newer families) -> hf_map's names.
+ARCHITECTURES = {
+    "neox": "gpt_neox",
+    "llama": "llama",
+    "mistral": "mistral",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+}
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 PRECISIONS = ("auto", *DTYPES)
+# transformers' save_pretrained default.
+MAX_SHARD_SIZE = "5GB"
+SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
 
 
 class ExportError(ValueError):
@@ -44,6 +69,44 @@ def export_dtype(precision: str, cfg: NeoXConfig) -> torch.dtype:
     return DTYPES[precision_of(cfg) if precision == "auto" else precision]
 
 
+def shard_bytes(size: str | int) -> int:
+    """ "5GB" (10**9), "500MiB" (2**20) or a byte count -> bytes, as transformers reads them."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)?\s*", str(size), re.IGNORECASE)
+    if not m or float(m.group(1)) <= 0:
+        raise ExportError(
+            f"max_shard_size={size!r} is not a size; write e.g. 5GB, 500MB, 2GiB or a byte count"
+        )
+    return int(float(m.group(1)) * UNITS[(m.group(2) or "").upper()])
+
+
+def save_safetensors(hf_sd: dict[str, torch.Tensor], out: Path, max_bytes: int) -> list[str]:
+    """Write hf_sd as model.safetensors, or as shards of at most max_bytes (a tensor larger
+    than that gets a shard of its own) with model.safetensors.index.json; returns the files."""
+    from safetensors.torch import save_file
+
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in hf_sd.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += nbytes
+    if len(shards) == 1:
+        save_file(hf_sd, str(out / SINGLE_FILE), metadata={"format": "pt"})
+        return [SINGLE_FILE]
+    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map = {}
+    for file, shard in zip(names, shards):
+        save_file(shard, str(out / file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, file))
+    total = sum(t.numel() * t.element_size() for t in hf_sd.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    return [*names, INDEX_FILE]
+
+
 def export_to_hf(
     input_dir: str | Path,
     output_dir: str | Path,
@@ -51,18 +114,22 @@ def export_to_hf(
     iteration: Optional[int] = None,
     config_file: Optional[str | Path] = None,
     precision: str = "auto",
-    architecture: str = "neox",
+    architecture: Optional[str] = None,
     overwrite: bool = False,
     trust: bool = False,
+    max_shard_size: str | int = MAX_SHARD_SIZE,
 ) -> Optional[str]:
-    """Write the checkpoint as an HF `architecture` model directory; returns a note when the
-    tokenizer could not be exported (the model is written regardless)."""
-    if architecture not in ARCHITECTURES:
+    """Write the checkpoint as an HF `architecture` model directory (None: the family it was
+    imported from, else neox); returns a note when the tokenizer could not be exported (the
+    model is written regardless)."""
+    if architecture is not None and architecture not in ARCHITECTURES:
         raise ExportError(f"architecture={architecture!r} is not one of {', '.join(ARCHITECTURES)}")
-    arch = ARCHITECTURES[architecture]
+    max_bytes = shard_bytes(max_shard_size)
     tag_dir = resolve_checkpoint(input_dir, iteration)
     try:
         cfg = read_saved_config(config_file) if config_file else read_checkpoint_config(tag_dir)
+        architecture = architecture or cfg.checkpoint.hf_architecture or "neox"
+        arch = ARCHITECTURES[architecture]
         check_exportable(cfg.model, arch)
     except (ConfigError, ValueError) as e:
         raise ExportError(str(e)) from None
@@ -72,35 +139,49 @@ def export_to_hf(
             "not a language model's; exporting reward models to Hugging Face is not implemented"
         )
     dtype = export_dtype(precision, cfg)
+    carried = carried_files(cfg)
     try:
         tokenizer = build_run_tokenizer(cfg.tokenizer)
     except (ValueError, OSError) as e:
-        raise ExportError(f"cannot build the run's tokenizer: {e}") from None
-    note = export_problem(cfg.tokenizer)
+        # An import whose tokenizer neox cannot build (Llama 3's has no <|endoftext|>) and a
+        # run that named none: the imported files are the only tokenizer there is.
+        carried = carried or imported_files(cfg)
+        if carried is None:
+            raise ExportError(f"cannot build the run's tokenizer: {e}") from None
+        tokenizer = None
+    note = None if carried is not None else export_problem(cfg.tokenizer)
     check_output_dir(Path(output_dir), overwrite, protected=[tag_dir])
 
     _, sd = load_model_state(tag_dir, config=cfg, trust=trust)
-    vocab = tokenizer.vocab_size
+    if carried is not None:
+        # The imported model's own rows (Qwen's exceed its tokenizer's) and token ids.
+        original = json.loads((carried / "config.json").read_text())
+        vocab = max(tokenizer.vocab_size if tokenizer else 0, original["vocab_size"])
+        special = {k: original[k] for k in SPECIAL_IDS if original.get(k) is not None}
+    else:
+        vocab = tokenizer.vocab_size
+        special = dict(bos_token_id=tokenizer.eod, eos_token_id=tokenizer.eod)
     if sd["embed_in.weight"].shape[0] < vocab:
         raise CheckpointError(
             f"the checkpoint has {sd['embed_in.weight'].shape[0]} vocabulary rows but the "
             f"tokenizer {vocab} ids; pass --config_file naming the tokenizer it trained with"
         )
     hf_sd = to_hf_state_dict(sd, cfg.model, vocab, arch)
+    del sd
     hf_sd = {k: v.to(dtype).contiguous() for k, v in hf_sd.items()}
     hf_config = hf_config_for(cfg.model, vocab, arch)
-    special = dict(bos_token_id=tokenizer.eod, eos_token_id=tokenizer.eod)
     hf_config.update(special, dtype=str(dtype).removeprefix("torch."))
     hf_config["torch_dtype"] = hf_config["dtype"]  # the name transformers < 5 reads
 
-    from safetensors.torch import save_file
-
     with staged_directory(Path(output_dir), overwrite) as tmp:
-        save_file(hf_sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        save_safetensors(hf_sd, tmp, max_bytes)
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-        (tmp / "generation_config.json").write_text(json.dumps(special, indent=2) + "\n")
-        if note is None:
-            save_hf_tokenizer(cfg.tokenizer, tokenizer, tmp, cfg.model.shape.max_positions)
+        if carried is not None:
+            copy_carried_files(carried, tmp)
+        else:
+            (tmp / "generation_config.json").write_text(json.dumps(special, indent=2) + "\n")
+            if note is None:
+                save_hf_tokenizer(cfg.tokenizer, tokenizer, tmp, cfg.model.shape.max_positions)
     log.info("exported %s as HF %s (%s) to %s", tag_dir, arch, dtype, output_dir)
     if note:
         log.warning("%s; the model was written without tokenizer files", note)

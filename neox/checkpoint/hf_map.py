@@ -1,9 +1,12 @@
-"""neox <-> Hugging Face state-dict conversion for GPTNeoXForCausalLM and LlamaForCausalLM.
+"""neox <-> Hugging Face state-dict and config conversion for GPTNeoXForCausalLM and the Llama
+family (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM).
 
 The name table below is used in both directions; the only reshapes are the fused QKV split for
-Llama's separate q/k/v projections and the padded vocabulary rows (dropped on export, zeros on
-import). Llama weights are taken in HF's own format: HF's rotate-half rotary is ours, so no
-q/k permutation is needed (that permutation only exists between Meta's and HF's files).
+the Llama family's separate q/k/v projections and the padded vocabulary rows (dropped on export,
+zeros on import). Llama-family weights are taken in HF's own format: HF's rotate-half rotary is
+ours, so no q/k permutation is needed (that permutation only exists between Meta's and HF's
+files). Both state-dict functions work on any subset of the keys holding whole layers (a shard,
+or one layer at a time), so a converter may stream.
 """
 
 from __future__ import annotations
@@ -15,10 +18,36 @@ import torch
 
 from neox.config.model import ModelConfig
 from neox.model.mlp import activation_name
+from neox.plan.attention_path import layer_window
 
-ARCHS = ("gpt_neox", "llama")
+ARCHS = ("gpt_neox", "llama", "mistral", "qwen2", "qwen3")
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
+HF_CLASSES = {
+    "gpt_neox": "GPTNeoXForCausalLM",
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
 
 HFName = Union[str, tuple[str, str, str]]
+
+_LLAMA_KEYS: dict[str, HFName] = {
+    "embed_in": "model.embed_tokens",
+    "layers.{}.input_layernorm": "model.layers.{}.input_layernorm",
+    "layers.{}.post_attention_layernorm": "model.layers.{}.post_attention_layernorm",
+    "layers.{}.attention.query_key_value": (
+        "model.layers.{}.self_attn.q_proj",
+        "model.layers.{}.self_attn.k_proj",
+        "model.layers.{}.self_attn.v_proj",
+    ),
+    "layers.{}.attention.dense": "model.layers.{}.self_attn.o_proj",
+    "layers.{}.mlp.gate": "model.layers.{}.mlp.gate_proj",
+    "layers.{}.mlp.dense_h_to_4h": "model.layers.{}.mlp.up_proj",
+    "layers.{}.mlp.dense_4h_to_h": "model.layers.{}.mlp.down_proj",
+    "final_layer_norm": "model.norm",
+    "embed_out": "lm_head",
+}
 
 # neox module path -> HF module path, "{}" standing for the layer index; the parameter suffix
 # (.weight / .bias) carries over. A tuple is (q, k, v) modules fused into our query_key_value.
@@ -34,28 +63,20 @@ HF_KEYS: dict[str, dict[str, HFName]] = {
         "final_layer_norm": "gpt_neox.final_layer_norm",
         "embed_out": "embed_out",
     },
-    "llama": {
-        "embed_in": "model.embed_tokens",
-        "layers.{}.input_layernorm": "model.layers.{}.input_layernorm",
-        "layers.{}.post_attention_layernorm": "model.layers.{}.post_attention_layernorm",
-        "layers.{}.attention.query_key_value": (
-            "model.layers.{}.self_attn.q_proj",
-            "model.layers.{}.self_attn.k_proj",
-            "model.layers.{}.self_attn.v_proj",
-        ),
-        "layers.{}.attention.dense": "model.layers.{}.self_attn.o_proj",
-        "layers.{}.mlp.gate": "model.layers.{}.mlp.gate_proj",
-        "layers.{}.mlp.dense_h_to_4h": "model.layers.{}.mlp.up_proj",
-        "layers.{}.mlp.dense_4h_to_h": "model.layers.{}.mlp.down_proj",
-        "final_layer_norm": "model.norm",
-        "embed_out": "lm_head",
+    "llama": _LLAMA_KEYS,
+    "mistral": _LLAMA_KEYS,
+    "qwen2": _LLAMA_KEYS,
+    "qwen3": {
+        **_LLAMA_KEYS,
+        "layers.{}.attention.q_layernorm": "model.layers.{}.self_attn.q_norm",
+        "layers.{}.attention.k_layernorm": "model.layers.{}.self_attn.k_norm",
     },
 }
 
 # transformers >= 5 names GPTNeoX's output layer lm_head in memory; files on the hub say embed_out.
-HF_ALIASES = {"gpt_neox": {"lm_head": "embed_out"}, "llama": {}}
+HF_ALIASES: dict[str, dict[str, str]] = {"gpt_neox": {"lm_head": "embed_out"}}
 
-# Buffers older HF GPTNeoX checkpoints (Pythia) saved; they are recomputed, never loaded.
+# Buffers older HF checkpoints (Pythia, early Llama) saved; they are recomputed, never loaded.
 HF_IGNORED = re.compile(r"(rotary_emb\.inv_freq|\.attention\.bias|\.attention\.masked_bias)$")
 
 HF_ACTIVATIONS = {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "relu": "relu", "silu": "silu"}
@@ -100,12 +121,33 @@ def check_exportable(cfg: ModelConfig, arch: str) -> None:
     if arch not in ARCHS:
         raise ValueError(f"unknown HF architecture {arch!r}; use one of {ARCHS}")
     problems, shape = [], cfg.shape
+    name = HF_CLASSES[arch]
     if cfg.pos_emb != "rotary":
         problems.append(f"pos_emb={cfg.pos_emb!r} (HF {arch} is rotary only)")
-    if cfg.use_qk_layernorm:
-        problems.append("use_qk_layernorm=true")
-    if cfg.sliding_window_width is not None:
-        problems.append(f"sliding_window_width={cfg.sliding_window_width}")
+    windows = {layer_window(cfg, kind) for kind in shape.layer_types}
+    biases = cfg.use_bias_in_attn_linear, shape.attn_dense_bias
+    if arch in ("gpt_neox", "llama") and windows != {None}:
+        problems.append(f"sliding_window_width={cfg.sliding_window_width} ({name} has no window)")
+    if arch == "mistral" and len(windows) > 1:
+        problems.append("attention_config mixing local and global layers (Mistral windows all)")
+    if cfg.use_qk_layernorm and arch != "qwen3":
+        problems.append(f"use_qk_layernorm=true ({name} has no q/k norm)")
+    if arch == "qwen3" and not cfg.use_qk_layernorm:
+        problems.append("use_qk_layernorm=false (Qwen3 always normalises q and k)")
+    if arch in ("gpt_neox", "llama", "qwen3") and biases[0] != biases[1]:
+        problems.append(
+            f"use_bias_in_attn_dense={biases[1]} with use_bias_in_attn_linear={biases[0]} "
+            f"({name}'s attention_bias covers q, k, v and the output together)"
+        )
+    if arch == "mistral" and any(biases):
+        problems.append("use_bias_in_attn_linear=true (Mistral's attention has no biases)")
+    if arch == "qwen2" and biases != (True, False):
+        problems.append(
+            f"use_bias_in_attn_linear={biases[0]}, use_bias_in_attn_dense={biases[1]} (Qwen2 "
+            "has q/k/v biases and no output bias: true and false)"
+        )
+    if arch in ("mistral", "qwen2", "qwen3") and cfg.use_bias_in_mlp:
+        problems.append(f"use_bias_in_mlp=true ({name}'s MLP has no biases)")
     if arch == "gpt_neox":
         if cfg.norm != "layernorm" or not cfg.use_bias_in_norms:
             problems.append(f"norm={cfg.norm!r} (GPTNeoX needs layernorm with bias)")
@@ -115,6 +157,8 @@ def check_exportable(cfg: ModelConfig, arch: str) -> None:
             problems.append(f"num_kv_heads={cfg.num_kv_heads} (GPTNeoX has no GQA)")
         if not cfg.use_bias_in_mlp:
             problems.append("use_bias_in_mlp=false (GPTNeoX's MLP always has biases)")
+        if shape.head_dim * cfg.num_attention_heads != cfg.hidden_size:
+            problems.append(f"head_dim={cfg.head_dim} (GPTNeoX's is hidden_size / heads)")
     else:
         if cfg.norm != "rmsnorm":
             problems.append(f"norm={cfg.norm!r} (Llama needs rmsnorm)")
@@ -127,16 +171,53 @@ def check_exportable(cfg: ModelConfig, arch: str) -> None:
     if problems:
         raise ValueError(
             f"this model cannot be written as HF {arch}: " + "; ".join(problems) + ". "
-            f"Change those keys or pick the other arch ({', '.join(ARCHS)})."
+            f"Change those keys or pick another arch ({', '.join(ARCHS)})."
         )
+
+
+def rope_parameters(cfg: ModelConfig) -> dict[str, Any]:
+    """transformers' `rope_parameters` for this model: type, theta and the scaling's values
+    (every default written out, so any transformers version computes the same frequencies)."""
+    params: dict[str, Any] = {"rope_type": "default", "rope_theta": float(cfg.rotary_emb_base)}
+    rope = cfg.shape.rope
+    if rope is None:
+        return params
+    params.update(rope_type=rope.rope_type, factor=rope.factor)
+    if rope.rope_type == "llama3":
+        params.update(
+            low_freq_factor=rope.low_freq_factor,
+            high_freq_factor=rope.high_freq_factor,
+            original_max_position_embeddings=rope.original_max_positions,
+        )
+    if rope.rope_type == "yarn":
+        params.update(
+            original_max_position_embeddings=rope.original_max_positions,
+            beta_fast=rope.beta_fast,
+            beta_slow=rope.beta_slow,
+            attention_factor=rope.attention_factor,
+            truncate=rope.truncate,
+        )
+    return params
+
+
+def _sliding_window(cfg: ModelConfig) -> dict[str, Any]:
+    """Mistral's / Qwen's window keys: HF counts the query itself, so N + 1 keys for our N."""
+    windows = [layer_window(cfg, kind) for kind in cfg.shape.layer_types]
+    width = next((w for w in windows if w is not None), None)
+    return {
+        "windows": windows,
+        "sliding_window": None if width is None else width + 1,
+    }
 
 
 def hf_config_for(cfg: ModelConfig, vocab_size: int, arch: str) -> dict[str, Any]:
     """The HF config.json content (a dict for transformers' config class) for this model."""
     check_exportable(cfg, arch)
-    rope = {"rope_type": "default", "rope_theta": float(cfg.rotary_emb_base)}
+    rope = rope_parameters(cfg)
     shape = cfg.shape
     common = {
+        "architectures": [HF_CLASSES[arch]],
+        "model_type": arch,
         "vocab_size": vocab_size,
         "hidden_size": cfg.hidden_size,
         "num_hidden_layers": cfg.num_layers,
@@ -146,14 +227,14 @@ def hf_config_for(cfg: ModelConfig, vocab_size: int, arch: str) -> dict[str, Any
         "max_position_embeddings": shape.max_positions,
         "initializer_range": cfg.init_method_std,
         "attention_dropout": cfg.attention_dropout,
-        "attention_bias": cfg.use_bias_in_attn_linear,
         "tie_word_embeddings": not cfg.no_weight_tying,
     }
+    if rope["rope_type"] != "default":
+        common["rope_scaling"] = rope  # the name transformers < 5 reads
     if arch == "gpt_neox":
         return {
-            "architectures": ["GPTNeoXForCausalLM"],
-            "model_type": "gpt_neox",
             **common,
+            "attention_bias": cfg.use_bias_in_attn_linear,
             "hidden_dropout": cfg.hidden_dropout,
             "layer_norm_eps": cfg.layernorm_epsilon,
             "use_parallel_residual": cfg.gpt_j_residual,
@@ -162,17 +243,32 @@ def hf_config_for(cfg: ModelConfig, vocab_size: int, arch: str) -> dict[str, Any
             "rotary_emb_base": cfg.rotary_emb_base,
             "rope_parameters": {**rope, "partial_rotary_factor": cfg.rotary_pct},
         }
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+    out = {
         **common,
         "num_key_value_heads": shape.kv_heads,
         "head_dim": shape.head_dim,
         "rms_norm_eps": cfg.rms_norm_epsilon,
-        "mlp_bias": cfg.use_bias_in_mlp,
         "rope_theta": float(cfg.rotary_emb_base),
         "rope_parameters": rope,
     }
+    if arch in ("llama", "qwen3"):
+        out["attention_bias"] = cfg.use_bias_in_attn_linear
+    if arch == "llama":
+        out["mlp_bias"] = cfg.use_bias_in_mlp
+    window = _sliding_window(cfg)
+    if arch == "mistral":
+        out["sliding_window"] = window["sliding_window"]
+    if arch in ("qwen2", "qwen3"):
+        local = [w is not None for w in window["windows"]]
+        out.update(
+            use_sliding_window=any(local),
+            sliding_window=window["sliding_window"],
+            # Qwen's own rule is "layers from max_window_layers on"; layer_types says it for any
+            # pattern, and transformers reads it first.
+            max_window_layers=local.index(True) if any(local) else cfg.num_layers,
+            layer_types=["sliding_attention" if w else "full_attention" for w in local],
+        )
+    return out
 
 
 def _template_regex(template: str) -> re.Pattern[str]:
@@ -223,9 +319,19 @@ def to_hf_state_dict(
 
 
 def from_hf_state_dict(
-    hf_sd: dict[str, torch.Tensor], cfg: ModelConfig, padded_vocab_size: int, arch: str
+    hf_sd: dict[str, torch.Tensor],
+    cfg: ModelConfig,
+    padded_vocab_size: int,
+    arch: str,
+    fill_untied_head: bool = True,
 ) -> dict[str, torch.Tensor]:
-    """HF `arch` state dict (hub file names or transformers' in-memory ones) -> ours."""
+    """HF `arch` state dict (hub file names or transformers' in-memory ones) -> ours.
+
+    Any subset holding whole layers converts alone (q, k and v of a layer together).
+    fill_untied_head: an untied model given an embedding but no output layer gets a copy of the
+    embedding (a tied HF checkpoint); a caller converting part of a checkpoint whose output layer
+    may come in another part passes False.
+    """
     check_exportable(cfg, arch)
     table = HF_KEYS[arch]
     # HF module template -> (our template, index in a fused (q, k, v) or None).
@@ -235,7 +341,7 @@ def from_hf_state_dict(
             reverse.update({h: (ours, i) for i, h in enumerate(hf)})
         else:
             reverse[hf] = (ours, None)
-    aliases = HF_ALIASES[arch]
+    aliases = HF_ALIASES.get(arch, {})
     out: dict[str, torch.Tensor] = {}
     pending_qkv: dict[str, list[torch.Tensor | None]] = {}
     for name, tensor in hf_sd.items():
@@ -265,7 +371,8 @@ def from_hf_state_dict(
         if q is None or k is None or v is None:
             raise KeyError(f"HF checkpoint lacks one of q/k/v for {ours_name!r}")
         out[ours_name] = fuse_qkv(q, k, v, cfg.num_attention_heads, cfg.shape.kv_heads)
-    if cfg.no_weight_tying and "embed_out.weight" not in out and "embed_in.weight" in out:
+    fill = fill_untied_head and cfg.no_weight_tying
+    if fill and "embed_out.weight" not in out and "embed_in.weight" in out:
         # A tied HF checkpoint loaded into an untied model: both start from the embedding.
         out["embed_out.weight"] = out["embed_in.weight"].clone()
     return out

@@ -61,11 +61,19 @@ def verify_export(
 
     model, cfg = load_model(checkpoint, iteration, "cpu", torch.float32, trust=trust)
     t = cfg.tokenizer
-    tokenizer = build_tokenizer(t.tokenizer_type, t.vocab_file, t.merge_file)
-    vocab = tokenizer.vocab_size
     hf = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
-    ids = tokenizer.encode(text)[: cfg.model.shape.max_positions - new_tokens]
     tokenizer_checked = (Path(hf_dir) / "tokenizer_config.json").is_file()
+    try:
+        tokenizer = build_tokenizer(t.tokenizer_type, t.vocab_file, t.merge_file)
+        encode, vocab = tokenizer.encode, tokenizer.vocab_size
+    except (ValueError, OSError):
+        if not tokenizer_checked or t.vocab_file is not None:
+            raise
+        # An import whose tokenizer neox cannot build, exported with its own files: the
+        # weights are compared on that tokenizer's ids.
+        hf_tok = AutoTokenizer.from_pretrained(str(hf_dir))
+        encode, vocab, tokenizer_checked = hf_tok.encode, hf.config.vocab_size, False
+    ids = encode(text)[: cfg.model.shape.max_positions - new_tokens]
     if tokenizer_checked:
         hf_ids = AutoTokenizer.from_pretrained(str(hf_dir))(text)["input_ids"]
         if list(hf_ids[: len(ids)]) != list(ids):

@@ -85,5 +85,19 @@ class CheckpointConfig(ConfigGroup):
     """Check a loaded checkpoint with a forward pass (gpt-neox key; not implemented: must be
     false)."""
 
+    hf_architecture: Annotated[
+        Optional[Literal["neox", "llama", "mistral", "qwen2", "qwen3"]],
+        Reads("neox/checkpoint/export.py"),
+    ] = None
+    """The Hugging Face family the weights were imported from (tools/convert_from_hf.py sets
+    it); tools/convert_to_hf.py exports as this family unless --architecture says otherwise
+    (None: `neox`, GPTNeoXForCausalLM)."""
+
+    hf_files: Annotated[Optional[str], Reads("neox/checkpoint/hf_tokenizer.py")] = None
+    """Directory of the Hugging Face files carried over by tools/convert_from_hf.py (tokenizer
+    files, generation_config.json, chat template, the original config.json);
+    tools/convert_to_hf.py writes them back beside the weights when the run still uses that
+    tokenizer. Relative paths are read from the current directory, like vocab_file."""
+
     save_iters: Optional[list[Iteration]] = None
     """No-op (gpt-neox runtime key): save iterations follow checkpoint_factor/extra_save_iters."""

@@ -63,6 +63,24 @@ class DataConfig(ConfigGroup):
     test_data_paths: Annotated[Optional[list[str]], Reads("neox/training/setup.py")] = None
     """Prefixes of test datasets."""
 
+    label_data_paths: Annotated[
+        Optional[list[str]], Reads("neox/training/setup.py", "neox/plan/preflight.py")
+    ] = None
+    """The label dataset of data_path (one prefix, written beside it by
+    tools/preprocess_data_with_chat_template.py or _with_mask.py), split the same way: the
+    token id where trained, -100 where not. With train_data_paths use train_label_data_paths."""
+
+    train_label_data_paths: Annotated[Optional[list[str]], Reads("neox/training/setup.py")] = None
+    """Label datasets of train_data_paths, one per path (gpt-neox key): the token id where
+    trained, -100 where not (prompts, other roles); each must match its data path's document
+    lengths."""
+
+    valid_label_data_paths: Annotated[Optional[list[str]], Reads("neox/training/setup.py")] = None
+    """Label datasets of valid_data_paths, one per path (validation loss on trained tokens)."""
+
+    test_label_data_paths: Annotated[Optional[list[str]], Reads("neox/training/setup.py")] = None
+    """Label datasets of test_data_paths, one per path."""
+
     train_data_weights: Annotated[Optional[list[Weight]], Reads("neox/training/setup.py")] = None
     """Blending weights of train_data_paths (default: equal)."""
 
@@ -114,34 +132,18 @@ class DataConfig(ConfigGroup):
     "pairwise" (chosen/rejected pairs, what train_impl dpo and rm read); "online" is refused."""
 
     pack_impl: Annotated[
-        str,
-        Refused(
-            feature="pack_until_overflow",
-            example="pack_until_overflow",
-            allowed=("packed", "unpacked"),
-            message=(
-                "pack_impl={value!r}: pack_until_overflow is not implemented in neox; use packed"
-                " (or unpacked with a preference train_impl)"
-            ),
-        ),
+        Literal["packed", "pack_until_overflow", "unpacked"], Reads("neox/training/setup.py")
     ] = "packed"
-    """Sample packing (gpt-neox key): "packed" fills windows with documents back to back;
-    "unpacked" (one document per sample, padded) is what preference training (train_impl dpo,
-    kto, rm) always reads, so it is accepted there only."""
+    """How documents fill samples (gpt-neox key): "packed" cuts the document stream into
+    windows of seq_length + 1 tokens that run across documents; "pack_until_overflow" lays
+    whole documents into a sample until the next would overflow it, which starts the next
+    sample; "unpacked" gives each document its own sample. The last two cut a longer
+    document, pad the rest of a sample and never train on the padding, and skip documents
+    with no trained label."""
 
-    allow_chopped: Annotated[bool, Reads("neox/data/pairs.py")] = True
-    """Preference data (unpacked samples): cut a document longer than seq_length + 1 tokens to
-    that length; false skips such documents (gpt-neox key; packed data ignores it)."""
-
-    train_label_data_paths: Annotated[Optional[list[str]], Reads("neox/data/pairs.py")] = None
-    """Label files of train_data_paths (the token where trained, -100 where masked), as
-    preprocess_data_with_chat_template.py writes them; read by KTO here."""
-
-    valid_label_data_paths: Annotated[Optional[list[str]], Reads("neox/data/pairs.py")] = None
-    """Label files of valid_data_paths."""
-
-    test_label_data_paths: Annotated[Optional[list[str]], Reads("neox/data/pairs.py")] = None
-    """Label files of test_data_paths."""
+    allow_chopped: Annotated[bool, Reads("neox/training/setup.py")] = True
+    """With pack_impl pack_until_overflow or unpacked: cut documents longer than seq_length + 1
+    tokens to their start (true) or leave them out (false). Ignored by "packed"."""
 
     eod_mask_loss: Annotated[bool, Reads("neox/training/loop.py")] = False
     """Exclude end-of-document tokens from the loss."""
@@ -166,6 +168,16 @@ class DataConfig(ConfigGroup):
 
     short_seq_prob: float = Field(0.0, ge=0, le=1)
     """No-op (gpt-neox key): a BERT-era option gpt-neox does not read either."""
+
+    @field_validator("label_data_paths")
+    @classmethod
+    def _one_label_dataset(cls, v: Optional[list[str]]) -> Optional[list[str]]:
+        if v is not None and len(v) != 1:
+            raise ValueError(
+                f"label_data_paths has {len(v)} entries; it is the one label dataset of "
+                "data_path (per-split paths take train/valid/test_label_data_paths)"
+            )
+        return v
 
     @field_validator("split")
     @classmethod

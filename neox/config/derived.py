@@ -65,6 +65,58 @@ UNSUPPORTED_ATTENTION = {
 GATED_ACTIVATIONS = ("swiglu", "geglu")
 
 
+ROPE_TYPES = ("linear", "dynamic", "yarn", "llama3")
+# rope_scaling mapping key (transformers' spelling) -> flat key.
+ROPE_SCALING_KEYS = {
+    "factor": "rope_scaling_factor",
+    "original_max_position_embeddings": "rope_original_max_position_embeddings",
+    "low_freq_factor": "rope_low_freq_factor",
+    "high_freq_factor": "rope_high_freq_factor",
+    "beta_fast": "rope_yarn_beta_fast",
+    "beta_slow": "rope_yarn_beta_slow",
+    "attention_factor": "rope_yarn_attention_factor",
+    "mscale": "rope_yarn_mscale",
+    "mscale_all_dim": "rope_yarn_mscale_all_dim",
+    "truncate": "rope_yarn_truncate",
+}
+# Flat keys each scaling type reads (the others must stay unset).
+ROPE_TYPE_KEYS = {
+    "linear": ("rope_scaling_factor",),
+    "dynamic": ("rope_scaling_factor",),
+    "llama3": (
+        "rope_scaling_factor",
+        "rope_original_max_position_embeddings",
+        "rope_low_freq_factor",
+        "rope_high_freq_factor",
+    ),
+    "yarn": (
+        "rope_scaling_factor",
+        "rope_original_max_position_embeddings",
+        "rope_yarn_beta_fast",
+        "rope_yarn_beta_slow",
+        "rope_yarn_attention_factor",
+        "rope_yarn_mscale",
+        "rope_yarn_mscale_all_dim",
+        "rope_yarn_truncate",
+    ),
+}
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """RoPE scaling with every default resolved as transformers resolves it."""
+
+    rope_type: str  # linear | dynamic | yarn | llama3
+    factor: float
+    original_max_positions: int  # yarn/llama3: pretraining length; dynamic: max_positions
+    low_freq_factor: float = 0.0  # llama3
+    high_freq_factor: float = 0.0  # llama3
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    attention_factor: float = 1.0  # scale of cos and sin (yarn)
+    truncate: bool = True  # yarn
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """Sizes the model is built with, computed from a ModelConfig alone (so tools holding only a
@@ -78,13 +130,18 @@ class ModelShape:
     max_positions: int  # longest sequence the model supports
     position_rows: int  # rows of the learned position table (OPT shifts ids by an offset)
     layer_types: tuple[str, ...]  # attention type of each layer
+    attn_dense_bias: bool = True  # bias of the attention output projection
+    rope: Optional[RopeScaling] = None  # RoPE scaling, None for plain rotary
 
 
 def model_shape(m: ModelConfig) -> ModelShape:
     """The ModelShape of `m`; raises ValueError for an attention_config that does not fit."""
-    head_dim = m.hidden_size // m.num_attention_heads
+    head_dim = m.head_dim or m.hidden_size // m.num_attention_heads
     max_positions = m.max_position_embeddings or m.seq_length
+    dense_bias = m.use_bias_in_attn_dense
     return ModelShape(
+        attn_dense_bias=m.use_bias_in_attn_linear if dense_bias is None else dense_bias,
+        rope=rope_scaling(m, max_positions),
         head_dim=head_dim,
         kv_heads=m.num_kv_heads or m.num_attention_heads,
         ffn_size=_ffn_size(m),
@@ -94,6 +151,118 @@ def model_shape(m: ModelConfig) -> ModelShape:
         position_rows=max_positions + m.opt_pos_emb_offset,
         layer_types=_layer_types(m),
     )
+
+
+def rope_scaling(m: ModelConfig, max_positions: int) -> Optional[RopeScaling]:
+    """The RoPE scaling the flat rope_* keys (or the rope_scaling mapping) ask for; raises
+    ValueError naming the key when a value is missing, misplaced or contradictory."""
+    flat = {key: getattr(m, key) for key in ("rope_scaling_type", *ROPE_SCALING_KEYS.values())}
+    flat["rope_yarn_truncate"] = None if m.rope_yarn_truncate else False  # True is the default
+    if m.rope_scaling is not None:
+        if any(v is not None for v in flat.values()):
+            given = ", ".join(f"{k}={v}" for k, v in flat.items() if v is not None)
+            raise ValueError(
+                f"rope_scaling={m.rope_scaling} and {given} are both set; keep one spelling"
+            )
+        flat = _flat_rope_keys(m.rope_scaling, m.rotary_emb_base)
+    kind = flat["rope_scaling_type"]
+    if kind is None:
+        stray = [f"{k}={v}" for k, v in flat.items() if v is not None]
+        if stray:
+            raise ValueError(
+                f"{', '.join(stray)} set without rope_scaling_type; set it or drop them"
+            )
+        return None
+    if m.pos_emb != "rotary":
+        raise ValueError(f"rope_scaling_type={kind!r} needs pos_emb=rotary (got {m.pos_emb!r})")
+    stray = [
+        f"{k}={v}"
+        for k, v in flat.items()
+        if v is not None and k not in ("rope_scaling_type", *ROPE_TYPE_KEYS[kind])
+    ]
+    if stray:
+        raise ValueError(
+            f"{', '.join(stray)} do not apply to rope_scaling_type={kind!r}; drop them"
+        )
+    factor = flat["rope_scaling_factor"]
+    original = flat["rope_original_max_position_embeddings"] or max_positions
+    if factor is None and kind == "yarn":
+        factor = max_positions / original  # transformers' default for yarn
+    if factor is None:
+        raise ValueError(f"rope_scaling_type={kind!r} needs rope_scaling_factor (e.g. 8.0)")
+    if kind == "dynamic":
+        return RopeScaling(kind, float(factor), max_positions)
+    if kind == "linear":
+        return RopeScaling(kind, float(factor), original)
+    if kind == "llama3":
+        low, high = flat["rope_low_freq_factor"], flat["rope_high_freq_factor"]
+        if low is None or high is None:
+            raise ValueError(
+                "rope_scaling_type='llama3' needs rope_low_freq_factor and rope_high_freq_factor "
+                "(Llama 3.1: 1.0 and 4.0)"
+            )
+        if high <= low:
+            raise ValueError(f"rope_high_freq_factor={high} must exceed rope_low_freq_factor={low}")
+        return RopeScaling(kind, float(factor), original, float(low), float(high))
+    attention = flat["rope_yarn_attention_factor"]
+    mscale, mscale_all = flat["rope_yarn_mscale"], flat["rope_yarn_mscale_all_dim"]
+    if attention is None:
+        if mscale and mscale_all:
+            attention = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all)
+        else:
+            attention = _yarn_mscale(factor)
+    return RopeScaling(
+        kind,
+        float(factor),
+        original,
+        beta_fast=float(flat["rope_yarn_beta_fast"] or 32),
+        beta_slow=float(flat["rope_yarn_beta_slow"] or 1),
+        attention_factor=float(attention),
+        truncate=flat["rope_yarn_truncate"] is not False,
+    )
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature term: 0.1 mscale ln(scale) + 1 (1 for scale <= 1)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _flat_rope_keys(mapping: dict, base: int) -> dict:
+    """A transformers-style rope_scaling mapping as the flat rope_* keys (None where unset);
+    raises ValueError quoting the mapping."""
+    given, mapping = dict(mapping), dict(mapping)
+    kind = mapping.pop("rope_type", mapping.pop("type", None))
+    theta = mapping.pop("rope_theta", base)
+    problem = None
+    unknown = sorted(str(k) for k in mapping if k not in ROPE_SCALING_KEYS)
+    if unknown:
+        problem = (
+            f"unknown key(s) {unknown}; it takes rope_type and {', '.join(ROPE_SCALING_KEYS)} "
+            "(rotary_emb_base sets the base)"
+        )
+    elif theta != base:
+        problem = f"rope_theta={theta} differs from rotary_emb_base={base}; drop rope_theta"
+    elif kind not in (None, "default", *ROPE_TYPES):
+        problem = f"rope_type={kind!r} is not supported; use one of {ROPE_TYPES}"
+    for key, value in mapping.items():
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if problem is None and key == "truncate" and not isinstance(value, bool):
+            problem = f"truncate={value!r} must be true or false"
+        elif problem is None and key != "truncate" and value is not None:
+            may_be_zero = key in ("attention_factor", "mscale", "mscale_all_dim")
+            if (
+                not number
+                or not math.isfinite(value)
+                or value < 0
+                or (value == 0 and not may_be_zero)
+            ):
+                problem = f"{key}={value!r} must be a finite number > 0"
+    if problem:
+        raise ValueError(f"rope_scaling={given}: {problem}")
+    flat = {flat_key: mapping.get(key) for key, flat_key in ROPE_SCALING_KEYS.items()}
+    if flat["rope_yarn_truncate"] is True:
+        flat["rope_yarn_truncate"] = None  # the default, as the flat key's True
+    return {"rope_scaling_type": None if kind == "default" else kind, **flat}
 
 
 def _ffn_size(m: ModelConfig) -> int:
@@ -152,11 +321,11 @@ def _layer_types(m: ModelConfig) -> tuple[str, ...]:
 def check_model(m: ModelConfig) -> ModelShape:
     """The model's own cross-field rules (run when a ModelConfig is validated, since its shape
     depends on them); returns the shape. Raises ValueError naming the keys and the fix."""
-    if m.hidden_size % m.num_attention_heads:
+    if m.head_dim is None and m.hidden_size % m.num_attention_heads:
         raise ValueError(
             f"hidden_size={m.hidden_size} is not divisible by "
             f"num_attention_heads={m.num_attention_heads}; pick heads among "
-            f"{_divisor_list(m.hidden_size)}"
+            f"{_divisor_list(m.hidden_size)}, or set head_dim"
         )
     kv = m.num_kv_heads
     if kv is not None and m.num_attention_heads % kv:
@@ -198,6 +367,19 @@ def check_config(cfg: NeoXConfig) -> None:
                 f"{name}_data_weights has {len(weights)} entries but {name}_data_paths has "
                 f"{0 if paths is None else len(paths)}; give one weight per path"
             )
+    for name in ("train", "valid", "test"):
+        paths = getattr(d, f"{name}_data_paths")
+        labels = getattr(d, f"{name}_label_data_paths")
+        if labels is not None and (paths is None or len(labels) != len(paths)):
+            raise ValueError(
+                f"{name}_label_data_paths has {len(labels)} entries but {name}_data_paths has "
+                f"{0 if paths is None else len(paths)}; give one label dataset per data path"
+            )
+    if d.label_data_paths and not d.data_path:
+        raise ValueError(
+            "label_data_paths is the label dataset of data_path, which is not set; with "
+            "train/valid/test_data_paths use train/valid/test_label_data_paths"
+        )
     if d.train_data_paths and d.data_path:
         raise ValueError(
             "data_path and train_data_paths are both set; use data_path (with split) or "
@@ -213,7 +395,6 @@ def check_config(cfg: NeoXConfig) -> None:
 
 
 PAIRED = ("dpo", "rm")
-SPLIT_LABEL_KEYS = ("train_label_data_paths", "valid_label_data_paths", "test_label_data_paths")
 SPLITS = ("train", "valid", "test")
 
 
@@ -241,19 +422,7 @@ def check_preference(cfg: NeoXConfig) -> None:
             f"dataset_impl='pairwise' is the chosen/rejected data of train_impl dpo or rm, but "
             f"train_impl is {impl!r}; set dataset_impl: gpt2"
         )
-    if d.pack_impl == "unpacked" and impl == "normal":
-        raise ValueError(
-            "pack_impl='unpacked' is implemented for preference training (train_impl dpo, kto, "
-            "rm) only; use pack_impl: packed"
-        )
     if impl == "normal":
-        labelled = [k for k in SPLIT_LABEL_KEYS if getattr(d, k)]
-        if labelled:
-            # Until language modelling reads label files (SFT loss masks), they would be ignored.
-            raise ValueError(
-                f"{labelled[0]} is read by train_impl: kto only; language-model training with "
-                "label files (SFT loss masks) is not implemented; remove it"
-            )
         return
     if cfg.parallel.pp > 1:
         raise ValueError(
@@ -353,6 +522,7 @@ def batch_triple(cfg: NeoXConfig, dp: int) -> tuple[int, int, int]:
     t = cfg.training
     micro = t.train_micro_batch_size_per_gpu or t.batch_size
     gas, glob = t.gradient_accumulation_steps, t.train_batch_size
+    dp_is = f"data-parallel size {dp}"
     if micro is not None and gas is not None and glob is not None:
         if micro * gas * dp != glob:
             raise ConfigError(
@@ -363,14 +533,14 @@ def batch_triple(cfg: NeoXConfig, dp: int) -> tuple[int, int, int]:
     elif micro is not None and gas is not None:
         glob = micro * gas * dp
     elif micro is not None and glob is not None:
-        gas = _exact_div(glob, micro * dp, "train_batch_size", "micro batch x data-parallel size")
+        gas = _exact_div(glob, micro * dp, f"train_micro_batch_size_per_gpu={micro} x {dp_is}")
     elif gas is not None and glob is not None:
-        micro = _exact_div(glob, gas * dp, "train_batch_size", "accumulation x data-parallel size")
+        micro = _exact_div(glob, gas * dp, f"gradient_accumulation_steps={gas} x {dp_is}")
     elif micro is not None:
         gas, glob = 1, micro * dp
     elif glob is not None:
         gas = 1
-        micro = _exact_div(glob, dp, "train_batch_size", "data-parallel size")
+        micro = _exact_div(glob, dp, dp_is)
     else:
         micro, gas = 1, gas or 1
         glob = micro * gas * dp
@@ -380,12 +550,14 @@ def batch_triple(cfg: NeoXConfig, dp: int) -> tuple[int, int, int]:
     return micro, gas, glob
 
 
-def _exact_div(total: int, part: int, total_name: str, part_name: str) -> int:
-    if part == 0 or total % part:
+def _exact_div(glob: int, part: int, part_is: str) -> int:
+    if part == 0 or glob % part:
         raise ConfigError(
-            f"{total_name}={total} is not divisible by {part_name} = {part}; adjust the batch sizes"
+            f"train_batch_size={glob} is not divisible by {part_is} = {part}; set any two of "
+            "train_batch_size, train_micro_batch_size_per_gpu and gradient_accumulation_steps "
+            "that fit, and neox derives the third"
         )
-    return total // part
+    return glob // part
 
 
 def precision_of(cfg: NeoXConfig) -> str:

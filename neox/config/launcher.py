@@ -1,4 +1,4 @@
-"""Launcher settings: where the ranks run and how they are started (DeepSpeed's runner)."""
+"""Launcher settings: where the ranks run and how they are started (an agent per node)."""
 
 import re
 from typing import Annotated, Literal, Optional
@@ -37,13 +37,15 @@ class LauncherConfig(ConfigGroup):
     launcher: Annotated[
         Literal["pdsh", "openmpi", "mvapich", "slurm"], Reads("neox/launcher/plan.py")
     ] = "pdsh"
-    """Multi-node launcher handed to DeepSpeed's runner."""
+    """Multi-node launcher: pdsh (an ssh per node), or mpirun/srun starting neox's agent on each
+    node."""
 
     force_multi: Annotated[bool, Reads("neox/launcher/plan.py")] = False
     """Use the multi-node launcher even for one node."""
 
     no_ssh_check: Annotated[bool, Reads("neox/launcher/plan.py")] = False
-    """Skip DeepSpeed's passwordless-ssh check before a multi-node launch."""
+    """Skip the ssh login to every node before an openmpi/mvapich launch (as DeepSpeed's runner's
+    check; pdsh launches always check, slurm ones never do)."""
 
     ssh_port: Annotated[Optional[int], Reads("neox/launcher/plan.py")] = Field(None, ge=1, le=65535)
     """sshd port on the nodes, when not 22."""

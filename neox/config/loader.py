@@ -90,6 +90,17 @@ class LoadedConfig:
     def source_of(self, key: str) -> str:
         return self.sources.get(key, "default")
 
+    def explain(self, error: ConfigError) -> ConfigError:
+        """A check across keys made after loading (derive's layout and batch triple) prefixed
+        with the files that set the keys its message names, as the loader's own are."""
+        return ConfigError(f"{files_naming(str(error), self.sources)}: {error}")
+
+
+def files_naming(message: str, sources: dict[str, str]) -> str:
+    """The files that set the keys `message` names (`a.yml, b.yml`), or `defaults`."""
+    files = {src for key, src in sources.items() if re.search(rf"\b{key}\b", message)}
+    return ", ".join(sorted(files)) or "defaults"
+
 
 def normalize_key(key: str) -> str:
     """gpt-neox treats `tensorboard-dir` and `tensorboard_dir` as one key."""

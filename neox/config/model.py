@@ -78,7 +78,15 @@ class ModelConfig(ConfigGroup):
     sliding_window_width: Annotated[Optional[int], Reads("neox/plan/attention_path.py")] = Field(
         None, ge=1, le=MAX_POSITIONS
     )
-    """Attend only to the last N keys (Mistral-style local attention); None is full causal."""
+    """Local attention as gpt-neox's flash-attn window: a query sees the keys at distance <= N,
+    itself included, so N + 1 keys (HF Mistral/Qwen `sliding_window` = N + 1); None is full
+    causal. Every layer, or only the `local` layers of attention_config."""
+
+    head_dim: Annotated[Optional[int], Reads("neox/config/derived.py")] = Field(
+        None, ge=1, le=MAX_WIDTH
+    )
+    """Features per attention head (None: hidden_size / num_attention_heads). Qwen3-0.6B uses
+    128 with hidden_size 1024 and 16 heads; the query projection is then heads x head_dim wide."""
 
     norm: Annotated[Literal["layernorm", "rmsnorm", "scalenorm"], Reads("neox/model/norms.py")] = (
         "layernorm"
@@ -98,7 +106,10 @@ class ModelConfig(ConfigGroup):
     """Learned bias in layernorm (rmsnorm and scalenorm have none)."""
 
     use_qk_layernorm: Annotated[bool, Reads("neox/model/attention.py")] = False
-    """Normalise queries and keys per head before attention."""
+    """Normalise queries and keys per head before rotary, as Qwen3: a norm of `norm`'s kind over
+    each head's head_dim features, one weight for q and one for k shared by all heads.
+    (gpt-neox instead shares one norm over [heads per tp rank, head_dim] between q and k, so
+    its checkpoints' qk norm weights do not map; OLMo-2 normalises the whole projection.)"""
 
     pos_emb: Annotated[
         Literal["learned", "rotary", "alibi", "none"],
@@ -113,6 +124,74 @@ class ModelConfig(ConfigGroup):
         10000, ge=2, le=10**12
     )
     """Base of the rotary frequencies."""
+
+    rope_scaling_type: Annotated[
+        Optional[Literal["linear", "dynamic", "yarn", "llama3"]], Reads("neox/config/derived.py")
+    ] = None
+    """RoPE scaling as transformers' `rope_parameters.rope_type` computes it: `linear` divides
+    every frequency by the factor; `dynamic` (NTK) raises the base once a sequence is longer than
+    max_position_embeddings, recomputed from each forward's largest position; `yarn` blends
+    interpolated and original frequencies and scales cos/sin by its attention factor; `llama3`
+    divides the low frequencies by the factor, smoothly (Llama 3.1+). None: unscaled."""
+
+    rope_scaling_factor: Annotated[Optional[float], Reads("neox/config/derived.py")] = Field(
+        None, gt=0, le=1e6
+    )
+    """The scaling `factor` (required by every rope_scaling_type; for yarn, None means
+    max_position_embeddings / rope_original_max_position_embeddings, as transformers does)."""
+
+    rope_original_max_position_embeddings: Annotated[
+        Optional[int], Reads("neox/config/derived.py")
+    ] = Field(None, ge=1, le=MAX_POSITIONS)
+    """Pretraining context length of a `yarn` or `llama3` model (None: max_position_embeddings);
+    `dynamic` scales from max_position_embeddings itself, as transformers does."""
+
+    rope_low_freq_factor: Annotated[Optional[float], Reads("neox/config/derived.py")] = Field(
+        None, gt=0, le=1e6
+    )
+    """`llama3`: wavelengths longer than original length / this are divided by the factor
+    (Llama 3.1: 1)."""
+
+    rope_high_freq_factor: Annotated[Optional[float], Reads("neox/config/derived.py")] = Field(
+        None, gt=0, le=1e6
+    )
+    """`llama3`: wavelengths shorter than original length / this are kept; those between the two
+    bounds are interpolated (Llama 3.1: 4)."""
+
+    rope_yarn_beta_fast: Annotated[Optional[float], Reads("neox/config/derived.py")] = Field(
+        None, gt=0, le=1e6
+    )
+    """`yarn`: rotations bounding the extrapolated (unscaled) dimensions (None: 32)."""
+
+    rope_yarn_beta_slow: Annotated[Optional[float], Reads("neox/config/derived.py")] = Field(
+        None, gt=0, le=1e6
+    )
+    """`yarn`: rotations bounding the interpolated dimensions (None: 1)."""
+
+    rope_yarn_attention_factor: Annotated[Optional[float], Reads("neox/config/derived.py")] = Field(
+        None, ge=0, le=1e6
+    )
+    """`yarn`: scale of cos and sin (None: 0.1 ln(factor) + 1, or the mscale ratio below)."""
+
+    rope_yarn_mscale: Annotated[Optional[float], Reads("neox/config/derived.py")] = Field(
+        None, ge=0, le=1e6
+    )
+    """`yarn`, with rope_yarn_mscale_all_dim and no attention factor: the attention factor is
+    (0.1 mscale ln(factor) + 1) / (0.1 mscale_all_dim ln(factor) + 1) (DeepSeek-style)."""
+
+    rope_yarn_mscale_all_dim: Annotated[Optional[float], Reads("neox/config/derived.py")] = Field(
+        None, ge=0, le=1e6
+    )
+    """`yarn`: the denominator's mscale of the attention factor (see rope_yarn_mscale)."""
+
+    rope_yarn_truncate: Annotated[bool, Reads("neox/config/derived.py")] = True
+    """`yarn`: round the correction range's bounds to whole dimensions (transformers' default;
+    gpt-oss sets false)."""
+
+    rope_scaling: Annotated[Optional[dict[str, Any]], Reads("neox/config/derived.py")] = None
+    """The same settings as one mapping in transformers' spelling, e.g. {rope_type: llama3,
+    factor: 8.0, low_freq_factor: 1.0, high_freq_factor: 4.0, original_max_position_embeddings:
+    8192}; an alternative to the flat rope_* keys (not both)."""
 
     rotary_save_freqs_buffer: bool = False
     """No-op (gpt-neox key): rotary frequencies are recomputed from rotary_emb_base, never saved."""
@@ -133,7 +212,12 @@ class ModelConfig(ConfigGroup):
     """MLP activation; swiglu/geglu are gated (three projections)."""
 
     use_bias_in_attn_linear: Annotated[bool, Reads("neox/model/attention.py")] = True
-    """Biases in the attention projections."""
+    """Biases in the attention projections (query/key/value, and the output unless
+    use_bias_in_attn_dense says otherwise)."""
+
+    use_bias_in_attn_dense: Annotated[Optional[bool], Reads("neox/config/derived.py")] = None
+    """Bias in the attention output projection (None: as use_bias_in_attn_linear). Qwen2/2.5
+    have q/k/v biases and none here: use_bias_in_attn_linear true, this false."""
 
     use_bias_in_mlp: Annotated[bool, Reads("neox/model/mlp.py")] = True
     """Biases in the MLP projections."""

@@ -94,7 +94,6 @@ RUNTIME_KEYS = {
     "config_files",
     "is_pipe_parallel",
     "autotuning_run",
-    "label_data_paths",
     # deepspeed_args.py slots for objects gpt-neox builds at run time
     "scheduler",
     "tensorboard",

@@ -1,4 +1,12 @@
-"""GPT pretraining dataset: fixed-length token windows over shuffled documents, index cached on disk."""
+"""GPT dataset: fixed-length token windows over shuffled documents, index cached on disk.
+
+With a label dataset (gpt-neox's label_data_paths, written by tools/preprocess_data_with_*.py)
+each sample also carries the label window aligned with its tokens: the token id where trained,
+-100 where not. `pack_impl` chooses how documents fill samples (gpt-neox's meanings): "packed"
+windows run across documents; "pack_until_overflow" puts whole documents into a sample until
+the next would overflow it; "unpacked" gives each document a sample of its own. The last two
+pad a sample to seq_length + 1 tokens, and the padding is never trained (label -100).
+"""
 
 from __future__ import annotations
 
@@ -11,8 +19,13 @@ import time
 import numpy as np
 import torch
 
-from neox.data.indexed import IndexedDataset
-from neox.data.sample_index import SampleIndex, build_sample_index
+from neox.data.indexed import IGNORE_INDEX, IndexedDataset, check_label_dataset
+from neox.data.sample_index import (
+    PACK_IMPLS,
+    SampleIndex,
+    build_document_sample_index,
+    build_sample_index,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -30,8 +43,14 @@ def index_cache_paths(
     seq_length: int,
     seed: int,
     cache_dir: str | None = None,
+    packing: dict | None = None,
 ) -> dict[str, str]:
-    """Paths of the three index files for these parameters (a hash of all of them in the name)."""
+    """Paths of the three index files for these parameters (a hash of all of them in the name).
+
+    Args:
+        packing: what else shapes a whole-document index (pack_impl, allow_chopped, the label
+            dataset that decides which documents hold trained tokens); None for "packed".
+    """
     documents = np.ascontiguousarray(documents, dtype=np.int64)
     key = {
         "version": INDEX_VERSION,
@@ -45,6 +64,8 @@ def index_cache_paths(
         "seq_length": int(seq_length),
         "seed": int(seed),
     }
+    if packing:
+        key["packing"] = packing
     digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     folder = cache_dir if cache_dir is not None else os.path.dirname(os.path.abspath(data_prefix))
     stem = os.path.join(folder, f"{os.path.basename(data_prefix)}_{name}_{digest}")
@@ -83,11 +104,15 @@ def load_or_build_index(
     seq_length: int,
     seed: int,
     use_shared_fs: bool = True,
+    build=None,
 ) -> tuple[SampleIndex, bool]:
     """Load the cached index at `paths`, building it first (one process) when missing.
 
     Every rank must call this when torch.distributed is initialised (it holds a barrier).
     Returns the memory-mapped index and whether this process built it.
+
+    Args:
+        build: makes the index when missing (default: build_sample_index's packed windows).
     """
     built = False
     if _is_builder(use_shared_fs) and not all(os.path.isfile(p) for p in paths.values()):
@@ -100,7 +125,10 @@ def load_or_build_index(
                 "pass a writable cache_dir (data cache_dir in the config)"
             ) from err
         start = time.perf_counter()
-        index = build_sample_index(sizes, documents, num_samples, seq_length, seed)
+        if build is None:
+            index = build_sample_index(sizes, documents, num_samples, seq_length, seed)
+        else:
+            index = build()
         # shuffle_idx is written last; the loader below requires all three.
         for kind in _KINDS:
             _save_atomic(paths[kind], getattr(index, kind))
@@ -123,11 +151,24 @@ def load_or_build_index(
     return loaded, built
 
 
+def trainable_documents(
+    label: IndexedDataset, documents: np.ndarray, seq_length: int
+) -> np.ndarray:
+    """Per document, whether any label of its first sample (seq_length + 1 tokens) is trained."""
+    out = np.zeros(len(documents), dtype=bool)
+    for i, doc in enumerate(np.asarray(documents).tolist()):
+        n = min(int(label.sizes[doc]), seq_length + 1)
+        # Position 0 is never a target: labels are the window shifted by one.
+        out[i] = n > 1 and bool((label.get(doc, 1, n - 1) >= 0).any())
+    return out
+
+
 class GPTDataset(torch.utils.data.Dataset):
     """Samples of `seq_length + 1` tokens over `documents` of an indexed dataset.
 
     Its length is every sample of the indexed epochs, at least `num_samples`.
-    Each item is {"text": np.int64 array of seq_length + 1 tokens}.
+    Each item is {"text": np.int64 array of seq_length + 1 tokens}, plus "label" (aligned with
+    "text", -100 where not trained) with a label dataset or whole-document packing.
     """
 
     def __init__(
@@ -140,8 +181,13 @@ class GPTDataset(torch.utils.data.Dataset):
         seed: int,
         cache_dir: str | None = None,
         use_shared_fs: bool = True,
+        label: IndexedDataset | None = None,
+        pack_impl: str = "packed",
+        allow_chopped: bool = True,
     ):
         documents = np.asarray(documents)
+        if pack_impl not in PACK_IMPLS:
+            raise ValueError(f"pack_impl={pack_impl!r} must be one of {', '.join(PACK_IMPLS)}")
         if documents.size == 0:
             raise ValueError(f"{name} dataset from {indexed.prefix} has no documents")
         if documents.min() < 0 or documents.max() >= len(indexed.sizes):
@@ -153,9 +199,36 @@ class GPTDataset(torch.utils.data.Dataset):
                 f"{name} dataset from {indexed.prefix} holds fewer than 2 tokens in its "
                 f"{documents.size} documents; a sample needs at least an input and a label"
             )
+        if label is not None:
+            check_label_dataset(indexed, label)
         self.name = name
         self.indexed = indexed
+        self.label = label
         self.seq_length = seq_length
+        self.pack_impl = pack_impl
+        packing, build = None, None
+        if pack_impl != "packed":
+            packing = {"pack_impl": pack_impl, "allow_chopped": bool(allow_chopped)}
+            if label is not None:
+                packing["label"] = [os.path.basename(label.prefix), int(label.num_tokens)]
+
+            def build() -> SampleIndex:
+                keep = np.ones(len(documents), dtype=bool)
+                if not allow_chopped:
+                    keep &= indexed.sizes[documents] <= seq_length + 1
+                if label is not None:
+                    keep &= trainable_documents(label, documents, seq_length)
+                if not keep.any():
+                    raise ValueError(
+                        f"{name} dataset {indexed.prefix}: none of its {documents.size} "
+                        f"documents can be drawn with pack_impl={pack_impl} (every one is "
+                        f"longer than seq_length + 1 = {seq_length + 1} tokens with "
+                        "allow_chopped false, or has no trained label); check the data"
+                    )
+                return build_document_sample_index(
+                    indexed.sizes, documents, num_samples, seq_length, seed, pack_impl, keep
+                )
+
         self.paths = index_cache_paths(
             indexed.prefix,
             name,
@@ -165,6 +238,7 @@ class GPTDataset(torch.utils.data.Dataset):
             seq_length,
             seed,
             cache_dir,
+            packing,
         )
         index, self.index_built = load_or_build_index(
             self.paths,
@@ -174,6 +248,7 @@ class GPTDataset(torch.utils.data.Dataset):
             seq_length,
             seed,
             use_shared_fs,
+            build,
         )
         self.doc_idx, self.sample_idx, self.shuffle_idx = index
         if len(self.shuffle_idx) < num_samples:
@@ -185,11 +260,12 @@ class GPTDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.shuffle_idx)
 
-    def tokens(self, sample: int) -> np.ndarray:
-        """Tokens of sample `sample` in stream order (before shuffling)."""
+    def tokens(self, sample: int, dataset: IndexedDataset | None = None) -> np.ndarray:
+        """Tokens of packed sample `sample` in stream order (before shuffling), from `dataset`
+        (default: the text; the label dataset gives the aligned labels)."""
         first_doc, first_offset = (int(v) for v in self.sample_idx[sample])
         last_doc, last_offset = (int(v) for v in self.sample_idx[sample + 1])
-        get = self.indexed.get
+        get = (dataset or self.indexed).get
         if first_doc == last_doc:
             return get(int(self.doc_idx[first_doc]), first_offset, last_offset - first_offset + 1)
         parts = [get(int(self.doc_idx[first_doc]), first_offset)]
@@ -197,14 +273,36 @@ class GPTDataset(torch.utils.data.Dataset):
         parts.append(get(int(self.doc_idx[last_doc]), 0, last_offset + 1))
         return np.concatenate(parts)
 
+    def whole_documents(self, sample: int, dataset: IndexedDataset) -> np.ndarray:
+        """A whole-document sample's documents end to end, cut to seq_length + 1 tokens."""
+        first, last = int(self.sample_idx[sample][0]), int(self.sample_idx[sample + 1][0])
+        parts = [dataset.get(int(d)) for d in self.doc_idx[first:last]]
+        return np.concatenate(parts)[: self.seq_length + 1]
+
     def __getitem__(self, idx: int) -> dict[str, np.ndarray]:
         if not 0 <= idx < len(self):
             raise IndexError(f"sample {idx} out of range for {self.name} with {len(self)} samples")
-        text = self.tokens(int(self.shuffle_idx[idx])).astype(np.int64)
+        sample = int(self.shuffle_idx[idx])
+        if self.pack_impl != "packed":
+            return self._padded(sample)
+        text = self.tokens(sample).astype(np.int64)
         # Holds by construction of sample_idx; a mismatch means a stale or foreign index file.
         if len(text) != self.seq_length + 1:
             raise RuntimeError(
                 f"{self.name} sample {idx} has {len(text)} tokens, expected {self.seq_length + 1}; "
                 f"the index {self.paths['sample_idx']} does not match the data, delete it to rebuild"
             )
-        return {"text": text}
+        if self.label is None:
+            return {"text": text}
+        return {"text": text, "label": self.tokens(sample, self.label).astype(np.int64)}
+
+    def _padded(self, sample: int) -> dict[str, np.ndarray]:
+        text = self.whole_documents(sample, self.indexed).astype(np.int64)
+        label = text if self.label is None else self.whole_documents(sample, self.label)
+        pad = self.seq_length + 1 - len(text)
+        return {
+            # 0 pads the inputs as gpt-neox does; the padding comes after every real token, so
+            # causal attention keeps it out of their predictions, and its labels are -100.
+            "text": np.pad(text, (0, pad)),
+            "label": np.pad(label.astype(np.int64), (0, pad), constant_values=IGNORE_INDEX),
+        }

@@ -40,6 +40,9 @@ DTYPE_CODES: dict[int, np.dtype] = {
     7: np.dtype(np.float64),
     8: np.dtype(np.uint16),
 }
+# Label datasets (gpt-neox's label_data_paths) hold the token id where trained and this where not
+# (a prompt, another role's turn, padding); they are written as int32 so it fits.
+IGNORE_INDEX = -100
 _CODE_OF = {dtype: code for code, dtype in DTYPE_CODES.items()}
 _HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, len, doc_count
 
@@ -324,6 +327,23 @@ class IndexedDataset:
 
     def __setstate__(self, prefix: str) -> None:
         self._open(prefix)
+
+
+def check_label_dataset(text: IndexedDataset, label: IndexedDataset) -> None:
+    """A label dataset must hold one label per token of its text dataset, document by document."""
+    if len(text.sizes) != len(label.sizes) or not np.array_equal(text.sizes, label.sizes):
+        differ = np.flatnonzero(text.sizes[: len(label.sizes)] != label.sizes[: len(text.sizes)])
+        where = (
+            f"document {int(differ[0])} has {int(text.sizes[differ[0]])} tokens but "
+            f"{int(label.sizes[differ[0]])} labels"
+            if differ.size
+            else f"{len(text.sizes)} documents but {len(label.sizes)} label documents"
+        )
+        raise IndexedDatasetError(
+            f"label dataset {label.prefix}.bin/.idx does not match its text dataset "
+            f"{text.prefix}.bin/.idx: {where}; write both with one run of "
+            "tools/preprocess_data_with_chat_template.py (or _with_mask.py)"
+        )
 
 
 def find_datasets(inputs: str | Sequence[str]) -> list[str]:

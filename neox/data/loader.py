@@ -32,7 +32,8 @@ def split_documents(split: str, num_documents: int) -> list[np.ndarray]:
 
 @dataclass
 class DataLoaders:
-    """Endless iterators of collated micro-batches ({"text": int64 [B, seq_length + 1]}) per split.
+    """Endless iterators of collated micro-batches ({"text": int64 [B, seq_length + 1]}, and
+    "label" alike with label datasets or whole-document packing) per split.
 
     A split is None when no samples were requested for it.
     """
@@ -58,9 +59,14 @@ def build_split_datasets(
     seed: int,
     cache_dir: str | None = None,
     use_shared_fs: bool = True,
+    label_path: str | None = None,
+    pack_impl: str = "packed",
+    allow_chopped: bool = True,
 ) -> list[GPTDataset | None]:
-    """Train, valid and test datasets over document ranges of one indexed dataset."""
+    """Train, valid and test datasets over document ranges of one indexed dataset (and of its
+    label dataset at `label_path`, cut the same way)."""
     indexed = IndexedDataset(data_path)
+    label = IndexedDataset(label_path) if label_path else None
     ranges = split_documents(split, len(indexed.sizes))
     for name, docs, n in zip(SPLIT_NAMES, ranges, num_samples):
         if n > 0 and docs.size == 0:
@@ -71,8 +77,9 @@ def build_split_datasets(
             )
     for name, docs in zip(SPLIT_NAMES, ranges):
         logger.info("%s split: %d documents of %s", name, docs.size, data_path)
+    packing = dict(label=label, pack_impl=pack_impl, allow_chopped=allow_chopped)
     return [
-        GPTDataset(name, indexed, docs, n, seq_length, seed, cache_dir, use_shared_fs)
+        GPTDataset(name, indexed, docs, n, seq_length, seed, cache_dir, use_shared_fs, **packing)
         if n > 0
         else None
         for name, docs, n in zip(SPLIT_NAMES, ranges, num_samples)
@@ -90,9 +97,20 @@ def build_blended_dataset(
     weighted_sampler_alpha: float = 1.0,
     cache_dir: str | None = None,
     use_shared_fs: bool = True,
+    label_paths: Sequence[str] | None = None,
+    pack_impl: str = "packed",
+    allow_chopped: bool = True,
 ) -> torch.utils.data.Dataset:
-    """One split's dataset: whole indexed datasets at `paths`, blended by `weights`."""
+    """One split's dataset: whole indexed datasets at `paths` (with the label datasets at
+    `label_paths`, one per path), blended by `weights`."""
+    if label_paths and len(label_paths) != len(paths):
+        raise ValueError(
+            f"{len(paths)} {name}_data_paths but {len(label_paths)} {name}_label_data_paths; "
+            "give one label dataset per data path"
+        )
     indexed = [IndexedDataset(p) for p in paths]
+    labels = [IndexedDataset(p) for p in label_paths] if label_paths else [None] * len(paths)
+    packing = dict(pack_impl=pack_impl, allow_chopped=allow_chopped)
     if weight_by_num_documents:
         if weights is not None:
             logger.warning(
@@ -110,13 +128,32 @@ def build_blended_dataset(
     if len(paths) == 1:
         docs = np.arange(len(indexed[0].sizes))
         return GPTDataset(
-            name, indexed[0], docs, num_samples, seq_length, seed, cache_dir, use_shared_fs
+            name,
+            indexed[0],
+            docs,
+            num_samples,
+            seq_length,
+            seed,
+            cache_dir,
+            use_shared_fs,
+            label=labels[0],
+            **packing,
         )
+    counts = samples_per_dataset(weights, num_samples)
     datasets = [
         GPTDataset(
-            f"{name}_{i}", d, np.arange(len(d.sizes)), n, seq_length, seed, cache_dir, use_shared_fs
+            f"{name}_{i}",
+            d,
+            np.arange(len(d.sizes)),
+            n,
+            seq_length,
+            seed,
+            cache_dir,
+            use_shared_fs,
+            label=label,
+            **packing,
         )
-        for i, (d, n) in enumerate(zip(indexed, samples_per_dataset(weights, num_samples)))
+        for i, (d, label, n) in enumerate(zip(indexed, labels, counts))
         if n > 0
     ]
     return BlendableDataset(datasets, weights[weights > 0], num_samples)
@@ -179,6 +216,12 @@ def build_train_valid_test_loaders(
     pin_memory: bool = False,
     cache_dir: str | None = None,
     use_shared_fs: bool = True,
+    label_data_path: str | None = None,
+    train_label_data_paths: Sequence[str] | None = None,
+    valid_label_data_paths: Sequence[str] | None = None,
+    test_label_data_paths: Sequence[str] | None = None,
+    pack_impl: str = "packed",
+    allow_chopped: bool = True,
 ) -> DataLoaders:
     """Datasets and endless micro-batch iterators for train, valid and test.
 
@@ -190,6 +233,9 @@ def build_train_valid_test_loaders(
             (equal when None), or by document counts when weight_by_num_documents.
         consumed_train_samples: global samples already trained on; the train stream resumes there.
         cache_dir: where sample index files go (default: beside each dataset).
+        label_data_path: the label dataset of data_path (split with it); the
+            *_label_data_paths: one label dataset per path of that split.
+        pack_impl: "packed", "pack_until_overflow" or "unpacked" (neox.data.gpt_dataset).
     """
     split_paths = {"train": train_data_paths, "valid": valid_data_paths, "test": test_data_paths}
     _check_sources(
@@ -202,9 +248,23 @@ def build_train_valid_test_loaders(
     )
     if data_path:
         datasets = build_split_datasets(
-            data_path, split, num_samples, seq_length, seed, cache_dir, use_shared_fs
+            data_path,
+            split,
+            num_samples,
+            seq_length,
+            seed,
+            cache_dir,
+            use_shared_fs,
+            label_data_path,
+            pack_impl,
+            allow_chopped,
         )
     else:
+        label_paths = {
+            "train": train_label_data_paths,
+            "valid": valid_label_data_paths,
+            "test": test_label_data_paths,
+        }
         weights = {
             "train": train_data_weights,
             "valid": valid_data_weights,
@@ -222,6 +282,9 @@ def build_train_valid_test_loaders(
                 weighted_sampler_alpha,
                 cache_dir,
                 use_shared_fs,
+                label_paths[name],
+                pack_impl,
+                allow_chopped,
             )
             if n > 0
             else None

@@ -93,3 +93,61 @@ def build_sample_index(
     sample_idx = build_sample_idx(sizes, doc_idx, seq_length)
     shuffle_idx = build_shuffle_idx(len(sample_idx) - 1, rng)
     return SampleIndex(doc_idx, sample_idx, shuffle_idx)
+
+
+PACK_IMPLS = ("packed", "pack_until_overflow", "unpacked")
+
+
+def build_document_sample_index(
+    sizes: np.ndarray,
+    documents: np.ndarray,
+    num_samples: int,
+    seq_length: int,
+    seed: int,
+    pack_impl: str,
+    keep: np.ndarray | None = None,
+) -> SampleIndex:
+    """Samples of whole documents, gpt-neox's "unpacked" and "pack_until_overflow".
+
+    unpacked: each sample is one document. pack_until_overflow: documents are laid into a
+    sample until the next one would overflow its `seq_length + 1` tokens; that one starts the
+    next sample. Sample i holds documents doc_idx[sample_idx[i, 0]:sample_idx[i + 1, 0]] (the
+    offsets are 0): the reader cuts a longer document and pads a shorter sample. Each epoch
+    takes the documents in a fresh seeded order, as `build_doc_idx` does.
+
+    Args:
+        keep: per entry of `documents`, whether it may be drawn (documents too long to be cut,
+            or with no trained token, are left out); None keeps every one.
+    """
+    if pack_impl not in PACK_IMPLS[1:]:
+        raise ValueError(f"pack_impl={pack_impl!r} is not a whole-document packing")
+    documents = np.asarray(documents)
+    if keep is not None:
+        documents = documents[np.asarray(keep, dtype=bool)]
+    if documents.size == 0:
+        raise ValueError("no documents to build samples from")
+    lengths = np.minimum(np.asarray(sizes)[documents].astype(np.int64), seq_length + 1)
+    rng = np.random.RandomState(seed)
+    order_chunks: list[np.ndarray] = []
+    starts: list[int] = []  # position in the stream (doc_idx) where each sample begins
+    stream, running = 0, 0
+    # One start past the last sample marks its end: num_samples + 1 starts are needed.
+    while len(starts) <= num_samples:
+        perm = rng.permutation(len(documents))
+        order_chunks.append(documents[perm])
+        if pack_impl == "unpacked":
+            starts.extend(range(stream, stream + len(perm)))
+        else:
+            for pos, n in enumerate(lengths[perm].tolist()):
+                if running == 0 or running + n > seq_length + 1:
+                    starts.append(stream + pos)
+                    running = n
+                else:
+                    running += n
+        stream += len(perm)
+    starts = starts[: num_samples + 1]
+    doc_idx = np.concatenate(order_chunks)[: starts[-1]]
+    sample_idx = np.zeros((num_samples + 1, 2), dtype=np.int64)
+    sample_idx[:, 0] = starts
+    shuffle_idx = build_shuffle_idx(num_samples, rng)
+    return SampleIndex(doc_idx.astype(np.int64), sample_idx, shuffle_idx)

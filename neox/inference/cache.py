@@ -29,6 +29,13 @@ class LayerKVCache:
             return k, v
         return self.k, self.v
 
+    def query_slots(self) -> torch.Tensor | None:
+        """The key index of each query among the keys `update` returned: None in a prefill
+        (the queries are those T keys), else the slots being written. Sliding windows measure
+        distances from them, so a decode step sees exactly the keys a full forward would (slots
+        and positions differ by the row's left padding, a constant)."""
+        return None if self.owner.prefill else self.owner.position
+
 
 class KVCache:
     """The per-layer caches of a GPTNeoX for `batch` sequences of up to `length` tokens."""
@@ -67,13 +74,10 @@ class KVCache:
     def supports(model: nn.Module) -> str | None:
         """None if cached decoding reproduces the full forward for this model, else why not.
 
-        ALiBi and sliding windows measure distances from the query's slot, which the cached
-        forward does not know (it sees a query against the whole buffer).
+        ALiBi measures distances from the last key, which a decode step against the whole buffer
+        is not; sliding windows measure from the query's slot (`LayerKVCache.query_slots`).
         """
         for block in model.layers:
-            attn = block.attention
-            if attn.alibi_slopes is not None:
+            if block.attention.alibi_slopes is not None:
                 return "ALiBi position embeddings"
-            if attn.window is not None:
-                return "sliding-window attention"
         return None

@@ -327,6 +327,11 @@ class Generator:
             return self._session
         self._session = None  # free the old cache (and graph memory) first
         cache = KVCache(self.model, batch, S, self.dtype, self.device)
+        for module in self.model.modules():
+            if isinstance(module, RotaryEmbedding):
+                # Positions up to S - 1, past max_positions for a RoPE-scaled model; built
+                # here, never inside a captured step.
+                module.prepare(self.device, S, self.dtype)
         state = DecodeState(batch, S, self.device)
         captured = None
         if self.cuda_graphs:

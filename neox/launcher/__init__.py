@@ -1,5 +1,5 @@
-"""Start the ranks: hostfile and include/exclude parsing, a neox agent per node (the ranks' parent),
-env export; DeepSpeed's runner for mpirun/srun."""
+"""Start the ranks: hostfile and include/exclude parsing, a neox agent per node (the ranks' parent;
+started here, over ssh, or by mpirun/srun), env export."""
 
 from neox.launcher.hostfile import (
     HostfileError,

@@ -1,10 +1,16 @@
 """The per-node parent of the ranks: starts them, waits on them, stops them, and dies with deepy.py.
 
-deepy.py starts one agent per node (directly on its own machine, over ssh on the others):
+deepy.py starts one agent per node (directly on its own machine, over ssh on the others, or
+through mpirun/srun, which start one per node):
 
 python -u -m neox.launcher.agent --node_rank=K --nodes=2,2 --devices=0,1 --master_addr=A
     --master_port=P --stop_grace_s=600 [--control | --control_fd=N] [--report_fd=N] [--tee]
     -- script.py ARGS...
+
+Under mpirun/srun every node gets the same command: `--node_rank_env=OMPI_COMM_WORLD_RANK` (or
+SLURM_NODEID, ...) names where the launcher put the node rank, and `--devices=0,1/0,1` lists
+every node's slots. There the stop comes as a signal the launcher passes on: SIGUSR1 (stop) and
+SIGUSR2 (kill); mpirun and srun end a job they are sent SIGTERM themselves.
 
 Being the ranks' parent, it learns each rank's exact wait status from os.wait, in the order the
 ranks end, so the first failure is known by construction. It reports one line to deepy.py when
@@ -12,7 +18,8 @@ its ranks have ended (REPORT_PREFIX + JSON, on --report_fd or stdout). deepy.py'
 channel is the agent's stdin over ssh, or a pipe of its own on deepy's machine (--control_fd;
 then the agent's stdin, deepy.py's, is rank 0's, for generate.py's interactive mode): `stop` (SIGTERM to every rank, SIGKILL after stop_grace_s), `kill` (SIGKILL
 now); end of file means deepy.py is gone and acts as `stop`, as does the agent's parent dying
-(PR_SET_PDEATHSIG) or a SIGTERM/SIGINT to the agent itself (a second one kills the ranks).
+(PR_SET_PDEATHSIG) or a SIGTERM/SIGINT to the agent itself (a second one kills the ranks);
+SIGUSR1 is always a stop, SIGUSR2 kills them at once.
 Each rank is started with PR_SET_PDEATHSIG=SIGKILL, so no rank outlives its agent.
 """
 
@@ -29,6 +36,8 @@ import threading
 from typing import IO, Optional
 
 from neox.launcher.process import (
+    LAUNCHER_RANK_ENV,
+    READY_PREFIX,
     REPORT_PREFIX,
     RankExit,
     child_dies_with_me,
@@ -39,6 +48,7 @@ from neox.launcher.process import (
 log = logging.getLogger("neox.launcher.agent")
 
 TAIL_LINES = 15  # of a failed rank's stderr, in deepy.py's message
+HANDLED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 
 
 class _Tee:
@@ -75,6 +85,7 @@ class Agent:
         self.tees: dict[int, list[_Tee]] = {}
         self.first_failure: Optional[RankExit] = None
         self.stopping = False
+        self.termed: set[int] = set()  # ranks sent SIGTERM (a second one is not a stop)
         self.killed_why: Optional[str] = None  # why the agent itself killed its ranks
         self.lock = threading.RLock()  # a signal handler may interrupt a holder
         self._timer: Optional[threading.Timer] = None
@@ -83,7 +94,7 @@ class Agent:
     def start_ranks(self) -> None:
         a = self.args
         nodes = [int(n) for n in a.nodes.split(",")]
-        devices = a.devices.split(",")
+        devices = node_devices(a)
         first = sum(nodes[: a.node_rank])
         env = dict(os.environ)
         env.update(
@@ -102,6 +113,12 @@ class Agent:
         for local in range(len(devices)):
             rank = first + local
             env.update(RANK=str(rank), LOCAL_RANK=str(local))
+            # mpirun's or srun's names for this agent's place, made the rank's own (as if the
+            # launcher had started it), for code that reads them.
+            for names in LAUNCHER_RANK_ENV.values():
+                if names[0] in env:
+                    values = (rank, sum(nodes), local, len(devices))
+                    env.update({n: str(v) for n, v in zip(names, values) if n})
             cmd = [sys.executable, "-u", a.script, f"--local_rank={local}", *a.script_args]
             proc = subprocess.Popen(
                 cmd,
@@ -110,10 +127,12 @@ class Agent:
                 stdin=None if rank == 0 and a.control_fd is not None else subprocess.DEVNULL,
                 stdout=subprocess.PIPE if a.tee else None,
                 stderr=subprocess.PIPE if a.tee else None,
-                preexec_fn=child_dies_with_me(signal.SIGKILL),
+                preexec_fn=_rank_setup(launched=a.node_rank_env is not None),
             )
             self.ranks[proc.pid] = rank
             self.procs[proc.pid] = proc
+            if self.stopping and proc.pid not in self.termed:  # a stop came while it started
+                self._signal(signal.SIGTERM)
             if a.tee:
                 self.tees[proc.pid] = [
                     _Tee(proc.stdout, out, 0),
@@ -151,7 +170,9 @@ class Agent:
     def _signal(self, sig: int) -> int:
         count = 0
         for proc in list(self.procs.values()):
-            if proc.returncode is None:
+            if proc.returncode is None and not (sig == signal.SIGTERM and proc.pid in self.termed):
+                if sig == signal.SIGTERM:
+                    self.termed.add(proc.pid)
                 try:
                     os.kill(proc.pid, sig)
                     count += 1
@@ -163,6 +184,12 @@ class Agent:
         name = signal.Signals(signum).name
         if signum == signal.SIGHUP:  # our parent (deepy.py, or its ssh session) ended
             self.stop("deepy.py is gone (the agent's parent ended)")
+        elif signum == signal.SIGUSR2:  # from deepy.py, through mpirun/srun
+            self.kill("deepy.py asked")
+        elif signum == signal.SIGUSR1:
+            # Always a stop, never the second that kills: a parent-death signal comes once per
+            # thread of the dead parent, so mpirun/srun may pass on several.
+            self.stop("stop requested by deepy.py")
         elif self.stopping:
             log.warning("second %s: killing the ranks now", name)
             self.kill(f"a second {name}")
@@ -223,11 +250,85 @@ class Agent:
         }
 
 
+def _rank_setup(launched: bool):
+    """A rank's preexec_fn: it dies with the agent; under mpirun/srun it ignores SIGUSR1/SIGUSR2,
+    which they deliver to every process of the job (the agent acts on them)."""
+    dies = child_dies_with_me(signal.SIGKILL)
+
+    def setup() -> None:
+        if launched:
+            signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+            signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+        dies()
+
+    return setup
+
+
+def node_devices(args: argparse.Namespace) -> list[str]:
+    """This node's device ids. Under mpirun/srun a CUDA_VISIBLE_DEVICES the scheduler set (a
+    slurm GPU allocation) is kept: the slots count within it."""
+    per_node = args.devices.split("/")
+    devices = per_node[args.node_rank if len(per_node) > 1 else 0].split(",")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if args.node_rank_env and visible and os.environ.get("DS_ACCELERATOR") != "cpu":
+        visible_ids = visible.split(",")
+        if max(int(d) for d in devices) >= len(visible_ids):
+            raise SystemExit(
+                f"neox agent: slots {','.join(devices)} of {socket.gethostname()} are not all "
+                f"among the GPUs its scheduler gave it (CUDA_VISIBLE_DEVICES={visible}); list "
+                f"at most {len(visible_ids)} slots for it in the hostfile"
+            )
+        devices = [visible_ids[int(d)] for d in devices]
+    return devices
+
+
+def node_rank_from_launcher(args: argparse.Namespace) -> int:
+    """The node rank mpirun or srun gave this agent (one process per node)."""
+    names = args.node_rank_env.split(",")
+    nodes = len(args.nodes.split(","))
+    name = next((n for n in names if n in os.environ), None)
+    if name is None or not os.environ[name].isdigit() or int(os.environ[name]) >= nodes:
+        found = f"{name}={os.environ[name]}" if name else f"none of {', '.join(names)} is set"
+        raise SystemExit(
+            f"neox agent on {socket.gethostname()}: no node rank below {nodes} from the "
+            f"launcher ({found}); it must start exactly one agent per node of the hostfile"
+        )
+    return int(os.environ[name])
+
+
+def warn_if_master_elsewhere(args: argparse.Namespace) -> None:
+    """Rank 0 serves the rendezvous at master_addr; mpirun/srun chose this node for it by their
+    own numbering, which may not put it on master_addr's host (the ranks would then wait)."""
+    if args.node_rank != 0:
+        return
+    try:
+        with socket.socket() as s:
+            s.bind((args.master_addr, 0))
+    except OSError:
+        log.warning(
+            "WARNING: this node (%s) runs rank 0 (%s=0), but master_addr=%s is not one of its "
+            "addresses, so the other ranks look for rank 0 there; set master_addr to this "
+            "node, or list the hostfile in the launcher's node order",
+            socket.gethostname(),
+            args.node_rank_env,
+            args.master_addr,
+        )
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m neox.launcher.agent", description=__doc__)
-    p.add_argument("--node_rank", type=int, required=True, help="this node's place in --nodes")
+    place = p.add_mutually_exclusive_group(required=True)
+    place.add_argument("--node_rank", type=int, help="this node's place in --nodes")
+    place.add_argument(
+        "--node_rank_env",
+        help="where mpirun/srun put this node's place (first set of a comma list)",
+    )
     p.add_argument("--nodes", required=True, help="ranks on each node, in node order: 4,4")
-    p.add_argument("--devices", required=True, help="this node's device (slot) ids: 0,1,2,3")
+    p.add_argument(
+        "--devices",
+        required=True,
+        help="this node's device (slot) ids: 0,1,2,3; or every node's, in node order: 0,1/0,1",
+    )
     p.add_argument("--master_addr", required=True)
     p.add_argument("--master_port", type=int, required=True)
     p.add_argument("--stop_grace_s", type=float, required=True)
@@ -250,15 +351,24 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv)
     report_to = os.fdopen(args.report_fd, "w") if args.report_fd is not None else sys.stdout
     agent = Agent(args)
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    for sig in HANDLED:
         signal.signal(sig, agent.on_signal)
-    # Our parent is deepy.py (which set this before exec too), or the ssh session it opened:
-    # SIGHUP when it ends, however it ends.
+    # Our parent is deepy.py (which set this before exec too), the ssh session it opened, or
+    # mpirun's/srun's daemon: SIGHUP when it ends, however it ends.
     die_with_parent(signal.SIGHUP, os.getppid())
+    if args.node_rank_env:
+        args.node_rank = node_rank_from_launcher(args)
+        warn_if_master_elsewhere(args)
     agent.start_ranks()
     if args.control or args.control_fd is not None:
         threading.Thread(target=agent.read_control, daemon=True).start()
+    if args.node_rank_env:
+        print(f"{READY_PREFIX}{args.node_rank}", file=report_to, flush=True)
     agent.wait()
+    # Its ranks have ended: a late stop or kill (mpirun and srun may deliver one twice) must not
+    # end the agent before it reports. Python restores fatal defaults at exit, but keeps ignores.
+    for sig in HANDLED:
+        signal.signal(sig, signal.SIG_IGN)
     remove_shm_buffers(args.master_port)
     report = agent.report()
     try:

@@ -92,7 +92,7 @@ def select_resources(
     num_gpus: Optional[int] = None,
     source: str = "hostfile",
 ) -> dict[str, list[int]]:
-    """Resolve the pool and the filters into {host: slot ids} as DeepSpeed's runner will."""
+    """Resolve the pool and the filters into {host: slot ids} as DeepSpeed's runner does."""
     if include and exclude:
         raise HostfileError(
             f"include={include!r} and exclude={exclude!r} are both set; DeepSpeed takes one "

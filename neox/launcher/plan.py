@@ -1,4 +1,5 @@
-"""Plan a launch: the DeepSpeed runner command, its environment and what reaches the nodes."""
+"""Plan a launch: an agent per node (started here, over ssh, or by mpirun/srun), its environment
+and what reaches the nodes."""
 
 import logging
 import os
@@ -20,12 +21,19 @@ log = logging.getLogger(__name__)
 
 # DeepSpeed's runner reads /job/hostfile when given none (its DLTS default); we honour the same file.
 DEFAULT_HOSTFILE = "/job/hostfile"
-# Variables the runner exports to nodes by prefix (runner.EXPORT_ENVS plus the CUDA accelerator's
-# NCCL), and our DS_ for DS_ACCELERATOR and friends.
+# Variables exported to nodes by prefix, as DeepSpeed's runner does (runner.EXPORT_ENVS plus the
+# CUDA accelerator's NCCL), and our DS_ for DS_ACCELERATOR and friends.
 EXPORT_PREFIXES = ("PYTHON", "MLFLOW", "MV2", "UCX", "NCCL", "DS_")
 # Tags every process of one launch (inherited through the environment), so a watchdog can end
 # exactly those on every node without matching other jobs by name.
 LAUNCH_ID_ENV = "NEOX_LAUNCH_ID"
+# Where each launcher tells a process its place (the first set of a list); with one process per
+# node, the node rank. Open MPI's mpirun, MVAPICH2's (or a hydra mpirun's PMI), and srun's.
+NODE_RANK_ENV = {
+    "openmpi": "OMPI_COMM_WORLD_RANK",
+    "mvapich": "MV2_COMM_WORLD_RANK,PMI_RANK",
+    "slurm": "SLURM_NODEID",
+}
 NEOX_ROOT = str(Path(__file__).resolve().parents[2])
 # A host name or address that means the same to a shell quoted or not.
 _PLAIN = re.compile(r"^[\w@%+=:,./-]*$")
@@ -37,18 +45,18 @@ class LaunchPlan:
 
     argvs: list[list[str]]
     """The processes deepy.py starts: one neox agent per node (itself for this machine, through
-    ssh for the others), or DeepSpeed's runner for mpirun/srun."""
+    ssh for the others), or mpirun/srun, which start one agent per node."""
     env: dict[str, str]
     """Full environment of those processes."""
     exports: dict[str, str]
-    """Variables set on every node (in the ssh command, or the runner's .deepspeed_env)."""
+    """Variables set on every node (in the ssh command, or named to mpirun -x / srun --export)."""
     hosts: dict[str, list[int]]
     """Active hosts and their slot ids, in rank order."""
     world_size: int
     """Total number of ranks."""
     launcher: str
     """'local' (one node, no ssh), 'pdsh' (an agent per node over ssh), or openmpi/mvapich/slurm
-    (DeepSpeed's runner: mpirun or srun starts the ranks)."""
+    (mpirun or srun starts the agent on each node)."""
     cwd: str
     """Working directory of the agents and the ranks on every node."""
     launch_id: str
@@ -57,10 +65,10 @@ class LaunchPlan:
     """Port of rank 0's rendezvous."""
     stop_grace_s: float
     """Seconds the ranks get to save after a stop before they are killed."""
-    env_file_text: str = ""
-    """Contents of the .deepspeed_env handed to DeepSpeed's runner (mpirun/srun only)."""
     ssh_port: Optional[int] = None
     """sshd port of the nodes."""
+    ssh_check: bool = False
+    """Log into every node over ssh before the launch (pdsh; mpirun's too, unless no_ssh_check)."""
     cpu: bool = False
     """Ranks run on CPU (DS_ACCELERATOR=cpu, gloo)."""
     script_args: list[str] = field(default_factory=list)
@@ -77,9 +85,10 @@ class LaunchPlan:
         return self.launcher != "local"
 
     @property
-    def agents(self) -> bool:
-        """True when deepy.py starts a neox agent per node (not DeepSpeed's runner)."""
-        return self.launcher in ("local", "pdsh")
+    def agents_by_launcher(self) -> bool:
+        """True when mpirun or srun starts the agents (one process deepy.py starts, told to stop
+        by a signal it passes on), not deepy.py itself or ssh."""
+        return self.launcher in NODE_RANK_ENV
 
 
 def build_launch(
@@ -109,7 +118,7 @@ def build_launch(
     env["PYTHONPATH"] = _pythonpath(cwd, environ.get("PYTHONPATH", ""))
     if cpu:
         env["DS_ACCELERATOR"] = "cpu"
-    env.pop("DS_ENV_FILE", None)  # launch() hands the runner the file this plan writes
+    env.pop("DS_ENV_FILE", None)  # read here (user_env_file_exports); no rank needs it
     common = dict(launch_id=launch_id, stop_grace_s=cfg.stop_grace_s, cpu=cpu)
     common["script_args"] = [script, *script_args]
 
@@ -134,8 +143,8 @@ def build_launch(
     multi = cfg.force_multi or len(hosts) > 1
     launcher = cfg.launcher if multi else "local"
     _check_backend_filters(cfg)
-    slurm_args = _slurm_args(cfg)
-    mpi = launcher in ("openmpi", "mvapich", "slurm")
+    _slurm_args(cfg)  # refuses comment/account on other launchers
+    mpi = launcher in NODE_RANK_ENV
     # gpt-neox's ranks started by mpirun or srun meet at MASTER_ADDR/MASTER_PORT when set.
     master_addr = cfg.master_addr or (environ.get("MASTER_ADDR") if mpi else None)
     if master_addr is None:
@@ -175,44 +184,66 @@ def build_launch(
             cwd,
             master_port=port,
             ssh_port=cfg.ssh_port,
+            ssh_check=True,
             **common,
         )
 
-    # mpirun and srun start the ranks themselves, through DeepSpeed's runner.
-    argv = [sys.executable, "-u", "-m", "deepspeed.launcher.runner", f"--hostfile={hostfile}"]
-    if cfg.include:
-        argv.append(f"--include={cfg.include}")
-    if cfg.exclude:
-        argv.append(f"--exclude={cfg.exclude}")
-    if num_nodes != -1:
-        argv.append(f"--num_nodes={num_nodes}")
-    if cfg.num_gpus is not None:
-        argv.append(f"--num_gpus={cfg.num_gpus}")
-    argv += [f"--launcher={cfg.launcher}", f"--master_addr={master_addr}"]
-    argv.append(f"--master_port={port}")
-    if cfg.no_ssh_check:
-        argv.append("--no_ssh_check")
-    if cfg.force_multi:
-        argv.append("--force_multi")
-    if slurm_args:
-        argv.append(f"--launcher_args={shlex.join(slurm_args)}")
-    argv += [script, *script_args]
-    # DeepSpeed tells mpirun and srun no rendezvous address.
-    exports["MASTER_ADDR"] = master_addr
-    exports["MASTER_PORT"] = str(port)
-    lines = [f"{k}={v}" for k, v in {**user_exports, **exports}.items()]
+    # mpirun, mpiexec (hydra) or srun start one agent per node, which starts the node's ranks.
+    if launcher == "slurm":
+        _check_same_slots(hosts)
+    env.update({**user_exports, **exports})  # the launcher passes these, by name, to every node
+    names = [*dict.fromkeys([*user_exports, *exports])]
+    argv = _launcher_argv(cfg, launcher, hosts, names, cpu)
+    argv += _agent_argv(cfg, hosts, None, master_addr, port, [script, *script_args], True, launcher)
     return LaunchPlan(
         [argv],
         env,
-        exports,
+        {**user_exports, **exports},
         hosts,
         _count(hosts),
         launcher,
         cwd,
         master_port=port,
-        env_file_text="".join(line + "\n" for line in lines),
+        ssh_port=cfg.ssh_port,
+        # mpirun reaches the nodes over ssh, as DeepSpeed's runner checked; srun does not.
+        ssh_check=launcher != "slurm" and not cfg.no_ssh_check,
         **common,
     )
+
+
+def _launcher_argv(
+    cfg: LauncherConfig, launcher: str, hosts: dict[str, list[int]], exports: list[str], cpu: bool
+) -> list[str]:
+    """mpirun or srun starting one process per node, with `exports` (names set in its own
+    environment) passed to every node; the agent's command follows."""
+    nodes = str(len(hosts))
+    if launcher == "openmpi":
+        # The hosts in plan order, one process each; no core binding: the ranks inherit it.
+        argv = ["mpirun", "-n", nodes, "--host", ",".join(hosts), "--map-by", "ppr:1:node"]
+        argv += ["--bind-to", "none"]
+        return argv + [arg for name in exports for arg in ("-x", name)]
+    if launcher == "mvapich":
+        argv = ["mpirun", "-np", nodes, "-ppn", "1", "-hosts", ",".join(hosts)]
+        return argv + ["-genvlist", ",".join(exports)]
+    # srun numbers nodes in slurm's own order: every host has the same slots (checked). Like
+    # mpirun, it ends the step when an agent fails (one that fails before it can report, too).
+    argv = ["srun", "-n", nodes, "--nodes", nodes, "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
+    if cfg.include or cfg.exclude:
+        argv += ["--nodelist", ",".join(hosts)]
+    if cfg.num_gpus is not None and not cpu:
+        argv += ["--gpus-per-node", str(cfg.num_gpus)]
+    argv += _slurm_args(cfg)
+    return argv + ["--export=" + ",".join(["ALL", *exports])]
+
+
+def _check_same_slots(hosts: dict[str, list[int]]) -> None:
+    if len({tuple(slots) for slots in hosts.values()}) > 1:
+        listed = ", ".join(f"{h}: {','.join(map(str, s))}" for h, s in hosts.items())
+        raise HostfileError(
+            f"launcher=slurm needs the same slots on every host, got {listed}; srun numbers the "
+            "nodes in its own order, so edit the hostfile (or include/exclude) to match, or "
+            "use launcher: pdsh"
+        )
 
 
 def _hostfile(cfg: LauncherConfig, environ: Mapping[str, str]) -> Optional[str]:
@@ -244,26 +275,36 @@ def _hostfile(cfg: LauncherConfig, environ: Mapping[str, str]) -> Optional[str]:
 def _agent_argv(
     cfg: LauncherConfig,
     hosts: dict[str, list[int]],
-    node: int,
+    node: Optional[int],
     master_addr: str,
     port: int,
     script_args: list[str],
     remote: bool = False,
+    launcher: str = "pdsh",
 ) -> list[str]:
-    """The agent's command; a remote one relays the ranks' output (and survives ssh ending)."""
-    devices = list(hosts.values())[node]
+    """The agent's command. `node` None: mpirun/srun start the same command on every node, which
+    learns its node rank from the launcher and takes its slots from every node's list. A remote
+    agent relays the ranks' output (and survives its connection ending)."""
+    slots = list(hosts.values())
+    if node is None:
+        place = [f"--node_rank_env={NODE_RANK_ENV[launcher]}"]
+        devices = "/".join(",".join(map(str, s)) for s in slots)
+    else:
+        place = [f"--node_rank={node}"]
+        devices = ",".join(map(str, slots[node]))
     return [
         sys.executable,
         "-u",
         "-m",
         "neox.launcher.agent",
-        f"--node_rank={node}",
-        f"--nodes={','.join(str(len(s)) for s in hosts.values())}",
-        f"--devices={','.join(map(str, devices))}",
+        *place,
+        f"--nodes={','.join(str(len(s)) for s in slots)}",
+        f"--devices={devices}",
         f"--master_addr={master_addr}",
         f"--master_port={port}",
         f"--stop_grace_s={cfg.stop_grace_s:g}",
-        "--control",
+        # Over ssh a stop comes on the agent's stdin; mpirun and srun pass on signals instead.
+        *(["--control"] if node is not None else []),
         *(["--tee"] if remote else []),
         "--",
         *script_args,
@@ -361,7 +402,8 @@ def _slurm_args(cfg: LauncherConfig) -> list[str]:
 
 
 def _check_backend_filters(cfg: LauncherConfig) -> None:
-    # DeepSpeed's MPI backends take the whole hostfile; fail before launch, not inside the runner.
+    # As gpt-neox (DeepSpeed's runner) does: its MPI backends take the whole hostfile, so a config
+    # means the same on both.
     if cfg.launcher in ("openmpi", "mvapich"):
         used = [
             k
@@ -381,8 +423,8 @@ def _check_backend_filters(cfg: LauncherConfig) -> None:
 
 
 def _user_env_file_exports(environ: Mapping[str, str], cwd: str) -> dict[str, str]:
-    """NAME=value lines of the .deepspeed_env files DeepSpeed's runner reads (home, then cwd),
-    exported to every node as DeepSpeed does."""
+    """NAME=value lines of the .deepspeed_env files (home, then cwd), exported to every node as
+    DeepSpeed's runner does."""
     name = environ.get("DS_ENV_FILE", ".deepspeed_env")
     lines: dict[str, str] = {}
     for folder in (os.path.expanduser("~"), cwd):

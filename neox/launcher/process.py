@@ -9,6 +9,20 @@ from pathlib import Path
 from typing import Optional
 
 REPORT_PREFIX = "neox-agent-report "
+# An agent that mpirun or srun started says so once its ranks exist: a stop passed on before
+# then could end it before it can pass the stop on to its ranks.
+READY_PREFIX = "neox-agent-ready "
+# Where mpirun and srun put each process's place: (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE).
+LAUNCHER_RANK_ENV = {
+    "mpi": (
+        "OMPI_COMM_WORLD_RANK",
+        "OMPI_COMM_WORLD_SIZE",
+        "OMPI_COMM_WORLD_LOCAL_RANK",
+        "OMPI_COMM_WORLD_LOCAL_SIZE",
+    ),
+    "mvapich": ("MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_LOCAL_RANK", ""),
+    "slurm": ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"),
+}
 _PR_SET_PDEATHSIG = 1
 # Loaded before any thread starts: a child between fork and exec must not load libraries.
 _LIBC = ctypes.CDLL(None, use_errno=True)

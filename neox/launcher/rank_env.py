@@ -1,27 +1,17 @@
-"""Rank placement for ranks that mpirun or srun start: torch's names from the launcher's."""
+"""Rank placement for ranks that mpirun or srun start themselves (a user's own mpirun/srun of
+train.py; deepy.py's agents set torch's names): torch's names from the launcher's."""
 
 from collections.abc import Mapping
 
 from neox.config.launcher import LauncherConfig
-
-# Where mpirun and srun put each rank's place: (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE).
-LAUNCHER_RANK_ENV = {
-    "mpi": (
-        "OMPI_COMM_WORLD_RANK",
-        "OMPI_COMM_WORLD_SIZE",
-        "OMPI_COMM_WORLD_LOCAL_RANK",
-        "OMPI_COMM_WORLD_LOCAL_SIZE",
-    ),
-    "mvapich": ("MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_LOCAL_RANK", ""),
-    "slurm": ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"),
-}
+from neox.launcher.process import LAUNCHER_RANK_ENV
 
 
 def rank_env_from_launcher(lc: LauncherConfig, environ: Mapping[str, str]) -> dict[str, str]:
     """RANK/WORLD_SIZE/LOCAL_RANK for ranks started by mpirun or srun, which set their own names.
 
-    DeepSpeed's runner sets torch's names only for pdsh and local launches; gpt-neox's
-    deepspeed_mpi/deepspeed_slurm ask for this translation, and the launcher key implies it.
+    gpt-neox's deepspeed_mpi/deepspeed_slurm ask for this translation, and the launcher key
+    implies it. Ranks of a deepy.py launch have RANK from their agent.
     """
     if "RANK" in environ:
         return {}

@@ -13,10 +13,10 @@ log = logging.getLogger(__name__)
 
 
 def check_nodes_reachable(plan: LaunchPlan) -> None:
-    """Raise HostfileError naming each node that ssh cannot log into (ssh launches only), so
-    that a node that is down is not found as ranks waiting for a peer until a collective times
-    out."""
-    if plan.launcher != "pdsh":
+    """Raise HostfileError naming each node that ssh cannot log into (ssh and mpirun launches,
+    see LaunchPlan.ssh_check), so that a node that is down is not found as ranks waiting for a
+    peer until a collective times out."""
+    if not plan.ssh_check:
         return
 
     def probe(host: str) -> str | None:

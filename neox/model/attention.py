@@ -27,13 +27,18 @@ def allowed_mask(
     device: torch.device,
     window: Optional[int] = None,
     padding_mask: Optional[torch.Tensor] = None,
+    query_slots: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Bool mask, True where query i may attend key j: causal, within the window, not padding.
 
     Shape (sq, sk), or (B, 1, sq, sk) with a padding mask (B, sk) whose 1/True marks real tokens,
     or with a (B, 1, sq, sk) mask of allowed pairs (documents packed in one sample).
+    query_slots (sq,): the key index each query sits at (default the last sq keys), as in a KV
+    cache whose later slots are not written yet.
     """
-    q_pos = torch.arange(sk - sq, sk, device=device).unsqueeze(1)
+    if query_slots is None:
+        query_slots = torch.arange(sk - sq, sk, device=device)
+    q_pos = query_slots.to(device).unsqueeze(1)
     k_pos = torch.arange(sk, device=device).unsqueeze(0)
     allowed = k_pos <= q_pos  # (sq, sk)
     if window is not None:
@@ -74,13 +79,15 @@ class Attention(nn.Module):
         qkv_size = (cfg.num_attention_heads + 2 * shape.kv_heads) * hs
         bias = cfg.use_bias_in_attn_linear
         self.query_key_value = nn.Linear(cfg.hidden_size, qkv_size, bias=bias)
-        self.dense = nn.Linear(cfg.num_attention_heads * hs, cfg.hidden_size, bias=bias)
+        self.dense = nn.Linear(
+            cfg.num_attention_heads * hs, cfg.hidden_size, bias=shape.attn_dense_bias
+        )
         self.q_layernorm = build_norm(cfg, hs) if cfg.use_qk_layernorm else None
         self.k_layernorm = build_norm(cfg, hs) if cfg.use_qk_layernorm else None
         self.rotary = None
         if cfg.pos_emb == "rotary":
             self.rotary = RotaryEmbedding(
-                shape.rotary_dims, cfg.rotary_emb_base, shape.max_positions
+                shape.rotary_dims, cfg.rotary_emb_base, shape.max_positions, shape.rope
             )
         self.alibi_slopes = (
             alibi_slopes(cfg.num_attention_heads) if cfg.pos_emb == "alibi" else None
@@ -106,8 +113,10 @@ class Attention(nn.Module):
             q, k = self.q_layernorm(q), self.k_layernorm(k)
         if self.rotary is not None:
             q, k = self.rotary(q, k, position_ids)
+        slots = None
         if kv_cache is not None:
             k, v = kv_cache.update(k, v)  # (B, nkv, S, hs)
+            slots = kv_cache.query_slots()  # where the queries sit among the S keys
         if nkv != nh:
             # Query head h reads kv head h // (nh / nkv): the grouping of the fused layout.
             k = k.repeat_interleave(nh // nkv, dim=1)  # (B, nh, T, hs)
@@ -116,28 +125,35 @@ class Attention(nn.Module):
         if kv_cache is not None:
             impl = "flash"  # queries are not the last T keys: only SDPA's explicit mask fits
         if impl == "flash":
-            y = self._attend_sdpa(q, k, v, attention_mask)
+            y = self._attend_sdpa(q, k, v, attention_mask, slots)
         else:
             y = self._attend_scores(q, k, v, attention_mask, fused=impl == "triton")
         y = y.transpose(1, 2).reshape(B, T, nh * hs)  # (B, T, nh*hs)
         return self.dense(y)
 
     def _bias(
-        self, q: torch.Tensor, k: torch.Tensor, attention_mask: Optional[torch.Tensor]
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        attention_mask: Optional[torch.Tensor],
+        slots: Optional[torch.Tensor] = None,
     ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-        """(allowed mask or None when plain causal suffices, ALiBi bias (nh, T, S) or None)."""
+        """(allowed mask or None when plain causal suffices, ALiBi bias (nh, T, S) or None).
+        slots: the queries' key indices when they are not the last T keys (cached decoding)."""
         T, S = q.shape[-2], k.shape[-2]
-        plain = self.window is None and attention_mask is None
-        allowed = None if plain else allowed_mask(T, S, q.device, self.window, attention_mask)
+        plain = self.window is None and attention_mask is None and slots is None
+        allowed = None
+        if not plain:
+            allowed = allowed_mask(T, S, q.device, self.window, attention_mask, slots)
         bias = None
         if self.alibi_slopes is not None:
             bias = alibi_bias(self.alibi_slopes, T, S, q.device, torch.float32)
         return allowed, bias
 
-    def _attend_sdpa(self, q, k, v, attention_mask):
+    def _attend_sdpa(self, q, k, v, attention_mask, slots=None):
         """torch SDPA: causal flag alone when possible, else an explicit additive mask."""
         dropout = self.dropout if self.training else 0.0
-        allowed, bias = self._bias(q, k, attention_mask)
+        allowed, bias = self._bias(q, k, attention_mask, slots)
         if allowed is None and bias is None:
             return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
         if allowed is None:

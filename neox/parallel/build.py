@@ -111,7 +111,14 @@ def engine_mpu(model: nn.Module, groups: ProcessGroups) -> Optional[ProcessGroup
 
 
 def pipeline_batch(
-    input_ids: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor
-) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-    """One micro-batch as PipelineEngine.train_batch's iterator yields it: (inputs, labels)."""
-    return input_ids, (labels, loss_mask)
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    loss_mask: torch.Tensor,
+    loss_weight: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """One micro-batch as PipelineEngine.train_batch's iterator yields it: (inputs, labels);
+    the last stage's loss_fn multiplies its masked mean by loss_weight when given (see
+    neox.training.engine.weigh_micro_batches)."""
+    if loss_weight is None:
+        return input_ids, (labels, loss_mask)
+    return input_ids, (labels, loss_mask, loss_weight)

@@ -137,12 +137,15 @@ class OutputPipe(nn.Module):
 
 
 def pipeline_loss_fn(groups: ProcessGroups) -> Callable[[torch.Tensor, Any], torch.Tensor]:
-    """loss_fn(logits, (labels, loss_mask)) for the last stage: masked vocab-parallel CE."""
+    """loss_fn(logits, (labels, loss_mask[, loss_weight])) for the last stage: masked
+    vocab-parallel CE, times the micro-batch's loss_weight when given."""
     group = groups.tensor
 
     def loss_fn(logits: torch.Tensor, labels: Any) -> torch.Tensor:
-        target, mask = labels if isinstance(labels, (tuple, list)) else (labels, None)
-        return lm_loss_parallel(logits, target, mask, group)
+        parts = tuple(labels) if isinstance(labels, (tuple, list)) else (labels,)
+        target, mask, weight = (*parts, None, None)[:3]
+        loss = lm_loss_parallel(logits, target, mask, group)
+        return loss if weight is None else loss * weight
 
     return loss_fn
 

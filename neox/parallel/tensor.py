@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from neox.config.model import ModelConfig
@@ -115,6 +116,8 @@ def apply_tensor_parallel(
     for _, module in model.named_modules():
         if hasattr(module, "query_key_value") and hasattr(module, "num_kv_heads"):
             _shard_attention(module, rank, tp)
+    if not any(p.is_meta for p in model.parameters()):
+        sum_shared_norm_grads(model, group)  # meta models: init_tensor_parallel does it
 
     # The head reads embed_in.weight (tied) or embed_out.weight as F.linear(norm(x), W): with
     # W split by vocab rows the hidden state enters every rank, so its gradient is the sum
@@ -138,6 +141,26 @@ def _shard_attention(attn: nn.Module, rank: int, tp: int) -> None:
         attn.alibi_slopes = list(slopes)[rank * n : (rank + 1) * n]
 
 
+def sum_shared_norm_grads(model: nn.Module, group: Any) -> None:
+    """The q/k norms of each attention (use_qk_layernorm), one weight shared by all heads, see
+    only this rank's heads: their gradients are summed over the tp ranks, so every rank holds
+    the dense model's gradient (and the same weights after the step). Call on materialised
+    parameters: a hook on a meta parameter is lost when `to_empty` replaces it."""
+    for _, module in model.named_modules():
+        for name in ("q_layernorm", "k_layernorm"):
+            norm = getattr(module, name, None)
+            if isinstance(norm, nn.Module) and hasattr(module, "num_kv_heads"):
+                for param in norm.parameters():
+                    param.register_hook(functools.partial(_sum_over_ranks, group=group))
+
+
+def _sum_over_ranks(grad: torch.Tensor, group: Any) -> torch.Tensor:
+    """A replicated parameter's gradient from partial ones: the sum over the tp group."""
+    grad = grad.clone()
+    dist.all_reduce(grad, group=group)
+    return grad
+
+
 def _wrap_forward(module: nn.Module, wrapper: Callable[..., Any]) -> None:
     """module.forward = wrapper(original forward, ...), on this instance only (names unchanged)."""
     original = module.forward
@@ -158,10 +181,12 @@ def init_tensor_parallel(
     Args:
         prefix: the module's name inside the plain GPTNeoX ("layers.3."), so init is by full name.
     """
+    tp = 1 if groups is None else groups.get_tensor_model_parallel_world_size()
     if any(p.is_meta for p in module.parameters()):
         module.to_empty(device=device)
         remark_tensor_parallel(module)
-    tp = 1 if groups is None else groups.get_tensor_model_parallel_world_size()
+        if tp > 1:
+            sum_shared_norm_grads(module, groups.tensor)
     rank = 0 if groups is None else groups.get_tensor_model_parallel_rank()
     for name, param in module.named_parameters():
         dim = getattr(param, "partition_dim", None)

@@ -9,6 +9,7 @@ persistent (unpartitioned) small tensors.
 from __future__ import annotations
 
 from neox.config.model import ModelConfig
+from neox.plan.attention_path import layer_window
 
 
 def norm_parameters(cfg: ModelConfig, dim: int) -> int:
@@ -51,7 +52,9 @@ def block_vector_sizes(cfg: ModelConfig, tp: int = 1) -> list[int]:
     ffn = shape.ffn_size // tp
     sizes = []
     if cfg.use_bias_in_attn_linear:
-        sizes += [qkv_out, h]
+        sizes.append(qkv_out)
+    if shape.attn_dense_bias:
+        sizes.append(h)
     if cfg.use_qk_layernorm:
         sizes += 2 * _norm_tensors(cfg, hs)
     if cfg.use_bias_in_mlp:
@@ -126,6 +129,13 @@ def flops_parameters(cfg: ModelConfig, vocab_size: int) -> int:
 
 def train_flops_per_token(cfg: ModelConfig, vocab_size: int) -> int:
     """Training FLOPs per token, forward + backward: 6N + 12 * L * h * s (attention scores and
-    their weighted sum over the full sequence, as Megatron and PaLM count them; no recompute)."""
-    attention = 12 * cfg.num_layers * cfg.hidden_size * cfg.seq_length
+    their weighted sum over the full sequence, as Megatron and PaLM count them; no recompute),
+    h being the query width heads x head_dim (hidden_size unless head_dim says otherwise) and s
+    the keys a query can see: the sequence, or a sliding window's N + 1 keys if fewer."""
+    width = cfg.num_attention_heads * cfg.shape.head_dim
+    keys = 0
+    for kind in cfg.shape.layer_types:
+        window = layer_window(cfg, kind)
+        keys += cfg.seq_length if window is None else min(cfg.seq_length, window + 1)
+    attention = 12 * width * keys
     return 6 * flops_parameters(cfg, vocab_size) + attention

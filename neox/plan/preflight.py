@@ -16,16 +16,60 @@ def data_prefixes(cfg) -> list[tuple[str, str]]:
     """(config key, dataset prefix) for every dataset the config names."""
     d = cfg.data
     out = [("data_path", d.data_path)] if d.data_path else []
+    out += [("label_data_paths", p) for p in d.label_data_paths or []]
     for split in ("train", "valid", "test"):
         out += [(f"{split}_data_paths", p) for p in getattr(d, f"{split}_data_paths") or []]
-        label = f"{split}_label_data_paths"
-        out += [(label, p) for p in getattr(d, label) or []]
+        out += [
+            (f"{split}_label_data_paths", p) for p in getattr(d, f"{split}_label_data_paths") or []
+        ]
     # Preference training's pairs, their labels and KTO's rewards (neox/data/pairs.py).
     pref = cfg.preference
     for key in type(pref).model_fields:
         if key.endswith("_data_paths"):
             out += [(key, p) for p in getattr(pref, key) or []]
     return out
+
+
+def label_pairs(cfg) -> list[tuple[str, str, str, str]]:
+    """(text key, text prefix, label key, label prefix) for every label dataset named."""
+    d = cfg.data
+    out = []
+    if d.data_path and d.label_data_paths:
+        out.append(("data_path", d.data_path, "label_data_paths", d.label_data_paths[0]))
+    for split in ("train", "valid", "test"):
+        texts = getattr(d, f"{split}_data_paths") or []
+        labels = getattr(d, f"{split}_label_data_paths") or []
+        key, label_key = f"{split}_data_paths", f"{split}_label_data_paths"
+        out += [(key, t, label_key, lab) for t, lab in zip(texts, labels)]
+    return out
+
+
+def label_problems(loaded: LoadedConfig) -> list[str]:
+    """Each label dataset holds one label per token of its text dataset, document by document,
+    in a dtype that can hold -100 (reads the .idx files only)."""
+    from neox.data.indexed import IndexedDataset, IndexedDatasetError, check_label_dataset
+
+    problems = []
+    for key, text, label_key, label in label_pairs(loaded.config):
+        try:
+            text_ds, label_ds = IndexedDataset(text), IndexedDataset(label)
+        except (IndexedDatasetError, OSError):
+            continue  # check_data names the file
+        try:
+            check_label_dataset(text_ds, label_ds)
+            if label_ds.dtype.kind == "u":
+                raise ValueError(
+                    f"label dataset {label}.bin holds unsigned {label_ds.dtype} values, which "
+                    "cannot be -100, so nothing in it is masked; write it with "
+                    "tools/preprocess_data_with_chat_template.py (int32 labels)"
+                )
+        except ValueError as e:
+            where = f"{loaded.source_of(label_key)}: {label_key} (of {key}={text!r})"
+            problems.append(f"{where}: {e}")
+        finally:
+            text_ds.close()
+            label_ds.close()
+    return problems
 
 
 def check_data(loaded: LoadedConfig) -> None:
@@ -41,12 +85,16 @@ def check_data(loaded: LoadedConfig) -> None:
     for key, prefix in prefixes:
         absent = [s for s in (".bin", ".idx") if not Path(prefix + s).is_file()]
         if absent:
+            tool = "tools/preprocess_data.py"
+            if "label" in key:
+                tool = "tools/preprocess_data_with_chat_template.py (or _with_mask.py)"
             missing.append(
                 f"{loaded.source_of(key)}: {key}={prefix!r}: {' and '.join(prefix + s for s in absent)} "
-                "not found; run tools/preprocess_data.py (it writes <prefix>.bin/.idx) or fix the path"
+                f"not found; run {tool} (it writes <prefix>.bin/.idx) or fix the path"
             )
         elif (problem := dataset_problem(prefix)) is not None:
             missing.append(f"{loaded.source_of(key)}: {key}={prefix!r}: {problem}")
+    missing += label_problems(loaded)
     if missing:
         raise ConfigError("\n".join(missing))
 
@@ -291,11 +339,10 @@ def check_generation(loaded: LoadedConfig) -> None:
     problem = checkpoint_problem(cfg.checkpoint.load, cfg.training.iteration)
     problems = [problem] if problem else tokenizer_problems(cfg)
     g, m = cfg.generation, cfg.model
-    if not g.recompute and (m.pos_emb == "alibi" or m.sliding_window_width is not None):
-        what = "pos_emb=alibi" if m.pos_emb == "alibi" else "sliding_window_width"
+    if not g.recompute and m.pos_emb == "alibi":
         problems.append(
-            f"generate.py's KV cache does not support {what}; set `recompute: true` (the whole "
-            "sequence is recomputed each token)"
+            "generate.py's KV cache does not support pos_emb=alibi; set `recompute: true` (the "
+            "whole sequence is recomputed each token)"
         )
     if g.text_gen_type == "input-file":
         if g.sample_input_file is None:

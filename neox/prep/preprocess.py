@@ -21,11 +21,12 @@ import os
 import re
 import signal
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -77,6 +78,7 @@ class PreprocessReport:
     elapsed_s: float = 0.0
     issues: Issues = field(default_factory=Issues)
     outputs: dict[str, list[str]] = field(default_factory=dict)
+    notes: Counter = field(default_factory=Counter)
 
     def format(self) -> str:
         """Multi-line human summary."""
@@ -99,6 +101,7 @@ class PreprocessReport:
             lines += [f"  {e}" for e in self.issues.examples]
         else:
             lines.append("skipped nothing")
+        lines += [f"note: {n} documents {what}" for what, n in self.notes.most_common()]
         return "\n".join(lines)
 
 
@@ -116,10 +119,13 @@ class EncodedBatch:
     issues: Issues
     input_bytes: int
     disk_bytes: int
+    notes: Counter = field(default_factory=Counter)
+    """Documents written but worth a word in the report, by what is noted."""
 
 
-class _Encoder:
-    """Per-process state: the tokenizer is built once, then reused for every batch."""
+class TextEncoder:
+    """One dataset per jsonl key of tokenized text (the tokenizer is built once per process,
+    then reused for every batch)."""
 
     def __init__(self, config: PreprocessConfig, dtype: np.dtype, tokenizer=None):
         from neox.tokenizer import build_tokenizer
@@ -133,6 +139,19 @@ class _Encoder:
             import ftfy
 
             self.fix = ftfy.fix_text
+
+    @property
+    def outputs(self) -> dict[str, tuple[str, np.dtype]]:
+        """Dataset name (a key of EncodedBatch.tokens) -> (output prefix, token dtype)."""
+        return {
+            key: (output_prefix_for(self.config.output_prefix, key), self.dtype)
+            for key in self.config.jsonl_keys
+        }
+
+    def describe(self) -> str:
+        """What tokenizes, for the log."""
+        tok = self.tokenizer
+        return f"{type(tok).__name__} (vocab {tok.vocab_size}, {self.dtype})"
 
     def encode(self, batch: RawBatch) -> EncodedBatch:
         cfg = self.config
@@ -170,7 +189,17 @@ class _Encoder:
         return [x for x in ids if x]
 
 
-_WORKER: _Encoder | None = None
+class Encoder(Protocol):
+    """Turns a RawBatch into the tokens of each output dataset (run in forked workers)."""
+
+    outputs: dict[str, tuple[str, np.dtype]]
+
+    def encode(self, batch: RawBatch) -> EncodedBatch: ...
+
+    def describe(self) -> str: ...
+
+
+_WORKER: Encoder | None = None
 
 
 def _init_worker() -> None:
@@ -262,8 +291,12 @@ class _ShardedWriter:
                         os.remove(tmp)
 
 
-def check_outputs(config: PreprocessConfig) -> list[str]:
-    """Refuse, before any work, outputs that exist (unless overwrite) or cannot be written."""
+def check_outputs(config: PreprocessConfig, prefixes: list[str] | None = None) -> list[str]:
+    """Refuse, before any work, outputs that exist (unless overwrite) or cannot be written.
+
+    Args:
+        prefixes: the datasets to write (default: one per jsonl key).
+    """
     directory = os.path.dirname(os.path.abspath(config.output_prefix))
     if not os.path.isdir(directory):
         raise FileNotFoundError(
@@ -272,7 +305,8 @@ def check_outputs(config: PreprocessConfig) -> list[str]:
         )
     if not os.access(directory, os.W_OK):
         raise PermissionError(f"output directory {directory} is not writable")
-    prefixes = [output_prefix_for(config.output_prefix, k) for k in config.jsonl_keys]
+    if prefixes is None:
+        prefixes = [output_prefix_for(config.output_prefix, k) for k in config.jsonl_keys]
     remove_stale_temps(prefixes)
     if not config.overwrite:
         for prefix in prefixes:
@@ -300,41 +334,45 @@ def _validate(config: PreprocessConfig) -> None:
         import ftfy  # noqa: F401  (fail now, not inside a worker)
 
 
-def preprocess(config: PreprocessConfig) -> PreprocessReport:
-    """Tokenize `config.inputs` into one indexed dataset per jsonl key; returns the report."""
+def preprocess(config: PreprocessConfig, encoder: Encoder | None = None) -> PreprocessReport:
+    """Tokenize `config.inputs` into indexed datasets; returns the report.
+
+    Args:
+        encoder: what turns input into datasets (neox.prep.chat, neox.prep.masking); default:
+            one dataset per jsonl key with `config`'s tokenizer.
+    """
     _validate(config)
     files = expand_inputs(config.inputs)
-    prefixes = check_outputs(config)
-    # Build the tokenizer here too: a bad vocab file fails now, and dtype needs vocab_size.
-    from neox.tokenizer import build_tokenizer
+    if encoder is None:
+        # Build the tokenizer here too: a bad vocab file fails now, and dtype needs vocab_size.
+        from neox.tokenizer import build_tokenizer
 
-    tokenizer = build_tokenizer(config.tokenizer_type, config.vocab_file, config.merge_file)
-    dtype = best_dtype(tokenizer.vocab_size)
+        tokenizer = build_tokenizer(config.tokenizer_type, config.vocab_file, config.merge_file)
+        encoder = TextEncoder(config, best_dtype(tokenizer.vocab_size), tokenizer)
+    outputs = encoder.outputs
+    prefixes = check_outputs(config, [prefix for prefix, _ in outputs.values()])
     logger.info(
-        "tokenizing %d files with %s (vocab %d, %s) on %d workers into %s",
+        "tokenizing %d files with %s on %d workers into %s",
         len(files),
-        type(tokenizer).__name__,
-        tokenizer.vocab_size,
-        dtype,
+        encoder.describe(),
         config.workers,
         ", ".join(prefixes),
     )
     report = PreprocessReport(files=len(files), issues=Issues(config.max_examples))
     writers = {
-        k: _ShardedWriter(p, dtype, config.max_shard_tokens)
-        for k, p in zip(config.jsonl_keys, prefixes)
+        name: _ShardedWriter(prefix, dtype, config.max_shard_tokens)
+        for name, (prefix, dtype) in outputs.items()
     }
     start = time.perf_counter()
     pool = None
     try:
         batches = iter_raw_batches(files, config.batch_bytes)
         if config.workers == 0:
-            encoder = _Encoder(config, dtype, tokenizer)
             results = (encoder.encode(b) for b in batches)
         else:
             # Forked workers inherit the encoder built here: no tokenizer is loaded twice.
             global _WORKER
-            _WORKER = _Encoder(config, dtype, tokenizer)
+            _WORKER = encoder
             # An executor, not a Pool: a Pool silently replaces a worker killed mid-batch (the
             # OOM killer) and waits forever for its batch; an executor reports it as broken.
             pool = _WorkerPool(config.workers)
@@ -483,6 +521,7 @@ def _consume(results, writers, report: PreprocessReport, config, files, start) -
             report.input_bytes += enc.input_bytes
             report.disk_bytes += enc.disk_bytes
             report.issues.merge(enc.issues)
+            report.notes.update(enc.notes)
             bar.update(enc.documents if by_docs else enc.disk_bytes)
             elapsed = max(time.perf_counter() - start, 1e-9)
             docs_s, mb_s = report.documents_read / elapsed, report.input_bytes / elapsed / 1e6

@@ -236,7 +236,10 @@ class ParsedBatch:
     disk_bytes: int
 
 
-def _fail(strict: bool, issues: Issues, reason: str, source: str, line: int, detail: str = ""):
+def fail_document(
+    strict: bool, issues: Issues, reason: str, source: str, line: int, detail: str = ""
+):
+    """Count one bad document, or with strict raise InputError naming it."""
     if strict:
         raise InputError(
             f"{source}:{line}: {reason}" + (f" ({detail})" if detail else "") + "; fix or remove "
@@ -262,13 +265,13 @@ def _add_text(value, key, out, strict, issues, source, line) -> None:
     if type(value) is not str:
         kind = "missing" if value is None else type(value).__name__
         if kind == "missing":
-            _fail(strict, issues, f"missing key {key!r}", source, line)
+            fail_document(strict, issues, f"missing key {key!r}", source, line)
         else:
-            _fail(strict, issues, f"key {key!r} is not text", source, line, f"a {kind}")
+            fail_document(strict, issues, f"key {key!r} is not text", source, line, f"a {kind}")
     elif not value:
-        _fail(strict, issues, "empty document", source, line, f"key {key!r}")
+        fail_document(strict, issues, "empty document", source, line, f"key {key!r}")
     elif not _valid_text(value):
-        _fail(strict, issues, "invalid UTF-8", source, line, "lone surrogate escape")
+        fail_document(strict, issues, "invalid UTF-8", source, line, "lone surrogate escape")
     else:
         out.append(value)
 
@@ -284,7 +287,7 @@ def parse_batch(
         try:
             text = batch.data.decode("utf-8")
         except UnicodeDecodeError as e:
-            _fail(strict, issues, "invalid UTF-8", src, 1, f"byte {e.start}")
+            fail_document(strict, issues, "invalid UTF-8", src, 1, f"byte {e.start}")
         else:
             for k in keys:
                 _add_text(text, k, texts[k], strict, issues, src, 1)
@@ -306,9 +309,9 @@ def parse_batch(
             try:
                 raw.decode("utf-8")
             except UnicodeDecodeError as u:
-                _fail(strict, issues, "invalid UTF-8", src, line, f"byte {u.start}")
+                fail_document(strict, issues, "invalid UTF-8", src, line, f"byte {u.start}")
             else:
-                _fail(strict, issues, "malformed JSON", src, line, str(e)[:80])
+                fail_document(strict, issues, "malformed JSON", src, line, str(e)[:80])
             continue
         documents += 1
         if type(obj) is dict:
@@ -323,8 +326,55 @@ def parse_batch(
                 _add_text(obj, key, out, strict, issues, src, batch.first_line + i)
         else:
             kind = type(obj).__name__
-            _fail(strict, issues, "not a JSON object", src, batch.first_line + i, f"a {kind}")
+            fail_document(
+                strict, issues, "not a JSON object", src, batch.first_line + i, f"a {kind}"
+            )
     return ParsedBatch(texts, documents, issues, len(batch.data), batch.disk_bytes)
+
+
+@dataclass
+class ParsedRecords:
+    """The JSON objects of one RawBatch with their line numbers, plus what was read and skipped."""
+
+    records: list[tuple[int, dict]]
+    documents: int
+    issues: Issues
+    input_bytes: int
+    disk_bytes: int
+
+
+def parse_records(batch: RawBatch, strict: bool = False, max_examples: int = 10) -> ParsedRecords:
+    """Parse a RawBatch of jsonl into whole objects (for structured fields such as chat
+    messages), counting (or, if strict, raising on) lines that are not JSON objects."""
+    issues = Issues(max_examples)
+    src, records, documents = batch.source, [], 0
+    if batch.whole_document:
+        fail_document(strict, issues, "not jsonl", src, 1, "a text file holds no JSON records")
+        return ParsedRecords(records, 1, issues, len(batch.data), batch.disk_bytes)
+    lines = batch.data.split(b"\n")
+    if lines and not lines[-1]:
+        lines.pop()
+    for i, raw in enumerate(lines):
+        line = batch.first_line + i
+        if not raw.strip():
+            issues.add("blank line", src, line)
+            continue
+        documents += 1
+        try:
+            obj = ujson.loads(raw)
+        except ValueError as e:
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError as u:
+                fail_document(strict, issues, "invalid UTF-8", src, line, f"byte {u.start}")
+            else:
+                fail_document(strict, issues, "malformed JSON", src, line, str(e)[:80])
+            continue
+        if type(obj) is not dict:
+            fail_document(strict, issues, "not a JSON object", src, line, f"a {type(obj).__name__}")
+            continue
+        records.append((line, obj))
+    return ParsedRecords(records, documents, issues, len(batch.data), batch.disk_bytes)
 
 
 def iter_documents(

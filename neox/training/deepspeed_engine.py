@@ -19,14 +19,14 @@ from __future__ import annotations
 import math
 import types
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any, Optional
 
 import torch
 from torch import nn
 
 from neox.data.batch import Batch
-from neox.training.engine import LossFn, StepResult, forward_loss
+from neox.training.engine import LossFn, StepResult, forward_loss, take, weigh_micro_batches
 
 
 class DeepSpeedAdapter:
@@ -77,12 +77,14 @@ class DeepSpeedAdapter:
     def train_batch(self, batches: Iterator[Batch]) -> StepResult:
         skipped_before = self.ds.skipped_steps
         grad_norm, skipped = None, False
+        step = take(batches, self.grad_accum)
+        trained = weigh_micro_batches(step, self._dp_group())
         if self.pipeline:
-            loss = self.ds.train_batch(data_iter=_pipeline_batches(batches))
+            loss = self.ds.train_batch(data_iter=_pipeline_batches(step))
         else:
             losses = []
-            for micro in range(self.grad_accum):
-                loss = self.loss_fn(self.ds, next(batches))
+            for micro, batch in enumerate(step):
+                loss = self.loss_fn(self.ds, batch)
                 self.ds.backward(loss)
                 losses.append(loss.detach())
                 if micro == self.grad_accum - 1 and self.own_norm:
@@ -97,15 +99,21 @@ class DeepSpeedAdapter:
         if grad_norm is None:
             grad_norm = self.ds.get_global_grad_norm()
         scale = getattr(self.ds.optimizer, "cur_scale", None) if self.fp16 else None
-        return StepResult(loss, grad_norm, skipped, None if scale is None else float(scale))
+        scale = None if scale is None else float(scale)
+        return StepResult(loss, grad_norm, skipped, scale, trained)
+
+    def _dp_group(self) -> Any:
+        """The data-parallel group (the pipeline's grid, or the mpu; None: the world)."""
+        mpu = self.ds.mpu
+        return None if mpu is None else mpu.get_data_parallel_group()
 
     @torch.no_grad()
     def eval_batch(self, batches: Iterator[Batch]) -> torch.Tensor:
+        step = take(batches, self.grad_accum)
+        weigh_micro_batches(step, self._dp_group())
         if self.pipeline:
-            return self.ds.eval_batch(data_iter=_pipeline_batches(batches))
-        return torch.stack(
-            [self.loss_fn(self.ds, next(batches)) for _ in range(self.grad_accum)]
-        ).mean()
+            return self.ds.eval_batch(data_iter=_pipeline_batches(step))
+        return torch.stack([self.loss_fn(self.ds, b) for b in step]).mean()
 
     def save(self, save_dir: str, tag: str, client_state: dict[str, Any]) -> None:
         # DeepSpeed's own `latest` is a plain write, made before other ranks are known to be done.
@@ -137,12 +145,12 @@ class DeepSpeedAdapter:
         self.ds.destroy()
 
 
-def _pipeline_batches(batches: Iterator[Batch]) -> Iterator:
+def _pipeline_batches(batches: Iterable[Batch]) -> Iterator:
     """Micro-batches in the (inputs, labels) form DeepSpeed's pipeline engine consumes."""
     from neox.parallel import pipeline_batch
 
     for b in batches:
-        yield pipeline_batch(b.tokens, b.labels, b.loss_mask)
+        yield pipeline_batch(b.tokens, b.labels, b.loss_mask, b.loss_weight)
 
 
 def stage0_grad_norm(engine: Any) -> Optional[float]:

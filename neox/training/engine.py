@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Protocol, Union
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from neox.data.batch import Batch
@@ -39,6 +40,8 @@ class StepResult:
     """Whether the optimizer update was skipped (an inf/NaN gradient, or fp16 overflow)."""
     loss_scale: Scalar = None
     """fp16's current loss scale; None in bf16/fp32."""
+    trained_tokens: Scalar = None
+    """Tokens the loss was averaged over: the loss mask's sum over the whole global batch."""
 
 
 class Engine(Protocol):
@@ -87,6 +90,41 @@ Objective (neox/training/preference.py) otherwise, chosen once at setup."""
 
 
 def forward_loss(model: Any, batch: Batch) -> torch.Tensor:
-    """The model returns the loss itself, so the output layer and the loss can run fused."""
+    """The micro-batch's share of the step's loss. The model returns its masked mean itself (so
+    the output layer and the loss can run fused); `loss_weight` rescales it to the global one."""
     b = batch
-    return model(b.tokens, b.position_ids, b.attention_mask, b.labels, b.loss_mask)
+    loss = model(b.tokens, b.position_ids, b.attention_mask, b.labels, b.loss_mask)
+    return loss if b.loss_weight is None else loss * b.loss_weight
+
+
+def take(batches: Iterator[Batch], n: int) -> list[Batch]:
+    """The next `n` micro-batches: one step's."""
+    return [next(batches) for _ in range(n)]
+
+
+def weigh_micro_batches(
+    batches: list[Batch], group: Any = None, world: Optional[int] = None
+) -> torch.Tensor:
+    """Make the step's loss the mean over the trained tokens of the whole global batch; returns
+    their count (a 0-d float64 device tensor, never read here).
+
+    Each engine averages micro-batch losses: over the accumulation steps (the backward divides
+    by them) and over the data-parallel ranks (the gradient all-reduce). A micro-batch with
+    c_i trained tokens and masked mean S_i / c_i gets loss_weight c_i * n * dp / N, N the
+    count over all micro-batches and ranks, so those averages give sum(S) / N exactly, in loss
+    and gradient, however unevenly the mask falls. One all-reduce of one number over `group`
+    (the data-parallel group; None: the world); queued on the device, no host sync. Without
+    masks every weight is exactly 1.0 and the losses are bit for bit the per-batch means.
+    DeepSpeed's engine (every layout: TP, the pipeline's loss_fn, ZeRO) steps so; the flat
+    engine reaches the same numbers without this all-reduce (FlatEngine.train_batch).
+    """
+    counts = torch.stack([b.trained_tokens for b in batches])
+    total = counts.sum()
+    dp = world if world is not None else dist.get_world_size(group) if dist.is_initialized() else 1
+    if dp > 1:
+        dist.all_reduce(total, group=group)
+    # A global batch with nothing to train gives weights 0 (loss 0), not NaN.
+    weights = counts * (len(batches) * dp) / total.clamp(min=1.0)
+    for b, w in zip(batches, weights.float()):
+        b.loss_weight = w
+    return total

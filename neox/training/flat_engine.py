@@ -43,7 +43,7 @@ from torch import nn
 from neox.checkpoint.trust import load_file
 from neox.data.batch import Batch
 from neox.plan.engine_choice import one_pass_adamw
-from neox.training.engine import LossFn, StepResult, forward_loss
+from neox.training.engine import LossFn, StepResult, forward_loss, take, weigh_micro_batches
 
 log = logging.getLogger(__name__)
 
@@ -199,6 +199,10 @@ class FlatEngine:
         self.micro_steps = 0
         self._skipped = torch.zeros((), device=device)
         self._norm: Optional[torch.Tensor] = None
+        # train_batch's count of this rank's trained tokens in the step (losses are then sums
+        # over tokens); None for DeepSpeed-style backward/step calls, whose losses are means.
+        self._step_tokens: Optional[torch.Tensor] = None
+        self._trained: Optional[torch.Tensor] = None  # the last step's global count
 
     # -- forward, backward, step --------------------------------------------------------------
 
@@ -219,21 +223,35 @@ class FlatEngine:
         """One optimizer step: forward, backward and step over each of its micro-batches."""
         losses = []
         skipped_before = self._skipped.clone()
-        for _ in range(self.grad_accum):
-            with self.timers(FWD):
-                loss = self.loss_fn(self, next(batches))
-            with self.timers(BWD):
-                self.backward(loss)
-            with self.timers(STEP):
-                self.step()
-            losses.append(loss.detach())
-        loss = torch.stack(losses).mean()
-        return StepResult(loss, self._norm, self._skipped > skipped_before)
+        step = take(batches, self.grad_accum)
+        # Each micro-batch's loss is its sum over trained tokens (its mean times their count);
+        # the step divides the summed gradients by the global count, which travels in the
+        # all-reduce of the gradient norm: no collective of its own.
+        counts = [b.trained_tokens for b in step]
+        for b, count in zip(step, counts):
+            b.loss_weight = count.float()
+        self._step_tokens = torch.stack(counts).sum()
+        try:
+            for batch in step:
+                with self.timers(FWD):
+                    loss = self.loss_fn(self, batch)
+                with self.timers(BWD):
+                    self.backward(loss)
+                with self.timers(STEP):
+                    self.step()
+                losses.append(loss.detach())
+        finally:
+            self._step_tokens = None
+        trained = self._trained
+        # This rank's share of the global mean: the data-parallel mean of it is sum / count.
+        loss = torch.stack(losses).sum() * self.dp / trained.clamp(min=1.0)
+        return StepResult(loss.float(), self._norm, self._skipped > skipped_before, None, trained)
 
     @torch.no_grad()
     def eval_batch(self, batches: Iterator[Batch]) -> torch.Tensor:
-        losses = [self.loss_fn(self, next(batches)) for _ in range(self.grad_accum)]
-        return torch.stack(losses).mean()
+        step = take(batches, self.grad_accum)
+        weigh_micro_batches(step, self.dp_group, self.dp)
+        return torch.stack([self.loss_fn(self, b) for b in step]).mean()
 
     def is_gradient_accumulation_boundary(self) -> bool:
         return (self.micro_steps + 1) % self.grad_accum == 0
@@ -263,21 +281,32 @@ class FlatEngine:
     def _optimizer_step(self) -> None:
         for g in self.groups:
             g.reduce_gradients(self.dp_group, self.comm_dtype)
-        # The partitions hold gradient sums over the ranks: the norm of their mean is the
-        # all-reduced sum of squares, square-rooted, over dp.
+        # The partitions hold gradient sums over the ranks: the norm of the gradient is the
+        # all-reduced sum of squares, square-rooted, over the divisor: dp for mean losses, the
+        # step's global trained-token count (over the accumulation steps, which backward
+        # divides by) for train_batch's summed ones. One all-reduce carries both.
         squares = torch.stack(
             [torch.linalg.vector_norm(g.part_grad, dtype=torch.float32) ** 2 for g in self.groups]
         ).sum()
-        if self.dp > 1:
-            dist.all_reduce(squares, group=self.dp_group)
-        norm = squares.sqrt() / self.dp
+        if self._step_tokens is None:
+            if self.dp > 1:
+                dist.all_reduce(squares, group=self.dp_group)
+            divisor = torch.full((), float(self.dp), device=squares.device)
+        else:
+            both = torch.stack([squares.double(), self._step_tokens.double()])
+            if self.dp > 1:
+                dist.all_reduce(both, group=self.dp_group)
+            squares, self._trained = both[0].float(), both[1]
+            divisor = (self._trained.clamp(min=1.0) / self.grad_accum).float()
+        norm = squares.sqrt() / divisor
         found_inf = (~torch.isfinite(norm)).float()
-        # The sums are divided by dp and, as DeepSpeed clips, by (norm + 1e-6) / clip where that
-        # exceeds 1: both through the optimizer's grad_scale, which also skips on found_inf.
-        scale = torch.full((), float(self.dp), device=norm.device)
+        # The sums are divided by the divisor and, as DeepSpeed clips, by (norm + 1e-6) / clip
+        # where that exceeds 1: both through the optimizer's grad_scale, which also skips on
+        # found_inf.
+        scale = divisor
         if self.clip > 0:
             ratio = (norm + 1e-6) / self.clip
-            scale = torch.where(ratio > 1, ratio * self.dp, scale)
+            scale = torch.where(ratio > 1, ratio * divisor, scale)
         if self.one_pass:
             self._one_pass_step(scale, found_inf)
         else:

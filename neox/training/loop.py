@@ -34,9 +34,16 @@ def next_batch(run: Run, stream: Iterator) -> Batch:
     if run.objective is not None:  # train_impl dpo/kto/rm: whole documents, pairs or rewards
         return run.objective.batch(next(stream), run.device)
     d = run.cfg.data
-    text = next(stream)["text"].to(run.device, non_blocking=True)
+    data = next(stream)
+    text = data["text"].to(run.device, non_blocking=True)
+    label = data.get("label")
     return build_batch(
-        text, run.tokenizer.eod, d.eod_mask_loss, d.reset_position_ids, d.reset_attention_mask
+        text,
+        run.tokenizer.eod,
+        d.eod_mask_loss,
+        d.reset_position_ids,
+        d.reset_attention_mask,
+        None if label is None else label.to(run.device, non_blocking=True),
     )
 
 
@@ -56,6 +63,7 @@ def train_step(run: Run, stream: Iterator, iteration: int) -> DeviceScalars:
         metrics["grad_norm"] = step.grad_norm
     metrics["skipped"] = step.skipped
     metrics["loss_scale"] = step.loss_scale  # None (not written) outside fp16
+    metrics["trained_tokens"] = step.trained_tokens  # the loss's denominator, global batch
     return DeviceScalars(metrics)
 
 
@@ -147,6 +155,7 @@ class StepRecords:
             metrics["skipped"] and run.derived.precision != "fp16"
         )
         run.counters["skipped_steps"] += int(metrics.pop("skipped"))
+        run.counters["consumed_trained_tokens"] += int(metrics.get("trained_tokens", 0))
         run.counters["nonfinite_steps"] += int(nonfinite)
         self.in_a_row = self.in_a_row + 1 if nonfinite else 0
         if t.max_nonfinite_steps and self.in_a_row >= t.max_nonfinite_steps:

@@ -218,6 +218,8 @@ def format_line(step: int, total: int, m: dict[str, float]) -> str:
     parts = [f"iter {step}/{total}"]
     if "consumed_tokens" in m:
         parts.append(f"samples {_si(m['consumed_samples'])} tokens {_si(m['consumed_tokens'])}")
+    if "trained_tokens" in m and m.get("consumed_trained_tokens") != m.get("consumed_tokens"):
+        parts.append(f"trained {_si(m['trained_tokens'])}/step")
     parts.append(f"loss {m['loss']:.4f}")
     parts.append(f"lr {m['lr']:.3g}")
     for key, label in (("grad_norm", "gnorm"), ("loss_scale", "scale")):

@@ -38,6 +38,15 @@ class PreferenceBatch(Batch):
 
     rewards: Optional[torch.Tensor] = None
     """KTO: each row's reward (B,); > 0 desirable, < 0 undesirable."""
+    paired: bool = False
+    """Rows are chosen answers then rejected ones (DPO, RM)."""
+
+    @property
+    def trained_tokens(self) -> torch.Tensor:
+        """The units the loss averages over, as the engines weigh micro-batches by them: pairs
+        (DPO, RM) or answers (KTO), so a step's loss is the mean over the global batch's."""
+        rows = self.tokens.shape[0] // (2 if self.paired else 1)
+        return torch.tensor(float(rows), dtype=torch.float64, device=self.tokens.device)
 
 
 def documents_batch(tokens: torch.Tensor, labels: torch.Tensor) -> PreferenceBatch:
@@ -134,6 +143,12 @@ class Objective:
         raise NotImplementedError
 
     def __call__(self, model: Callable[..., torch.Tensor], batch: Batch) -> torch.Tensor:
+        """The micro-batch's loss, times the weight the engine gave it (forward_loss's rule)."""
+        loss = self.loss(model, batch)
+        return loss if batch.loss_weight is None else loss * batch.loss_weight
+
+    def loss(self, model: Callable[..., torch.Tensor], batch: Batch) -> torch.Tensor:
+        """The mean loss over the micro-batch's pairs or answers."""
         raise NotImplementedError
 
     def start(self, policy: nn.Module, state: Optional[dict[str, Any]]) -> None:
@@ -162,7 +177,7 @@ class DPO(Objective):
     def batch(self, sample: dict[str, torch.Tensor], device: torch.device) -> PreferenceBatch:
         return paired_batch(sample, device)
 
-    def __call__(self, model: Callable[..., torch.Tensor], batch: Batch) -> torch.Tensor:
+    def loss(self, model: Callable[..., torch.Tensor], batch: Batch) -> torch.Tensor:
         p = self.cfg
         fp32 = p.dpo_fp32
         if self.reference is None:  # dpo_reference_free
@@ -193,7 +208,7 @@ class KTO(Objective):
         b.rewards = sample["reward"].to(device).float()
         return b
 
-    def __call__(self, model: Callable[..., torch.Tensor], batch: Batch) -> torch.Tensor:
+    def loss(self, model: Callable[..., torch.Tensor], batch: Batch) -> torch.Tensor:
         p = self.cfg
         ref = self.sequence_logps(self.reference(batch), batch, p.kto_fp32)
         logits = model(batch.tokens, batch.position_ids, batch.attention_mask)
@@ -232,7 +247,7 @@ class RewardModel(Objective):
     def batch(self, sample: dict[str, torch.Tensor], device: torch.device) -> PreferenceBatch:
         return paired_batch(sample, device)
 
-    def __call__(self, model: Callable[..., torch.Tensor], batch: Batch) -> torch.Tensor:
+    def loss(self, model: Callable[..., torch.Tensor], batch: Batch) -> torch.Tensor:
         values = model(batch.tokens, batch.position_ids, batch.attention_mask)  # (N, T, 1)
         values = values.float().squeeze(-1)
         T = values.shape[1]
@@ -259,7 +274,9 @@ def paired_batch(sample: dict[str, torch.Tensor], device: torch.device) -> Prefe
     """Chosen rows then rejected rows, one pair per row index."""
     tokens = torch.cat([sample["chosen"], sample["rejected"]]).to(device, non_blocking=True)
     labels = torch.cat([sample["chosen_label"], sample["rejected_label"]]).to(device)
-    return documents_batch(tokens, labels)
+    batch = documents_batch(tokens, labels)
+    batch.paired = True
+    return batch
 
 
 # -- the reward head ----------------------------------------------------------------------------

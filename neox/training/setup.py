@@ -45,7 +45,11 @@ class Run:
     groups: Any  # neox.parallel.ProcessGroups
     # Kept in checkpoints, so a resumed run goes on counting.
     counters: dict[str, int] = field(
-        default_factory=lambda: {"skipped_steps": 0, "nonfinite_steps": 0}
+        default_factory=lambda: {
+            "skipped_steps": 0,
+            "nonfinite_steps": 0,
+            "consumed_trained_tokens": 0,  # the loss masks' sums, summed over the steps
+        }
     )
     # train_impl dpo/kto/rm: its batch, loss and metrics (neox/training/preference.py).
     objective: Optional[Objective] = None
@@ -213,6 +217,12 @@ def build_data(
         pin_memory=run.device.type == "cuda",
         cache_dir=data.data_cache_dir,
         use_shared_fs=data.use_shared_fs,
+        label_data_path=data.label_data_paths[0] if data.label_data_paths else None,
+        train_label_data_paths=data.train_label_data_paths,
+        valid_label_data_paths=data.valid_label_data_paths,
+        test_label_data_paths=data.test_label_data_paths,
+        pack_impl=data.pack_impl,
+        allow_chopped=data.allow_chopped,
     )
 
 

@@ -1,3 +1,4 @@
+import math
 import re
 from pathlib import Path
 
@@ -245,3 +246,82 @@ def test_the_model_shape_is_computed_once_and_carried():
     assert (longer.shape.max_positions, m.shape.max_positions) == (512, 128)
     with pytest.raises(ValueError, match="not divisible"):
         m.model_copy(update={"num_attention_heads": 5})
+
+
+ROTARY = dict(pos_emb="rotary", seq_length=64)
+
+
+def test_rope_scaling_mapping_equals_the_flat_keys():
+
+    flat = ModelConfig(
+        **ROTARY,
+        rope_scaling_type="llama3",
+        rope_scaling_factor=8.0,
+        rope_low_freq_factor=1.0,
+        rope_high_freq_factor=4.0,
+        rope_original_max_position_embeddings=16,
+    )
+    nested = ModelConfig(
+        **ROTARY,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+        },
+    )
+    assert flat.shape.rope == nested.shape.rope
+    assert flat.shape.rope.original_max_positions == 16
+    # yarn's defaults, as transformers resolves them: factor from the lengths, 0.1 ln(f) + 1.
+    yarn = ModelConfig(**ROTARY, rope_scaling_type="yarn", rope_original_max_position_embeddings=16)
+    assert yarn.shape.rope.factor == 4.0
+    assert yarn.shape.rope.attention_factor == pytest.approx(0.1 * math.log(4.0) + 1)
+    assert (yarn.shape.rope.beta_fast, yarn.shape.rope.beta_slow) == (32.0, 1.0)
+
+
+@pytest.mark.parametrize(
+    "keys,words",
+    [
+        (dict(rope_scaling_type="llama3", rope_scaling_factor=8.0), "rope_low_freq_factor"),
+        (dict(rope_scaling_type="linear"), "needs rope_scaling_factor"),
+        (dict(rope_scaling_factor=2.0), "rope_scaling_factor=2.0 set without rope_scaling_type"),
+        (
+            dict(rope_scaling_type="dynamic", rope_scaling_factor=2.0, rope_yarn_beta_fast=8.0),
+            "rope_yarn_beta_fast=8.0 do not apply to rope_scaling_type='dynamic'",
+        ),
+        (
+            dict(rope_scaling_type="linear", rope_scaling_factor=2.0, rope_scaling={"factor": 2}),
+            "keep one spelling",
+        ),
+        (
+            dict(rope_scaling={"rope_type": "longrope", "factor": 2.0}),
+            "'longrope' is not supported",
+        ),
+        (dict(rope_scaling={"rope_type": "linear", "factor": -1}), "factor=-1"),
+        (dict(rope_scaling={"rope_type": "linear", "rope_theta": 5.0}), "rope_theta=5.0"),
+        (dict(rope_scaling_type="linear", rope_scaling_factor=2.0, pos_emb="alibi"), "rotary"),
+        (
+            dict(
+                rope_scaling_type="llama3",
+                rope_scaling_factor=8.0,
+                rope_low_freq_factor=4.0,
+                rope_high_freq_factor=1.0,
+            ),
+            "must exceed",
+        ),
+    ],
+)
+def test_rope_scaling_mistakes_are_named(keys, words):
+
+    with pytest.raises(ValueError, match=re.escape(words)):
+        ModelConfig(**{**ROTARY, **keys})
+
+
+def test_head_dim_and_dense_bias_shape_the_attention():
+
+    m = ModelConfig(
+        hidden_size=24, num_attention_heads=4, head_dim=16, use_bias_in_attn_dense=False
+    )
+    assert (m.shape.head_dim, m.shape.attn_dense_bias) == (16, False)
+    assert ModelConfig(use_bias_in_attn_linear=False).shape.attn_dense_bias is False

@@ -2,7 +2,8 @@ import json
 
 import pytest
 
-from neox.config import ConfigError, load_config, load_dict
+from neox.config import ConfigError, derive, load_config, load_dict
+from neox.config.schema import ParallelConfig
 
 GPT_NEOX_STYLE = """
 # a gpt-neox config: a YAML flow mapping with comments, trailing commas and True/False
@@ -92,6 +93,24 @@ def test_cross_field_error_names_the_fix(tmp_path):
         ConfigError, match=r"heads.yml: hidden_size=96 is not divisible by num_attention_heads=5"
     ):
         load_config([path])
+
+
+def test_derive_errors_name_the_files_that_set_their_keys(tmp_path):
+    model = write(tmp_path, "model.yml", "num_attention_heads: 4\ngradient_accumulation_steps: 2\n")
+    setup = write(tmp_path, "setup.yml", "model_parallel_size: 3\ntrain_batch_size: 6\n")
+    loaded = load_config([model, setup])
+    with pytest.raises(ConfigError) as layout:
+        derive(loaded.config, 3)
+    assert str(loaded.explain(layout.value)) == (
+        f"{model}, {setup}: num_attention_heads=4 is not divisible by model_parallel_size=3; "
+        "use model_parallel_size 1, 2 or 4"
+    )
+    with pytest.raises(ConfigError) as batch:
+        derive(loaded.config.model_copy(update={"parallel": ParallelConfig()}), 4)
+    assert str(loaded.explain(batch.value)).startswith(
+        f"{model}, {setup}: train_batch_size=6 is not divisible by gradient_accumulation_steps=2 x "
+        "data-parallel size 4 = 8;"
+    )
 
 
 @pytest.mark.parametrize(

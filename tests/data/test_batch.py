@@ -53,3 +53,21 @@ def test_bad_shapes_are_refused():
         build_batch(torch.tensor([1, 2, 3]), EOD)
     with pytest.raises(ValueError, match="seq_length"):
         build_batch(torch.tensor([[1]]), EOD)
+
+
+def test_label_windows_mask_where_minus_100_and_target_their_own_values():
+    text = torch.tensor([[5, 6, 7, 8, 9]])
+    label = torch.tensor([[-100, -100, 7, 8, -100]])
+    batch = build_batch(text, EOD, label=label)
+    assert batch.labels.tolist() == [[0, 7, 8, 0]]  # masked targets hold a valid id, 0
+    assert batch.loss_mask.tolist() == [[0, 1, 1, 0]]
+    assert batch.trained_tokens.item() == 2
+    # EOD masking composes with the label mask; document resets read the tokens alone.
+    text = torch.tensor([[5, EOD, 7, 8, 9]])
+    label = torch.tensor([[5, EOD, 7, 8, 9]])
+    both = build_batch(text, EOD, True, True, True, label=label)
+    assert both.loss_mask.tolist() == [[1, 0, 1, 1]]
+    assert both.position_ids.tolist() == [[0, 1, 0, 1]]
+    assert both.attention_mask[0, 0].tolist()[2] == [False, False, True, False]
+    with pytest.raises(ValueError, match="must match the text windows"):
+        build_batch(text, EOD, label=label[:, :-1])

@@ -159,3 +159,85 @@ def test_samples_of_real_text_are_its_bytes_in_document_order(tmp_path, shared_d
     for i in (0, 1, 999, 1999):
         j = int(ds.shuffle_idx[i])
         assert bytes(ds[i]["text"].astype(np.uint8)) == stream[j * 128 : j * 128 + 129]
+
+
+def labelled(docs, rng):
+    """Label documents for `docs`: each token id where trained, -100 where not (a random
+    prompt length, and a few documents with nothing trained at all)."""
+    out = []
+    for i, doc in enumerate(docs):
+        label = np.asarray(doc, dtype=np.int64).copy()
+        cut = rng.randint(0, len(doc) + 1) if i % 7 else len(doc)
+        label[:cut] = -100
+        out.append(label)
+    return out
+
+
+def test_packed_label_windows_are_aligned_with_the_token_windows(tmp_path):
+    docs = random_docs(40, seed=3)
+    indexed = write_dataset(tmp_path / "text", docs)
+    labels = write_dataset(tmp_path / "label", labelled(docs, np.random.RandomState(0)), np.int32)
+    ds = GPTDataset("train", indexed, np.arange(40), 30, 16, seed=5, label=labels)
+    for i in range(30):
+        item = ds[i]
+        text, label = item["text"], item["label"]
+        assert label.shape == text.shape and label.dtype == np.int64
+        trained = label >= 0
+        np.testing.assert_array_equal(label[trained], text[trained])
+        assert set(np.unique(label[~trained]).tolist()) <= {-100}
+    # Without labels the items are exactly the pretraining ones.
+    plain = GPTDataset("train", indexed, np.arange(40), 30, 16, seed=5)
+    np.testing.assert_array_equal(plain[3]["text"], ds[3]["text"])
+    assert "label" not in plain[3]
+
+
+def test_a_label_dataset_of_other_document_lengths_is_refused_naming_both(tmp_path):
+    docs = random_docs(10, seed=4)
+    indexed = write_dataset(tmp_path / "text", docs)
+    wrong = write_dataset(tmp_path / "label", [d[:-1] if len(d) > 1 else d for d in docs])
+    with pytest.raises(
+        ValueError, match=r"label\.bin/\.idx does not match its text dataset .*text"
+    ):
+        GPTDataset("train", indexed, np.arange(10), 5, 8, seed=1, label=wrong)
+
+
+@pytest.mark.parametrize("pack_impl", ["unpacked", "pack_until_overflow"])
+def test_whole_document_samples_pad_and_never_train_the_padding(tmp_path, pack_impl):
+    docs = random_docs(30, seed=6, max_len=14, vocab=500)
+    docs[4] = np.arange(1, 40)  # longer than a sample: cut to its start
+    indexed = write_dataset(tmp_path / "text", docs)
+    labels = write_dataset(tmp_path / "label", labelled(docs, np.random.RandomState(1)), np.int32)
+    seq = 16
+    ds = GPTDataset(
+        "train", indexed, np.arange(30), 50, seq, seed=2, label=labels, pack_impl=pack_impl
+    )
+    assert len(ds) == 50
+    for i in range(len(ds)):
+        sample = int(ds.shuffle_idx[i])
+        members = ds.doc_idx[ds.sample_idx[sample][0] : ds.sample_idx[sample + 1][0]]
+        text, label = ds[i]["text"], ds[i]["label"]
+        assert text.shape == label.shape == (seq + 1,)
+        whole = np.concatenate([docs[d] for d in members])[: seq + 1]
+        np.testing.assert_array_equal(text[: len(whole)], whole)
+        assert (text[len(whole) :] == 0).all() and (label[len(whole) :] == -100).all()
+        if pack_impl == "unpacked":
+            assert len(members) == 1
+        else:  # whole documents until the next would overflow
+            sizes = [len(docs[d]) for d in members]
+            assert len(members) == 1 or sum(sizes) <= seq + 1
+        # Documents with nothing trained are never drawn (every 7th has none).
+        assert all(int(d) % 7 for d in members)
+
+
+def test_allow_chopped_false_leaves_long_documents_out(tmp_path):
+    docs = [np.arange(1, 6), np.arange(1, 40), np.arange(7, 12)]
+    indexed = write_dataset(tmp_path / "text", docs)
+    ds = GPTDataset(
+        "train", indexed, np.arange(3), 10, 8, seed=0, pack_impl="unpacked", allow_chopped=False
+    )
+    assert 1 not in set(ds.doc_idx.tolist())
+    # Without a label dataset, the label window is the text with its padding masked.
+    item = ds[0]
+    n = int((item["label"] >= 0).sum())
+    np.testing.assert_array_equal(item["label"][:n], item["text"][:n])
+    assert n == 5

@@ -48,6 +48,14 @@ FAULTS = [
         dry_run=True,
     ),
     Fault(
+        "batch_triple_off",
+        "a batch triple that does not multiply out names the files that set its keys",
+        {"bad.yml": "train_batch_size: 12\n"},
+        "bad.yml, configs/tiny.yml: train_batch_size=12 != train_micro_batch_size_per_gpu=8 x "
+        "gradient_accumulation_steps=1 x data-parallel size 1 = 8",
+        dry_run=True,
+    ),
+    Fault(
         "key_twice",
         "the same key twice in one file names both lines instead of keeping the last",
         {"bad.yml": "hidden_size: 64\nseq_length: 64\nhidden-size: 128\n"},

@@ -1,6 +1,7 @@
 """The per-node agent: the ranks' parent. It names the first rank to fail by construction, stops
 its ranks when its own parent dies (kill -9), and leaves neither a process nor a /dev/shm buffer."""
 
+import argparse
 import json
 import os
 import signal
@@ -179,3 +180,63 @@ def test_control_channel_stop_then_kill(tmp_path):
     finally:
         agent.kill()
         agent.wait()
+
+
+# A rank stand-in that writes where it was placed, notes SIGTERM and stays.
+PLACED = """
+import json, os, signal, sys, time
+from pathlib import Path
+out, rank = Path(sys.argv[-1]), os.environ["RANK"]
+signal.signal(signal.SIGTERM, lambda *_: (out / f"term{rank}").write_text("x"))
+keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "CROSS_RANK", "SLURM_PROCID", "CUDA_VISIBLE_DEVICES")
+(out / f"env{rank}").write_text(json.dumps({k: os.environ.get(k) for k in keys}))
+time.sleep(120)
+"""
+
+
+def test_under_srun_the_node_rank_comes_from_it_and_usr1_usr2_stop_and_kill(tmp_path):
+    """srun's way: node rank in SLURM_NODEID, a GPU allocation in CUDA_VISIBLE_DEVICES, and
+    SIGUSR1/SIGUSR2 delivered to every process of the job, ranks included."""
+    script = tmp_path / "placed.py"
+    script.write_text(PLACED)
+    argv = [sys.executable, "-m", "neox.launcher.agent", "--node_rank_env=SLURM_NODEID"]
+    argv += ["--nodes=1,2", "--devices=0/1,0", "--master_addr=127.0.0.1"]
+    argv += [f"--master_port={free_port()}", "--stop_grace_s=600", str(script), str(tmp_path)]
+    placed = dict(SLURM_NODEID="1", SLURM_PROCID="1", CUDA_VISIBLE_DEVICES="4,5")
+    environ = {k: v for k, v in env().items() if k != "DS_ACCELERATOR"}
+    agent = subprocess.Popen(
+        argv, env=dict(environ, **placed), stdout=subprocess.PIPE, start_new_session=True
+    )
+    try:
+        wait_for(lambda: all((tmp_path / f"env{r}").exists() for r in (1, 2)))
+        seen = {r: json.loads((tmp_path / f"env{r}").read_text()) for r in (1, 2)}
+        assert seen[1] == dict(
+            RANK="1", LOCAL_RANK="0", WORLD_SIZE="3", CROSS_RANK="1", SLURM_PROCID="1",
+            CUDA_VISIBLE_DEVICES="5,4",  # slots 1,0 of the allocation's 4,5
+        )  # fmt: skip
+        assert seen[2]["RANK"] == seen[2]["SLURM_PROCID"] == "2" and seen[2]["LOCAL_RANK"] == "1"
+        os.killpg(agent.pid, signal.SIGUSR1)  # a stop, to the whole job
+        wait_for(lambda: all((tmp_path / f"term{r}").exists() for r in (1, 2)))
+        os.killpg(agent.pid, signal.SIGUSR1)  # again: a parent-death signal may come twice
+        time.sleep(0.5)
+        # The ranks ignore it and got SIGTERM from the agent; they are given stop_grace_s.
+        assert agent.poll() is None
+        os.killpg(agent.pid, signal.SIGUSR2)
+        assert agent.wait(timeout=20) == 128 + signal.SIGKILL
+        out = agent.stdout.read().decode()
+        assert out.startswith("neox-agent-ready 1\n")
+        report = json.loads(out.split(REPORT_PREFIX, 1)[1])
+        assert report["node"] == 1 and report["failure"]["killed_by_agent"] == "deepy.py asked"
+    finally:
+        agent.kill()
+        agent.wait()
+
+
+def test_rank_0_placed_away_from_master_addr_is_warned_about(caplog):
+    from neox.launcher.agent import warn_if_master_elsewhere
+
+    for addr in ("127.0.0.1", "192.0.2.1"):  # here; a documentation address, on no machine
+        args = argparse.Namespace(node_rank=0, master_addr=addr, node_rank_env="SLURM_NODEID")
+        warn_if_master_elsewhere(args)
+    [message] = caplog.messages
+    assert "runs rank 0 (SLURM_NODEID=0), but master_addr=192.0.2.1 is not one of" in message

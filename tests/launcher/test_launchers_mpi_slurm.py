@@ -1,9 +1,11 @@
-"""deepy.py through DeepSpeed's openmpi and slurm launchers, for real, on this one machine: mpirun
-starts CPU ranks on localhost; slurm runs munged, slurmctld and slurmd started here."""
+"""deepy.py through the openmpi and slurm launchers, for real, on this one machine: mpirun starts
+the agent on localhost; slurm runs munged, slurmctld and slurmd started here, and srun starts it.
+The agent starts the ranks as its children, so stops, deaths and kill -9 behave as over ssh."""
 
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -14,9 +16,15 @@ from pathlib import Path
 import pytest
 
 from tests.launcher.conftest import free_port
+from tests.train_helpers import make_dataset, records, write_config
+from tests.training.lifecycle_helpers import MARK, BackgroundRun
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
+# Open MPI refuses to run as root unless told twice; CI containers run as root.
+OMPI_AS_ROOT = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+# The agent's parent on this machine: mpirun itself (no orted on its own host), slurm's stepd.
+AGENT_PARENT = {"openmpi": "mpirun", "slurm": "slurmstepd"}
 
 
 def launch(tmp_path: Path, host: str, launcher: str, env: dict) -> dict[int, dict]:
@@ -60,9 +68,7 @@ def check_ranks(ranks: dict[int, dict]) -> None:
 
 @pytest.mark.skipif(shutil.which("mpirun") is None, reason="needs mpirun (Debian openmpi-bin)")
 def test_deepy_launches_through_openmpi(tmp_path):
-    # Open MPI refuses to run as root unless told twice; CI containers run as root.
-    env = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
-    check_ranks(launch(tmp_path, "localhost", "openmpi", env))
+    check_ranks(launch(tmp_path, "localhost", "openmpi", OMPI_AS_ROOT))
 
 
 SLURM_TOOLS = ("munged", "slurmctld", "slurmd", "srun", "sinfo")
@@ -167,3 +173,127 @@ def slurm(tmp_path_factory) -> Iterator[dict[str, str]]:
 
 def test_deepy_launches_through_slurm(slurm, tmp_path):
     check_ranks(launch(tmp_path, socket.gethostname(), "slurm", slurm))
+
+
+@pytest.fixture(params=["openmpi", "slurm"])
+def launcher(request) -> tuple[str, str, dict[str, str]]:
+    """(launcher, this machine's name in the hostfile, environment) for mpirun, then srun."""
+    if request.param == "openmpi":
+        if shutil.which("mpirun") is None:
+            pytest.skip("needs mpirun (Debian openmpi-bin)")
+        return "openmpi", "localhost", OMPI_AS_ROOT
+    return "slurm", socket.gethostname(), request.getfixturevalue("slurm")
+
+
+def one_node(tmp_path: Path, launcher: str, host: str) -> dict:
+    """Config keys of a 2-rank launch of this machine through `launcher`."""
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text(f"{host} slots=2\n")
+    return dict(
+        hostfile=str(hostfile),
+        launcher=launcher,
+        force_multi=True,  # one node, still through mpirun/srun
+        no_ssh_check=True,
+        num_gpus=None,  # mpirun takes every slot of the hostfile
+        export_env=[MARK],  # named to mpirun -x / srun --export
+    )
+
+
+def parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def training(tmp_path: Path, launcher: str, host: str, env: dict) -> BackgroundRun:
+    """deepy.py train.py, a tiny run of 1000 steps on 2 ranks, once its step 2 is logged."""
+    make_dataset(tmp_path / "data" / "chars")
+    keys = dict(checkpoint_factor=None, eval_interval=1000, do_test=False)
+    node = one_node(tmp_path, launcher, host)
+    run = BackgroundRun(write_config(tmp_path, launcher, train_iters=1000, **keys, **node),
+                        tmp_path / "run.out", **env)  # fmt: skip
+    run.wait_for("iter 2/1000")
+    return run
+
+
+def test_ranks_are_the_agents_children_and_sigterm_saves(launcher, tmp_path):
+    name, host, env = launcher
+    run = training(tmp_path, name, host, env)
+    try:
+        for rank in (0, 1):
+            agent = parent(run.rank_pid(rank))
+            assert b"neox.launcher.agent" in Path(f"/proc/{agent}/cmdline").read_bytes()
+            assert Path(f"/proc/{parent(agent)}/comm").read_text().strip() == AGENT_PARENT[name]
+        os.kill(run.proc.pid, signal.SIGTERM)
+        assert run.wait() == 0, run.text()[-3000:]
+        assert run.pids() == []
+    finally:
+        run.kill_all()
+    out = run.text()
+    # mpirun/srun passed the stop on to the agent (SIGUSR1), which passed SIGTERM to its ranks.
+    assert "stop requested by deepy.py: SIGTERM to 2 rank(s)" in out, out[-3000:]
+    ckpt = tmp_path / name / "ckpt"
+    tag = (ckpt / "latest").read_text()
+    assert f"deepy: stopped by SIGTERM; checkpoint saved in {ckpt / tag}" in out.splitlines()
+    assert [p.name for p in ckpt.glob("global_step*")] == [tag]
+    assert "Traceback" not in out
+
+
+def test_kill_9_of_deepy_saves_the_last_step_and_leaves_nothing(launcher, tmp_path):
+    name, host, env = launcher
+    run = training(tmp_path, name, host, env)
+    try:
+        # mpirun/srun get SIGUSR1 from the kernel (PR_SET_PDEATHSIG; once per thread of deepy.py)
+        # and pass it on: the agent stops its ranks as on SIGTERM, they save, all exit.
+        run.kill_9_deepy()
+    finally:
+        run.kill_all()
+    steps = [r["step"] for r in records(tmp_path / name / "logs") if r["split"] == "train"]
+    assert (tmp_path / name / "ckpt" / "latest").read_text() == f"global_step{steps[-1]}"
+
+
+def sleeping_ranks(tmp_path: Path, launcher: str, host: str, env: dict) -> BackgroundRun:
+    """deepy.py starting 2 ranks of tests/deepy_probe.py that sleep (no rank is `exit_interval`)."""
+    flat = dict(one_node(tmp_path, launcher, host), exit_interval=7, master_port=free_port())
+    flat.update(tokenizer_type="CharLevelTokenizer", log_dir=str(tmp_path))
+    cfg = tmp_path / "probe.yml"
+    cfg.write_text("".join(f"{k}: {json.dumps(v)}\n" for k, v in flat.items()))
+    return BackgroundRun(cfg, tmp_path / "run.out", "tests/deepy_probe.py", **env)
+
+
+def rank_pids(run: BackgroundRun) -> list[int]:
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            return [run.rank_pid(0), run.rank_pid(1)]
+        except (AssertionError, OSError):  # not started yet; a short-lived process just ended
+            assert run.proc.poll() is None and time.monotonic() < deadline, run.text()[-3000:]
+            time.sleep(0.2)
+
+
+def test_a_rank_killed_ends_the_job_naming_it(launcher, tmp_path):
+    name, host, env = launcher
+    run = sleeping_ranks(tmp_path, name, host, env)
+    try:
+        rank1 = rank_pids(run)[1]
+        os.kill(rank1, signal.SIGKILL)
+        killed = time.monotonic()
+        assert run.wait() == 128 + signal.SIGKILL, run.text()[-3000:]
+        assert time.monotonic() - killed < 30
+        assert run.pids() == []
+    finally:
+        run.kill_all()
+    assert f"rank 1 on {socket.gethostname()} (pid {rank1}) was killed by SIGKILL" in run.text()
+
+
+def test_sigterm_while_the_agent_starts_still_reaches_the_ranks(launcher, tmp_path):
+    name, host, env = launcher
+    run = sleeping_ranks(tmp_path, name, host, env)
+    try:
+        run.wait_for("launching 2 rank(s)")  # the agent does not exist yet
+        os.kill(run.proc.pid, signal.SIGTERM)
+        start = time.monotonic()
+        run.wait()
+        assert time.monotonic() - start < 60 and run.pids() == []
+    finally:
+        run.kill_all()
+    # The stop waited for the agent's ready line: it did not kill the agent before its ranks.
+    assert "stop requested by deepy.py: SIGTERM to 2 rank(s)" in run.text(), run.text()[-3000:]

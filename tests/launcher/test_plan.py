@@ -3,7 +3,6 @@ import subprocess
 import sys
 
 import pytest
-from deepspeed.launcher import runner as ds_runner
 
 from neox.config.launcher import LauncherConfig
 from neox.launcher import HostfileError, build_launch
@@ -37,11 +36,11 @@ def agent_args(argv: list[str]):
     return parse_args(argv[4:])
 
 
-def ds_args(plan):
-    """The runner's own parse of the planned command line (mpirun/srun launches)."""
+def launched(plan):
+    """An mpirun/srun plan's launcher part and the agent's parse of the command it starts."""
     [argv] = plan.argvs
-    assert argv[1:4] == ["-u", "-m", "deepspeed.launcher.runner"]
-    return ds_runner.parse_args(argv[4:])
+    start = argv.index(sys.executable)
+    return argv[:start], agent_args(argv[start:])
 
 
 def test_cpu_without_hostfile_is_local_ranks():
@@ -112,11 +111,12 @@ def test_include_and_slurm_account(hostfile):
     plan = build_launch(
         cfg.model_copy(update={"force_multi": True}), "train.py", ["x y"], cpu=True, environ=ENV
     )
-    args = ds_args(plan)
-    assert args.include == "node-b:1,3" and args.launcher == "slurm"
-    assert args.launcher_args == "--comment 'a b' --account proj"
-    assert args.user_args == ["x y"]  # srun takes an argv, no shell: no extra quoting
-    assert "MASTER_PORT=29500\n" in plan.env_file_text
+    srun, args = launched(plan)
+    assert srun[0] == "srun" and srun[srun.index("--nodelist") + 1] == "node-b"
+    assert args.devices == "1,3" and args.node_rank_env == "SLURM_NODEID"
+    assert srun[-5:-1] == ["--comment", "a b", "--account", "proj"]
+    assert args.script_args == ["x y"]  # srun takes an argv, no shell: no extra quoting
+    assert args.master_port == 29500
 
 
 def test_mpi_and_slurm_launches_take_gpt_neox_master_addr_and_port_from_the_environment(
@@ -127,9 +127,8 @@ def test_mpi_and_slurm_launches_take_gpt_neox_master_addr_and_port_from_the_envi
         plan = build_launch(
             LauncherConfig(hostfile=hostfile, launcher=launcher), "t.py", [], environ=environ
         )
-        args = ds_args(plan)
+        args = launched(plan)[1]
         assert (args.master_addr, args.master_port) == ("10.0.0.7", 4321)
-        assert plan.exports["MASTER_ADDR"] == "10.0.0.7" and plan.exports["MASTER_PORT"] == "4321"
     with pytest.raises(ValueError, match="MASTER_PORT='x1' in the environment is not a port"):
         build_launch(
             LauncherConfig(hostfile=hostfile, launcher="slurm"),
@@ -139,8 +138,60 @@ def test_mpi_and_slurm_launches_take_gpt_neox_master_addr_and_port_from_the_envi
         )
     # The config wins over the environment.
     cfg = LauncherConfig(hostfile=hostfile, launcher="openmpi", master_addr="h", master_port=5)
-    args = ds_args(build_launch(cfg, "t.py", [], environ=environ))
+    args = launched(build_launch(cfg, "t.py", [], environ=environ))[1]
     assert (args.master_addr, args.master_port) == ("h", 5)
+
+
+def test_mpirun_and_srun_start_one_agent_per_node_and_name_the_exports(tmp_path):
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node-a slots=2\nnode-b slots=3\n")
+    (tmp_path / ".deepspeed_env").write_text("MINE=x,y z\n")
+    environ = dict(ENV, NCCL_DEBUG="INFO", MY_VAR="a,b")
+    cfg = LauncherConfig(hostfile=str(hostfile), launcher="openmpi", export_env=["MY_VAR"])
+    plan = build_launch(cfg, "t.py", ["--a"], cpu=True, environ=environ, cwd=str(tmp_path))
+    mpirun, args = launched(plan)
+    assert mpirun[:6] == ["mpirun", "-n", "2", "--host", "node-a,node-b", "--map-by"]
+    assert "--bind-to" in mpirun and plan.world_size == 5
+    # Each export by name; its value (commas, spaces) travels in mpirun's own environment.
+    named = {mpirun[i + 1] for i, arg in enumerate(mpirun) if arg == "-x"}
+    assert {"MINE", "NCCL_DEBUG", "MY_VAR", "DS_ACCELERATOR", "NEOX_LAUNCH_ID"} <= named
+    assert (plan.env["MINE"], plan.env["MY_VAR"]) == ("x,y z", "a,b")
+    assert (args.node_rank_env, args.nodes, args.devices) == (
+        "OMPI_COMM_WORLD_RANK",
+        "2,3",
+        "0,1/0,1,2",
+    )
+    assert args.tee and not args.control and args.script_args == ["--a"]
+    assert plan.ssh_check  # mpirun goes over ssh; gpt-neox's no_ssh_check skips the check
+    assert not build_launch(
+        cfg.model_copy(update={"no_ssh_check": True}), "t.py", [], environ=environ
+    ).ssh_check
+    mvapich = build_launch(
+        cfg.model_copy(update={"launcher": "mvapich"}), "t.py", [], environ=environ
+    )
+    hydra, args = launched(mvapich)
+    assert hydra[:7] == ["mpirun", "-np", "2", "-ppn", "1", "-hosts", "node-a,node-b"]
+    assert "MY_VAR" in hydra[hydra.index("-genvlist") + 1].split(",")
+    assert args.node_rank_env == "MV2_COMM_WORLD_RANK,PMI_RANK"
+    slurm = cfg.model_copy(update={"launcher": "slurm", "num_gpus": 2})
+    plan = build_launch(slurm, "t.py", [], cpu=True, environ=environ)
+    srun, args = launched(plan)
+    assert not plan.ssh_check  # srun needs no ssh
+    assert srun[:7] == [
+        "srun",
+        "-n",
+        "2",
+        "--nodes",
+        "2",
+        "--ntasks-per-node=1",
+        "--kill-on-bad-exit=1",
+    ]
+    assert srun[-1].startswith("--export=ALL,") and "MY_VAR" in srun[-1].split(",")
+    assert args.devices == "0,1/0,1" and "--gpus-per-node" not in srun  # CPU ranks
+    srun, _ = launched(build_launch(slurm, "t.py", [], cpu=False, environ=environ))
+    assert srun[srun.index("--gpus-per-node") + 1] == "2"
+    with pytest.raises(HostfileError, match="launcher=slurm needs the same slots on every host"):
+        build_launch(slurm.model_copy(update={"num_gpus": None}), "t.py", [], environ=environ)
 
 
 def test_dlts_hostfile_is_the_default_hostfile(hostfile, tmp_path):

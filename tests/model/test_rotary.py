@@ -1,8 +1,9 @@
 """Rotary: one table per device and dtype, indexed by position ids without reading them."""
 
+import pytest
 import torch
 
-from neox.model.rotary import RotaryEmbedding
+from neox.model.rotary import RotaryEmbedding, rotate_half
 
 
 def qk(T=6, seed=0):
@@ -79,3 +80,92 @@ def test_compiled_rotation_reads_the_prepared_table_instead_of_recomputing_it():
     graphs, out, eager = _graphs_of_compiled_rotary(prepare=False)
     assert any(".cos()" in code for code in graphs)  # unprepared: built inside the graph
     torch.testing.assert_close(out, eager, rtol=0, atol=0)
+
+
+SCALINGS = {
+    "linear": dict(rope_type="linear", factor=2.5),
+    "dynamic": dict(rope_type="dynamic", factor=3.0),
+    "llama3": dict(
+        rope_type="llama3",
+        factor=8.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=24,
+    ),
+    "yarn": dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=24),
+    "yarn_mscale_untruncated": dict(
+        rope_type="yarn",
+        factor=3.0,
+        original_max_position_embeddings=32,
+        beta_fast=8.0,
+        beta_slow=2.0,
+        mscale=0.7,
+        mscale_all_dim=0.3,
+        truncate=False,
+    ),
+}
+
+
+def _both(name: str, head_dim: int = 16, max_positions: int = 96):
+    """(our RotaryEmbedding, transformers' LlamaRotaryEmbedding) for one scaling."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from neox.config.model import ModelConfig
+
+    params = {"rope_theta": 5000.0, **SCALINGS[name]}
+    hf = LlamaRotaryEmbedding(
+        LlamaConfig(
+            hidden_size=head_dim * 2,
+            num_attention_heads=2,
+            max_position_embeddings=max_positions,
+            rope_parameters=params,
+        )
+    )
+    cfg = ModelConfig(
+        hidden_size=head_dim * 2,
+        num_attention_heads=2,
+        seq_length=max_positions,
+        pos_emb="rotary",
+        rotary_emb_base=5000,
+        rope_scaling=SCALINGS[name],
+    )
+    return RotaryEmbedding(head_dim, 5000, max_positions, cfg.shape.rope), hf
+
+
+@pytest.mark.parametrize("name", SCALINGS)
+def test_scaled_tables_equal_transformers_to_the_bit(name):
+    ours, hf = _both(name)
+    x = torch.zeros(1, 40, 16)
+    pos = torch.arange(40)[None]
+    cos, sin = hf(x, pos)
+    our_cos, our_sin = ours.cos_sin(40, torch.device("cpu"), torch.float32)
+    assert torch.equal(our_cos[:40], cos[0]) and torch.equal(our_sin[:40], sin[0])
+
+
+def test_dynamic_ntk_grows_the_base_with_the_longest_position_as_transformers():
+    """Past max_positions (16) each forward's frequencies follow its largest position; a
+    decode step at position p rotates as transformers' step does (its cache is stateful, ours
+    decides on the device from the positions)."""
+    ours, hf = _both("dynamic", max_positions=16)
+    q = torch.randn(1, 2, 1, 16, generator=torch.Generator().manual_seed(0))
+    for p in (3, 15, 16, 20, 45):  # below, at and past the original length, growing
+        pos = torch.tensor([[p]])
+        cos, sin = hf(q[:, 0], pos)
+        expected = q * cos[:, None] + rotate_half(q) * sin[:, None]
+        ours.prepare(torch.device("cpu"), 64)
+        got, _ = ours(q, q, pos)
+        assert torch.equal(got, expected), p
+    # A whole sequence past the original length: every position uses the longer base.
+    x = torch.randn(1, 2, 30, 16, generator=torch.Generator().manual_seed(1))
+    hf2 = _both("dynamic", max_positions=16)[1]
+    cos, sin = hf2(x[:, 0], torch.arange(30)[None])
+    torch.testing.assert_close(
+        ours(x, x)[0], x * cos[:, None] + rotate_half(x) * sin[:, None], rtol=0, atol=0
+    )
+
+
+def test_layers_with_the_same_settings_share_one_table():
+    a, b = RotaryEmbedding(8, 10000, 64), RotaryEmbedding(8, 10000, 64)
+    ta = a.cos_sin(4, torch.device("cpu"), torch.float32)[0]
+    assert b.cos_sin(4, torch.device("cpu"), torch.float32)[0] is ta

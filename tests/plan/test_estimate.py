@@ -86,3 +86,23 @@ def test_rank_counts_equal_tp_and_pipeline_builds(rank_counts, name):
         assert rank_row[name]["tp2_activations"] == pytest.approx(saved, rel=0.02)
     largest = max(r[name]["tp2pp2"] for r in rank_counts)
     assert count_parameters(cfg, VOCAB, tp=2, pp=2) == largest
+
+
+def test_attention_flops_count_the_keys_a_query_sees():
+    """12 x query width x keys per layer: head_dim widens it, a window shorter than the
+    sequence (N + 1 keys) narrows it, on its layers only."""
+    from neox.config.model import ModelConfig
+    from neox.plan.estimate import flops_parameters, train_flops_per_token
+
+    base = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=64)
+    for extra, keys in [
+        ({}, 64 + 64),
+        (dict(sliding_window_width=7), 8 + 8),
+        (dict(sliding_window_width=7, attention_config=[[["global", "local"], 1]]), 64 + 8),
+        (dict(sliding_window_width=100), 64 + 64),
+    ]:
+        cfg = ModelConfig(**base, **extra)
+        attention = train_flops_per_token(cfg, 128) - 6 * flops_parameters(cfg, 128)
+        assert attention == 12 * 32 * keys
+    wide = ModelConfig(**base, head_dim=16)
+    assert train_flops_per_token(wide, 128) - 6 * flops_parameters(wide, 128) == 12 * 64 * 128

@@ -50,6 +50,27 @@ def test_missing_halves_of_a_dataset_are_named(tmp_path):
     assert "tools/preprocess_data.py" in message
 
 
+def test_a_label_dataset_must_match_its_text_dataset(tmp_path):
+    make_dataset(tmp_path / "text", docs=20, seed=0)
+    make_dataset(tmp_path / "same", docs=20, seed=0)  # same lengths, but uint16: no -100
+    make_dataset(tmp_path / "other", docs=20, seed=1)
+    data = f"train_data_paths: [{tmp_path}/text]\nvalid_data_paths: [{tmp_path}/text]\n"
+    cfg = loaded(tmp_path, data + f"train_label_data_paths: [{tmp_path}/other]\n")
+    with pytest.raises(ConfigError) as e:
+        check_data(cfg)
+    message = str(e.value)
+    assert "run.yml: train_label_data_paths (of train_data_paths=" in message, message
+    assert f"{tmp_path}/other.bin/.idx does not match its text dataset {tmp_path}/text" in message
+    assert "document 0 has" in message
+    cfg = loaded(tmp_path, data + f"train_label_data_paths: [{tmp_path}/same]\n")
+    with pytest.raises(ConfigError, match="cannot be -100"):
+        check_data(cfg)
+    with pytest.raises(ConfigError, match="label dataset per data path"):
+        loaded(tmp_path, data + f"valid_label_data_paths: [{tmp_path}/a, {tmp_path}/b]\n")
+    with pytest.raises(ConfigError, match="label dataset of data_path, which is not set"):
+        loaded(tmp_path, data + f"label_data_paths: [{tmp_path}/other]\n")
+
+
 def test_missing_entry_script_and_tokenizer_files(tmp_path):
     with pytest.raises(ConfigError, match="entry script 'nope.py' does not exist"):
         check_script("nope.py")

@@ -29,14 +29,16 @@ def pids_with_env(name: str, value: str) -> list[int]:
 
 
 class BackgroundRun:
-    """deepy.py train.py in the background; every process it starts carries a unique mark."""
+    """deepy.py train.py (or `script`) in the background; every process it starts carries a
+    unique mark."""
 
-    def __init__(self, config: Path, out: Path, **env: str) -> None:
+    def __init__(self, config: Path, out: Path, script: str = "train.py", **env: str) -> None:
         self.mark = uuid.uuid4().hex
         self.out = out
+        self.script = script
         with open(out, "w") as f:
             self.proc = subprocess.Popen(
-                [sys.executable, str(ROOT / "deepy.py"), "train.py", str(config)],
+                [sys.executable, str(ROOT / "deepy.py"), script, str(config)],
                 stdout=f,
                 stderr=subprocess.STDOUT,
                 cwd=ROOT,
@@ -80,7 +82,7 @@ class BackgroundRun:
     def rank_pid(self, rank: int) -> int:
         for pid in self.pids():
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            if b"train.py" in cmdline and f"--local_rank={rank}".encode() in cmdline:
+            if self.script.encode() in cmdline and f"--local_rank={rank}".encode() in cmdline:
                 return pid
         raise AssertionError(f"rank {rank} not found")
 
