@@ -133,6 +133,11 @@ def export_to_hf(
         check_exportable(cfg.model, arch)
     except (ConfigError, ValueError) as e:
         raise ExportError(str(e)) from None
+    if cfg.preference.train_impl == "rm":
+        raise ExportError(
+            f"{tag_dir} is a reward model (train_impl: rm): its output layer is a scalar head, "
+            "not a language model's; exporting reward models to Hugging Face is not implemented"
+        )
     dtype = export_dtype(precision, cfg)
     carried = carried_files(cfg)
     try:

@@ -119,17 +119,17 @@ class DataConfig(ConfigGroup):
     dataset_impl: Annotated[
         str,
         Refused(
-            feature="pairwise/reward/online datasets",
-            example="pairwise",
-            allowed=("gpt2",),
+            feature="online datasets",
+            example="online",
+            allowed=("gpt2", "pairwise"),
             message=(
-                "dataset_impl={value!r}: pairwise/reward/online datasets (DPO, reward models, RL)"
-                " are not implemented in neox; use gpt2"
+                "dataset_impl={value!r}: online datasets (RL) are not implemented in neox; use "
+                "gpt2, or pairwise with train_impl dpo or rm"
             ),
         ),
     ] = "gpt2"
-    """Dataset kind (gpt-neox key): only "gpt2" language modelling; pairwise/reward/online data
-    (DPO, reward models, RL) is refused."""
+    """Dataset kind (gpt-neox key): "gpt2" (token windows; KTO's rewarded answers too) or
+    "pairwise" (chosen/rejected pairs, what train_impl dpo and rm read); "online" is refused."""
 
     pack_impl: Annotated[
         Literal["packed", "pack_until_overflow", "unpacked"], Reads("neox/training/setup.py")

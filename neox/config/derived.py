@@ -385,11 +385,108 @@ def check_config(cfg: NeoXConfig) -> None:
             "data_path and train_data_paths are both set; use data_path (with split) or "
             "train/valid/test_data_paths, not both"
         )
+    check_preference(cfg)
     lg = cfg.logging
     if lg.profile and not lg.profile_step_start <= lg.profile_step_stop:
         raise ValueError(
             f"profile_step_start={lg.profile_step_start} and profile_step_stop="
             f"{lg.profile_step_stop} must satisfy 1 <= start <= stop"
+        )
+
+
+PAIRED = ("dpo", "rm")
+SPLITS = ("train", "valid", "test")
+
+
+def check_preference(cfg: NeoXConfig) -> None:
+    """train_impl against its data keys: DPO and RM read chosen/rejected pairs, KTO rewarded
+    answers; a key of another train_impl is a mistake, named with the fix."""
+    p, d = cfg.preference, cfg.data
+    impl = p.train_impl
+    fields = type(p).model_fields
+    for key in sorted(p.model_fields_set):
+        value, default = getattr(p, key), fields[key].default
+        owner = "dpo" if key.startswith("dpo_") else "kto" if key.startswith("kto_") else None
+        if key.startswith(("pos_", "neg_")):
+            owner = "dpo or rm"
+        elif key.endswith("_reward_data_paths"):
+            owner = "kto"
+        if owner and value != default and impl not in owner.split(" or "):
+            feature = {"dpo": "DPO", "kto": "KTO", "dpo or rm": "DPO/RM pairwise data"}[owner]
+            raise ValueError(
+                f"{key}={value!r} asks for {feature} training but train_impl is {impl!r}; set "
+                f"train_impl: {owner.split(' or ')[0]} or remove {key}"
+            )
+    if d.dataset_impl == "pairwise" and impl not in PAIRED:
+        raise ValueError(
+            f"dataset_impl='pairwise' is the chosen/rejected data of train_impl dpo or rm, but "
+            f"train_impl is {impl!r}; set dataset_impl: gpt2"
+        )
+    if impl == "normal":
+        return
+    if cfg.parallel.pp > 1:
+        raise ValueError(
+            f"train_impl={impl!r} cannot run with pipe_parallel_size={cfg.parallel.pp}: its "
+            "loss reads whole sequences' log-probabilities (and a reference model) at the last "
+            "stage; use pipe_parallel_size 1 (tensor and data parallelism both work)"
+        )
+    if d.data_path:
+        raise ValueError(
+            f"train_impl={impl!r} reads per-split data paths, not data_path; set "
+            + ("pos_/neg_train_data_paths" if impl in PAIRED else "train_data_paths")
+        )
+    for split in SPLITS:
+        if impl in PAIRED:
+            _check_paired(p, split, impl, d.train_data_paths if split == "train" else None)
+        else:
+            _check_rewarded(cfg, split)
+
+
+def _paths(group: object, key: str) -> list[str]:
+    return list(getattr(group, key) or [])
+
+
+def _check_paired(p: object, split: str, impl: str, plain: Optional[list[str]]) -> None:
+    pos, neg = _paths(p, f"pos_{split}_data_paths"), _paths(p, f"neg_{split}_data_paths")
+    if split == "train" and not pos:
+        raise ValueError(
+            f"train_impl={impl!r} trains on chosen/rejected pairs: set pos_train_data_paths and "
+            "neg_train_data_paths (preprocess_data_with_chat_template.py --jsonl-keys chosen "
+            "rejected writes them)" + ("; train_data_paths is not read by it" if plain else "")
+        )
+    if len(pos) != len(neg):
+        raise ValueError(
+            f"pos_{split}_data_paths has {len(pos)} entries and neg_{split}_data_paths "
+            f"{len(neg)}; give one rejected dataset per chosen one"
+        )
+    for side, data in (("pos", pos), ("neg", neg)):
+        labels = _paths(p, f"{side}_{split}_label_data_paths")
+        if labels and len(labels) != len(data):
+            raise ValueError(
+                f"{side}_{split}_label_data_paths has {len(labels)} entries and "
+                f"{side}_{split}_data_paths {len(data)}; give one label file per dataset"
+            )
+
+
+def _check_rewarded(cfg: NeoXConfig, split: str) -> None:
+    data = _paths(cfg.data, f"{split}_data_paths")
+    rewards = _paths(cfg.preference, f"{split}_reward_data_paths")
+    labels = _paths(cfg.data, f"{split}_label_data_paths")
+    if split == "train" and not (data and rewards):
+        raise ValueError(
+            "train_impl='kto' trains on rewarded answers: set train_data_paths and "
+            "train_reward_data_paths (preprocess_data_with_chat_template.py --reward-key writes "
+            "them)"
+        )
+    if data and len(rewards) != len(data):
+        raise ValueError(
+            f"{split}_reward_data_paths has {len(rewards)} entries and {split}_data_paths "
+            f"{len(data)}; KTO needs one reward file per dataset"
+        )
+    if labels and len(labels) != len(data):
+        raise ValueError(
+            f"{split}_label_data_paths has {len(labels)} entries and {split}_data_paths "
+            f"{len(data)}; give one label file per dataset"
         )
 
 
@@ -560,6 +657,7 @@ def derive(cfg: NeoXConfig, world_size: int, vocab_size: Optional[int] = None) -
     check_fused_loss(cfg)
     samples = sample_counts(cfg, glob)
     check_split_sources(cfg, samples)
+    check_preference_run(cfg, micro, samples)
     return Derived(
         world_size=world_size,
         tensor_parallel=cfg.parallel.model_parallel_size,
@@ -726,6 +824,34 @@ def check_split_sources(cfg: NeoXConfig, samples: tuple[int, int, int]) -> None:
                 f"train_data_paths is set but {name}_data_paths is not, and the run evaluates "
                 f"{n} {name} samples; add {name}_data_paths (gpt-neox requires all three) or "
                 f"set {off[name]}"
+            )
+
+
+def check_preference_run(cfg: NeoXConfig, micro: int, samples: tuple[int, int, int]) -> None:
+    """KTO estimates its KL term from the other half of each micro-batch; paired data covers
+    every split the run evaluates on."""
+    impl = cfg.preference.train_impl
+    if impl == "kto" and micro < 2:
+        raise ConfigError(
+            f"train_impl='kto' needs train_micro_batch_size_per_gpu >= 2 (got {micro}): each "
+            "half of a micro-batch is the other's KL baseline"
+        )
+    p = cfg.preference
+    reference = impl == "kto" or (impl == "dpo" and not p.dpo_reference_free)
+    if reference and zero_stage_of(cfg) == 3:
+        raise ConfigError(
+            f"train_impl={impl!r} with ZeRO stage 3: the frozen reference copy is taken from "
+            "whole weights, which ZeRO-3 partitions; use ZeRO stage 1 or 2 (or "
+            "dpo_reference_free: true)"
+        )
+    if impl not in PAIRED:
+        return
+    off = {"valid": "do_valid: false (or eval_iters: 0)", "test": "do_test: false"}
+    for name, n in zip(("valid", "test"), samples[1:]):
+        if n and not getattr(cfg.preference, f"pos_{name}_data_paths"):
+            raise ConfigError(
+                f"train_impl={impl!r} evaluates {n} {name} samples but pos_{name}_data_paths is "
+                f"not set; add pos_/neg_{name}_data_paths or set {off[name]}"
             )
 
 

@@ -274,6 +274,10 @@ class ModelConfig(ConfigGroup):
     bias_dropout_fusion: bool = False
     """No-op (gpt-neox key): a kernel fusion of the same math; torch_compile fuses here."""
 
+    use_flashattn_swiglu: bool = False
+    """No-op (gpt-neox key): flash-attn's fused SwiGLU kernel computes the same function as
+    neox's SwiGLU (activation: swiglu); torch_compile fuses here."""
+
     rope_fusion: bool = False
     """No-op (gpt-neox key): a fused rotary kernel of the same math."""
 

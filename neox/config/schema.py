@@ -18,6 +18,7 @@ from neox.config.model import ModelConfig
 from neox.config.optimizer import OptimizerConfig
 from neox.config.parallel import ParallelConfig
 from neox.config.precision import PrecisionConfig
+from neox.config.preference import PreferenceConfig
 from neox.config.training import TrainingConfig
 
 # Attribute name of each group on NeoXConfig, in the order the docs list them.
@@ -30,6 +31,7 @@ GROUPS: dict[str, type[ConfigGroup]] = {
     "tokenizer": TokenizerConfig,
     "data": DataConfig,
     "training": TrainingConfig,
+    "preference": PreferenceConfig,
     "checkpoint": CheckpointConfig,
     "logging": LoggingConfig,
     "launcher": LauncherConfig,
@@ -66,6 +68,7 @@ class NeoXConfig(BaseModel):
     tokenizer: TokenizerConfig = TokenizerConfig()
     data: DataConfig = DataConfig()
     training: TrainingConfig = TrainingConfig()
+    preference: PreferenceConfig = PreferenceConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     logging: LoggingConfig = LoggingConfig()
     launcher: LauncherConfig = LauncherConfig()

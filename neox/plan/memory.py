@@ -136,6 +136,7 @@ class TrainingShape:
     loss_chunk: int = 0  # tokens per chunk of the chunked loss (lm_loss_chunk_size)
     one_pass_adamw: bool = True  # flat engine: AdamW in one pass over the bf16 gradient (GPU)
     pinned_host: bool = True  # offload buffers are pinned (CUDA; a no-op on CPU ranks)
+    reference: bool = False  # DPO/KTO: a frozen copy of the weights (neox/training/preference.py)
 
     def zero_setting(self, key: str) -> Any:
         zero = self.zero or {}
@@ -218,12 +219,16 @@ def training_shape(
     t, spec = cfg.training, cfg.optimizer.optimizer
     tp, pp = derived.tensor_parallel, derived.pipe_parallel
     compiled = torch_compile_enabled(t.torch_compile, device, tp)
+    pref = cfg.preference
+    # DPO and RM run each pair's two answers as two rows, over full (eager) logits.
+    rows = 2 if pref.train_impl in ("dpo", "rm") else 1
+    preference = pref.train_impl != "normal"
     return TrainingShape(
         vocab_size=vocab_size,
         tp=tp,
         pp=pp,
         dp=derived.data_parallel,
-        micro_batch=derived.micro_batch,
+        micro_batch=derived.micro_batch * rows,
         grad_accum=derived.grad_accum,
         precision=derived.precision,
         zero_stage=int(zero["stage"]),
@@ -234,8 +239,8 @@ def training_shape(
         checkpoint_num_layers=t.checkpoint_num_layers,
         partition_activations=t.partition_activations,
         engine=engine_for(cfg, derived, zero_stage).engine,
-        loss=loss_path(compiled, tp, pp, cfg.model.lm_loss_chunk_size),
-        loss_chunk=cfg.model.lm_loss_chunk_size,
+        loss="eager" if preference else loss_path(compiled, tp, pp, cfg.model.lm_loss_chunk_size),
+        loss_chunk=0 if preference else cfg.model.lm_loss_chunk_size,
         pinned_host=device == "cuda",
         one_pass_adamw=one_pass_adamw(
             derived.optimizer_type in FLAT_OPTIMIZERS,  # neox builds torch's AdamW for both
@@ -243,6 +248,8 @@ def training_shape(
             bool(spec.params.get("maximize")),
             device,
         ),
+        reference=pref.train_impl == "kto"
+        or (pref.train_impl == "dpo" and not pref.dpo_reference_free),
     )
 
 
@@ -404,7 +411,16 @@ def flat_engine_states(cfg: ModelConfig, shape: TrainingShape) -> MemoryEstimate
 
 
 def estimate_memory(cfg: ModelConfig, shape: TrainingShape) -> MemoryEstimate:
-    """Memory of the busiest rank for this model and training shape."""
+    """Memory of the busiest rank for this model and training shape; DPO/KTO's frozen reference
+    copy adds one more set of this rank's weights (never partitioned by ZeRO)."""
+    est = _estimate_memory(cfg, shape)
+    if not shape.reference:
+        return est
+    sizes = stage_tensor_sizes(cfg, shape.vocab_size, shape.tp, shape.pp, 0)
+    return replace(est, weights=est.weights + BYTES[shape.precision] * sum(sizes))
+
+
+def _estimate_memory(cfg: ModelConfig, shape: TrainingShape) -> MemoryEstimate:
     # The busiest stage in backward: the first holds the most micro-batches, the last the loss.
     last = shape.pp - 1
     activations, logits = max(

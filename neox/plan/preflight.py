@@ -22,6 +22,11 @@ def data_prefixes(cfg) -> list[tuple[str, str]]:
         out += [
             (f"{split}_label_data_paths", p) for p in getattr(d, f"{split}_label_data_paths") or []
         ]
+    # Preference training's pairs, their labels and KTO's rewards (neox/data/pairs.py).
+    pref = cfg.preference
+    for key in type(pref).model_fields:
+        if key.endswith("_data_paths"):
+            out += [(key, p) for p in getattr(pref, key) or []]
     return out
 
 
@@ -448,6 +453,12 @@ def preflight(loaded: LoadedConfig, script: str) -> tuple[Optional[int], list[st
     except ConfigError as e:
         problems.append(str(e))
     name = Path(script).name
+    if name in NEEDS_CHECKPOINT and loaded.config.preference.train_impl == "rm":
+        problems.append(
+            f"{loaded.source_of('train_impl')}: train_impl='rm' is a reward model: its output "
+            f"layer is a scalar head, so {name} (which reads a language model's logits) cannot "
+            "use it; point it at a language model's config and checkpoint"
+        )
     checks = ([check_data, check_save_lock] if name in NEEDS_DATA else []) + (
         [NEEDS_CHECKPOINT[name]] if name in NEEDS_CHECKPOINT else []
     )

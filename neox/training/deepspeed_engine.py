@@ -26,14 +26,19 @@ import torch
 from torch import nn
 
 from neox.data.batch import Batch
-from neox.training.engine import StepResult, forward_loss, take, weigh_micro_batches
+from neox.training.engine import LossFn, StepResult, forward_loss, take, weigh_micro_batches
 
 
 class DeepSpeedAdapter:
     """deepspeed.initialize's engine (plain, ZeRO or pipeline) as a neox Engine."""
 
     def __init__(
-        self, ds_config: dict[str, Any], model: nn.Module, optimizer: Any, mpu: Any
+        self,
+        ds_config: dict[str, Any],
+        model: nn.Module,
+        optimizer: Any,
+        mpu: Any,
+        loss_fn: LossFn = forward_loss,
     ) -> None:
         import deepspeed
         from deepspeed.runtime.pipe.engine import PipelineEngine
@@ -46,6 +51,7 @@ class DeepSpeedAdapter:
             # DeepSpeed's DeepCompile (deepspeed_extra_args: {compile: {deepcompile: true}})
             # compiles the whole module with ZeRO's gathers scheduled in the graph.
             self.ds.compile()
+        self.loss_fn = loss_fn
         self.pipeline = isinstance(self.ds, PipelineEngine)
         self.fp16 = self.ds.fp16_enabled()
         self.grad_accum = int(
@@ -82,7 +88,7 @@ class DeepSpeedAdapter:
         else:
             losses = []
             for micro, batch in enumerate(step):
-                loss = forward_loss(self.ds, batch)
+                loss = self.loss_fn(self.ds, batch)
                 self.ds.backward(loss)
                 losses.append(loss.detach())
                 if micro == self.grad_accum - 1 and self.own_norm:
@@ -111,7 +117,7 @@ class DeepSpeedAdapter:
         weigh_micro_batches(step, self._dp_group())
         if self.pipeline:
             return self.ds.eval_batch(data_iter=_pipeline_batches(step))
-        return torch.stack([forward_loss(self.ds, b) for b in step]).mean()
+        return torch.stack([self.loss_fn(self.ds, b) for b in step]).mean()
 
     def save(self, save_dir: str, tag: str, client_state: dict[str, Any]) -> None:
         # DeepSpeed's own `latest` is a plain write, made before other ranks are known to be done.

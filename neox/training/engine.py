@@ -12,7 +12,7 @@ neox.plan.engine_choice.choose_engine; `build_engine` builds what it names.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Optional, Protocol, Union
 
@@ -81,6 +81,12 @@ class Engine(Protocol):
     def partitions_weights(self) -> bool:
         """ZeRO-3: each rank holds a slice of every weight (checkpoints are laid out so)."""
         ...
+
+
+LossFn = Callable[[Any, Batch], torch.Tensor]
+"""loss_fn(model, batch): the engine's forward (the engine itself, called like its module) and
+one micro-batch to the scalar loss. forward_loss for language modelling; a train_impl's
+Objective (neox/training/preference.py) otherwise, chosen once at setup."""
 
 
 def forward_loss(model: Any, batch: Batch) -> torch.Tensor:

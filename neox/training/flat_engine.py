@@ -43,7 +43,7 @@ from torch import nn
 from neox.checkpoint.trust import load_file
 from neox.data.batch import Batch
 from neox.plan.engine_choice import one_pass_adamw
-from neox.training.engine import StepResult, forward_loss, take, weigh_micro_batches
+from neox.training.engine import LossFn, StepResult, forward_loss, take, weigh_micro_batches
 
 log = logging.getLogger(__name__)
 
@@ -153,9 +153,15 @@ class FlatEngine:
     backward and step are DeepSpeed's engine's, so the two can be compared call for call."""
 
     def __init__(
-        self, ds_config: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer, mpu
+        self,
+        ds_config: dict[str, Any],
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        mpu,
+        loss_fn: LossFn = forward_loss,
     ) -> None:
         self.config = ds_config
+        self.loss_fn = loss_fn
         self.bf16 = bool(ds_config.get("bf16", {}).get("enabled"))
         dtype = torch.bfloat16 if self.bf16 else torch.float32
         self.module = model.to(dtype)
@@ -228,7 +234,7 @@ class FlatEngine:
         try:
             for batch in step:
                 with self.timers(FWD):
-                    loss = forward_loss(self, batch)
+                    loss = self.loss_fn(self, batch)
                 with self.timers(BWD):
                     self.backward(loss)
                 with self.timers(STEP):
@@ -245,7 +251,7 @@ class FlatEngine:
     def eval_batch(self, batches: Iterator[Batch]) -> torch.Tensor:
         step = take(batches, self.grad_accum)
         weigh_micro_batches(step, self.dp_group, self.dp)
-        return torch.stack([forward_loss(self, b) for b in step]).mean()
+        return torch.stack([self.loss_fn(self, b) for b in step]).mean()
 
     def is_gradient_accumulation_boundary(self) -> bool:
         return (self.micro_steps + 1) % self.grad_accum == 0

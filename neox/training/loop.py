@@ -31,6 +31,8 @@ log = logging.getLogger(__name__)
 
 def next_batch(run: Run, stream: Iterator) -> Batch:
     """One micro-batch on the device, with labels, loss mask and positions."""
+    if run.objective is not None:  # train_impl dpo/kto/rm: whole documents, pairs or rewards
+        return run.objective.batch(next(stream), run.device)
     d = run.cfg.data
     data = next(stream)
     text = data["text"].to(run.device, non_blocking=True)
@@ -56,7 +58,7 @@ def train_step(run: Run, stream: Iterator, iteration: int) -> DeviceScalars:
     metrics stay on the device until read: nothing here waits for the device."""
     lr = run.schedule.apply(run.engine.optimizer, iteration)
     step = run.engine.train_batch(micro_batches(run, stream))
-    metrics = {"loss": data_parallel_mean(run, step.loss), "lr": lr}
+    metrics = {"loss": data_parallel_mean(run, step.loss), "lr": lr, **objective_metrics(run)}
     if run.cfg.logging.log_grad_norm:
         metrics["grad_norm"] = step.grad_norm
     metrics["skipped"] = step.skipped
@@ -73,6 +75,14 @@ def data_parallel_mean(run: Run, loss: torch.Tensor) -> torch.Tensor:
     return loss / torch.distributed.get_world_size(group=group)
 
 
+def objective_metrics(run: Run) -> dict[str, torch.Tensor]:
+    """A train_impl's metrics (rewards, accuracy, margins) since the last call, averaged over
+    the data-parallel ranks; none for language modelling."""
+    if run.objective is None:
+        return {}
+    return {k: data_parallel_mean(run, v) for k, v in run.objective.take_metrics().items()}
+
+
 def reduce_mean(run: Run, loss: torch.Tensor) -> float:
     """Mean of a loss over the data-parallel ranks."""
     return data_parallel_mean(run, loss).item()
@@ -82,6 +92,7 @@ def reduce_mean(run: Run, loss: torch.Tensor) -> float:
 def evaluate(run: Run, stream: Iterator, iters: int) -> float:
     """Mean loss over `iters` batches (each gradient_accumulation_steps micro-batches)."""
     run.engine.eval()
+    objective_metrics(run)  # what evaluation records starts here
     total = 0.0
     for _ in range(iters):
         total += reduce_mean(run, run.engine.eval_batch(micro_batches(run, stream)))
@@ -195,7 +206,9 @@ def train(
             eval_loss = evaluate(run, valid_stream, t.eval_iters)
             eval_s = time.perf_counter() - tick
             progress.log(f"validation at iter {iteration}: loss {eval_loss:.4f} ({eval_s:.1f} s)")
-            writer.write(iteration, {"loss": eval_loss, "eval_time_s": eval_s}, prefix="valid")
+            valid = {"loss": eval_loss, "eval_time_s": eval_s}
+            valid.update({k: v.item() for k, v in objective_metrics(run).items()})
+            writer.write(iteration, valid, prefix="valid")
             records.restart_clock()
         stopping = stop.agreed()
         exiting = bool(t.exit_interval) and iteration % t.exit_interval == 0
@@ -242,6 +255,8 @@ def step_metrics(
 def save(run: Run, iteration: int, writer: MetricsWriter) -> None:
     tick = time.perf_counter()
     state = {"consumed_train_samples": iteration * run.derived.global_batch, **run.counters}
+    if run.objective is not None:
+        state.update(run.objective.checkpoint_state())  # the reference weights, for a resume
     save_checkpoint(run.engine, run.cfg, iteration, state, run.derived.padded_vocab_size)
     writer.write(iteration, {"save_time_s": time.perf_counter() - tick}, prefix="save")
 
@@ -254,6 +269,8 @@ def run_training(cfg, run: Optional[Run] = None) -> dict[str, float]:
     start = int(state.get("iteration", 0))
     for name in run.counters:
         run.counters[name] = int(state.get(name, 0))
+    if run.objective is not None:
+        run.objective.start(run.engine.module, state)
     lg = cfg.logging
     writer = MetricsWriter(
         lg.log_dir, lg.tensorboard_dir, enabled=run.is_logging_rank, start_step=start

@@ -3,21 +3,28 @@
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import nn
 
 from neox.config import Derived, NeoXConfig, build_ds_config, derive
 from neox.data.loader import DataLoaders, build_train_valid_test_loaders
+from neox.data.pairs import build_preference_loaders
 from neox.launcher.port import free_port
 from neox.launcher.rank_env import rank_env_from_launcher
 from neox.plan.engine_choice import EngineChoice, engine_for, torch_compile_enabled
 from neox.tokenizer import Tokenizer, build_tokenizer
 from neox.training.deepspeed_engine import DeepSpeedAdapter
-from neox.training.engine import Engine
+from neox.training.engine import Engine, LossFn, forward_loss
 from neox.training.flat_engine import FlatEngine
 from neox.training.optim import build_optimizer
+from neox.training.preference import (
+    Objective,
+    attach_reward_head,
+    build_objective,
+    needs_reference,
+)
 from neox.training.schedule import LRSchedule
 
 log = logging.getLogger(__name__)
@@ -44,6 +51,8 @@ class Run:
             "consumed_trained_tokens": 0,  # the loss masks' sums, summed over the steps
         }
     )
+    # train_impl dpo/kto/rm: its batch, loss and metrics (neox/training/preference.py).
+    objective: Optional[Objective] = None
 
     @property
     def is_logging_rank(self) -> bool:
@@ -87,21 +96,28 @@ def build_run(cfg: NeoXConfig) -> Run:
     )
     tr = cfg.training
     ds_config = build_ds_config(cfg, derived)
-    model = parallelize(
-        cfg.model,
-        derived.padded_vocab_size,
-        groups,
-        tr.seed,
-        checkpoint_activations=tr.checkpoint_activations,
-        checkpoint_num_layers=tr.checkpoint_num_layers,
-        checkpointing_options=ds_config["activation_checkpointing"],
-        torch_compile=torch_compile_enabled(tr.torch_compile, device.type, derived.tensor_parallel),
-        torch_compile_backend=tr.torch_compile_backend,
-        pipe_partition_method=cfg.parallel.pipe_partition_method,
-        device=device,
-        float8=cfg.float8.resolved(),
-    )
-    engine = make_engine(cfg, derived, ds_config, model, engine_mpu(model, groups))
+
+    def build_model(checkpointing: bool) -> nn.Module:
+        return parallelize(
+            cfg.model,
+            derived.padded_vocab_size,
+            groups,
+            tr.seed,
+            checkpoint_activations=checkpointing and tr.checkpoint_activations,
+            checkpoint_num_layers=tr.checkpoint_num_layers,
+            checkpointing_options=ds_config["activation_checkpointing"],
+            torch_compile=torch_compile_enabled(
+                tr.torch_compile, device.type, derived.tensor_parallel
+            ),
+            torch_compile_backend=tr.torch_compile_backend,
+            pipe_partition_method=cfg.parallel.pipe_partition_method,
+            device=device,
+            float8=cfg.float8.resolved(),
+        )
+
+    model = build_model(checkpointing=True)
+    objective = preference_objective(cfg, derived, groups, model, build_model)
+    engine = make_engine(cfg, derived, ds_config, model, engine_mpu(model, groups), objective)
     o = cfg.optimizer
     schedule = LRSchedule(
         peak_lr=derived.lr,
@@ -120,19 +136,46 @@ def build_run(cfg: NeoXConfig) -> Run:
         rank=torch.distributed.get_rank(),
         dp_rank=groups.get_data_parallel_rank(),
         groups=groups,
+        objective=objective,
     )
 
 
+def preference_objective(
+    cfg: NeoXConfig, derived: Derived, groups: Any, model: nn.Module, build_model: Any
+) -> Optional[Objective]:
+    """train_impl's Objective: for rm the model's output layer becomes the reward head; for
+    DPO/KTO a second, frozen model holds the reference weights (filled in at Objective.start)."""
+    p = cfg.preference
+    if p.train_impl == "normal":
+        return None
+    tp_group = groups.tensor if derived.tensor_parallel > 1 else None
+    if p.train_impl == "rm":
+        attach_reward_head(model, cfg.training.seed, tp_group)
+    reference = None
+    if needs_reference(cfg):
+        # In the training dtype at once: never a second set of fp32 weights (the engines cast
+        # the policy to it too; Objective.start copies the policy's weights in).
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(derived.precision)
+        reference = build_model(checkpointing=False).to(dtype or torch.float32)
+    return build_objective(cfg, tp_group, reference)
+
+
 def make_engine(
-    cfg: NeoXConfig, derived: Derived, ds_config: dict[str, Any], model: torch.nn.Module, mpu: Any
+    cfg: NeoXConfig,
+    derived: Derived,
+    ds_config: dict[str, Any],
+    model: torch.nn.Module,
+    mpu: Any,
+    loss_fn: Optional[LossFn] = None,
 ) -> Engine:
     """The engine and optimizer neox.plan.engine_choice.engine_for names for this config: the
-    same decision the dry run and the memory estimate report."""
+    same decision the dry run and the memory estimate report. loss_fn: a train_impl's
+    Objective (default: the language-model loss)."""
     choice = engine_for(cfg, derived)
     optimizer = build_optimizer(
         model, cfg.optimizer, choice.optimizer, derived.lr, choice.adamw_mode
     )
-    return build_engine(choice, ds_config, model, optimizer, mpu)
+    return build_engine(choice, ds_config, model, optimizer, mpu, loss_fn or forward_loss)
 
 
 def build_data(
@@ -141,6 +184,17 @@ def build_data(
     """Sample streams sized for the whole run, starting where a resumed run left off."""
     cfg, d = run.cfg, run.derived
     data = cfg.data
+    if run.objective is not None:
+        return build_preference_loaders(
+            cfg,
+            d.samples,
+            d.micro_batch,
+            data_parallel_rank=run.dp_rank,
+            data_parallel_size=d.data_parallel,
+            consumed_train_samples=consumed_train_samples,
+            consumed_valid_samples=consumed_valid_samples,
+            pin_memory=run.device.type == "cuda",
+        )
     return build_train_valid_test_loaders(
         seq_length=cfg.model.seq_length,
         seed=cfg.training.seed,
@@ -174,11 +228,17 @@ def build_data(
 
 
 def build_engine(
-    choice: EngineChoice, ds_config: dict[str, Any], model: nn.Module, optimizer: Any, mpu: Any
+    choice: EngineChoice,
+    ds_config: dict[str, Any],
+    model: nn.Module,
+    optimizer: Any,
+    mpu: Any,
+    loss_fn: LossFn = forward_loss,
 ) -> Engine:
-    """The engine `choice` names (neox.plan.engine_choice.choose_engine), stepping `optimizer`."""
+    """The engine `choice` names (neox.plan.engine_choice.choose_engine), stepping `optimizer`
+    and computing each micro-batch's loss with `loss_fn`."""
     if choice.engine == "flat":
         log.info("neox's flat engine (flat_engine: false for DeepSpeed's)")
-        return FlatEngine(ds_config, model, optimizer, mpu)
+        return FlatEngine(ds_config, model, optimizer, mpu, loss_fn)
     log.info("engine: %s", choice.describe())
-    return DeepSpeedAdapter(ds_config, model, optimizer, mpu)
+    return DeepSpeedAdapter(ds_config, model, optimizer, mpu, loss_fn)

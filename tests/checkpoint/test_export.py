@@ -130,3 +130,15 @@ def test_gpt2_bpe_run_exports_gpt2_tokenizer_files(shared_data, tmp_path):
     ids = torch.tensor([ours.encode(text)])
     with torch.no_grad():
         torch.testing.assert_close(hf(ids).logits, model(ids)[..., :50257], rtol=0, atol=1e-5)
+
+
+def test_reward_model_is_refused_before_writing(trained, tmp_path):
+    saved = yaml.safe_load((trained["dense"] / "global_step3" / "config.yml").read_text())
+    data = ("data_path", "train_data_paths", "valid_data_paths", "test_data_paths")
+    saved = {k: v for k, v in saved.items() if k not in data}
+    rm = dict(saved, train_impl="rm", pos_train_data_paths=["c"], neg_train_data_paths=["r"])
+    rm_cfg = tmp_path / "rm.yml"
+    rm_cfg.write_text(yaml.safe_dump(dict(rm, do_valid=False, do_test=False)))
+    with pytest.raises(ExportError, match="reward model .* not implemented"):
+        export_to_hf(trained["dense"], tmp_path / "hf", config_file=rm_cfg)
+    assert not (tmp_path / "hf").exists()

@@ -341,3 +341,35 @@ def test_host_refusal_names_the_offload_keys_when_the_host_cannot_hold_it():
     assert refusal("2-8B") is None
     assert refusal("6-9B", skip_memory_check=True) is None
     assert refusal("6-9B", zero_optimization={"stage": 1}) is None
+
+
+def test_preference_runs_count_the_reference_copy_and_both_answers():
+    """DPO holds one more (frozen) copy of the weights and runs a pair's two answers as two
+    rows; a reference-free run only the rows."""
+    base = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 64}
+    base.update(
+        max_position_embeddings=64, train_micro_batch_size_per_gpu=2, bf16={"enabled": True}
+    )
+    pairs = {
+        "dataset_impl": "pairwise",
+        "pos_train_data_paths": ["c"],
+        "neg_train_data_paths": ["r"],
+        "do_valid": False,
+        "do_test": False,
+        "train_impl": "dpo",
+    }
+    estimates = {}
+    for name, flat in {
+        "lm": base,
+        "dpo": {**base, **pairs},
+        "free": {**base, **pairs, "dpo_reference_free": True},
+    }.items():
+        cfg = load_dict(flat)
+        shape = training_shape(cfg, derive(cfg, 1), 512)
+        estimates[name] = (shape, estimate_memory(cfg.model, shape))
+    (lm_shape, lm), (dpo_shape, dpo), (_, free) = (estimates[k] for k in ("lm", "dpo", "free"))
+    assert dpo_shape.micro_batch == 2 * lm_shape.micro_batch and dpo_shape.loss == "eager"
+    params = sum(p.numel() for p in build_model(load_dict(base).model, 512).parameters())
+    assert dpo.weights - free.weights == 2 * params  # bf16
+    assert free.optimizer_states == dpo.optimizer_states == lm.optimizer_states
+    assert dpo.activations > lm.activations

@@ -183,3 +183,19 @@ def test_fit_refusal_only_past_twice_the_memory_and_only_without_the_override():
     assert "the GPU has (seq_length=2048" in refusal and "skip_memory_check: true" in refusal
     skip = load_dict({**cfg.to_flat(), "skip_memory_check": True})
     assert fit_refusal(skip, derive(skip, 8, 50277), 50304, need // 3, "the GPU has") is None
+
+
+def test_preference_data_files_are_checked_and_a_reward_model_does_not_generate(tmp_path):
+    make_dataset(tmp_path / "c")
+    pairs = (
+        "train_impl: rm\ndataset_impl: pairwise\ndo_valid: false\ndo_test: false\n"
+        f"pos_train_data_paths: [{tmp_path}/c]\nneg_train_data_paths: [{tmp_path}/r]\n"
+        f"pos_train_label_data_paths: [{tmp_path}/c]\n"
+    )
+    cfg = loaded(tmp_path, pairs)
+    with pytest.raises(ConfigError) as e:
+        check_data(cfg)
+    assert f"{tmp_path}/r.bin and {tmp_path}/r.idx not found" in str(e.value)
+    assert "pos_train" not in str(e.value)
+    _, problems = preflight(cfg, "generate.py")
+    assert any("train_impl='rm' is a reward model" in p for p in problems), problems
