@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from neox.checkpoint.consolidate import CheckpointError
 from neox.checkpoint.hf_import import DTYPES, HFImportError, convert_from_hf
@@ -67,6 +68,10 @@ def main(argv: list[str] | None = None) -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     args = parse_args(argv)
+    if not Path(args.input_dir).is_dir():
+        # A missing input is not a refused model: exit 1, as the other checkpoint tools do.
+        print(f"convert_from_hf: error: {args.input_dir} is not a directory", file=sys.stderr)
+        raise SystemExit(1)
     try:
         config, note = convert_from_hf(
             args.input_dir,
