@@ -13,6 +13,7 @@ from neox.config.evaluation import EvalConfig
 from neox.config.generation import GenerationConfig
 from neox.config.launcher import LauncherConfig
 from neox.config.log import LoggingConfig
+from neox.config.lora import LoraConfig
 from neox.config.model import ModelConfig
 from neox.config.optimizer import OptimizerConfig
 from neox.config.parallel import ParallelConfig
@@ -29,6 +30,7 @@ GROUPS: dict[str, type[ConfigGroup]] = {
     "data": DataConfig,
     "training": TrainingConfig,
     "checkpoint": CheckpointConfig,
+    "lora": LoraConfig,
     "logging": LoggingConfig,
     "launcher": LauncherConfig,
     "generation": GenerationConfig,
@@ -64,6 +66,7 @@ class NeoXConfig(BaseModel):
     data: DataConfig = DataConfig()
     training: TrainingConfig = TrainingConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    lora: LoraConfig = LoraConfig()
     logging: LoggingConfig = LoggingConfig()
     launcher: LauncherConfig = LauncherConfig()
     generation: GenerationConfig = GenerationConfig()

@@ -44,7 +44,9 @@ class DeepSpeedAdapter:
         fuse_overflow_check(self.ds.optimizer)
         self.pipeline = isinstance(self.ds, PipelineEngine)
         self.fp16 = self.ds.fp16_enabled()
-        self.grad_accum = int(ds_config["gradient_accumulation_steps"])  # derive()'s, as DeepSpeed reads it
+        self.grad_accum = int(
+            ds_config["gradient_accumulation_steps"]
+        )  # derive()'s, as DeepSpeed reads it
         # ZeRO and the reduced precisions skip non-finite steps and report the norm themselves.
         self.own_norm = (
             self.ds.zero_optimization_stage() == 0
@@ -101,7 +103,14 @@ class DeepSpeedAdapter:
 
     def save(self, save_dir: str, tag: str, client_state: dict[str, Any]) -> None:
         # DeepSpeed's own `latest` is a plain write, made before other ranks are known to be done.
-        self.ds.save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=False)
+        # Frozen parameters (LoRA's base) are not saved: the run reads them from lora_base.
+        self.ds.save_checkpoint(
+            save_dir,
+            tag=tag,
+            client_state=client_state,
+            save_latest=False,
+            exclude_frozen_parameters=True,
+        )
 
     def load(
         self,
@@ -120,6 +129,8 @@ class DeepSpeedAdapter:
                 load_optimizer_states=load_optimizer_states,
                 load_lr_scheduler_states=False,
                 load_module_only=load_module_only,
+                # A LoRA checkpoint lacks the frozen base (see save); the rest must all be there.
+                load_module_strict=all(p.requires_grad for p in self.ds.module.parameters()),
             )
 
     def partitions_weights(self) -> bool:
