@@ -12,7 +12,13 @@ from __future__ import annotations
 import argparse
 
 from neox.checkpoint.consolidate import CheckpointError
-from neox.checkpoint.export import ARCHITECTURES, PRECISIONS, ExportError, export_to_hf
+from neox.checkpoint.export import (
+    ARCHITECTURES,
+    LORA_FORMATS,
+    PRECISIONS,
+    ExportError,
+    export_to_hf,
+)
 from neox.checkpoint.staging import OutputDirError
 from neox.cli import CHECKPOINT_INPUT, add_directories, add_iteration, exit_on, tool_parser
 
@@ -35,6 +41,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=list(ARCHITECTURES),
         default="neox",
         help="HF class: neox = GPTNeoXForCausalLM, llama = LlamaForCausalLM",
+    )
+    p.add_argument(
+        "--lora_format",
+        choices=LORA_FORMATS,
+        default="merged",
+        help="for a LoRA run's checkpoint: merged = the adapters folded into the weights; peft "
+        "= the base model in OUTPUT_DIR and a PEFT adapter (adapter_config.json, "
+        "adapter_model.safetensors) in OUTPUT_DIR/adapter, for peft.PeftModel.from_pretrained",
     )
     p.add_argument(
         "--trust-checkpoint",
@@ -84,6 +98,7 @@ def main(argv: list[str] | None = None) -> None:
             architecture=args.architecture,
             overwrite=args.overwrite,
             trust=args.trust_checkpoint,
+            lora_format=args.lora_format,
         )
     print(f"wrote {args.output_dir}")
     if note:

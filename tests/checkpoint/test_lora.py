@@ -83,3 +83,92 @@ def test_a_changed_base_is_refused(runs):
             load_model_state(runs / "full" / "ckpt")
     finally:
         manifest.write_bytes(original)
+
+
+def neox_lora_model(ckpt):
+    """The LoRA model as training runs it: the base with live (unmerged) adapters, fp32."""
+    from neox.checkpoint.consolidate import (
+        read_checkpoint_config,
+        read_lora_checkpoint,
+        resolve_checkpoint,
+    )
+    from neox.model import build_model
+    from neox.parallel.lora import apply_lora
+
+    tag_dir = resolve_checkpoint(ckpt)
+    cfg = read_checkpoint_config(tag_dir)
+    base, adapters = read_lora_checkpoint(tag_dir, cfg)
+    model = build_model(cfg.model, base["embed_in.weight"].shape[0], device="meta")
+    model.load_state_dict(base, assign=True)
+    apply_lora(model, cfg.lora)
+    missing = model.load_state_dict(adapters, strict=False).missing_keys
+    assert not any(".lora_" in k for k in missing)
+    return model.float().eval(), cfg
+
+
+def test_exports_merged_and_peft_give_the_lora_models_logits(runs, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from neox.checkpoint.export import export_to_hf
+    from neox.tokenizer import build_tokenizer
+
+    ckpt = runs / "full" / "ckpt"
+    model, cfg = neox_lora_model(ckpt)
+    vocab = build_tokenizer(cfg.tokenizer.tokenizer_type).vocab_size
+    ids = torch.randint(1, vocab, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = model(ids)[..., :vocab]
+        base_model, _ = load_model(runs / "base" / "ckpt", dtype=torch.float32)
+        assert (ours - base_model(ids)[..., :vocab]).abs().max() > 1e-3  # the adapter matters
+
+    export_to_hf(ckpt, tmp_path / "merged", precision="fp32")
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
+    with torch.no_grad():
+        theirs = merged.eval()(ids).logits[..., :vocab]
+    torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-4)
+
+    export_to_hf(ckpt, tmp_path / "peft", precision="fp32", lora_format="peft")
+    adapter = tmp_path / "peft" / "adapter"
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["lora_alpha"] == 8.0
+    assert sorted(config["target_modules"]) == sorted(
+        ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"]
+    )
+    base_hf = AutoModelForCausalLM.from_pretrained(tmp_path / "peft", dtype=torch.float32)
+    with torch.no_grad():
+        # The directory's own model is the base; the adapter loads onto it through peft.
+        plain = base_hf.eval()(ids).logits[..., :vocab]
+        torch.testing.assert_close(plain, base_model(ids)[..., :vocab], rtol=0, atol=1e-4)
+        peft_model = PeftModel.from_pretrained(base_hf, str(adapter)).eval()
+        theirs = peft_model(ids).logits[..., :vocab]
+    torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-4)
+
+
+def test_convert_to_hf_verifies_a_peft_export(runs, tmp_path):
+    from tools.convert_to_hf import main
+
+    out = tmp_path / "hf"
+    main(
+        [
+            "--input_dir",
+            str(runs / "full" / "ckpt"),
+            "--output_dir",
+            str(out),
+            "--lora_format",
+            "peft",
+            "--verify",
+        ]
+    )
+    assert (out / "adapter" / "adapter_model.safetensors").is_file()
+    with pytest.raises(SystemExit):
+        main(
+            [
+                "--input_dir",
+                str(runs / "base" / "ckpt"),
+                "--output_dir",
+                str(tmp_path / "x"),
+                "--lora_format",
+                "peft",
+            ]
+        )
