@@ -29,6 +29,10 @@ def runs(tmp_path_factory):
     shutil.copytree(tmp / "part" / "ckpt", tmp / "part3")
     r = train(write_config(tmp, "part", lora_base=base, **LORA))
     assert "resuming from" in r.stdout
+    # The same at tp=2 (DeepSpeed's engine; same global batch), stopped at 3 and resumed.
+    tp2 = dict(LORA, model_parallel_size=2, gradient_accumulation_steps=4, lora_base=base)
+    train(write_config(tmp, "tp2", exit_interval=3, **tp2))
+    train(write_config(tmp, "tp2", **tp2))
     return tmp
 
 
@@ -37,6 +41,21 @@ def test_resumed_lora_run_logs_the_losses_of_an_uninterrupted_one(runs):
     assert sorted(full) == sorted(part) == [1, 2, 3, 4, 5, 6]
     for step in full:
         assert part[step] == pytest.approx(full[step], rel=1e-6, abs=1e-7), step
+
+
+def test_tp2_lora_run_resumes_and_matches_the_data_parallel_one(runs):
+    """DeepSpeed's engine saves the adapters alone and resumes them; the tp=2 run's losses are
+    the dp=2 run's (same base, adapters, global batch), and its checkpoint consolidates."""
+    dp, tp = losses(runs / "full" / "logs"), losses(runs / "tp2" / "logs")
+    assert sorted(tp) == [1, 2, 3, 4, 5, 6]
+    for step in dp:
+        assert tp[step] == pytest.approx(dp[step], rel=1e-4), step
+    module = load_file(runs / "tp2" / "ckpt" / "global_step6" / "mp_rank_01_model_states.pt")
+    assert all(".lora_" in k for k in module["module"])
+    _, merged_tp = load_model_state(runs / "tp2" / "ckpt")
+    _, merged_dp = load_model_state(runs / "full" / "ckpt")
+    for k in merged_dp:
+        torch.testing.assert_close(merged_tp[k], merged_dp[k], rtol=1e-3, atol=1e-4, msg=k)
 
 
 def test_checkpoint_holds_the_adapters_alone_and_names_its_base(runs):
