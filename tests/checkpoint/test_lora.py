@@ -191,3 +191,67 @@ def test_convert_to_hf_verifies_a_peft_export(runs, tmp_path):
                 "peft",
             ]
         )
+
+
+def test_peft_adapter_for_llama_splits_the_fused_qkv(tmp_path):
+    """A Llama-style model (GQA, gated MLP): the adapter on our fused query_key_value becomes
+    q/k/v_proj adapters sharing A, and `gate` becomes gate_proj; peft's logits are ours."""
+    from peft import PeftModel
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from neox.checkpoint.export import write_peft_adapter
+    from neox.checkpoint.hf_map import hf_config_for, to_hf_state_dict, to_peft_state_dict
+    from neox.config import NeoXConfig
+    from neox.model import build_model
+    from neox.parallel.lora import apply_lora
+
+    flat = dict(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_kv_heads=2,
+        seq_length=16,
+        max_position_embeddings=16,
+        norm="rmsnorm",
+        activation="swiglu",
+        intermediate_size=96,
+        pos_emb="rotary",
+        rotary_pct=1.0,
+        no_weight_tying=True,
+        use_bias_in_attn_linear=False,
+        use_bias_in_mlp=False,
+        use_bias_in_norms=False,
+        lora_rank=4,
+        lora_alpha=6.0,
+        lora_target_modules=["qkv", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    )
+    cfg = NeoXConfig.from_flat(flat)
+    vocab = 64
+    model = build_model(cfg.model, vocab, seed=5)
+    base = {k: v.clone() for k, v in model.state_dict().items()}
+    apply_lora(model, cfg.lora, None, seed=5)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if ".lora_B." in n:
+                p.normal_(0, 0.1, generator=torch.Generator().manual_seed(len(n)))
+    adapters = {k: v for k, v in model.state_dict().items() if ".lora_" in k}
+    ids = torch.randint(0, vocab, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours = model(ids)
+
+    hf = LlamaForCausalLM(LlamaConfig(**hf_config_for(cfg.model, vocab, "llama")))
+    hf.load_state_dict(to_hf_state_dict(base, cfg.model, vocab, "llama"), strict=True)
+    hf.save_pretrained(tmp_path / "base")
+    peft_sd = to_peft_state_dict(adapters, cfg.model, "llama")
+    write_peft_adapter(tmp_path / "adapter", peft_sd, cfg, tmp_path / "base")
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["target_modules"] == sorted(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+    loaded = PeftModel.from_pretrained(
+        LlamaForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32),
+        str(tmp_path / "adapter"),
+    ).eval()
+    with torch.no_grad():
+        theirs = loaded(ids).logits
+    torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-4)
