@@ -63,6 +63,7 @@ from neox.plan.engine_choice import (
 from neox.plan.estimate import (
     blocks_per_stage,
     layer_parameters,
+    lora_block_parameters,
     stage_tensor_sizes,
     vector_parameters,
 )
@@ -118,6 +119,7 @@ class TrainingShape:
     loss: str = "eager"  # or "compiled", "chunked" (neox.plan.engine_choice.loss_path)
     loss_chunk: int = 0  # tokens per chunk of the chunked loss (lm_loss_chunk_size)
     one_pass_adamw: bool = True  # flat engine: AdamW in one pass over the bf16 gradient (GPU)
+    lora_parameters: int = 0  # LoRA adapter elements per rank; 0: every parameter trains
 
     def zero_setting(self, key: str) -> Any:
         zero = self.zero or {}
@@ -167,6 +169,15 @@ class MemoryEstimate:
         return parts
 
 
+def lora_parameter_count(cfg: NeoXConfig, tp: int) -> int:
+    """Adapter elements on one rank of a LoRA run (pipeline parallelism is refused with LoRA)."""
+    lo = cfg.lora
+    if not lo.lora_rank:
+        return 0
+    block = lora_block_parameters(cfg.model, lo.lora_rank, lo.lora_target_modules, tp)
+    return cfg.model.num_layers * block
+
+
 def training_shape(
     cfg: NeoXConfig,
     derived: Derived,
@@ -199,6 +210,7 @@ def training_shape(
         engine=engine_for(cfg, derived, zero_stage).engine,
         loss=loss_path(compiled, tp, pp, cfg.model.lm_loss_chunk_size),
         loss_chunk=cfg.model.lm_loss_chunk_size,
+        lora_parameters=lora_parameter_count(cfg, tp),
         one_pass_adamw=one_pass_adamw(
             derived.optimizer_type in FLAT_OPTIMIZERS,  # neox builds torch's AdamW for both
             bool(spec.params.get("amsgrad")),
@@ -365,6 +377,31 @@ def flat_engine_states(cfg: ModelConfig, shape: TrainingShape) -> MemoryEstimate
     )
 
 
+def lora_states(cfg: ModelConfig, shape: TrainingShape) -> MemoryEstimate:
+    """The model-state parts of a LoRA run: the frozen base's weights alone, and for the
+    adapters (small enough that ZeRO's partitioning and buckets change little) weights,
+    gradients, fp32 masters and Adam moments. The adapters' own activations (an r-wide vector
+    per token and target) are left out. Activations and logits are 0."""
+    k = BYTES[shape.precision]
+    base = max(
+        sum(stage_tensor_sizes(cfg, shape.vocab_size, shape.tp, shape.pp, s))
+        for s in range(shape.pp)
+    )
+    n = shape.lora_parameters
+    mixed = shape.precision != "fp32"
+    return MemoryEstimate(
+        weights=k * (base + n),
+        gradients=k * n,
+        master_weights=4 * n if mixed else 0,
+        optimizer_states=4 * 2 * n,
+        buffers=0,
+        gathered_params=0,
+        step_transient=4 * n if mixed else 0,
+        activations=0,
+        logits=0,
+    )
+
+
 def estimate_memory(cfg: ModelConfig, shape: TrainingShape) -> MemoryEstimate:
     """Memory of the busiest rank for this model and training shape."""
     # The busiest stage in backward: the first holds the most micro-batches, the last the loss.
@@ -376,6 +413,8 @@ def estimate_memory(cfg: ModelConfig, shape: TrainingShape) -> MemoryEstimate:
         ),
         key=sum,
     )
+    if shape.lora_parameters:
+        return replace(lora_states(cfg, shape), activations=activations, logits=logits)
     if shape.engine == "flat":
         states = flat_engine_states(cfg, shape)
         return replace(states, activations=activations, logits=logits)

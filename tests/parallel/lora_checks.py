@@ -8,6 +8,7 @@ from neox.model import build_model
 from neox.parallel import ProcessGroups, Topology, parallelize
 from neox.parallel.layers import shard
 from neox.parallel.lora import apply_lora, lora_partition_dim
+from neox.plan.estimate import lora_block_parameters
 
 VOCAB = 64
 CFG = ModelConfig(
@@ -59,6 +60,10 @@ def check_lora_tp(rank: int, world: int) -> None:
     groups = ProcessGroups(Topology(world, 1, 1))
     model = parallelize(CFG, VOCAB, groups, seed=7)
     apply_lora(model, LORA, groups, seed=7)
+    # The planner's count of this rank's adapter elements (its memory estimate) is the real one.
+    adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    per_block = lora_block_parameters(CFG, LORA.lora_rank, LORA.lora_target_modules, world)
+    assert adapters == CFG.num_layers * per_block
     loss, grads = _loss_and_grads(model, world, rank)
 
     dense = build_model(CFG, VOCAB, seed=7)

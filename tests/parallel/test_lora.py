@@ -8,6 +8,7 @@ from parallel_harness import run_ranks
 from neox.config.lora import LoraConfig
 from neox.model import build_model
 from neox.parallel.lora import apply_lora, lora_partition_dim, merge_lora
+from neox.plan.estimate import lora_block_parameters
 
 
 def test_lora_at_tp2_equals_tp1():
@@ -23,6 +24,9 @@ def test_adapters_start_as_the_base_and_merge_exactly():
     base_sd = {k: v.clone() for k, v in model.state_dict().items()}
     names = apply_lora(model, LORA, None, seed=3)
     assert len(names) == 5 * CFG.num_layers
+    adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    per_block = lora_block_parameters(CFG, LORA.lora_rank, LORA.lora_target_modules)
+    assert adapters == CFG.num_layers * per_block  # what the memory estimate counts
     assert all(p.requires_grad == (".lora_" in n) for n, p in model.named_parameters())
     torch.testing.assert_close(model(tokens), base_logits)  # B = 0
     with torch.no_grad():
