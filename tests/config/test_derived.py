@@ -245,3 +245,23 @@ def test_the_model_shape_is_computed_once_and_carried():
     assert (longer.shape.max_positions, m.shape.max_positions) == (512, 128)
     with pytest.raises(ValueError, match="not divisible"):
         m.model_copy(update={"num_attention_heads": 5})
+
+
+@pytest.mark.parametrize(
+    "keys,message",
+    [
+        ({"pipe_parallel_size": 2}, "not implemented with pipeline parallelism"),
+        ({"zero_optimization": {"stage": 3}}, "not implemented with ZeRO-3"),
+        ({"finetune": True}, "set lora_base to the base checkpoint"),
+        ({"lora_target_modules": ["gate"]}, "has no gate linear"),
+        (
+            {"lora_dropout": 0.1, "attention_dropout": 0.1, "model_parallel_size": 2},
+            "dropped differently per rank",
+        ),
+    ],
+)
+def test_lora_refuses_what_it_does_not_implement_by_name(keys, message):
+    base = {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "lora_rank": 4}
+    with pytest.raises(ConfigError, match=message):
+        load_dict({**base, **keys})
+    load_dict({**base, **{k: v for k, v in keys.items() if k.startswith("lora_")}, "lora_rank": 0})
