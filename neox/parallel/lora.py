@@ -17,7 +17,6 @@ share and the output equals the tp=1 one:
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Iterator
 from typing import Any, Optional
@@ -93,14 +92,28 @@ def _adapter_pair(
     return nn.Linear(base.in_features, rank, **make), nn.Linear(rank, base.out_features, **make)
 
 
-def _forward_with_lora(module: nn.Module, base_forward: Any, x: torch.Tensor) -> torch.Tensor:
-    """The base linear's output plus its adapter's; a base held in another dtype than the
-    activations (lora_base_dtype) reads them cast to its own and returns them cast back."""
-    w = module.weight
-    y = base_forward(x if x.dtype == w.dtype else x.to(w.dtype))
-    if y.dtype != x.dtype:
-        y = y.to(x.dtype)
-    return y + module.lora_B(module.lora_A(module.lora_dropout(x))) * module.lora_scale
+class LoRAForward:
+    """Mixed into a target linear's class: its output plus its adapter's. A base held in
+    another dtype than the activations (lora_base_dtype) reads them cast to its own and returns
+    them cast back. A class rather than a per-module forward, so that torch.compile sees one
+    function for every layer and compiles the block once."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        y = super().forward(x if x.dtype == w.dtype else x.to(w.dtype))
+        if y.dtype != x.dtype:
+            y = y.to(x.dtype)
+        return y + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.lora_scale
+
+
+_LORA_CLASSES: dict[type, type] = {}
+
+
+def _with_lora(cls: type) -> type:
+    """`cls` with LoRAForward mixed in, one class per base class (nn.Linear, the tp layers)."""
+    if cls not in _LORA_CLASSES:
+        _LORA_CLASSES[cls] = type(f"LoRA{cls.__name__}", (LoRAForward, cls), {})
+    return _LORA_CLASSES[cls]
 
 
 @torch.no_grad()
@@ -127,7 +140,7 @@ def apply_lora(
         module.lora_A, module.lora_B = a, b
         module.lora_dropout = nn.Dropout(cfg.lora_dropout)
         module.lora_scale = cfg.lora_alpha / cfg.lora_rank
-        module.forward = functools.partial(_forward_with_lora, module, module.forward)
+        module.__class__ = _with_lora(type(module))
         names.append(name)
     if not names:
         raise ValueError(
