@@ -18,6 +18,7 @@ from neox.checkpoint.consolidate import CheckpointError
 from neox.checkpoint.export import (
     ARCHITECTURES,
     MAX_SHARD_SIZE,
+    LORA_FORMATS,
     PRECISIONS,
     ExportError,
     export_to_hf,
@@ -51,6 +52,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=MAX_SHARD_SIZE,
         help="largest safetensors file (e.g. 5GB, 500MB, 2GiB); bigger models are split into "
         "shards with model.safetensors.index.json (default: %(default)s, as transformers)",
+    )
+    p.add_argument(
+        "--lora_format",
+        choices=LORA_FORMATS,
+        default="merged",
+        help="for a LoRA run's checkpoint: merged = the adapters folded into the weights; peft "
+        "= the base model in OUTPUT_DIR and a PEFT adapter (adapter_config.json, "
+        "adapter_model.safetensors) in OUTPUT_DIR/adapter, for peft.PeftModel.from_pretrained",
     )
     p.add_argument(
         "--trust-checkpoint",
@@ -101,6 +110,7 @@ def main(argv: list[str] | None = None) -> None:
             overwrite=args.overwrite,
             trust=args.trust_checkpoint,
             max_shard_size=args.max_shard_size,
+            lora_format=args.lora_format,
         )
     print(f"wrote {args.output_dir}")
     if note:

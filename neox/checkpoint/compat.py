@@ -219,6 +219,26 @@ def finetune_restart(saved: NeoXConfig, cfg: NeoXConfig, step: Optional[int]) ->
     )
 
 
+def lora_differences(saved: NeoXConfig, cfg: NeoXConfig) -> list[str]:
+    """A LoRA run resumes only an adapter of its own shape, and a full run no adapter."""
+    a, b = saved.lora, cfg.lora
+    if bool(a.lora_rank) != bool(b.lora_rank):
+        what = "a LoRA adapter" if a.lora_rank else "a full model"
+        fix = (
+            "set its lora_* keys and lora_base to resume it"
+            if a.lora_rank
+            else "to train an adapter on it, set lora_base to it and point load/save at a new "
+            "directory"
+        )
+        return [f"the checkpoint holds {what}: {fix}"]
+    keys = ("lora_rank", "lora_alpha", "lora_target_modules")
+    return [
+        f"{k} {getattr(a, k)} (checkpoint) vs {getattr(b, k)} (config)"
+        for k in keys
+        if a.lora_rank and getattr(a, k) != getattr(b, k)
+    ]
+
+
 def check_resume(cfg: NeoXConfig, derived: Derived) -> str:
     """One line on what the run resumes from; ConfigError when it cannot resume from it."""
     c = cfg.checkpoint
@@ -256,6 +276,8 @@ def check_resume(cfg: NeoXConfig, derived: Derived) -> str:
         diffs = architecture_differences(
             saved, cfg, saved_padded_vocab(resume), derived.padded_vocab_size
         )
+        if not cfg.training.finetune:
+            diffs += lora_differences(saved, cfg)
         if diffs:
             listed = "".join(f"\n  {d}" for d in diffs)
             raise ConfigError(

@@ -24,6 +24,7 @@ from typing import Any, Optional
 
 import torch
 
+from neox.checkpoint.adapter import base_problem, read_reference
 from neox.checkpoint.compat import read_checkpoint_config_file
 from neox.checkpoint.errors import CheckpointError
 from neox.checkpoint.find import latest_tag, step_tags, tag_for
@@ -32,6 +33,7 @@ from neox.checkpoint.trust import check_loadable, load_file
 from neox.config import ConfigError, NeoXConfig
 from neox.model import GPTNeoX, build_model
 from neox.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from neox.parallel.lora import is_adapter, lora_partition_dim, merge_lora
 from neox.parallel.tensor import TENSOR_PARALLEL_PLAN
 
 log = logging.getLogger(__name__)
@@ -137,6 +139,8 @@ def verify_files(tag_dir: Path, paths: list[Path]) -> None:
 
 def partition_dim(name: str) -> Optional[int]:
     """The dim along which tensor parallelism splits parameter `name`, or None (replicated)."""
+    if is_adapter(name):
+        return lora_partition_dim(name)
     module, _, param = name.rpartition(".")
     for suffix, kind in TENSOR_PARALLEL_PLAN.items():
         if module == suffix or module.endswith("." + suffix):
@@ -294,14 +298,46 @@ def load_model_state(
     `trust`: unpickle the files fully (they may run code), not weights-only."""
     tag_dir = resolve_checkpoint(path, iteration)
     cfg = config if config is not None else read_checkpoint_config(tag_dir)
-    tp = cfg.parallel.model_parallel_size
-    sd = merge_tensor_parallel(read_shards(tag_dir, tp, cfg.model.num_layers, trust))
+    if read_reference(tag_dir) is not None:
+        base, adapters = read_lora_checkpoint(tag_dir, cfg, trust)
+        sd = merge_lora(base, adapters, cfg.lora)
+    else:
+        tp = cfg.parallel.model_parallel_size
+        sd = merge_tensor_parallel(read_shards(tag_dir, tp, cfg.model.num_layers, trust))
     if "embed_in.weight" not in sd:
         raise CheckpointError(f"{tag_dir} holds no embed_in.weight; it is not a neox checkpoint")
     padded_vocab = sd["embed_in.weight"].shape[0]
     check_state_dict(sd, build_model(cfg.model, padded_vocab, device="meta"), tag_dir)
     log.info("read %s: %d tensors, padded vocabulary %d", tag_dir, len(sd), padded_vocab)
     return cfg, sd
+
+
+def read_lora_checkpoint(
+    tag_dir: Path, cfg: NeoXConfig, trust: bool = False
+) -> tuple[StateDict, StateDict]:
+    """(the base's full state dict, the full adapter weights) of a LoRA run's checkpoint: the
+    adapters from its files, the base from the checkpoint its lora_base.json names (checked
+    against the manifest sha256 recorded there) or rebuilt from the recorded seed."""
+    reference = read_reference(tag_dir)
+    if reference is None:
+        raise CheckpointError(f"{tag_dir} holds no LoRA adapter (no lora_base.json)")
+    if problem := base_problem(tag_dir, reference):
+        raise CheckpointError(problem)
+    tp = cfg.parallel.model_parallel_size
+    adapters = merge_tensor_parallel(read_shards(tag_dir, tp, cfg.model.num_layers, trust))
+    others = sorted(k for k in adapters if not is_adapter(k))
+    if others or not adapters:
+        raise CheckpointError(
+            f"{tag_dir} has lora_base.json but its model files hold {len(adapters)} tensors, "
+            f"not only LoRA adapters (e.g. {others[:3]}); was lora_base.json copied in by hand?"
+        )
+    if "base" in reference:
+        _, base = load_model_state(reference["base"], trust=trust)
+    else:
+        rows = reference["padded_vocab_size"]
+        base = build_model(cfg.model, rows, reference["init_seed"]).state_dict()
+    log.info("read the adapters of %s and their base %s", tag_dir, reference.get("base", "(init)"))
+    return base, adapters
 
 
 def load_model(

@@ -18,13 +18,21 @@ from typing import Optional
 
 import torch
 
+from neox.checkpoint.adapter import read_reference
 from neox.checkpoint.consolidate import (
     CheckpointError,
     load_model_state,
     read_checkpoint_config,
+    read_lora_checkpoint,
     resolve_checkpoint,
 )
-from neox.checkpoint.hf_map import check_exportable, hf_config_for, to_hf_state_dict
+from neox.checkpoint.hf_map import (
+    check_exportable,
+    hf_config_for,
+    peft_target_modules,
+    to_hf_state_dict,
+    to_peft_state_dict,
+)
 from neox.checkpoint.hf_tokenizer import (
     build_run_tokenizer,
     carried_files,
@@ -56,6 +64,10 @@ UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+# How a LoRA run's checkpoint is written: the adapters folded into the weights, or the base
+# model plus a PEFT adapter directory (ADAPTER_DIR inside the output) that `peft` loads onto it.
+LORA_FORMATS = ("merged", "peft")
+ADAPTER_DIR = "adapter"
 
 
 class ExportError(ValueError):
@@ -118,12 +130,17 @@ def export_to_hf(
     overwrite: bool = False,
     trust: bool = False,
     max_shard_size: str | int = MAX_SHARD_SIZE,
+    lora_format: str = "merged",
 ) -> Optional[str]:
     """Write the checkpoint as an HF `architecture` model directory (None: the family it was
     imported from, else neox); returns a note when the tokenizer could not be exported (the
-    model is written regardless)."""
+    model is written regardless). A LoRA adapter checkpoint is written with its adapters
+    merged, or (lora_format="peft") as its base model plus a PEFT adapter in
+    `output_dir/adapter`."""
     if architecture is not None and architecture not in ARCHITECTURES:
         raise ExportError(f"architecture={architecture!r} is not one of {', '.join(ARCHITECTURES)}")
+    if lora_format not in LORA_FORMATS:
+        raise ExportError(f"lora_format={lora_format!r} is not one of {', '.join(LORA_FORMATS)}")
     max_bytes = shard_bytes(max_shard_size)
     tag_dir = resolve_checkpoint(input_dir, iteration)
     try:
@@ -150,9 +167,18 @@ def export_to_hf(
             raise ExportError(f"cannot build the run's tokenizer: {e}") from None
         tokenizer = None
     note = None if carried is not None else export_problem(cfg.tokenizer)
+    peft = lora_format == "peft"
+    if peft and read_reference(tag_dir) is None:
+        raise ExportError(
+            f"--lora_format peft: {tag_dir} holds no LoRA adapter (no lora_base.json); export it "
+            "without the flag"
+        )
     check_output_dir(Path(output_dir), overwrite, protected=[tag_dir])
 
-    _, sd = load_model_state(tag_dir, config=cfg, trust=trust)
+    if peft:
+        sd, adapters = read_lora_checkpoint(tag_dir, cfg, trust)
+    else:
+        _, sd = load_model_state(tag_dir, config=cfg, trust=trust)
     if carried is not None:
         # The imported model's own rows (Qwen's exceed its tokenizer's) and token ids.
         original = json.loads((carried / "config.json").read_text())
@@ -182,7 +208,39 @@ def export_to_hf(
             (tmp / "generation_config.json").write_text(json.dumps(special, indent=2) + "\n")
             if note is None:
                 save_hf_tokenizer(cfg.tokenizer, tokenizer, tmp, cfg.model.shape.max_positions)
+        if peft:
+            peft_sd = to_peft_state_dict(adapters, cfg.model, arch)
+            peft_sd = {k: v.to(dtype).contiguous() for k, v in peft_sd.items()}
+            write_peft_adapter(tmp / ADAPTER_DIR, peft_sd, cfg, Path(output_dir).resolve())
     log.info("exported %s as HF %s (%s) to %s", tag_dir, arch, dtype, output_dir)
     if note:
         log.warning("%s; the model was written without tokenizer files", note)
     return note
+
+
+def write_peft_adapter(
+    directory: Path, peft_sd: dict[str, torch.Tensor], cfg: NeoXConfig, base: Path
+) -> None:
+    """adapter_config.json and adapter_model.safetensors as PEFT's save_pretrained writes them
+    for a LoRA on a causal LM, its base the HF model exported at `base`."""
+    from safetensors.torch import save_file
+
+    lo = cfg.lora
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": str(base),
+        "r": lo.lora_rank,
+        "lora_alpha": lo.lora_alpha,
+        "lora_dropout": lo.lora_dropout,
+        "target_modules": peft_target_modules(peft_sd),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "init_lora_weights": True,
+        "inference_mode": True,
+        "modules_to_save": None,
+    }
+    directory.mkdir()
+    save_file(peft_sd, str(directory / "adapter_model.safetensors"), metadata={"format": "pt"})
+    (directory / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -376,3 +376,37 @@ def from_hf_state_dict(
         # A tied HF checkpoint loaded into an untied model: both start from the embedding.
         out["embed_out.weight"] = out["embed_in.weight"].clone()
     return out
+
+
+# PEFT's key prefix for a LoRA adapter on a causal LM (PeftModelForCausalLM.base_model.model).
+PEFT_PREFIX = "base_model.model."
+
+
+def to_peft_state_dict(
+    adapters: dict[str, torch.Tensor], cfg: ModelConfig, arch: str
+) -> dict[str, torch.Tensor]:
+    """Our full lora_A/lora_B weights -> PEFT's adapter_model.safetensors keys for HF `arch`.
+
+    A fused query_key_value exported as Llama's q/k/v is three adapters sharing A, each with
+    its rows of B: B A split by rows is exactly (B_q A, B_k A, B_v A)."""
+    table, shape = HF_KEYS[arch], cfg.shape
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in adapters.items():
+        module, which, suffix = name.rsplit(".", 2)  # (linear, lora_A|lora_B, weight)
+        template, layer = _lookup(module, list(table))
+        hf = table[template]
+        if isinstance(hf, tuple):
+            if which == "lora_B":
+                parts = split_qkv(tensor, cfg.num_attention_heads, shape.kv_heads, shape.head_dim)
+            else:
+                parts = (tensor, tensor, tensor)
+            for hf_module, part in zip(hf, parts):
+                out[f"{PEFT_PREFIX}{hf_module.format(layer)}.{which}.{suffix}"] = part.clone()
+        else:
+            out[f"{PEFT_PREFIX}{hf.format(layer)}.{which}.{suffix}"] = tensor
+    return out
+
+
+def peft_target_modules(peft_sd: dict[str, torch.Tensor]) -> list[str]:
+    """The HF module names (last component) a PEFT state dict adapts, for adapter_config.json."""
+    return sorted({k.rsplit(".", 2)[0].rsplit(".", 1)[-1] for k in peft_sd})

@@ -10,6 +10,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from neox.checkpoint.adapter import base_reference, read_reference, write_reference
 from neox.checkpoint.atomic import fsync_path, fsync_tree, kill_point, write_atomic
 from neox.checkpoint.errors import CheckpointError
 from neox.checkpoint.find import (
@@ -199,6 +200,10 @@ def finish_save(
 ) -> None:
     """Config, tokenizer files and manifest into the staged checkpoint, then rename it in place."""
     write_config(cfg, staging / "config.yml")
+    if cfg.lora.lora_rank:
+        from neox.checkpoint.lora import base_dir
+
+        write_reference(staging, base_reference(cfg, base_dir(cfg), padded_vocab_size))
     t = cfg.tokenizer
     for src in (t.vocab_file, t.merge_file):
         if src and Path(src).is_file():
@@ -280,6 +285,31 @@ def verified_on_rank0(step_dir: Path, trust: bool) -> Optional[str]:
     return text
 
 
+def check_adapter_base(step_dir: Path, cfg: NeoXConfig) -> None:
+    """A resumed LoRA adapter must have been trained on the base (and adapter shape) this run
+    loaded from lora_base."""
+    from neox.checkpoint.lora import base_dir
+
+    saved = read_reference(step_dir)
+    if saved is None:
+        raise CheckpointError(
+            f"{step_dir} holds a full model, not a LoRA adapter; to train an adapter on it set "
+            "lora_base to it and point load/save at a new directory"
+        )
+    now = base_reference(cfg, base_dir(cfg), saved.get("padded_vocab_size"))
+    if saved != now:
+        diffs = ", ".join(
+            f"{k}: {saved.get(k)!r} -> {now.get(k)!r}"
+            for k in sorted(saved.keys() | now.keys())
+            if saved.get(k) != now.get(k)
+        )
+        raise CheckpointError(
+            f"the adapter in {step_dir} was trained on another base or adapter shape than this "
+            f"run's ({diffs}); resume it with its own lora_base and lora_* keys, or point "
+            "load/save at a new directory"
+        )
+
+
 def load_checkpoint(engine, cfg: NeoXConfig) -> Optional[dict[str, Any]]:
     """Resume from cfg.checkpoint.load if it holds a checkpoint; returns its client state.
 
@@ -345,6 +375,8 @@ def load_checkpoint(engine, cfg: NeoXConfig) -> Optional[dict[str, Any]]:
             "ones or point `load` at another directory"
         )
     state = state or {}
+    if cfg.lora.lora_rank:
+        check_adapter_base(Path(c.load) / tag, cfg)
     if finetune:
         state = {"iteration": 0, "consumed_train_samples": 0}
     elif not c.no_load_rng and "rng" in state:

@@ -62,6 +62,16 @@ def verify_export(
     model, cfg = load_model(checkpoint, iteration, "cpu", torch.float32, trust=trust)
     t = cfg.tokenizer
     hf = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+    adapter = Path(hf_dir) / "adapter"
+    if (adapter / "adapter_config.json").is_file():
+        # A LoRA export in PEFT's format: the base plus the adapter, as users will load it.
+        try:
+            from peft import PeftModel
+        except ImportError:
+            raise VerifyError(
+                f"{adapter} is a PEFT adapter; checking it needs `pip install peft`"
+            ) from None
+        hf = PeftModel.from_pretrained(hf, str(adapter)).eval()
     tokenizer_checked = (Path(hf_dir) / "tokenizer_config.json").is_file()
     try:
         tokenizer = build_tokenizer(t.tokenizer_type, t.vocab_file, t.merge_file)

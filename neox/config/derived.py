@@ -392,6 +392,56 @@ def check_config(cfg: NeoXConfig) -> None:
             f"profile_step_start={lg.profile_step_start} and profile_step_stop="
             f"{lg.profile_step_stop} must satisfy 1 <= start <= stop"
         )
+    check_lora(cfg)
+
+
+def check_lora(cfg: NeoXConfig) -> None:
+    """LoRA's layouts and options: what neox/parallel/lora.py implements, the rest refused."""
+    lo = cfg.lora
+    if not lo.lora_rank:
+        return
+    if cfg.parallel.pp > 1:
+        raise ValueError(
+            f"lora_rank={lo.lora_rank} with pipe_parallel_size={cfg.parallel.pipe_parallel_size}: "
+            "LoRA is not implemented with pipeline parallelism; set pipe_parallel_size to 1 "
+            "(tensor and data parallelism work)"
+        )
+    if zero_stage_of(cfg) == 3:
+        raise ValueError(
+            f"lora_rank={lo.lora_rank} with zero_optimization.stage=3: LoRA is not implemented "
+            "with ZeRO-3 (the optimizer holds only the adapters, so stage 1 or 2 saves the same "
+            "memory); use stage 0-2"
+        )
+    if cfg.training.finetune:
+        raise ValueError(
+            "finetune: true with lora_rank > 0: LoRA reads its base from lora_base; set "
+            "lora_base to the base checkpoint and leave finetune false (load/save hold the "
+            "adapter, so a restart resumes it)"
+        )
+    if "gate" in lo.lora_target_modules and not cfg.model.shape.gated_mlp:
+        raise ValueError(
+            f"lora_target_modules names 'gate', but activation={cfg.model.activation!r} has no "
+            "gate linear (only swiglu/geglu do); remove it"
+        )
+    if cfg.preference.train_impl != "normal":
+        raise ValueError(
+            f"lora_rank={lo.lora_rank} with train_impl={cfg.preference.train_impl!r}: LoRA is "
+            "not implemented for preference training (its reference copy is the full model); "
+            "set lora_rank to 0 or train_impl to normal"
+        )
+    if cfg.float8.fp8.enabled:
+        raise ValueError(
+            f"lora_rank={lo.lora_rank} with fp8.enabled: LoRA adapters on float8 linears are not "
+            "implemented; set fp8.enabled to false or lora_rank to 0"
+        )
+    tp = cfg.parallel.model_parallel_size
+    if lo.lora_dropout and cfg.model.attention_dropout and tp > 1:
+        raise ValueError(
+            f"lora_dropout={lo.lora_dropout} with attention_dropout="
+            f"{cfg.model.attention_dropout} at model_parallel_size={tp}: attention then runs "
+            "on each tensor-parallel rank's own random stream, so the replicated adapter input "
+            "of query_key_value would be dropped differently per rank; set one of them to 0"
+        )
 
 
 PAIRED = ("dpo", "rm")

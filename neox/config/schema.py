@@ -14,6 +14,7 @@ from neox.config.float8 import Float8Config
 from neox.config.generation import GenerationConfig
 from neox.config.launcher import LauncherConfig
 from neox.config.log import LoggingConfig
+from neox.config.lora import LoraConfig
 from neox.config.model import ModelConfig
 from neox.config.optimizer import OptimizerConfig
 from neox.config.parallel import ParallelConfig
@@ -33,6 +34,7 @@ GROUPS: dict[str, type[ConfigGroup]] = {
     "training": TrainingConfig,
     "preference": PreferenceConfig,
     "checkpoint": CheckpointConfig,
+    "lora": LoraConfig,
     "logging": LoggingConfig,
     "launcher": LauncherConfig,
     "generation": GenerationConfig,
@@ -70,6 +72,7 @@ class NeoXConfig(BaseModel):
     training: TrainingConfig = TrainingConfig()
     preference: PreferenceConfig = PreferenceConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    lora: LoraConfig = LoraConfig()
     logging: LoggingConfig = LoggingConfig()
     launcher: LauncherConfig = LauncherConfig()
     generation: GenerationConfig = GenerationConfig()

@@ -64,6 +64,29 @@ def block_vector_sizes(cfg: ModelConfig, tp: int = 1) -> list[int]:
     return sizes
 
 
+def lora_block_parameters(cfg: ModelConfig, rank: int, targets: list[str], tp: int = 1) -> int:
+    """LoRA adapter elements of one block on one tensor-parallel rank: r (in + out) per target
+    linear, the split side of each divided by tp (neox/parallel/lora.py: a column-parallel
+    base splits B, a row-parallel one A)."""
+    shape = cfg.shape
+    h, hs = cfg.hidden_size, shape.head_dim
+    qkv_out = (cfg.num_attention_heads + 2 * shape.kv_heads) * hs
+    attn_in, ffn = cfg.num_attention_heads * hs, shape.ffn_size
+    # target -> (in, out, column-parallel)
+    linears = {
+        "query_key_value": (h, qkv_out, True),
+        "dense": (attn_in, h, False),
+        "dense_h_to_4h": (h, ffn, True),
+        "gate": (h, ffn, True),
+        "dense_4h_to_h": (ffn, h, False),
+    }
+    total = 0
+    for name in targets:
+        n_in, n_out, column = linears[name]
+        total += rank * (n_in + n_out // tp if column else n_in // tp + n_out)
+    return total
+
+
 def vector_parameters(cfg: ModelConfig) -> int:
     """Elements of the whole model's biases and norm gains (tp = pp = 1)."""
     return cfg.num_layers * sum(block_vector_sizes(cfg)) + sum(_norm_tensors(cfg, cfg.hidden_size))

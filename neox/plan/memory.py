@@ -73,6 +73,7 @@ from neox.plan.engine_choice import (
 from neox.plan.estimate import (
     blocks_per_stage,
     layer_parameters,
+    lora_block_parameters,
     stage_tensor_sizes,
     vector_parameters,
 )
@@ -137,6 +138,7 @@ class TrainingShape:
     one_pass_adamw: bool = True  # flat engine: AdamW in one pass over the bf16 gradient (GPU)
     pinned_host: bool = True  # offload buffers are pinned (CUDA; a no-op on CPU ranks)
     reference: bool = False  # DPO/KTO: a frozen copy of the weights (neox/training/preference.py)
+    lora_parameters: int = 0  # LoRA adapter elements per rank; 0: every parameter trains
 
     def zero_setting(self, key: str) -> Any:
         zero = self.zero or {}
@@ -205,6 +207,15 @@ class MemoryEstimate:
         return parts
 
 
+def lora_parameter_count(cfg: NeoXConfig, tp: int) -> int:
+    """Adapter elements on one rank of a LoRA run (pipeline parallelism is refused with LoRA)."""
+    lo = cfg.lora
+    if not lo.lora_rank:
+        return 0
+    block = lora_block_parameters(cfg.model, lo.lora_rank, lo.lora_target_modules, tp)
+    return cfg.model.num_layers * block
+
+
 def training_shape(
     cfg: NeoXConfig,
     derived: Derived,
@@ -242,6 +253,7 @@ def training_shape(
         loss="eager" if preference else loss_path(compiled, tp, pp, cfg.model.lm_loss_chunk_size),
         loss_chunk=0 if preference else cfg.model.lm_loss_chunk_size,
         pinned_host=device == "cuda",
+        lora_parameters=lora_parameter_count(cfg, tp),
         one_pass_adamw=one_pass_adamw(
             derived.optimizer_type in FLAT_OPTIMIZERS,  # neox builds torch's AdamW for both
             bool(spec.params.get("amsgrad")),
@@ -410,6 +422,31 @@ def flat_engine_states(cfg: ModelConfig, shape: TrainingShape) -> MemoryEstimate
     )
 
 
+def lora_states(cfg: ModelConfig, shape: TrainingShape) -> MemoryEstimate:
+    """The model-state parts of a LoRA run: the frozen base's weights alone, and for the
+    adapters (small enough that ZeRO's partitioning and buckets change little) weights,
+    gradients, fp32 masters and Adam moments. The adapters' own activations (an r-wide vector
+    per token and target) are left out. Activations and logits are 0."""
+    k = BYTES[shape.precision]
+    base = max(
+        sum(stage_tensor_sizes(cfg, shape.vocab_size, shape.tp, shape.pp, s))
+        for s in range(shape.pp)
+    )
+    n = shape.lora_parameters
+    mixed = shape.precision != "fp32"
+    return MemoryEstimate(
+        weights=k * (base + n),
+        gradients=k * n,
+        master_weights=4 * n if mixed else 0,
+        optimizer_states=4 * 2 * n,
+        buffers=0,
+        gathered_params=0,
+        step_transient=4 * n if mixed else 0,
+        activations=0,
+        logits=0,
+    )
+
+
 def estimate_memory(cfg: ModelConfig, shape: TrainingShape) -> MemoryEstimate:
     """Memory of the busiest rank for this model and training shape; DPO/KTO's frozen reference
     copy adds one more set of this rank's weights (never partitioned by ZeRO)."""
@@ -430,6 +467,8 @@ def _estimate_memory(cfg: ModelConfig, shape: TrainingShape) -> MemoryEstimate:
         ),
         key=sum,
     )
+    if shape.lora_parameters:
+        return replace(lora_states(cfg, shape), activations=activations, logits=logits)
     if shape.engine == "flat":
         states = flat_engine_states(cfg, shape)
         return replace(states, activations=activations, logits=logits)

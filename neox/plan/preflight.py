@@ -459,7 +459,7 @@ def preflight(loaded: LoadedConfig, script: str) -> tuple[Optional[int], list[st
             f"layer is a scalar head, so {name} (which reads a language model's logits) cannot "
             "use it; point it at a language model's config and checkpoint"
         )
-    checks = ([check_data, check_save_lock] if name in NEEDS_DATA else []) + (
+    checks = ([check_data, check_save_lock, check_lora_base] if name in NEEDS_DATA else []) + (
         [NEEDS_CHECKPOINT[name]] if name in NEEDS_CHECKPOINT else []
     )
     for check in checks:
@@ -556,6 +556,17 @@ def checkpoint_bytes(cfg, derived) -> int:
     params = count_parameters(cfg.model, derived.padded_vocab_size or 0)
     half = derived.precision in ("fp16", "bf16")
     return params * ((2 + 4) if half else 4) + params * 8
+
+
+def check_lora_base(loaded: LoadedConfig) -> None:
+    """train.py with LoRA: lora_base names a checkpoint to read the base from."""
+    lo = loaded.config.lora
+    if not lo.lora_rank or lo.lora_base is None:
+        return
+    problem = checkpoint_problem(lo.lora_base)
+    if problem is not None:
+        problem = problem.replace("load=", "lora_base=").replace("set `load`", "set lora_base")
+        raise ConfigError(f"{loaded.source_of('lora_base')}: {problem}")
 
 
 def check_save_lock(loaded: LoadedConfig) -> None:

@@ -121,7 +121,14 @@ class DeepSpeedAdapter:
 
     def save(self, save_dir: str, tag: str, client_state: dict[str, Any]) -> None:
         # DeepSpeed's own `latest` is a plain write, made before other ranks are known to be done.
-        self.ds.save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=False)
+        # Frozen parameters (LoRA's base) are not saved: the run reads them from lora_base.
+        self.ds.save_checkpoint(
+            save_dir,
+            tag=tag,
+            client_state=client_state,
+            save_latest=False,
+            exclude_frozen_parameters=True,
+        )
 
     def load(
         self,
@@ -140,6 +147,8 @@ class DeepSpeedAdapter:
                 load_optimizer_states=load_optimizer_states,
                 load_lr_scheduler_states=False,
                 load_module_only=load_module_only,
+                # A LoRA checkpoint lacks the frozen base (see save); the rest must all be there.
+                load_module_strict=all(p.requires_grad for p in self.ds.module.parameters()),
             )
 
     def partitions_weights(self) -> bool:

@@ -407,7 +407,7 @@ class FlatEngine:
         path.mkdir(parents=True, exist_ok=True)
         if self.dp_rank == 0:
             state = {
-                "module": self.module.state_dict(),
+                "module": trainable_state_dict(self.module),
                 "buffer_names": [n for n, _ in self.module.named_buffers()],
                 "optimizer": None,
                 "param_shapes": [
@@ -477,7 +477,7 @@ class FlatEngine:
         if not model_file.is_file():
             return None, None
         state = load_file(model_file, trust)
-        self.module.load_state_dict(state["module"], strict=True)
+        load_trainable_state_dict(self.module, state["module"], model_file)
         if load_module_only:
             self._masters_from_weights()
             return str(model_file), {k: v for k, v in state.items() if k != "module"}
@@ -574,6 +574,25 @@ class FlatEngine:
         if hi > lo:
             mine[: hi - lo] = full[lo:hi]
         return mine
+
+
+def trainable_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The module's state dict without frozen parameters (LoRA's base: its run reads it from
+    lora_base), as DeepSpeed's exclude_frozen_parameters saves it."""
+    frozen = {n for n, p in module.named_parameters() if not p.requires_grad}
+    return {k: v for k, v in module.state_dict().items() if k not in frozen}
+
+
+def load_trainable_state_dict(module: nn.Module, sd: dict[str, Any], source: Path) -> None:
+    """Load `sd` into `module`: every tensor, except frozen parameters, which it may lack."""
+    frozen = {n for n, p in module.named_parameters() if not p.requires_grad}
+    result = module.load_state_dict(sd, strict=not frozen)
+    missing = sorted(set(result.missing_keys) - frozen)
+    if missing or result.unexpected_keys:
+        raise RuntimeError(
+            f"{source} does not fit the model: missing {missing[:5]}, unexpected "
+            f"{sorted(result.unexpected_keys)[:5]}"
+        )
 
 
 def comm_dtype(ds_config: dict[str, Any], dtype: torch.dtype) -> torch.dtype:

@@ -8,11 +8,13 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from neox.checkpoint.lora import load_lora_base
 from neox.config import Derived, NeoXConfig, build_ds_config, derive
 from neox.data.loader import DataLoaders, build_train_valid_test_loaders
 from neox.data.pairs import build_preference_loaders
 from neox.launcher.port import free_port
 from neox.launcher.rank_env import rank_env_from_launcher
+from neox.parallel.lora import apply_lora, cast_lora_base
 from neox.plan.engine_choice import EngineChoice, engine_for, torch_compile_enabled
 from neox.tokenizer import Tokenizer, build_tokenizer
 from neox.training.deepspeed_engine import DeepSpeedAdapter
@@ -116,8 +118,12 @@ def build_run(cfg: NeoXConfig) -> Run:
         )
 
     model = build_model(checkpointing=True)
+    if cfg.lora.lora_rank:
+        add_lora(model, cfg, groups, derived.padded_vocab_size)
     objective = preference_objective(cfg, derived, groups, model, build_model)
     engine = make_engine(cfg, derived, ds_config, model, engine_mpu(model, groups), objective)
+    if cfg.lora.lora_rank:
+        cast_lora_base(model, cfg.lora)  # after the engine's own cast to the training precision
     o = cfg.optimizer
     schedule = LRSchedule(
         peak_lr=derived.lr,
@@ -158,6 +164,23 @@ def preference_objective(
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(derived.precision)
         reference = build_model(checkpointing=False).to(dtype or torch.float32)
     return build_objective(cfg, tp_group, reference)
+
+
+def add_lora(model: nn.Module, cfg: NeoXConfig, groups: Any, padded_vocab_size: int) -> None:
+    """The base's weights from lora_base, then adapters on the target linears, base frozen:
+    the optimizer (param_groups takes trainable parameters only) holds the adapters alone."""
+    load_lora_base(model, cfg, groups, padded_vocab_size)
+    names = apply_lora(model, cfg.lora, groups, cfg.training.seed)
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    log.info(
+        "LoRA rank %d on %d linears: %d of %d parameters on this rank train (%.3f%%)",
+        cfg.lora.lora_rank,
+        len(names),
+        trained,
+        total,
+        100 * trained / total,
+    )
 
 
 def make_engine(

@@ -325,3 +325,35 @@ def test_head_dim_and_dense_bias_shape_the_attention():
     )
     assert (m.shape.head_dim, m.shape.attn_dense_bias) == (16, False)
     assert ModelConfig(use_bias_in_attn_linear=False).shape.attn_dense_bias is False
+
+
+@pytest.mark.parametrize(
+    "keys,message",
+    [
+        ({"pipe_parallel_size": 2}, "not implemented with pipeline parallelism"),
+        ({"zero_optimization": {"stage": 3}}, "not implemented with ZeRO-3"),
+        ({"finetune": True}, "set lora_base to the base checkpoint"),
+        ({"lora_target_modules": ["gate"]}, "has no gate linear"),
+        (
+            {"lora_dropout": 0.1, "attention_dropout": 0.1, "model_parallel_size": 2},
+            "dropped differently per rank",
+        ),
+        (
+            {
+                "train_impl": "dpo",
+                "dataset_impl": "pairwise",
+                "pos_train_data_paths": ["c"],
+                "neg_train_data_paths": ["r"],
+                "do_valid": False,
+                "do_test": False,
+            },
+            "not implemented for preference training",
+        ),
+        ({"fp8": {"enabled": True}}, "adapters on float8 linears are not implemented"),
+    ],
+)
+def test_lora_refuses_what_it_does_not_implement_by_name(keys, message):
+    base = {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "lora_rank": 4}
+    with pytest.raises(ConfigError, match=message):
+        load_dict({**base, **keys})
+    load_dict({**base, **{k: v for k, v in keys.items() if k.startswith("lora_")}, "lora_rank": 0})

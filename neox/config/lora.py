@@ -1,0 +1,83 @@
+"""LoRA finetuning: low-rank adapters on named linears of a frozen base model."""
+
+from typing import Annotated, Literal, Optional
+
+from pydantic import Field, field_validator
+
+from neox.config.base import MAX_WIDTH, ConfigGroup, Reads
+
+# The module names users know (neox's/HF GPTNeoX's, Llama's, short forms) -> neox's module.
+# Llama's q_proj/k_proj/v_proj have no neox module of their own: q, k and v are one fused
+# linear, so only all three together can be targeted (as query_key_value).
+LORA_TARGET_ALIASES: dict[str, str] = {
+    "query_key_value": "query_key_value",
+    "qkv": "query_key_value",
+    "dense": "dense",
+    "o_proj": "dense",
+    "dense_h_to_4h": "dense_h_to_4h",
+    "up_proj": "dense_h_to_4h",
+    "gate": "gate",
+    "gate_proj": "gate",
+    "dense_4h_to_h": "dense_4h_to_h",
+    "down_proj": "dense_4h_to_h",
+}
+
+
+class LoraConfig(ConfigGroup):
+    """Low-rank adapters (LoRA): W x + (alpha / r) B A x on each target linear, W frozen."""
+
+    lora_rank: Annotated[int, Reads("neox/training/setup.py", "neox/parallel/lora.py")] = Field(
+        0, ge=0, le=MAX_WIDTH
+    )
+    """Rank r of the adapters; 0 (the default) trains the whole model without LoRA. With r > 0
+    only the adapters train and live in the optimizer; checkpoints hold the adapters alone and
+    name the base (`lora_base`)."""
+
+    lora_alpha: Annotated[float, Reads("neox/parallel/lora.py")] = Field(16.0, gt=0, le=MAX_WIDTH)
+    """The adapter's output is scaled by lora_alpha / lora_rank (PEFT's lora_alpha)."""
+
+    lora_dropout: Annotated[float, Reads("neox/parallel/lora.py")] = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapter's input during training (the base path sees no dropout)."""
+
+    lora_target_modules: Annotated[list[str], Reads("neox/parallel/lora.py")] = Field(
+        ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"], min_length=1
+    )
+    """Linears that get adapters, in every layer: `query_key_value` (or `qkv`), `dense`
+    (`o_proj`), `dense_h_to_4h` (`up_proj`), `dense_4h_to_h` (`down_proj`) and, for gated MLPs
+    (swiglu/geglu), `gate` (`gate_proj`). Llama's q_proj/k_proj/v_proj are one fused linear
+    here: target `query_key_value`."""
+
+    lora_base: Annotated[
+        Optional[str], Reads("neox/checkpoint/lora.py", "neox/plan/preflight.py")
+    ] = None
+    """The base model: a neox checkpoint (a save directory, whose `latest` is used, or one
+    global_stepN directory; an HF model imported with tools/convert_from_hf.py first), of any
+    layout. Its weights are loaded before training and each adapter checkpoint records this
+    directory and its manifest's sha256, which resuming, generate/eval and export check. None:
+    the base is the model initialised from `seed` (tests and benchmarks)."""
+
+    lora_base_dtype: Annotated[
+        Optional[Literal["fp32", "bf16", "fp16"]], Reads("neox/parallel/lora.py")
+    ] = None
+    """dtype of the frozen weights of the target linears (most of the model); None: the
+    training precision. bf16 under fp32 training halves their memory while the adapters,
+    norms and embeddings stay fp32 (inputs are cast to the base's dtype and its outputs back)."""
+
+    @field_validator("lora_target_modules")
+    @classmethod
+    def _targets(cls, v: list[str]) -> list[str]:
+        out = []
+        for name in v:
+            if name in ("q_proj", "k_proj", "v_proj"):
+                raise ValueError(
+                    f"lora_target_modules: {name!r} is part of neox's fused query_key_value "
+                    "linear; target 'query_key_value' (q, k and v together)"
+                )
+            if name not in LORA_TARGET_ALIASES:
+                raise ValueError(
+                    f"lora_target_modules: unknown module {name!r}; use some of "
+                    f"{', '.join(LORA_TARGET_ALIASES)}"
+                )
+            if LORA_TARGET_ALIASES[name] not in out:
+                out.append(LORA_TARGET_ALIASES[name])
+        return out
