@@ -17,8 +17,8 @@ import argparse
 from neox.checkpoint.consolidate import CheckpointError
 from neox.checkpoint.export import (
     ARCHITECTURES,
-    MAX_SHARD_SIZE,
     LORA_FORMATS,
+    MAX_SHARD_SIZE,
     PRECISIONS,
     ExportError,
     export_to_hf,
