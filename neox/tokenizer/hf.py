@@ -26,6 +26,21 @@ PADDING = "<|padding|>"
 Backend = Literal["auto", "tiktoken", "tokenizers"]
 
 
+def _config_eos(vocab_file: str) -> str | None:
+    """The eos_token of a transformers tokenizer_config.json beside vocab_file (Llama 3's
+    <|end_of_text|>, Mistral's </s>): the end-of-document token of models that have no
+    <|endoftext|>. None when there is no such file or it names none."""
+    path = os.path.join(os.path.dirname(os.path.abspath(vocab_file)), "tokenizer_config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            eos = json.load(f).get("eos_token")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if isinstance(eos, dict):  # transformers' AddedToken form: {"content": ..., ...}
+        eos = eos.get("content")
+    return eos if isinstance(eos, str) else None
+
+
 def _without_quoted(message: str) -> str:
     """A JSON parser's error with the file's strings it quotes ("..." or `...`) blanked: a file
     passed by mistake may hold secrets, and the line and column already say where to look."""
@@ -33,7 +48,8 @@ def _without_quoted(message: str) -> str:
 
 
 class HFTokenizer(Tokenizer):
-    """A tokenizers-library JSON file (e.g. GPT-NeoX-20B's); eod is its "<|endoftext|>" token.
+    """A tokenizers-library JSON file (e.g. GPT-NeoX-20B's); eod is its "<|endoftext|>" token,
+    else the eos_token of the tokenizer_config.json beside it (Llama 3, Mistral).
 
     Special tokens written in the text are encoded as their ids and kept by `decode`, so
     decode(encode(text)) gives the text back. Byte-level BPE JSONs like 20B's encode through
@@ -57,10 +73,13 @@ class HFTokenizer(Tokenizer):
             ) from err
         eod = self._tok.token_to_id(END_OF_TEXT)
         if eod is None:
+            eod = self._tok.token_to_id(_config_eos(vocab_file) or END_OF_TEXT)
+        if eod is None:
             raise ValueError(
                 f"HFTokenizer: vocab_file={vocab_file!r} has no {END_OF_TEXT!r} token to use as "
-                "eod; train the tokenizer with it as a special token "
-                "(tools/train_tokenizer.py does by default)"
+                "eod, and no tokenizer_config.json beside it names an eos_token it has; train "
+                "the tokenizer with it as a special token (tools/train_tokenizer.py does by "
+                "default) or keep the model's tokenizer_config.json beside it"
             )
         self._eod = eod
         self.pad = self._tok.token_to_id(PADDING)

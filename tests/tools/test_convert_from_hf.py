@@ -33,10 +33,38 @@ def test_refusal_exits_2_and_writes_nothing(bpe_tokenizer, tmp_path):
 
 
 def test_tokenizer_neox_cannot_build_still_round_trips(bpe_tokenizer, tmp_path, capsys):
-    """Llama 3's tokenizer has no <|endoftext|>, so neox writes no tokenizer keys; the export
-    still carries the imported tokenizer files and --verify compares on their ids."""
+    """A tokenizer with no <|endoftext|> and no eos_token gives neox no end-of-document token,
+    so it writes no tokenizer keys; the export still carries the imported tokenizer files and
+    --verify compares on their ids."""
     from transformers import PreTrainedTokenizerFast
 
+    from tools.convert_to_hf import main as export
+
+    renamed = tmp_path / "tokenizer.json"
+    renamed.write_text(bpe_tokenizer.read_text().replace("<|endoftext|>", "<|end_of_text|>"))
+    random_hf_model("llama", bpe_tokenizer, tmp_path / "hf")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / "hf" / name).unlink()
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(renamed))
+    tok.save_pretrained(tmp_path / "hf")
+    out = tmp_path / "neox"
+    main(["--input_dir", str(tmp_path / "hf"), "--output_dir", str(out)])
+    assert "no tokenizer keys written" in capsys.readouterr().out
+    keys = yaml.safe_load((out / "model.yml").read_text())
+    assert "vocab_file" not in keys and keys["hf_files"] == str((out / "hf").resolve())
+    export(["--input_dir", str(out), "--output_dir", str(tmp_path / "back"), "--verify"])
+    assert "greedy tokens identical" in capsys.readouterr().out
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert (tmp_path / "back" / name).read_bytes() == (tmp_path / "hf" / name).read_bytes()
+
+
+def test_llama3_style_tokenizer_takes_its_eos_token_as_eod(bpe_tokenizer, tmp_path, capsys):
+    """Llama 3's tokenizer has no <|endoftext|>; its tokenizer_config.json names
+    <|end_of_text|> as eos_token, which becomes neox's end-of-document token, so the import
+    writes tokenizer keys a finetuning run can use, and the export still verifies."""
+    from transformers import PreTrainedTokenizerFast
+
+    from neox.tokenizer import build_tokenizer
     from tools.convert_to_hf import main as export
 
     renamed = tmp_path / "tokenizer.json"
@@ -48,10 +76,11 @@ def test_tokenizer_neox_cannot_build_still_round_trips(bpe_tokenizer, tmp_path, 
     tok.save_pretrained(tmp_path / "hf")
     out = tmp_path / "neox"
     main(["--input_dir", str(tmp_path / "hf"), "--output_dir", str(out)])
-    assert "no tokenizer keys written" in capsys.readouterr().out
+    assert "no tokenizer keys written" not in capsys.readouterr().out
     keys = yaml.safe_load((out / "model.yml").read_text())
-    assert "vocab_file" not in keys and keys["hf_files"] == str((out / "hf").resolve())
+    assert keys["tokenizer_type"] == "HFTokenizer"
+    ours = build_tokenizer("HFTokenizer", keys["vocab_file"])
+    assert ours.eod == tok.convert_tokens_to_ids("<|end_of_text|>") == tok.eos_token_id
+    assert ours.encode("hello world") == tok.encode("hello world")
     export(["--input_dir", str(out), "--output_dir", str(tmp_path / "back"), "--verify"])
     assert "greedy tokens identical" in capsys.readouterr().out
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        assert (tmp_path / "back" / name).read_bytes() == (tmp_path / "hf" / name).read_bytes()
