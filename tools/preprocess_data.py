@@ -11,12 +11,17 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
 
-from neox.prep.preprocess import PreprocessConfig, preprocess
 from neox.prep.readers import SUPPORTED_SUFFIXES
-from neox.tokenizer import TOKENIZER_TYPES
+from neox.prep.tool import (
+    add_count_args,
+    add_output_and_runtime_args,
+    add_tokenizer_args,
+    config_from_args,
+    run_preprocess,
+    tokenizer_fields,
+)
 
 logger = logging.getLogger("preprocess_data")
 
@@ -32,70 +37,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument(
         "--jsonl-keys", nargs="+", default=["text"], help="keys to tokenize; one dataset each"
     )
-    g.add_argument(
-        "--num-docs", type=int, default=None, help="expected documents, for the progress bar"
-    )
-    g.add_argument("--strict", action="store_true", help="stop at the first bad document")
-    g = p.add_argument_group("tokenizer")
-    g.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
-    g.add_argument("--vocab-file", default=None)
-    g.add_argument("--merge-file", default=None)
-    g.add_argument(
-        "--append-eod", action="store_true", help="append the eod token to each document"
-    )
-    g.add_argument("--ftfy", action="store_true", help="fix text with ftfy before tokenizing")
-    g = p.add_argument_group("output data")
-    g.add_argument("--output-prefix", required=True, help="writes <prefix>_<key>_document.bin/.idx")
-    g.add_argument(
-        "--dataset-impl",
-        default="mmap",
-        choices=["mmap"],
-        help="only mmap is written (accepted for gpt-neox compatibility)",
-    )
-    g.add_argument("--max-shard-tokens", type=int, default=None, help="split output into shards")
-    g.add_argument("--overwrite", action="store_true", help="replace existing output datasets")
-    g = p.add_argument_group("runtime")
-    g.add_argument("--workers", type=int, default=1, help="tokenizing processes (0: in-process)")
-    g.add_argument("--log-interval", type=int, default=100, help="documents between log lines")
-    g.add_argument("--no-progress", action="store_true", help="log lines instead of a progress bar")
+    add_count_args(g)
+    add_tokenizer_args(p)
+    add_output_and_runtime_args(p, "<prefix>_<key>_document.bin/.idx")
     return p.parse_args(argv)
-
-
-def _exit_on_sigterm(signum, frame) -> None:
-    # Unwinds through preprocess(), which deletes this run's temp files on the way out.
-    raise SystemExit(128 + signum)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    config = PreprocessConfig(
-        inputs=args.input,
-        output_prefix=args.output_prefix,
-        tokenizer_type=args.tokenizer_type,
-        vocab_file=args.vocab_file,
-        merge_file=args.merge_file,
-        jsonl_keys=tuple(args.jsonl_keys),
-        append_eod=args.append_eod,
-        ftfy=args.ftfy,
-        workers=args.workers,
-        strict=args.strict,
-        log_interval=args.log_interval,
-        num_docs=args.num_docs,
-        max_shard_tokens=args.max_shard_tokens,
-        overwrite=args.overwrite,
-        progress=not args.no_progress,
-    )
-    try:
-        report = preprocess(config)
-    except (ValueError, OSError) as e:
-        # Input and setup errors already say what to fix; a traceback would bury that.
-        logger.error("%s: %s", type(e).__name__, e)
-        logger.error("nothing was written (existing datasets are untouched)")
-        return 1
-    logger.info("done\n%s", report.format())
-    return 0
+    return run_preprocess(logger, lambda: config_from_args(args, **tokenizer_fields(args)))
 
 
 if __name__ == "__main__":
