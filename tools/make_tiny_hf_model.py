@@ -102,7 +102,10 @@ def make_model(family: str, vocab_size: int, eos_id: int, pad_id: int, seed: int
             "qwen2": "Qwen2Config",
             "qwen3": "Qwen3Config",
         }
-        config = getattr(transformers, names[family])(**kw, num_key_value_heads=2)
+        head_dim = SHAPE["hidden_size"] // SHAPE["num_attention_heads"]  # Qwen3's default is 128
+        config = getattr(transformers, names[family])(
+            **kw, num_key_value_heads=2, head_dim=head_dim
+        )
     return transformers.AutoModelForCausalLM.from_config(config)
 
 
@@ -110,7 +113,12 @@ def main(argv: list[str] | None = None) -> None:
     p = tool_parser(__doc__)
     p.add_argument("output_dir", help="directory to write the HF model and tokenizer into")
     p.add_argument("--family", choices=FAMILIES, default="llama", help="model family (llama)")
-    p.add_argument("--vocab-size", type=int, default=512, help="BPE vocabulary size (512)")
+    p.add_argument(
+        "--vocab-size",
+        type=int,
+        default=512,
+        help="BPE vocabulary size at most (512; the conversations give 336)",
+    )
     p.add_argument("--seed", type=int, default=0, help="weights and conversations seed (0)")
     p.add_argument("--conversations", type=int, default=50, help="how many to make (50)")
     p.add_argument("--write-chat", metavar="JSONL", help="also write the conversations here")
