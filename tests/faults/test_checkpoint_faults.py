@@ -72,7 +72,9 @@ def test_full_checkpoint_dir_fails_before_launch(trained):
     tmp, fs = trained
     before = digest(fs / "ckpt")
     filler = fs / "filler"
-    with filler.open("wb") as f:
+    # Unbuffered: a buffered file would keep the last partial write and raise ENOSPC again when
+    # it is closed (whenever the free space is not a multiple of the chunk).
+    with filler.open("wb", buffering=0) as f:
         try:
             while True:
                 f.write(b"\0" * 65536)
