@@ -6,6 +6,11 @@ renamed in. A checkpoint imported by convert_from_hf.py exports as the family it
 (hf_architecture), with the tokenizer files, generation config and chat template it carried
 (hf_files) when the run still uses that tokenizer. Weights above `max_shard_size` are split into
 shards with a `model.safetensors.index.json`, as transformers' save_pretrained writes them.
+
+The weights stream: the checkpoint's files are memory-mapped and read one block at a time (the
+embedding, final norm and head each alone), and each shard is written as soon as it is full,
+so host memory stays near one shard. ZeRO-3 checkpoints (rebuilt from optimizer partitions)
+and LoRA checkpoints are read whole; the files written are the same either way.
 """
 
 from __future__ import annotations
