@@ -243,6 +243,132 @@ def read_shards(tag_dir: Path, tp: int, num_layers: int, trust: bool = False) ->
     )
 
 
+# Where one rank's slice of a tensor lies: the file, the key of the dict holding the module in it
+# (None: the file is the module, as a pipeline layer file is), the tensor's name there.
+Source = tuple[Path, Optional[str], str]
+
+
+def _mapped(path: Path, trust: bool) -> Any:
+    """The file loaded memory-mapped: its tensors are read from disk only when touched."""
+    return load_file(path, trust, mmap=True)
+
+
+def _lazy_rank_sources(
+    tag_dir: Path, tp: int, num_layers: int, trust: bool
+) -> Optional[list[dict[str, tuple[Source, torch.Size]]]]:
+    """Per tp rank, each plain name's source and shape, in the order read_shards gives them;
+    None for ZeRO-3 (its weights are gathered from optimizer partitions) and for legacy
+    (non-zip) files that cannot be memory-mapped."""
+    names = [p.name for p in tag_dir.iterdir()]
+    try:
+        if any(LAYER_FILE.match(n) for n in names):
+            by_tp: dict[int, dict[str, tuple[Source, torch.Size]]] = {}
+            paths = sorted(p for p in tag_dir.iterdir() if LAYER_FILE.match(p.name))
+            verify_files(tag_dir, paths)
+            for path in paths:
+                m = LAYER_FILE.match(path.name)
+                layer, tp_rank = int(m.group(1)), int(m.group(2))
+                prefix = f"layers.{layer - 1}." if 1 <= layer <= num_layers else ""
+                found = by_tp.setdefault(tp_rank, {})
+                for k, v in _mapped(path, trust).items():
+                    found[prefix + k] = ((path, None, k), v.shape)
+            what = "layer_XX-model_YY-model_states.pt files"
+            return _ranked(list(by_tp.items()), tp, what, tag_dir)
+        if any(MP_FILE.match(n) for n in names):
+            files = [
+                (int(m.group(1)), p) for p in tag_dir.iterdir() if (m := MP_FILE.match(p.name))
+            ]
+            paths = _ranked(files, tp, "mp_rank_XX_model_states.pt", tag_dir)
+            verify_files(tag_dir, paths)
+            ranks = []
+            for path in paths:
+                module = _mapped(path, trust).get("module")
+                if module is None:
+                    raise CheckpointError(
+                        f"{path} holds no module weights; it is not a pp=1 checkpoint"
+                    )
+                ranks.append({k: ((path, "module", k), v.shape) for k, v in module.items()})
+            return ranks
+    except RuntimeError as e:
+        if "mmap" not in str(e):
+            raise
+    return None
+
+
+def lazy_model_state(
+    tag_dir: Path, cfg: NeoXConfig, trust: bool = False
+) -> Optional[tuple[StateDict, dict[str, list[Source]]]]:
+    """(the full state dict as meta tensors of the merged shapes, each name's per-rank sources)
+    in load_model_state's order and checked as it checks, without reading a weight; None where
+    the checkpoint must be read whole (ZeRO-3, legacy files, LoRA adapters)."""
+    if read_reference(tag_dir) is not None:
+        return None
+    tp = cfg.parallel.model_parallel_size
+    ranks = _lazy_rank_sources(tag_dir, tp, cfg.model.num_layers, trust)
+    if ranks is None:
+        return None
+    meta, sources = {}, {}
+    for name, (source, shape) in ranks[0].items():
+        dim = partition_dim(name)
+        if dim is None or tp == 1:
+            sources[name] = [source]
+        else:
+            sources[name] = [rank[name][0] for rank in ranks]
+            shape = list(shape)
+            shape[dim] = sum(rank[name][1][dim] for rank in ranks)
+        meta[name] = torch.empty(shape, device="meta")
+    if "embed_in.weight" not in meta:
+        raise CheckpointError(f"{tag_dir} holds no embed_in.weight; it is not a neox checkpoint")
+    padded_vocab = meta["embed_in.weight"].shape[0]
+    check_state_dict(meta, build_model(cfg.model, padded_vocab, device="meta"), tag_dir)
+    return meta, sources
+
+
+def read_sources(
+    sources: dict[str, list[Source]],
+    names: list[str],
+    trust: bool = False,
+    dtype: Optional[torch.dtype] = None,
+) -> StateDict:
+    """The merged tensors `names` (tp slices joined as merge_tensor_parallel joins them), each
+    slice cast to `dtype` (None: as saved) as it is read, in memory of their own. Each file is
+    memory-mapped for one slice at a time, so the pages resident are those of one slice, not
+    the file's."""
+    out = {}
+    for name in names:
+        parts = []
+        for path, container, key in sources[name]:
+            loaded = _mapped(path, trust)
+            part = (loaded if container is None else loaded[container])[key]
+            del loaded  # the mapping lives on only in `part`, and not at all once cast
+            cast = dtype is not None and part.dtype != dtype
+            parts.append(part.to(dtype) if cast else part)
+            del part
+        if len(parts) > 1:
+            out[name] = torch.cat(parts, dim=partition_dim(name))
+        else:
+            # A copy unless the cast made one: a view would keep the mapping, and every page
+            # of it read so far, resident for as long as the tensor lives.
+            out[name] = parts[0] if cast else parts[0].clone()
+        del parts
+    return out
+
+
+def layer_groups(names: list[str]) -> list[list[str]]:
+    """Consecutive names of one block (layers.N.*) or one other module (the embedding, final
+    norm, head): the units a streaming converter reads and maps at a time."""
+    groups: list[list[str]] = []
+    last = None
+    for name in names:
+        parts = name.split(".")
+        key = ".".join(parts[:2]) if parts[0] == "layers" else ".".join(parts[:-1])
+        if key != last:
+            groups.append([])
+            last = key
+        groups[-1].append(name)
+    return groups
+
+
 def merge_tensor_parallel(shards: list[StateDict]) -> StateDict:
     """Join tp shards along each parameter's partition dim; replicated ones come from rank 0."""
     merged = {}

@@ -6,6 +6,11 @@ renamed in. A checkpoint imported by convert_from_hf.py exports as the family it
 (hf_architecture), with the tokenizer files, generation config and chat template it carried
 (hf_files) when the run still uses that tokenizer. Weights above `max_shard_size` are split into
 shards with a `model.safetensors.index.json`, as transformers' save_pretrained writes them.
+
+The weights stream: the checkpoint's files are memory-mapped and read one block at a time (the
+embedding, final norm and head each alone), and each shard is written as soon as it is full,
+so host memory stays near one shard. ZeRO-3 checkpoints (rebuilt from optimizer partitions)
+and LoRA checkpoints are read whole; the files written are the same either way.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Optional
 
@@ -21,12 +27,17 @@ import torch
 from neox.checkpoint.adapter import read_reference
 from neox.checkpoint.consolidate import (
     CheckpointError,
+    Source,
+    layer_groups,
+    lazy_model_state,
     load_model_state,
     read_checkpoint_config,
     read_lora_checkpoint,
+    read_sources,
     resolve_checkpoint,
 )
 from neox.checkpoint.hf_map import (
+    HF_KEYS,
     check_exportable,
     hf_config_for,
     peft_target_modules,
@@ -68,6 +79,7 @@ INDEX_FILE = "model.safetensors.index.json"
 # model plus a PEFT adapter directory (ADAPTER_DIR inside the output) that `peft` loads onto it.
 LORA_FORMATS = ("merged", "peft")
 ADAPTER_DIR = "adapter"
+SUFFIXES = ("weight", "bias")
 
 
 class ExportError(ValueError):
@@ -91,32 +103,88 @@ def shard_bytes(size: str | int) -> int:
     return int(float(m.group(1)) * UNITS[(m.group(2) or "").upper()])
 
 
+class SafetensorsShards:
+    """Writes tensors added in order as model.safetensors, or as shards of at most max_bytes (a
+    tensor larger than that gets a shard of its own) with model.safetensors.index.json, as
+    transformers' save_pretrained splits them. Each shard is written as soon as it is full, so
+    at most one shard is held; its final name (which counts the shards) is given in `finish`."""
+
+    def __init__(self, out: Path, max_bytes: int) -> None:
+        self.out, self.max_bytes = out, max_bytes
+        self.pending: dict[str, torch.Tensor] = {}
+        self.size = self.total = 0
+        self.written: list[tuple[Path, list[str]]] = []
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.pending and self.size + nbytes > self.max_bytes:
+            self._flush()
+        self.pending[name] = tensor
+        self.size += nbytes
+        self.total += nbytes
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        path = self.out / f".shard-{len(self.written) + 1:05d}.partial"
+        save_file(self.pending, str(path), metadata={"format": "pt"})
+        self.written.append((path, list(self.pending)))
+        self.pending, self.size = {}, 0
+
+    def finish(self) -> list[str]:
+        """Write the last shard, name the shards and write the index; returns the files."""
+        self._flush()
+        if len(self.written) == 1:
+            self.written[0][0].rename(self.out / SINGLE_FILE)
+            return [SINGLE_FILE]
+        count = len(self.written)
+        names = [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+        weight_map = {}
+        for file, (path, tensors) in zip(names, self.written):
+            path.rename(self.out / file)
+            weight_map.update(dict.fromkeys(tensors, file))
+        index = {"metadata": {"total_size": self.total}, "weight_map": weight_map}
+        (self.out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+        return [*names, INDEX_FILE]
+
+
 def save_safetensors(hf_sd: dict[str, torch.Tensor], out: Path, max_bytes: int) -> list[str]:
     """Write hf_sd as model.safetensors, or as shards of at most max_bytes (a tensor larger
     than that gets a shard of its own) with model.safetensors.index.json; returns the files."""
-    from safetensors.torch import save_file
-
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
+    shards = SafetensorsShards(out, max_bytes)
     for name, tensor in hf_sd.items():
-        nbytes = tensor.numel() * tensor.element_size()
-        if shards[-1] and size + nbytes > max_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = tensor
-        size += nbytes
-    if len(shards) == 1:
-        save_file(hf_sd, str(out / SINGLE_FILE), metadata={"format": "pt"})
-        return [SINGLE_FILE]
-    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    weight_map = {}
-    for file, shard in zip(names, shards):
-        save_file(shard, str(out / file), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(shard, file))
-    total = sum(t.numel() * t.element_size() for t in hf_sd.values())
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-    return [*names, INDEX_FILE]
+        shards.add(name, tensor)
+    return shards.finish()
+
+
+def stream_hf_weights(
+    sources: dict[str, list[Source]],
+    cfg: NeoXConfig,
+    vocab: int,
+    arch: str,
+    dtype: torch.dtype,
+    trust: bool,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The HF tensors in the order to_hf_state_dict gives them for the whole model, read and
+    mapped one block (or the embedding, final norm, head) at a time."""
+    tied: dict[str, torch.Tensor] = {}
+    ln2 = HF_KEYS[arch]["layers.{}.post_attention_layernorm"]
+    copies = [
+        f"{ln2.format(i)}.{suffix}" for i in range(cfg.model.num_layers) for suffix in SUFFIXES
+    ]
+    for names in layer_groups(list(sources)):
+        # Cast as read: casting commutes with the joins, splits and row cuts of the mapping,
+        # so the bytes are those of casting the mapped tensors, at the export dtype's size.
+        part = to_hf_state_dict(read_sources(sources, names, trust, dtype), cfg.model, vocab, arch)
+        part = {name: tensor.contiguous() for name, tensor in part.items()}
+        if cfg.model.gpt_j_tied:
+            # to_hf_state_dict puts the shared norms' copies after every other tensor.
+            tied.update({k: part.pop(k) for k in copies if k in part})
+        yield from part.items()
+        del part
+    for name in copies:
+        if name in tied:
+            yield name, tied.pop(name)
 
 
 def export_to_hf(
@@ -175,10 +243,16 @@ def export_to_hf(
         )
     check_output_dir(Path(output_dir), overwrite, protected=[tag_dir])
 
+    # The checkpoint's files are read a block at a time where their layout allows (pp=1 and
+    # pipeline files: flat engine, ZeRO 0-2, any tp); ZeRO-3's partitions and LoRA adapter
+    # checkpoints (base plus adapters, merged or written apart) are read whole.
+    lazy = None if peft else lazy_model_state(tag_dir, cfg, trust)
     if peft:
         sd, adapters = read_lora_checkpoint(tag_dir, cfg, trust)
-    else:
+    elif lazy is None:
         _, sd = load_model_state(tag_dir, config=cfg, trust=trust)
+    else:
+        sd, sources = lazy  # meta tensors: names and shapes only
     if carried is not None:
         # The imported model's own rows (Qwen's exceed its tokenizer's) and token ids.
         original = json.loads((carried / "config.json").read_text())
@@ -192,15 +266,21 @@ def export_to_hf(
             f"the checkpoint has {sd['embed_in.weight'].shape[0]} vocabulary rows but the "
             f"tokenizer {vocab} ids; pass --config_file naming the tokenizer it trained with"
         )
-    hf_sd = to_hf_state_dict(sd, cfg.model, vocab, arch)
-    del sd
-    hf_sd = {k: v.to(dtype).contiguous() for k, v in hf_sd.items()}
+    if lazy is None:
+        hf_sd = to_hf_state_dict(sd, cfg.model, vocab, arch)
+        del sd
+        weights = ((k, v.to(dtype).contiguous()) for k, v in hf_sd.items())
+    else:
+        weights = stream_hf_weights(sources, cfg, vocab, arch, dtype, trust)
     hf_config = hf_config_for(cfg.model, vocab, arch)
     hf_config.update(special, dtype=str(dtype).removeprefix("torch."))
     hf_config["torch_dtype"] = hf_config["dtype"]  # the name transformers < 5 reads
 
     with staged_directory(Path(output_dir), overwrite) as tmp:
-        save_safetensors(hf_sd, tmp, max_bytes)
+        shards = SafetensorsShards(tmp, max_bytes)
+        for name, tensor in weights:
+            shards.add(name, tensor)
+        shards.finish()
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
         if carried is not None:
             copy_carried_files(carried, tmp)
