@@ -25,6 +25,11 @@ class Progress:
                 total=run.cfg.training.train_iters,
                 initial=start,
                 unit="step",
+                # One redraw per optimizer step (tens of microseconds): tqdm's default rate
+                # limit would skip steps whose metrics arrive together (the loop reads them a
+                # step late).
+                mininterval=0,
+                miniters=1,
                 dynamic_ncols=sized,
                 ncols=None if sized else 100,
                 nrows=None if sized else 24,
