@@ -35,6 +35,8 @@ from neox.checkpoint.staging import check_output_dir, staged_directory
 from neox.checkpoint.stream_writer import StreamingCheckpoint
 from neox.checkpoint.writer import check_layout
 from neox.config import ConfigError, load_dict, pad_vocab_size
+from neox.config.derived import ROPE_SCALING_KEYS
+from neox.config.derived import ROPE_TYPES as SCALING_TYPES
 from neox.model import build_model
 from neox.tokenizer import build_tokenizer
 
@@ -117,20 +119,8 @@ READ_FIELDS = {
     "qwen2": _LLAMA_FIELDS | _QWEN_WINDOW,
     "qwen3": _LLAMA_FIELDS | _QWEN_WINDOW | {"attention_bias"},
 }
-# rope_parameters / rope_scaling entry -> our flat key.
-ROPE_FIELDS = {
-    "factor": "rope_scaling_factor",
-    "original_max_position_embeddings": "rope_original_max_position_embeddings",
-    "low_freq_factor": "rope_low_freq_factor",
-    "high_freq_factor": "rope_high_freq_factor",
-    "beta_fast": "rope_yarn_beta_fast",
-    "beta_slow": "rope_yarn_beta_slow",
-    "attention_factor": "rope_yarn_attention_factor",
-    "mscale": "rope_yarn_mscale",
-    "mscale_all_dim": "rope_yarn_mscale_all_dim",
-    "truncate": "rope_yarn_truncate",
-}
-ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
+# transformers' rope_type values neox reads ("default": no scaling).
+ROPE_TYPES = ("default", *SCALING_TYPES)
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 # HF model_type -> the name convert_to_hf.py's --architecture (and hf_architecture) use.
@@ -193,15 +183,15 @@ def _rope(hf: dict[str, Any], problems: list[str]) -> dict[str, Any]:
     if kind not in ROPE_TYPES:
         problems.append(f"rope_type={kind!r} (neox implements {', '.join(ROPE_TYPES)})")
         return keys
-    unknown = sorted(k for k in params if k not in ROPE_FIELDS)
+    unknown = sorted(k for k in params if k not in ROPE_SCALING_KEYS)
     if unknown:
         problems.append(f"rope_parameters field(s) {unknown} (not used by rope_type={kind!r})")
     if kind == "default":
-        if any(v is not None for k, v in params.items() if k in ROPE_FIELDS):
+        if any(v is not None for k, v in params.items() if k in ROPE_SCALING_KEYS):
             problems.append(f"rope_parameters {params} with rope_type='default'")
         return keys
     keys["rope_scaling_type"] = kind
-    for field, flat in ROPE_FIELDS.items():
+    for field, flat in ROPE_SCALING_KEYS.items():
         value = params.get(field)
         if field == "truncate":
             if value is False:
