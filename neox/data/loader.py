@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -291,7 +292,33 @@ def build_train_valid_test_loaders(
             for name, n in zip(SPLIT_NAMES, num_samples)
         ]
 
-    def stream(dataset: torch.utils.data.Dataset | None, consumed: int) -> Iterator | None:
+    return sampled_loaders(
+        datasets,
+        micro_batch_size,
+        data_parallel_rank,
+        data_parallel_size,
+        consumed_train_samples,
+        consumed_valid_samples,
+        num_workers,
+        pin_memory,
+    )
+
+
+def sampled_loaders(
+    datasets: Sequence[Any],
+    micro_batch_size: int,
+    data_parallel_rank: int,
+    data_parallel_size: int,
+    consumed_train_samples: int,
+    consumed_valid_samples: int,
+    num_workers: int,
+    pin_memory: bool,
+) -> DataLoaders:
+    """DataLoaders over (train, valid, test) datasets (None where a split is empty), each resumed
+    after its consumed samples: the one sampler every kind of dataset (language model, preference
+    pairs) goes through."""
+
+    def stream(dataset: Any, consumed: int) -> Iterator | None:
         if dataset is None:
             return None
         sampler = PretrainingSampler(

@@ -280,8 +280,7 @@ def build_preference_loaders(
 ) -> Any:
     """neox.data.loader.DataLoaders of preference samples for cfg (a NeoXConfig), resumable at
     the consumed counts exactly as the language-model streams are."""
-    from neox.data.loader import DataLoaders
-    from neox.data.samplers import PretrainingSampler
+    from neox.data.loader import sampled_loaders
 
     seed = cfg.training.seed
     datasets = [
@@ -289,26 +288,13 @@ def build_preference_loaders(
         for split, n in zip(("train", "valid", "test"), num_samples)
     ]
 
-    def stream(dataset: Optional[PreferenceDataset], consumed: int) -> Any:
-        if dataset is None:
-            return None
-        sampler = PretrainingSampler(
-            len(dataset), consumed, micro_batch_size, data_parallel_rank, data_parallel_size
-        )
-        loader = torch.utils.data.DataLoader(
-            dataset,
-            batch_sampler=sampler,
-            num_workers=cfg.data.num_workers,
-            pin_memory=pin_memory,
-        )
-        return iter(loader)
-
-    train, valid, test = datasets
-    return DataLoaders(
-        train=stream(train, consumed_train_samples),
-        valid=stream(valid, consumed_valid_samples),
-        test=stream(test, 0),
-        train_dataset=train,
-        valid_dataset=valid,
-        test_dataset=test,
+    return sampled_loaders(
+        datasets,
+        micro_batch_size,
+        data_parallel_rank,
+        data_parallel_size,
+        consumed_train_samples,
+        consumed_valid_samples,
+        cfg.data.num_workers,
+        pin_memory,
     )
