@@ -112,9 +112,10 @@ class TrainingConfig(ConfigGroup):
     """Selective activation checkpointing inside each compiled block (torch_compile): the
     fraction of its activations, between recomputing all (0) and the default partition (1),
     that forward keeps for backward. Below 1, torch.compile's partitioner recomputes what costs
-    fewest FLOPs per byte saved first (pointwise ops, then the smaller matmuls) and keeps the
-    attention outputs, so at long sequences it recomputes far less than checkpoint_activations,
-    which reruns every block whole. Needs torch_compile; 1: off."""
+    fewest FLOPs per byte saved (pointwise ops first), so at long sequences, where attention
+    costs the most per byte it saves, it reruns far less than checkpoint_activations, which
+    reruns every block whole (1.28x its tokens/s at seq 32k, docs/benchmarks.md). Needs
+    torch_compile, and checkpoint_activations off; 1: off."""
 
     checkpoint_num_layers: Annotated[
         int, Reads("neox/training/setup.py", "neox/config/ds_config.py")
