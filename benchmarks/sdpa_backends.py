@@ -4,6 +4,7 @@
 which backend torch picks by default and what each one costs.
 
     python benchmarks/sdpa_backends.py                # on a GPU: 160M, 410M and 1.4B shapes
+    python benchmarks/sdpa_backends.py --shapes 1-4B --micro-batch 1 --seq 8192 32768
     python benchmarks/sdpa_backends.py --tiny         # CPU smoke run (the math backend)
 
 Prints one JSON line per (shape, backend): milliseconds, TFLOPS of causal attention (half the
@@ -95,7 +96,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     p.add_argument("--backends", nargs="+", default=["flash", "cudnn", "efficient"])
-    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--seq", type=int, nargs="+", default=[2048])
+    p.add_argument("--micro-batch", type=int, default=None, help="in place of the shape's")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--json", default=None, help="append one JSON record per row here")
@@ -103,17 +105,19 @@ def main() -> None:
     args = p.parse_args()
     if args.tiny:
         device, dtype = torch.device("cpu"), torch.float32
-        args.seq, args.warmup, args.iters, args.backends = 32, 1, 2, ["math"]
+        args.warmup, args.iters, args.backends = 1, 2, ["math"]
     elif torch.cuda.is_available():
         device, dtype = torch.device("cuda"), torch.bfloat16
         print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     else:
         raise SystemExit("sdpa_backends needs a CUDA GPU (or --tiny on CPU)")
     for name in args.shapes:
-        b, h, d = SHAPES[name]
-        if args.tiny:
-            b, h, d = 2, 2, 8
-        bench(name, b, h, d, args.seq, args, device, dtype)
+        for seq in args.seq:
+            b, h, d = SHAPES[name]
+            b = args.micro_batch or b
+            if args.tiny:
+                b, h, d, seq = 2, 2, 8, 32
+            bench(name, b, h, d, seq, args, device, dtype)
 
 
 if __name__ == "__main__":

@@ -393,6 +393,20 @@ def check_config(cfg: NeoXConfig) -> None:
             f"{lg.profile_step_stop} must satisfy 1 <= start <= stop"
         )
     check_lora(cfg)
+    t = cfg.training
+    if t.activation_memory_budget < 1 and t.torch_compile is False:
+        raise ValueError(
+            f"activation_memory_budget={t.activation_memory_budget} selects what compiled blocks "
+            "recompute, but torch_compile is false; unset torch_compile (on for GPU runs) or "
+            "use checkpoint_activations: true"
+        )
+    if t.activation_memory_budget < 1 and t.checkpoint_activations:
+        raise ValueError(
+            f"activation_memory_budget={t.activation_memory_budget} and checkpoint_activations: "
+            "true both recompute activations (the whole block would be rerun, then part of it "
+            "again); set checkpoint_activations: false to recompute selectively, or "
+            "activation_memory_budget: 1 to rerun whole blocks"
+        )
 
 
 def check_lora(cfg: NeoXConfig) -> None:

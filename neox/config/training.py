@@ -106,6 +106,17 @@ class TrainingConfig(ConfigGroup):
     checkpoint_activations: Annotated[bool, Reads("neox/training/setup.py")] = False
     """Recompute activations in the backward pass to save memory."""
 
+    activation_memory_budget: Annotated[
+        float, Reads("neox/parallel/build.py", "neox/plan/memory.py")
+    ] = Field(1.0, ge=0, le=1)
+    """Selective activation checkpointing inside each compiled block (torch_compile): the
+    fraction of its activations, between recomputing all (0) and the default partition (1),
+    that forward keeps for backward. Below 1, torch.compile's partitioner recomputes what costs
+    fewest FLOPs per byte saved (pointwise ops first), so at long sequences, where attention
+    costs the most per byte it saves, it reruns far less than checkpoint_activations, which
+    reruns every block whole (1.28x its tokens/s at seq 32k, docs/benchmarks.md). Needs
+    torch_compile, and checkpoint_activations off; 1: off."""
+
     checkpoint_num_layers: Annotated[
         int, Reads("neox/training/setup.py", "neox/config/ds_config.py")
     ] = Field(1, ge=1, le=MAX_LAYERS)

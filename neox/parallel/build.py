@@ -37,6 +37,7 @@ def parallelize(
     checkpoint_num_layers: int = 1,
     torch_compile: bool = False,
     torch_compile_backend: str = "inductor",
+    activation_memory_budget: float = 1.0,
     partition_activations: bool = False,
     checkpointing_options: Optional[dict[str, Any]] = None,
     pipe_partition_method: str = "type:Block",
@@ -46,7 +47,8 @@ def parallelize(
     """The GPTNeoX for this rank: plain with tp applied when pp = 1, else a PipelineModule.
 
     Seeds the RNG streams (seed_parallel_rng). `float8` (the resolved fp8 section) converts the
-    chosen linears to float8 compute after tp. torch_compile compiles every block. Weights equal the tp=1, pp=1 model's for the
+    chosen linears to float8 compute after tp. torch_compile compiles every block, keeping
+    `activation_memory_budget` of each block's activations for backward. Weights equal the tp=1, pp=1 model's for the
     same seed, whatever the layout; no rank materialises more than its own shard.
     """
     groups.topo.check_model(model_cfg)
@@ -64,7 +66,9 @@ def parallelize(
             checkpoint_num_layers=checkpoint_num_layers,
             device=device,
         )
-        return compile_blocks(pipe, torch_compile_backend, device) if torch_compile else pipe
+        if not torch_compile:
+            return pipe
+        return compile_blocks(pipe, torch_compile_backend, device, activation_memory_budget)
     model = build_model(model_cfg, vocab_size, seed, device="meta")
     apply_tensor_parallel(model, groups, model_cfg, copy_weights=False)
     init_tensor_parallel(model, model_cfg, seed, groups, device=device)
@@ -73,17 +77,30 @@ def parallelize(
     apply_float8(model, float8, model_cfg.num_layers, device)
     if torch_compile:
         # Before checkpointing, which then recomputes through the compiled forward.
-        compile_blocks(model, torch_compile_backend, device)
+        compile_blocks(model, torch_compile_backend, device, activation_memory_budget)
     if checkpoint_activations:
         checkpoint_blocks(model.layers, checkpoint_num_layers)
     _register_head_weight(model)
     return model
 
 
-def compile_blocks(model: nn.Module, backend: str = "inductor", device: Any = None) -> nn.Module:
+def compile_blocks(
+    model: nn.Module,
+    backend: str = "inductor",
+    device: Any = None,
+    activation_memory_budget: float = 1.0,
+) -> nn.Module:
     """torch.compile each Block's forward in place: one graph per block (the same code for every
     layer, so one compilation serves them all), names and state dict keys unchanged. Rotary
-    tables are built on `device` first, so the graphs read them instead of recomputing them."""
+    tables are built on `device` first, so the graphs read them instead of recomputing them.
+
+    activation_memory_budget < 1: AOTAutograd's partitioner keeps that fraction of each graph's
+    activations and recomputes the rest in backward, cheapest FLOPs per byte first. It is a
+    process-wide torch setting, read when a graph first compiles (one model per process here).
+    """
+    import torch._functorch.config as functorch_config
+
+    functorch_config.activation_memory_budget = activation_memory_budget
     for module in model.modules():
         if isinstance(module, Block):
             module.forward = torch.compile(module.forward, backend=backend)

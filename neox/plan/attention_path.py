@@ -28,6 +28,14 @@ _SAME_MATH = (
 )
 
 
+# Which kernel torch's SDPA dispatch takes for the plain causal call (measured, one H200, torch
+# 2.11: the default ran cuDNN's kernels at seq 2k, 8k and 32k; docs/benchmarks.md).
+_CUDNN = (
+    "on H100/H200 torch dispatches it to cuDNN's fused attention, 1.45-1.72x its flash kernel "
+    "at seq 2k-32k"
+)
+
+
 @dataclass(frozen=True)
 class AttentionPath:
     """The kernel one layer type runs (an ``attention_impl`` value, never "auto") and why."""
@@ -98,7 +106,7 @@ def select_attention_path(
             "flash",
             f"attention_impl auto, `{layer_type}` layers + {' + '.join(flags)}: {_SAME_MATH}",
         )
-    return AttentionPath("flash", f"attention_impl auto, `{layer_type}` layers, causal")
+    return AttentionPath("flash", f"attention_impl auto, `{layer_type}` layers, causal; {_CUDNN}")
 
 
 def layer_window(cfg: ModelConfig, layer_type: str) -> Optional[int]:

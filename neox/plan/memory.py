@@ -132,6 +132,7 @@ class TrainingShape:
     checkpoint_activations: bool = False
     checkpoint_num_layers: int = 1
     partition_activations: bool = False
+    activation_memory_budget: float = 1.0  # compiled blocks: fraction of activations kept
     engine: str = "deepspeed"  # or "flat": neox's flat engine (neox.plan.engine_choice)
     loss: str = "eager"  # or "compiled", "chunked" (neox.plan.engine_choice.loss_path)
     loss_chunk: int = 0  # tokens per chunk of the chunked loss (lm_loss_chunk_size)
@@ -249,6 +250,7 @@ def training_shape(
         checkpoint_activations=t.checkpoint_activations,
         checkpoint_num_layers=t.checkpoint_num_layers,
         partition_activations=t.partition_activations,
+        activation_memory_budget=t.activation_memory_budget if compiled else 1.0,
         engine=engine_for(cfg, derived, zero_stage).engine,
         loss="eager" if preference else loss_path(compiled, tp, pp, cfg.model.lm_loss_chunk_size),
         loss_chunk=0 if preference else cfg.model.lm_loss_chunk_size,
@@ -365,7 +367,11 @@ def activation_bytes(cfg: ModelConfig, shape: TrainingShape, stage: int = 0) -> 
         kept = s * b * cfg.hidden_size * k // (tp if shape.partition_activations else 1)
         total = -(-len(types) // chunk) * kept + max(per_block[:chunk])
     else:
-        total = sum(per_block)
+        # A budget below 1 keeps that fraction of what a block saves beyond its input, which
+        # even recomputing everything keeps (torch's partitioner interpolates between the two).
+        kept = s * b * cfg.hidden_size * k
+        budget = shape.activation_memory_budget
+        total = sum(kept + int(budget * max(0, block - kept)) for block in per_block)
     if stage == 0 and cfg.hidden_dropout > 0:
         total += s * b * cfg.hidden_size  # embedding dropout mask
     if stage == pp - 1:

@@ -10,7 +10,7 @@ from typing import Optional
 
 from neox.config.derived import Derived, padded_vocab
 from neox.config.schema import NeoXConfig
-from neox.plan.engine_choice import engine_for
+from neox.plan.engine_choice import engine_for, torch_compile_enabled
 from neox.plan.estimate import count_parameters, embedding_parameters, train_flops_per_token
 from neox.plan.memory import (
     HOST_PROCESS_BYTES,
@@ -161,6 +161,11 @@ def fit_warning(
     hints = []
     if shape.zero_stage < 3 and derived.data_parallel > 1:
         hints.append("a higher zero_optimization.stage")
+    compiled = torch_compile_enabled(cfg.training.torch_compile, "cuda", derived.tensor_parallel)
+    if not shape.checkpoint_activations and compiled and shape.activation_memory_budget == 1:
+        # Selective recompute: at long sequences it keeps the attention outputs that
+        # checkpoint_activations recomputes (docs/benchmarks.md).
+        hints.append("activation_memory_budget: 0.75 (recompute part of each compiled block)")
     if not shape.checkpoint_activations:
         hints.append("checkpoint_activations: true")
     hints += [

@@ -112,6 +112,7 @@ def build_run(cfg: NeoXConfig) -> Run:
                 tr.torch_compile, device.type, derived.tensor_parallel
             ),
             torch_compile_backend=tr.torch_compile_backend,
+            activation_memory_budget=tr.activation_memory_budget,
             pipe_partition_method=cfg.parallel.pipe_partition_method,
             device=device,
             float8=cfg.float8.resolved(),

@@ -44,3 +44,23 @@ def test_tiny_long_context_rows(tmp_path):
     assert records["8k_packed"]["doc_length"] == 32 and records["2k"]["doc_length"] is None
     assert all(rec["tokens_per_s"] > 0 for rec in records.values())
     assert "8k_packed    256   1   no" in r.stdout
+
+
+def test_tiny_grad_accum_counts_every_micro_batch(tmp_path):
+    """--grad-accum: neox and HF each take that many micro batches per optimizer step, and
+    tokens/s counts all of them."""
+    out = tmp_path / "accum.jsonl"
+    run_benchmark(
+        "train_throughput.py",
+        *["--tiny", "--models", "160M", "--impls", "neox", "hf", "--grad-accum", "3"],
+        *["--json", out],
+        DS_ACCELERATOR="cpu",
+    )
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert {rec["impl"] for rec in records} == {"neox", "hf"}
+    for rec in records:
+        assert rec["grad_accum"] == 3
+        tokens = rec["tokens_per_s"] * rec["step_ms"] / 1000
+        assert abs(tokens - rec["micro_batch"] * 3 * rec["seq"]) < 1e-6 * tokens
+    neox = next(rec for rec in records if rec["impl"] == "neox")
+    assert neox["neox_overrides"]["gradient_accumulation_steps"] == 3

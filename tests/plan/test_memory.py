@@ -217,6 +217,25 @@ def test_training_shape_takes_the_optimizer_type_derive_resolved():
     assert estimate_memory(cfg.model, shape).optimizer_states == 0
 
 
+def test_activation_memory_budget_scales_what_blocks_keep_beyond_their_input():
+    """Compiled on a GPU, a budget keeps its fraction of each block's activations beyond the
+    block input; uncompiled (CPU ranks) it changes nothing."""
+    flat = {**TINY, "num_layers": 4, "seq_length": 256, "max_position_embeddings": 256}
+    est = {}
+    for budget in (1.0, 0.5, 0.0):
+        cfg = load_dict({**flat, "activation_memory_budget": budget})
+        gpu = training_shape(cfg, derive(cfg, 1), 512, device="cuda")
+        cpu = training_shape(cfg, derive(cfg, 1), 512, device="cpu")
+        est[budget] = activation_bytes(cfg.model, gpu)
+        assert activation_bytes(cfg.model, cpu) == activation_bytes(
+            cfg.model, replace(gpu, activation_memory_budget=1.0)
+        )
+    inputs = 4 * 256 * 64 * 4  # layers x tokens x hidden x fp32 bytes: kept at any budget
+    head = est[1.0] - 4 * block_activation_bytes(cfg.model, "global", 256, 1, 4)
+    assert est[0.0] == inputs + head
+    assert est[0.5] - est[0.0] == pytest.approx((est[1.0] - est[0.0]) / 2, abs=4)
+
+
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])
 def test_flat_engine_buffers_match_estimate_on_one_rank(precision):
     """The flat engine after a step, in process: its weight, gradient, master and moment

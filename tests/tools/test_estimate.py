@@ -73,6 +73,18 @@ def test_fit_warning_names_the_fixes():
     warning = fit_warning(cfg, derived, 50304, need // 2)
     assert warning is not None
     assert f"{need / GiB:.1f} GiB" in warning and "train_micro_batch_size_per_gpu" in warning
+    # Without checkpointing, compiled blocks (the GPU default) can recompute a part first.
+    plain = load_config(
+        [str(ROOT / "configs/pythia/1-4B.yml")], overrides={"checkpoint_activations": False}
+    ).config
+    warning = fit_warning(plain, derive(plain, 8, 50277), 50304, GiB)
+    assert "activation_memory_budget: 0.75" in warning and "checkpoint_activations: true" in warning
+    budget = load_config(
+        [str(ROOT / "configs/pythia/1-4B.yml")],
+        overrides={"checkpoint_activations": False, "activation_memory_budget": 0.75},
+    ).config
+    warning = fit_warning(budget, derive(budget, 8, 50277), 50304, GiB)
+    assert "activation_memory_budget" not in warning and "checkpoint_activations: true" in warning
 
 
 def test_bf16_report_names_the_flat_engine_and_compiled_loss(tmp_path):

@@ -1,0 +1,72 @@
+"""compile_blocks (neox/parallel/build.py): activation_memory_budget reaches torch.compile's
+partitioner, so a compiled block keeps fewer activations and its gradients do not change."""
+
+import pytest
+import torch
+
+from neox.config import ConfigError, load_dict
+from neox.model import build_model
+from neox.parallel.build import compile_blocks
+
+TINY = {
+    "num_layers": 2,
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "seq_length": 64,
+    "max_position_embeddings": 64,
+}
+VOCAB = 128
+
+
+def saved_bytes_and_grads(
+    budget: float, backend: str = "aot_eager_decomp_partition", device: str = "cpu"
+) -> tuple[int, list[torch.Tensor]]:
+    """Bytes the compiled blocks save for backward, and the weight gradients. The default
+    backend is the min-cut partitioner without code generation: quick on CPU, the same
+    partition decisions as inductor's."""
+    torch._dynamo.reset()
+    cfg = load_dict(TINY).model
+    model = build_model(cfg, VOCAB, seed=0).to(device)
+    compile_blocks(model, backend, device, activation_memory_budget=budget)
+    tokens = torch.randint(0, VOCAB, (2, 64), generator=torch.Generator().manual_seed(0))
+    tokens = tokens.to(device)
+    saved = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logits = model(tokens)
+    logits.float().pow(2).mean().backward()
+    return sum(saved), [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize(
+    "backend,device",
+    [
+        ("aot_eager_decomp_partition", "cpu"),
+        pytest.param("inductor", "cuda", marks=pytest.mark.gpu),
+    ],
+)
+def test_budget_keeps_fewer_activations_and_the_same_gradients(backend, device):
+    try:
+        full, grads_full = saved_bytes_and_grads(1.0, backend, device)
+        half, grads_half = saved_bytes_and_grads(0.5, backend, device)
+        none, _ = saved_bytes_and_grads(0.0, backend, device)
+    finally:
+        import torch._functorch.config as functorch_config
+
+        functorch_config.activation_memory_budget = 1.0  # process-wide: back to torch's default
+        torch._dynamo.reset()
+    assert none < half < full
+    for a, b in zip(grads_full, grads_half):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_budget_without_compilation_or_with_full_checkpointing_is_refused():
+    with pytest.raises(ConfigError, match="torch_compile is false"):
+        load_dict({"activation_memory_budget": 0.5, "torch_compile": False})
+    with pytest.raises(ConfigError, match="set checkpoint_activations: false"):
+        load_dict({"activation_memory_budget": 0.5, "checkpoint_activations": True})
+    assert load_dict({"activation_memory_budget": 0.5}).training.activation_memory_budget == 0.5
