@@ -19,9 +19,12 @@ the same shape, and prints their ratio.
 --long-context runs neox at longer sequences on the model's shape (LONG_CONTEXT: micro batch,
 activation checkpointing, chunked loss; `_packed` rows pack documents of --doc-length tokens on
 average with reset_attention_mask) and prints each row's tokens/s against the first row's.
-the same shape, and prints their ratio. --variants runs neox with FP8, ZeRO-3 (and its
-options) or ZeRO-3 + CPU offload (VARIANTS), each beside bf16, and records the host memory the
-run added against the estimate's ZeRO-Offload count.
+--variants runs neox with FP8 (and its options), ZeRO-3 (and its options) or ZeRO-3 + CPU
+offload (VARIANTS), each beside bf16 at the same micro batch, and records the host memory the
+run added against the estimate's ZeRO-Offload count; with --profile-dir, each profiled run
+also reports its device time per step by kind of kernel (matmuls bf16/float8, attention,
+torchao's amax and cast kernels, the rest). A neox step is gradient_accumulation_steps micro
+batches, as the config says (the 6.9B file: 2), and its tokens are counted so.
 """
 
 from __future__ import annotations
@@ -57,11 +60,20 @@ DEFAULT_MODELS = ["160M", "410M", "1-4B"]
 
 # --variants: neox runs with these keys on top of the model file (bf16: as the file says).
 _ZERO3 = {"stage": 3, "overlap_comm": True, "contiguous_gradients": True}
+_FP8_ALL = {"enabled": True, "skip_first_layers": 0, "skip_last_layers": 0}
 VARIANTS: dict[str, dict[str, Any]] = {
     "bf16": {},
     "fp8": {"fp8": {"enabled": True}},
     "fp8_rowwise": {"fp8": {"enabled": True, "recipe": "rowwise"}},
     "fp8_all_layers": {"fp8": {"enabled": True, "skip_first_layers": 0, "skip_last_layers": 0}},
+    # The output layer in float8 too, and the backward matmuls' fast accumulation.
+    "fp8_output_layer": {"fp8": {"enabled": True, "output_layer": True}},
+    "fp8_all_output": {"fp8": {**_FP8_ALL, "output_layer": True}},
+    "fp8_all_output_fast": {"fp8": {**_FP8_ALL, "output_layer": True, "fast_accum_backward": True}},
+    "fp8_output_fast": {
+        "fp8": {"enabled": True, "output_layer": True, "fast_accum_backward": True}
+    },
+    "fp8_all_rowwise": {"fp8": {**_FP8_ALL, "recipe": "rowwise", "output_layer": True}},
     "zero3": {"zero_optimization": _ZERO3},
     # Larger gathers and every parameter kept whole: ZeRO-3 at one rank has nothing to shard.
     "zero3_prefetch": {
@@ -176,33 +188,102 @@ def count_syncs(step: Callable[[int], Any], i: int, device) -> Counter:
     return sites
 
 
-def profile_steps(step: Callable[[int], Any], start: int, out_dir: Path, name: str, device) -> None:
-    """A torch.profiler trace of two steps, plus the top ops by self CPU and device time."""
+# Ops whose device time the profile sums (their kernels run inside the compiled graphs too):
+# float8 and bf16 matmuls, flash attention forward and backward.
+PROFILED_OPS = {
+    "aten::_scaled_mm": "gemm float8",
+    "aten::mm": "gemm bf16",
+    "aten::addmm": "gemm bf16",
+    "aten::bmm": "gemm bf16",
+    "aten::_flash_attention_forward": "attention",
+    "aten::_flash_attention_backward": "attention",
+    "aten::_efficient_attention_forward": "attention",
+    "aten::_efficient_attention_backward": "attention",
+}
+
+
+def kernel_kind(name: str) -> str:
+    """What a device kernel does, from its name. Inductor names a Triton kernel after the aten
+    ops fused into it: torchao's tensorwise scale is max(abs(x)) ("abs" and "max"), its cast
+    clamps to the float8 range ("clamp"); a name with more ops than those is a fused one."""
+    n = name.lower()
+    if n.startswith("triton"):
+        if "abs" in n and "max" in n:
+            return "fp8 amax (triton)"
+        if "clamp" in n:
+            return "fp8 cast (triton)"
+        return "other triton"
+    if "flash" in n or "fmha" in n:
+        return "attention"
+    if any(k in n for k in ("gemm", "nvjet", "cutlass", "xmma", "cublas")):
+        return "gemm"
+    if "adam" in n or "multi_tensor" in n:
+        return "optimizer"
+    if "memcpy" in n or "memset" in n:
+        return "copy"
+    return "other (eager)"
+
+
+def profile_steps(
+    step: Callable[[int], Any], start: int, out_dir: Path, name: str, device
+) -> dict[str, Any]:
+    """A torch.profiler trace of two steps, the top ops by self CPU and device time, and the
+    device time per step by kind of kernel (kernel_kind, PROFILED_OPS), returned."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     out_dir.mkdir(parents=True, exist_ok=True)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    steps = 2
     sync(device)
     tick = time.perf_counter()
     with profile(activities=acts) as prof:
-        for i in range(start, start + 2):
+        for i in range(start, start + steps):
             step(i)
         sync(device)
-    wall_ms = (time.perf_counter() - tick) * 1e3 / 2
+    wall_ms = (time.perf_counter() - tick) * 1e3 / steps
     prof.export_chrome_trace(str(out_dir / f"{name}.trace.json"))
     avg = prof.key_averages()
     dev_key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
     # Kernels of one stream do not overlap, so their summed time is the device's busy time;
     # the rest of the step's wall time the device waited for the host.
     kernels = [e for e in prof.events() if e.device_type != DeviceType.CPU]
-    busy_ms = sum(e.time_range.elapsed_us() for e in kernels) / 1e3 / 2
+    busy_ms = sum(e.time_range.elapsed_us() for e in kernels) / 1e3 / steps
+    kinds_ms: Counter = Counter()
+    kinds_n: Counter = Counter()
+    by_name_ms: Counter = Counter()
+    by_name_n: Counter = Counter()
+    for e in kernels:
+        ms = e.time_range.elapsed_us() / 1e3 / steps
+        kinds_ms[kernel_kind(e.name)] += ms
+        kinds_n[kernel_kind(e.name)] += 1 / steps
+        by_name_ms[e.name] += ms
+        by_name_n[e.name] += 1 / steps
+    ops_ms: Counter = Counter()
+    for a in avg:
+        if a.key in PROFILED_OPS:
+            ops_ms[PROFILED_OPS[a.key]] += getattr(a, "device_time_total", 0) / 1e3 / steps
+    result = {
+        "busy_ms": busy_ms,
+        "wall_ms": wall_ms,
+        "ops_ms": {k: round(v, 2) for k, v in ops_ms.most_common()},
+        "kinds_ms": {k: round(v, 2) for k, v in kinds_ms.most_common()},
+        "kinds_per_step": {k: round(v) for k, v in kinds_n.most_common()},
+        "top_kernels": [
+            [k[:120], round(v, 2), round(by_name_n[k])] for k, v in by_name_ms.most_common(25)
+        ],
+    }
     print(f"{name}: device busy {busy_ms:.1f} ms of {wall_ms:.1f} ms per profiled step")
+    print(f"{name}: ms per step by op {result['ops_ms']}")
+    print(f"{name}: ms per step by kernel kind {result['kinds_ms']}")
+    print(f"{name}: kernels per step by kind {result['kinds_per_step']}")
     with open(out_dir / f"{name}.ops.txt", "w") as f:
         f.write(f"device busy {busy_ms:.1f} ms of {wall_ms:.1f} ms per step\n\n")
+        f.write(json.dumps(result, indent=1) + "\n\n")
         f.write(avg.table(sort_by="self_cpu_time_total", row_limit=40))
         f.write("\n\n")
-        f.write(avg.table(sort_by=dev_key, row_limit=40))
+        f.write(avg.table(sort_by=dev_key, row_limit=60))
+    return result
 
 
 def neox_step(
@@ -312,8 +393,17 @@ def run_one(
     from neox.tokenizer import build_tokenizer
 
     t = cfg.tokenizer
-    vocab = derive(cfg, 1, build_tokenizer(t.tokenizer_type, t.vocab_file, t.merge_file).vocab_size)
-    vocab = vocab.padded_vocab_size
+    derived = derive(
+        cfg, 1, build_tokenizer(t.tokenizer_type, t.vocab_file, t.merge_file).vocab_size
+    )
+    vocab = derived.padded_vocab_size
+    # A step runs the config's gradient_accumulation_steps micro batches (the 6.9B file says 2;
+    # --grad-accum overrides it), for neox and HF alike.
+    grad_accum = derived.grad_accum
+    # Each run compiles its own graphs: one process's dynamo cache would otherwise carry the
+    # earlier runs' entries into this one's recompile limit (and fall back to eager).
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
     base_mem = 0
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -325,12 +415,14 @@ def run_one(
         doc_length = getattr(args, "doc_length", None) if cfg.data.reset_attention_mask else None
         step, keep, close = neox_step(cfg, device, doc_length)
     else:
-        accum = args.grad_accum or 1
-        step, keep, close = hf_step(cfg, vocab, micro_batch, device, impl == "hf_compile", accum)
+        step, keep, close = hf_step(
+            cfg, vocab, micro_batch, device, impl == "hf_compile", grad_accum
+        )
     times = time_steps(step, args.iters, args.warmup, device)
     rss_after = host_rss()
     mean = sum(times) / len(times)
-    tokens = micro_batch * (args.grad_accum or 1) * cfg.model.seq_length
+    tokens = micro_batch * grad_accum * cfg.model.seq_length
+    dynamo = torch._dynamo.utils.counters
     flops = train_flops_per_token(cfg.model, vocab)
     tps = tokens / mean
     peak = args.peak_tflops or peak_tflops(device)
@@ -339,7 +431,7 @@ def run_one(
         "impl": impl,
         "attention": attention if impl == "neox" else "sdpa",
         "micro_batch": micro_batch,
-        "grad_accum": args.grad_accum or 1,
+        "grad_accum": grad_accum,
         "seq": cfg.model.seq_length,
         "step_ms": 1000 * mean,
         "step_ms_min": 1000 * min(times),
@@ -353,6 +445,9 @@ def run_one(
         ),
         "neox_overrides": extra,
         "variant": variant if impl == "neox" else "-",
+        # Compiled graphs and graph breaks: the float8 casts must run inside the graphs.
+        "compiled_graphs": dynamo["stats"].get("unique_graphs", 0),
+        "graph_breaks": sum(dynamo["graph_break"].values()),
         "num_layers": cfg.model.num_layers,
         # Host memory the run added (ZeRO-Offload's buffers), beside the estimate's count.
         "host_rss_added_gib": (rss_after - rss_before) / 2**30,
@@ -362,9 +457,17 @@ def run_one(
         sites = count_syncs(step, args.iters, device)
         rec["syncs_per_step"] = sum(sites.values())
         rec["sync_sites"] = dict(sites.most_common(15))
-    if args.profile_dir and impl in args.profile_impls and model in args.profile_models:
+    profile_variant = args.profile_variants is None or variant in args.profile_variants
+    if (
+        args.profile_dir
+        and impl in args.profile_impls
+        and model in args.profile_models
+        and profile_variant
+    ):
         name = f"{impl}_{model}" if attention == "config" else f"{impl}_{attention}_{model}"
-        profile_steps(step, args.iters + 1, Path(args.profile_dir), name, device)
+        if variant != "bf16":
+            name += f"_{variant}"
+        rec["kernels"] = profile_steps(step, args.iters + 1, Path(args.profile_dir), name, device)
     close()
     del step, keep, close
     gc.collect()
@@ -393,11 +496,13 @@ def print_table(records: list[dict[str, Any]]) -> None:
                 f"{r['model']} {r['variant']}: host memory added {r['host_rss_added_gib']:.1f} "
                 f"GiB, estimated {r['host_estimate_gib']:.1f} GiB"
             )
-    base = {r["model"]: r["tokens_per_s"] for r in records if r["variant"] == "bf16"}
+    # Each variant against bf16 at the same shape and micro batch.
+    shape = lambda r: (r["model"], r["num_layers"], r["micro_batch"])  # noqa: E731
+    base = {shape(r): r["tokens_per_s"] for r in records if r["variant"] == "bf16"}
     for r in records:
-        if r["variant"] not in ("bf16", "-") and r["model"] in base:
-            ratio = r["tokens_per_s"] / base[r["model"]]
-            print(f"{r['model']}: neox {r['variant']} / bf16 = {ratio:.2f}")
+        if r["variant"] not in ("bf16", "-") and shape(r) in base:
+            ratio = r["tokens_per_s"] / base[shape(r)]
+            print(f"{r['model']} mb {r['micro_batch']}: neox {r['variant']} / bf16 = {ratio:.2f}")
     records = [r for r in records if r["variant"] in ("bf16", "-")]
     by = {(r["model"], r["impl"], r["attention"]): r["tokens_per_s"] for r in records}
     for (model, impl, attention), tps in by.items():
@@ -529,6 +634,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile-dir", default=None)
     p.add_argument("--profile-impls", nargs="+", default=["neox"])
     p.add_argument("--profile-models", nargs="+", default=DEFAULT_MODELS)
+    p.add_argument("--profile-variants", nargs="+", default=None, help="default: every one")
     p.add_argument("--json", default=None, help="append one JSON record per run here")
     p.add_argument("--tiny", action="store_true", help="2-layer model on CPU: a smoke test")
     p.add_argument(

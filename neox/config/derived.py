@@ -821,7 +821,8 @@ def check_pipeline_clipping(cfg: NeoXConfig, precision: str) -> None:
 
 def check_float8(cfg: NeoXConfig, precision: str) -> None:
     """FP8 (neox/parallel/float8.py) converts the plain model's linears: bf16 or fp32 master
-    precision, no pipeline (its stages are built apart, neox/parallel/pipeline.py)."""
+    precision, no pipeline (its stages are built apart, neox/parallel/pipeline.py), and the
+    output layer only where the model's own head computes the logits (no chunked loss)."""
     if not cfg.float8.fp8.enabled:
         return
     if precision == "fp16":
@@ -834,6 +835,13 @@ def check_float8(cfg: NeoXConfig, precision: str) -> None:
             f"fp8.enabled with pipe_parallel_size={cfg.parallel.pp}: FP8 is applied to the "
             "plain model, not to pipeline stages; use pipe_parallel_size 1 (tensor or data "
             "parallelism) or set fp8.enabled: false"
+        )
+    chunk = cfg.model.lm_loss_chunk_size
+    if cfg.float8.fp8.output_layer and chunk:
+        raise ConfigError(
+            f"fp8.output_layer with lm_loss_chunk_size={chunk}: the chunked loss computes the "
+            "output layer in its own bf16 matmul; set lm_loss_chunk_size: 0 or "
+            "fp8.output_layer: false"
         )
 
 

@@ -29,8 +29,14 @@ class Float8Spec(ConfigGroup):
     accurate, slower). Both scale from the current amax (no history)."""
 
     modules: list[Literal[FP8_MODULES]] = list(FP8_MODULES)  # type: ignore[valid-type]
-    """The block linears converted (names under each layer). The embedding and the output
-    layer always stay in bf16: the logits' matmul is where float8's rounding costs most."""
+    """The block linears converted (names under each layer). The embedding always stays in
+    bf16, the output layer unless output_layer is set."""
+
+    output_layer: bool = False
+    """Compute the output layer (the vocabulary projection, tied or not) in float8 too. Off
+    by default: the logits' matmul is where float8's rounding costs most. It is one block's
+    matmuls or less (6 x hidden x vocab FLOPs a token), so it weighs most in shallow models
+    (docs/benchmarks.md). Not with lm_loss_chunk_size, whose loss runs its own matmul."""
 
     skip_first_layers: int = Field(1, ge=0, le=MAX_LAYERS)
     """Blocks at the bottom kept in bf16 (the first block sees the raw embeddings)."""
@@ -45,6 +51,12 @@ class Float8Spec(ConfigGroup):
     wgrad: Optional[bool] = None
     """Whether the weight-gradient matmul runs in float8 too (false: in bf16, more accurate);
     None: te_fp8_wgrad, else true."""
+
+    fast_accum_backward: bool = False
+    """Accumulate the backward float8 matmuls (input and weight gradients) in the tensor
+    cores' fast mode, as the forward matmul always does (torchao's default keeps the
+    gradients' accumulation precise, as Transformer Engine does). Faster, less accurate
+    gradients; measured in docs/benchmarks.md."""
 
     @model_validator(mode="after")
     def _some_module(self) -> "Float8Spec":
@@ -69,8 +81,8 @@ class Float8Config(ConfigGroup):
         Float8Spec,
         Reads("neox/config/float8.py", "neox/config/derived.py", "neox/plan/preflight.py"),
     ] = Float8Spec()
-    """FP8 section: enabled, recipe (tensorwise | rowwise), modules, skip_first_layers,
-    skip_last_layers, format, wgrad. Weights, optimizer states and checkpoints stay in the run's
+    """FP8 section: enabled, recipe (tensorwise | rowwise), modules, output_layer,
+    skip_first_layers, skip_last_layers, format, wgrad, fast_accum_backward. Weights, optimizer states and checkpoints stay in the run's
     precision; only the chosen matmuls compute in float8."""
 
     te_fp8_format: Annotated[

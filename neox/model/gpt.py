@@ -22,6 +22,9 @@ if TYPE_CHECKING:
 class GPTNeoX(nn.Module):
     """Decoder-only language model; vocab_size is the padded vocabulary."""
 
+    # The output layer's matmul; FP8 (fp8.output_layer) swaps in a float8 one per model.
+    head_linear = staticmethod(F.linear)
+
     def __init__(self, cfg: ModelConfig, vocab_size: int) -> None:
         super().__init__()
         self.cfg = cfg
@@ -57,7 +60,7 @@ class GPTNeoX(nn.Module):
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """Final norm and output projection: (B, T, C) -> logits (B, T, V)."""
-        return F.linear(self.final_layer_norm(x), self.head_weight())
+        return self.head_linear(self.final_layer_norm(x), self.head_weight())
 
     def loss(
         self, x: torch.Tensor, labels: torch.Tensor, loss_mask: Optional[torch.Tensor] = None

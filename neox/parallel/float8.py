@@ -4,8 +4,9 @@ through torchao (dynamic scaling from each tensor's current amax), weights stay 
 `apply_float8(model, spec, num_layers, device)` swaps the plain model's nn.Linear for torchao's
 Float8Linear (convert_to_float8_training with a module filter); tensor-parallel linears
 (neox/parallel/layers.py) keep their class and collectives and get a float8 matmul in place of
-F.linear. Parameter names, shapes and dtypes are unchanged, so checkpoints and the HF export
-are the same as a bf16 run's.
+F.linear, as the output layer does with fp8.output_layer (GPTNeoX.head_linear). Parameter
+names, shapes and dtypes are unchanged, so checkpoints and the HF export are the same as a
+bf16 run's.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ def torchao_config(spec: Float8Spec, emulate: bool = False) -> Any:
     """torchao's Float8LinearConfig for `spec` (a resolved section: format and wgrad set)."""
     from torchao.float8.config import (
         CastConfig,
+        Float8GemmConfig,
         Float8LinearConfig,
         ScalingType,
         e4m3_dtype,
@@ -78,6 +80,10 @@ def torchao_config(spec: Float8Spec, emulate: bool = False) -> Any:
             fields[f"cast_config_{name}_for_grad_weight"] = CastConfig(
                 scaling_type=ScalingType.DISABLED, target_dtype=cast.target_dtype
             )
+    if spec.fast_accum_backward:
+        # torchao accumulates only the forward matmul in the fast mode by default.
+        fields["gemm_config_grad_input"] = Float8GemmConfig(use_fast_accum=True)
+        fields["gemm_config_grad_weight"] = Float8GemmConfig(use_fast_accum=True)
     return Float8LinearConfig(**fields, emulate=emulate)
 
 
@@ -125,7 +131,8 @@ def apply_float8(
     device: Any,
     emulate: bool = False,
 ) -> list[str]:
-    """Convert the linears `spec` selects to float8 compute, in place; the names converted.
+    """Convert the linears `spec` selects to float8 compute, in place; the names converted
+    ("head" for the output layer).
 
     Args:
         spec: the resolved fp8 section (Float8Config.resolved()); None does nothing.
@@ -154,12 +161,18 @@ def apply_float8(
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and chosen(module, fqn):
             matmul = matmul or Float8Matmul(config)
             module.linear = matmul
+    if spec.output_layer and hasattr(model, "head_linear"):
+        rows, cols = model.head_weight().shape  # (vocab or its tp shard, hidden)
+        if rows % FP8_DIM_MULTIPLE == 0 and cols % FP8_DIM_MULTIPLE == 0:
+            model.head_linear = matmul or Float8Matmul(config)
+            converted.append("head")
     log.info(
-        "fp8 (%s): %d linears in float8, first %d and last %d blocks, embedding and output "
-        "layer in high precision",
+        "fp8 (%s): %d linears in float8, first %d and last %d blocks and the embedding in "
+        "high precision, the output layer in %s",
         spec.recipe,
         len(converted),
         spec.skip_first_layers,
         spec.skip_last_layers,
+        "float8" if "head" in converted else "high precision",
     )
     return converted

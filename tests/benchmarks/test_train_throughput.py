@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from tests.benchmarks.bench_helpers import run_benchmark
 
 
@@ -25,6 +27,28 @@ def test_tiny_run_reports_both_implementations(tmp_path):
     assert "160M: neox (flash) / hf =" in r.stdout
     assert "160M: neox triton / flash attention =" in r.stdout
     assert (tmp_path / "prof" / "neox_triton_160M.trace.json").stat().st_size > 0
+    assert {"busy_ms", "ops_ms", "kinds_ms", "top_kernels"} <= set(
+        records[("neox", "flash")]["kernels"]
+    )
+
+
+def test_kernels_are_told_apart_by_name():
+    """The profile's kinds: cuBLAS/CUTLASS matmuls, flash attention, and inductor's Triton
+    kernels named after their aten ops (torchao's amax is max(abs), its cast clamps)."""
+    from benchmarks.train_throughput import kernel_kind
+
+    assert kernel_kind("triton_red_fused_abs_max_0") == "fp8 amax (triton)"
+    assert kernel_kind("triton_red_fused_abs_add_max_native_layer_norm_3") == "fp8 amax (triton)"
+    assert kernel_kind("triton_poi_fused__to_copy_clamp_mul_reciprocal_1") == "fp8 cast (triton)"
+    assert kernel_kind("triton_per_fused_native_layer_norm_2") == "other triton"
+    assert kernel_kind("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT") == "gemm"
+    assert kernel_kind("sm90_xmma_gemm_e4m3bf16_e4m3f32_f32_tn_n_tilesize128x128x128") == "gemm"
+    assert (
+        kernel_kind("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits>") == "attention"
+    )
+    assert kernel_kind("void multi_tensor_apply_kernel<TensorListMetadata<4>>") == "optimizer"
+    assert kernel_kind("Memcpy DtoD (Device -> Device)") == "copy"
+    assert kernel_kind("void at::native::reduce_kernel<512, 1>") == "other (eager)"
 
 
 def test_tiny_long_context_rows(tmp_path):
@@ -35,6 +59,7 @@ def test_tiny_long_context_rows(tmp_path):
         "train_throughput.py",
         *["--tiny", "--models", "160M", "--json", out],
         *["--long-context", "2k", "8k_packed", "--doc-length", "32"],
+        *["--neox-overrides", '{"gradient_accumulation_steps": 2}'],
         DS_ACCELERATOR="cpu",
     )
     records = {rec["long_context"]: rec for rec in map(json.loads, out.read_text().splitlines())}
@@ -44,6 +69,10 @@ def test_tiny_long_context_rows(tmp_path):
     assert records["8k_packed"]["doc_length"] == 32 and records["2k"]["doc_length"] is None
     assert all(rec["tokens_per_s"] > 0 for rec in records.values())
     assert "8k_packed    256   1   no" in r.stdout
+    # A step is gradient_accumulation_steps micro batches, and its tokens count so.
+    first = records["2k"]
+    assert first["grad_accum"] == 2 and first["micro_batch"] == 4  # LONG_CONTEXT's 2k row
+    assert first["tokens_per_s"] == pytest.approx(4 * 2 * 64 / (first["step_ms"] / 1e3))
 
 
 def test_tiny_grad_accum_counts_every_micro_batch(tmp_path):

@@ -44,6 +44,7 @@ def tp_float8(rank: int, world: int, flat: dict, out: str) -> None:
                     converted=converted,
                     float8=float8,
                     same_state=same_state,
+                    float8_head=isinstance(model.head_linear, Float8Matmul),
                     grads=all(p.grad is not None for p in model.parameters()),
                 )
             )

@@ -135,6 +135,68 @@ def test_recipes_and_te_keys_map_onto_torchao():
     assert load_dict({"te_fp8_format": "e4m3"}).float8.resolved() is None  # fp8 off
 
 
+def test_output_layer_takes_a_float8_matmul_on_request_tied_or_not():
+    """fp8.output_layer: the head's matmul (not a module) computes in float8, the weights and
+    their names stay; the logits and the head's gradient follow the bf16 model's."""
+    from neox.parallel.float8 import Float8Matmul
+
+    ids = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(1))
+    for untied in (False, True):
+        model_cfg = {**PYTHIA, "no_weight_tying": untied}
+        cfg = fp8_config(model_cfg, output_layer=True, skip_first_layers=0, skip_last_layers=0)
+        model, names = converted(cfg)
+        assert names[-1] == "head" and len(names) == 4 * len(BLOCK) + 1
+        assert isinstance(model.head_linear, Float8Matmul)
+        ref = build_model(cfg.model, 512, seed=0).to(torch.bfloat16)
+        assert list(model.state_dict()) == list(ref.state_dict())
+        only_blocks, _ = converted(fp8_config(model_cfg, skip_first_layers=0, skip_last_layers=0))
+        assert only_blocks.head_linear is torch.nn.functional.linear  # off by default
+        with torch.no_grad():
+            a, b = model(ids).float(), only_blocks(ids).float()
+        assert not torch.equal(a, b)  # the head's float8 rounding shows
+        assert torch.allclose(a, b, atol=0.1, rtol=0.1)
+        for m in (model, ref):
+            lm_loss(m(ids), ids).backward()
+        head = model.head_weight().grad.float().flatten()
+        cos = torch.nn.functional.cosine_similarity(
+            head, ref.head_weight().grad.float().flatten(), 0
+        )
+        assert cos > 0.98
+
+
+def test_float8_head_and_blocks_compile_as_one_graph_each():
+    """The float8 casts run inside the compiled graphs (a block's, the loss's), not in eager
+    code between them: no graph break around torchao's matmul (aot_eager: the same capture
+    inductor gets, without code generation)."""
+    cfg = fp8_config(output_layer=True)
+    model, _ = converted(cfg)
+    ids = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(2))
+    x = model.embed(ids)
+    pos = torch.arange(32).expand_as(ids)
+    torch._dynamo.reset()
+    block = torch._dynamo.explain(model.layers[1].forward)(x, pos, None, None)
+    loss = torch._dynamo.explain(model.loss)(x, ids)
+    assert (block.graph_count, block.graph_break_count) == (1, 0)
+    assert (loss.graph_count, loss.graph_break_count) == (1, 0)
+    compiled = torch.compile(model.loss, backend="aot_eager", fullgraph=True)
+    assert compiled(x, ids).item() == pytest.approx(model.loss(x, ids).item(), rel=1e-3)
+    torch._dynamo.reset()
+
+
+def test_fast_accum_backward_maps_onto_the_gradient_matmuls():
+    default = torchao_config(fp8_config().float8.resolved())
+    fast = torchao_config(fp8_config(fast_accum_backward=True).float8.resolved())
+    assert default.gemm_config_output.use_fast_accum and fast.gemm_config_output.use_fast_accum
+    assert not default.gemm_config_grad_input.use_fast_accum
+    assert not default.gemm_config_grad_weight.use_fast_accum
+    assert (
+        fast.gemm_config_grad_input.use_fast_accum and fast.gemm_config_grad_weight.use_fast_accum
+    )
+    model, _ = converted(fp8_config(fast_accum_backward=True))
+    mm = model.layers[1].attention.dense.linear_mm_config
+    assert mm.grad_input.use_fast_accum and mm.grad_weight.use_fast_accum
+
+
 @pytest.mark.parametrize(
     "flat, words",
     [
@@ -162,6 +224,10 @@ def test_runs_float8_cannot_take_are_refused_before_launch():
         derive(load_dict(flat), 2)
     with pytest.raises(ConfigError, match="fp8.enabled with fp16"):
         derive(load_dict({**PYTHIA, "fp8": {"enabled": True}, "fp16": {"enabled": True}}), 1)
+    with pytest.raises(ConfigError, match="fp8.output_layer with lm_loss_chunk_size=16"):
+        fp8 = {"enabled": True, "output_layer": True}
+        derive(load_dict({**PYTHIA, "fp8": fp8, "lm_loss_chunk_size": 16}), 1)
+    derive(load_dict({**PYTHIA, "fp8": {"enabled": True}, "lm_loss_chunk_size": 16}), 1)
 
 
 def test_cpu_ranks_are_refused_naming_the_key(tmp_path):
@@ -185,10 +251,12 @@ def test_cpu_ranks_are_refused_naming_the_key(tmp_path):
 @pytest.mark.slow
 def test_tensor_parallel_linears_compute_in_float8(tmp_path):
     """At tp=2 the column/row-parallel linears keep their class and collectives and take the
-    float8 matmul; the loss is the tp=1 float8 model's (tensorwise scales are per shard)."""
+    float8 matmul, as does the vocab-split output layer (fp8.output_layer); the loss is the
+    tp=1 bf16 model's within float8's rounding (tensorwise scales are per shard)."""
     from tests.parallel.float8_worker import tp_float8
 
-    flat = {**PYTHIA, "fp8": {"enabled": True}, "padded_vocab_size": 512}
+    fp8 = {"enabled": True, "output_layer": True}
+    flat = {**PYTHIA, "fp8": fp8, "padded_vocab_size": 512}
     flat["tokenizer_type"] = "CharLevelTokenizer"
     out = tmp_path / "tp.json"
     run_ranks(tp_float8, 2, flat, str(out))
@@ -196,6 +264,7 @@ def test_tensor_parallel_linears_compute_in_float8(tmp_path):
     run_ranks(tp_float8, 1, {**flat, "fp8": {"enabled": False}}, str(out))
     dense = json.loads(out.read_text())
     assert tp2["float8"] == sorted(f"layers.{i}.{m}" for i in (1, 2) for m in BLOCK)
-    assert sorted(tp2["converted"]) == tp2["float8"] and dense["converted"] == []
+    assert tp2["converted"][-1] == "head" and tp2["float8_head"] and not dense["float8_head"]
+    assert sorted(tp2["converted"][:-1]) == tp2["float8"] and dense["converted"] == []
     assert tp2["same_state"] and tp2["grads"]
     assert tp2["loss"] == pytest.approx(dense["loss"], rel=2e-2)

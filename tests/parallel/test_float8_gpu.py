@@ -67,6 +67,28 @@ def test_compiled_float8_blocks_train_beside_bf16(recipe):
 
 
 @fp8_gpu
+def test_compiled_float8_output_layer_and_fast_backward_train_beside_bf16():
+    """fp8.output_layer and fast_accum_backward: the compiled loss graph (final norm, output
+    layer, cross-entropy) runs the float8 head; training follows bf16's loss."""
+    from neox.config import load_dict
+    from neox.model import build_model
+    from neox.parallel.build import compile_blocks
+    from neox.parallel.float8 import Float8Matmul, apply_float8
+
+    fp8 = {"output_layer": True, "fast_accum_backward": True, "skip_first_layers": 0}
+    cfg = load_dict({**SHAPE, "fp8": {"enabled": True, **fp8}})
+    ref = build_model(cfg.model, 512, seed=1, device="cuda").to(torch.bfloat16)
+    model = build_model(cfg.model, 512, seed=1, device="cuda").to(torch.bfloat16)
+    names = apply_float8(model, cfg.float8.resolved(), 4, "cuda")
+    assert names[-1] == "head" and isinstance(model.head_linear, Float8Matmul)
+    compile_blocks(model, device="cuda")
+    compile_blocks(ref, device="cuda")
+    fp8_losses, bf16_losses = train(model), train(ref)
+    assert fp8_losses[-1] < 0.8 * fp8_losses[0]
+    assert fp8_losses[-1] == pytest.approx(bf16_losses[-1], rel=0.05)
+
+
+@fp8_gpu
 @pytest.mark.parametrize("engine", ["flat", "deepspeed_zero2", "deepspeed_zero3"])
 def test_fp8_trains_through_deepy_on_each_engine(tmp_path, engine):
     """`deepy.py train.py` with fp8 on the flat engine and DeepSpeed's (ZeRO-2, ZeRO-3): the
