@@ -289,7 +289,7 @@ def main(argv: list[str]) -> int:
     cols += " launch s | transformers tok/s | neox / transformers |"
     if args.hf_compile:
         cols += " transformers static+compile tok/s | % of roofline | neox / static+compile |"
-    cols += " same tokens as transformers |"
+    cols += " same tokens |"
     print(cols)
     print("| --- |" + " ---: |" * (cols.count("|") - 2))
     with tempfile.TemporaryDirectory() as tmp:

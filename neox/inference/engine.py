@@ -183,8 +183,12 @@ class Generator:
             # bookkeeping) as one inductor graph: a few fused kernels per layer where eager runs
             # ~30, which is what bounds a captured step at batch 1. Shapes are static (one
             # compilation per batch shape and cache length, as for the captured graphs); the
-            # prefill, a new length each batch, stays eager.
-            self._compiled = torch.compile(self._decode, dynamic=False)
+            # prefill, a new length each batch, stays eager. Intermediates are rounded to the
+            # model dtype where eager rounds them, so bf16 logits track the eager step's.
+            options = {}
+            if hasattr(torch._inductor.config, "emulate_precision_casts"):
+                options["emulate_precision_casts"] = True
+            self._compiled = torch.compile(self._decode, dynamic=False, options=options)
             for module in model.modules():
                 if isinstance(module, RotaryEmbedding):
                     module.prepare(self.device)  # compiled steps read the table, not rebuild it
