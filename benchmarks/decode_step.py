@@ -98,7 +98,7 @@ def kernels(gen: Generator, batch: int, prompt: int, n: int = 5) -> tuple[float,
         torch.cuda.synchronize()
     events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     table = prof.key_averages().table(
-        sort_by="cuda_time_total", row_limit=18, max_name_column_width=70
+        sort_by="device_time_total", row_limit=18, max_name_column_width=70
     )
     return len(events) / n, table.splitlines()
 
