@@ -3,11 +3,12 @@
 For each model shape, random weights are saved as a neox checkpoint; generate.py runs on it in
 input-file mode through deepy.py (one launch per batch size), and its own per-batch speed
 (`tokens_per_second` in the rows it writes) is read back: the first batch is a warm-up (CUDA
-graph capture), the median of the others is reported. On a GPU it runs a second time with
-`torch_compile: true` (the decode step compiled, then captured; --no-neox-compile skips it).
-transformers' `generate` decodes the same
+graph capture, and on a GPU the compilation of the decode step), the median of the others is
+reported. On a GPU it runs a second time with `torch_compile: false` (the eager decode step
+captured as is; --no-neox-eager-step skips it). transformers' `generate` decodes the same
 prompts with the same weights (exported through hf_map), with its default dynamic cache and with
-its static cache under torch.compile. The weight-bandwidth roofline is the batch times the
+its static cache, which its `generate` compiles (torch.compile, mode reduce-overhead: CUDA
+graphs) on a GPU, as its docs describe. The weight-bandwidth roofline is the batch times the
 device's copy bandwidth (a large device-to-device copy, measured here) over the bytes of weights
 a decode step reads (KV cache reads are not counted).
 
@@ -70,11 +71,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="also time transformers with its static cache + torch.compile (default: on GPU)",
     )
     p.add_argument(
-        "--neox-compile",
+        "--neox-eager-step",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="also run generate.py with torch_compile: true, the compiled decode step (default: "
-        "on GPU)",
+        help="also run generate.py with torch_compile: false, the eager decode step captured as "
+        "is (default: on GPU)",
     )
     p.add_argument("--workdir", help="where checkpoints and rows go (default: a temporary dir)")
     args = p.parse_args(argv)
@@ -84,8 +85,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         args.dtype = "fp32"  # generate.py computes in fp32 on CPU
     if args.hf_compile is None:
         args.hf_compile = args.device == "cuda"
-    if args.neox_compile is None:
-        args.neox_compile = args.device == "cuda"
+    if args.neox_eager_step is None:
+        args.neox_eager_step = args.device == "cuda"
     return args
 
 
@@ -145,16 +146,17 @@ def run_neox(
     workdir: Path,
     batch: int,
     prompts: list[str],
-    compiled: bool = False,
+    eager_step: bool = False,
 ) -> tuple[list[dict], float]:
-    """generate.py through deepy.py on the prompts: (its rows, seconds the launch took)."""
+    """generate.py through deepy.py on the prompts: (its rows, seconds the launch took).
+    eager_step: with `torch_compile: false` (else unset, generate.py's default)."""
     (workdir / f"prompts{batch}.txt").write_text("\n".join(prompts) + "\n")
-    name = f"{batch}{'_compiled' if compiled else ''}"
+    name = f"{batch}{'_eager' if eager_step else ''}"
     keys = {
         "train_micro_batch_size_per_gpu": batch,
         "sample_input_file": str(workdir / f"prompts{batch}.txt"),
         "sample_output_file": str(workdir / f"rows{name}.jsonl"),
-        **({"torch_compile": True} if compiled else {}),
+        **({"torch_compile": False} if eager_step else {}),
     }
     batch_cfg = workdir / f"batch{name}.yml"
     batch_cfg.write_text(yaml.safe_dump(keys))
@@ -272,19 +274,24 @@ def main(argv: list[str]) -> int:
     bandwidth = copy_bandwidth(device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     n = args.new_tokens
+    import transformers
+
     print(
-        f"# generation through `deepy.py generate.py` (input-file) against transformers, {name}, "
-        f"{args.dtype}, prompt {args.prompt_tokens} tokens, {n} new tokens, greedy, median of "
-        f"{args.repeats} batches after a warm-up; copy bandwidth {bandwidth / 1e9:,.0f} GB/s\n"
+        f"# generation through `deepy.py generate.py` (input-file) against transformers "
+        f"{transformers.__version__}, device {name}, torch {torch.__version__}, {args.dtype}, "
+        f"prompt {args.prompt_tokens} tokens, {n} new tokens, greedy, median of {args.repeats} "
+        f"batches after a warm-up; copy bandwidth {bandwidth / 1e9:,.0f} GB/s, "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n"
     )
-    hf_cols = "| transformers tok/s | neox / transformers |"
+    cols = "| model | batch | neox tok/s | % of roofline | prefill ms |"
+    if args.neox_eager_step:
+        cols += " neox eager step tok/s | % of roofline | eager-step rows = neox rows |"
+    cols += " launch s | transformers tok/s | neox / transformers |"
     if args.hf_compile:
-        hf_cols += " transformers static+compile tok/s | neox / static+compile |"
-    neox_cols = "| neox tok/s | prefill ms | % of roofline |"
-    if args.neox_compile:
-        neox_cols += " neox compiled tok/s | compiled % of roofline | compiled rows = neox rows |"
-    print(f"| model | batch {neox_cols} launch s {hf_cols} same tokens |")
-    print("| --- |" + " ---: |" * (8 + 3 * args.neox_compile + 2 * args.hf_compile))
+        cols += " transformers static+compile tok/s | % of roofline | neox / static+compile |"
+    cols += " same tokens |"
+    print(cols)
+    print("| --- |" + " ---: |" * (cols.count("|") - 2))
     with tempfile.TemporaryDirectory() as tmp:
         for model_name in args.models:
             workdir = Path(args.workdir or tmp) / model_name
@@ -301,66 +308,58 @@ def bench_model(args: argparse.Namespace, model_name: str, workdir: Path, bandwi
     model = save_checkpoint(base, override, dtype)
     roofline = bandwidth / step_bytes(model, dtype)  # decode steps per second
     label = f"{model_name}{' (tiny)' if args.tiny else ''}"
+
+    def pct(rate: float, batch: int) -> str:
+        return f"{100 * rate / (batch * roofline):.0f}%"
+
     # generate.py first, while this process holds no device memory.
     launches = []
     for batch in args.batch_sizes:
         prompts = prompts_for(args, batch)
         rows, seconds = run_neox(args, [base, override], workdir, batch, prompts)
-        compiled = None
-        if args.neox_compile:
-            compiled = run_neox(args, [base, override], workdir, batch, prompts, compiled=True)[0]
-        launches.append((batch, prompts, rows, seconds, compiled))
+        eager = None
+        if args.neox_eager_step:
+            eager = run_neox(args, [base, override], workdir, batch, prompts, eager_step=True)[0]
+        launches.append((batch, prompts, rows, seconds, eager))
     hf = hf_model(model, device, dtype)
     del model
-    for batch, prompts, rows, seconds, compiled in launches:
+    for batch, prompts, rows, seconds, eager in launches:
         rate, prefill = batch_speed(rows, batch)
         ids = torch.tensor([list(p.encode()) for p in prompts[:batch]], device=device)
         t_hf, tok_hf = timed(lambda: hf_greedy(hf, ids, n, False), device, args.repeats, 1)  # noqa: B023
         ours = [r["tokens"] for r in rows[:batch]]
         same = sum(a == b for x, y in zip(ours, tok_hf) for a, b in zip(x, y))
-        cells = [
-            label,
-            str(batch),
-            f"{rate:,.0f}",
-            f"{prefill * 1e3:,.1f}",
-            f"{100 * rate / (batch * roofline):.0f}%",
-        ]
-        if compiled is not None:
-            c_rate, _ = batch_speed(compiled, batch)
-            c_same = sum(a["tokens"] == b["tokens"] for a, b in zip(compiled, rows)) / len(rows)
-            cells += [
-                f"{c_rate:,.0f}",
-                f"{100 * c_rate / (batch * roofline):.0f}%",
-                f"{c_same:.0%}",
-            ]
-        cells += [
-            f"{seconds:.0f}",
-            f"{batch * n / t_hf:,.0f}",
-            f"{rate * t_hf / (batch * n):.2f}x",
-        ]
+        cells = [label, str(batch), f"{rate:,.0f}", pct(rate, batch), f"{prefill * 1e3:,.1f}"]
+        if eager is not None:
+            e_rate, _ = batch_speed(eager, batch)
+            e_same = sum(a["tokens"] == b["tokens"] for a, b in zip(eager, rows)) / len(rows)
+            cells += [f"{e_rate:,.0f}", pct(e_rate, batch), f"{e_same:.0%}"]
+        cells += [f"{seconds:.0f}", f"{batch * n / t_hf:,.0f}", f"{rate * t_hf / (batch * n):.2f}x"]
         if args.hf_compile:
-            cells += hf_compiled_cells(hf, ids, n, rate, device, args.repeats)
+            hf_rate = hf_compiled_rate(hf, ids, n, device, args.repeats)
+            if hf_rate is None:
+                cells += ["failed", "-", "-"]
+            else:
+                cells += [f"{hf_rate:,.0f}", pct(hf_rate, batch), f"{rate / hf_rate:.2f}x"]
         cells.append(f"{same / (batch * n):.0%}")
         yield cells
 
 
-def hf_compiled_cells(hf, ids, n, rate, device, repeats) -> list[str]:
-    """(tokens/s, neox's ratio) of transformers' documented fast path: the static cache with
-    the forward under torch.compile; the plain forward is put back after (the default-cache
-    runs of the next batch use it)."""
-    plain = hf.forward
-    if not hasattr(hf, "compiled_forward"):
-        hf.compiled_forward = torch.compile(plain, mode="reduce-overhead", fullgraph=True)
-    hf.forward = hf.compiled_forward
+def hf_compiled_rate(hf, ids, n, device, repeats) -> float | None:
+    """New tokens/s of transformers' documented fast path, or None if it fails: the static
+    cache, with which its `generate` compiles the forward itself (torch.compile, mode
+    reduce-overhead: CUDA graphs, per its CompileConfig defaults). Compiling the forward by
+    hand on top of that (as this benchmark once did) replays two layers of CUDA graphs and
+    fails with "accessing tensor output of CUDAGraphs that has been overwritten"."""
     try:
+        # Two warm-ups: the first traces and compiles, the second records the CUDA graphs.
         t, _ = timed(lambda: hf_greedy(hf, ids, n, True), device, repeats, 2)
     except Exception as e:  # noqa: BLE001 (a failing comparison is reported, not fatal)
         print(f"transformers static+compile failed: {type(e).__name__}: {e}"[:300], flush=True)
-        return ["failed", "-"]
-    finally:
-        hf.forward = plain
-    batch = ids.shape[0]
-    return [f"{batch * n / t:,.0f}", f"{rate * t / (batch * n):.2f}x"]
+        return None
+    if getattr(hf, "_compiled_call", None) is None:
+        print("transformers static cache: generate did not compile its forward", flush=True)
+    return ids.shape[0] * n / t
 
 
 if __name__ == "__main__":

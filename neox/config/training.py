@@ -82,14 +82,17 @@ class TrainingConfig(ConfigGroup):
     """gpt-neox alias of gradient_clipping."""
 
     torch_compile: Annotated[
-        Optional[bool], Reads("neox/training/setup.py", "neox/plan/memory.py")
+        Optional[bool],
+        Reads("neox/training/setup.py", "neox/plan/memory.py", "neox/inference/modes.py"),
     ] = None
     """Compile each transformer block, and the final norm, output layer and loss, with
     torch.compile (fewer, fused kernels; the first steps pay the compilation). Works with
     activation checkpointing, tensor and pipeline parallelism; parameter names and checkpoints
     are unchanged. Unset: on for GPU runs without tensor parallelism (20-30% faster at Pythia
     shapes on an H100, see docs/benchmarks.md), off on CPU, where compiling costs more than it
-    saves in short runs, and with tensor parallelism."""
+    saves in short runs, and with tensor parallelism. generate.py: unless false, on a GPU
+    without tensor parallelism the whole cached decode step is compiled, then captured as one
+    CUDA graph (each new batch shape compiles once, tens of seconds)."""
 
     flat_engine: Annotated[bool, Reads("neox/plan/engine_choice.py")] = True
     """Without tensor or pipeline parallelism, in bf16 or fp32 with Adam/AdamW and ZeRO 0-1 (or 2

@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -141,9 +140,10 @@ class Generator:
         cuda_graphs: replay each cached decode step as one CUDA graph (GPU, no tensor
             parallelism: its collectives stay outside graphs).
         stop_check_every: tokens between host reads of "every row has ended" (1: every token).
-        compile_step: run each block of a cached decode step through torch.compile (inductor):
-            fused kernels, fewer per step; each new batch shape compiles once (seconds). The
-            prefill and the recompute path stay eager.
+        compile_step: run each cached decode step (the whole model, and the greedy choice)
+            through torch.compile (inductor): fused kernels, ~10 per layer instead of ~30; each
+            new batch shape compiles once (tens of seconds at 1B). The prefill and the
+            recompute path stay eager.
     """
 
     def __init__(
@@ -179,10 +179,16 @@ class Generator:
         self._session: Optional[_Session] = None
         self._compiled = None
         if compile_step and use_cache:
-            # One wrapper per block, swapped in for decode steps only (_compiled_blocks): the
-            # prefill, a new length each batch, would recompile. One compilation serves all
-            # blocks (the same code).
-            self._compiled = [torch.compile(block.forward) for block in model.layers]
+            # The whole decode step (embedding, every block, head, greedy choice and the
+            # bookkeeping) as one inductor graph: a few fused kernels per layer where eager runs
+            # ~30, which is what bounds a captured step at batch 1. Shapes are static (one
+            # compilation per batch shape and cache length, as for the captured graphs); the
+            # prefill, a new length each batch, stays eager. Intermediates are rounded to the
+            # model dtype where eager rounds them, so bf16 logits track the eager step's.
+            options = {}
+            if hasattr(torch._inductor.config, "emulate_precision_casts"):
+                options["emulate_precision_casts"] = True
+            self._compiled = torch.compile(self._decode, dynamic=False, options=options)
             for module in model.modules():
                 if isinstance(module, RotaryEmbedding):
                     module.prepare(self.device)  # compiled steps read the table, not rebuild it
@@ -283,8 +289,12 @@ class Generator:
         if captured is not None:
             return state, prefill, lambda n: self._choose(state, captured(), params, generator)
 
+        decode = self._compiled or self._decode
+
         def step(n: int) -> None:
-            self._choose(state, self._forward(cache, state), params, generator)
+            logits = decode(cache, state, params.greedy)
+            if not params.greedy:
+                self._choose(state, logits, params, generator)
 
         return state, prefill, step
 
@@ -293,30 +303,19 @@ class Generator:
         state.valid.index_fill_(1, state.slot, True)
         mask = state.valid[:, None, None, :]  # (B, 1, 1, S): the slots a query may see
         tok = state.tok[:, None]
-        with self._compiled_blocks():
-            logits = self.model(tok, state.pos, mask, kv_cache=cache.at(state.slot))[:, -1]
+        logits = self.model(tok, state.pos, mask, kv_cache=cache.at(state.slot))[:, -1]
         state.pos.add_(1)
         state.slot.add_(1)
         return logits
 
-    @contextmanager
-    def _compiled_blocks(self) -> Iterator[None]:
-        """The model's blocks forward through their compiled wrappers (compile_step) inside."""
-        if self._compiled is None:
-            yield
-            return
-        blocks = list(self.model.layers)
-        saved = [block.__dict__.get("forward") for block in blocks]
-        for block, compiled in zip(blocks, self._compiled):
-            block.forward = compiled
-        try:
-            yield
-        finally:
-            for block, forward in zip(blocks, saved):
-                if forward is None:
-                    del block.forward
-                else:
-                    block.forward = forward
+    def _decode(self, cache: KVCache, state: DecodeState, greedy: bool) -> Optional[torch.Tensor]:
+        """One cached decode step: greedy, the next token chosen into state (None returned);
+        else the logits, for the caller to sample from its generator."""
+        logits = self._forward(cache, state)
+        if not greedy:
+            return logits
+        self._choose(state, logits, SamplingParams(), None)
+        return None
 
     def _session_for(self, batch: int, length: int, greedy: bool) -> _Session:
         """The cache and buffers for `batch` rows of `length` slots (rounded up to the bucket),
@@ -335,16 +334,11 @@ class Generator:
         state = DecodeState(batch, S, self.device)
         captured = None
         if self.cuda_graphs:
-
-            def step() -> Optional[torch.Tensor]:
-                logits = self._forward(cache, state)
-                if not greedy:
-                    return logits  # sampling draws from the caller's generator, uncaptured
-                self._choose(state, logits, SamplingParams(), None)
-                return None
-
+            decode = self._compiled or self._decode
             try:
-                captured = CapturedStep(step, state.scratch, self.device)
+                captured = CapturedStep(
+                    lambda: decode(cache, state, greedy), state.scratch, self.device
+                )
             except Exception as e:  # noqa: BLE001 (compilation is an optimisation: go on without)
                 if self._compiled is None:
                     raise
@@ -352,7 +346,9 @@ class Generator:
                     "decode step not compiled (%s: %s); running it eagerly", type(e).__name__, e
                 )
                 self._compiled = None
-                captured = CapturedStep(step, state.scratch, self.device)
+                captured = CapturedStep(
+                    lambda: self._decode(cache, state, greedy), state.scratch, self.device
+                )
         self._session = _Session(key, cache, state, captured)
         return self._session
 

@@ -182,8 +182,11 @@ def run_generation(cfg: NeoXConfig) -> None:
     groups = ProcessGroups(Topology(tp, 1, world // tp))
     dtype = generation_dtype(derived.precision, device)
     model, gather = build_generation_model(cfg, derived.padded_vocab_size, groups, device, dtype)
-    # Opt-in until a GPU run measures it against the captured eager step (docs/generation.md).
-    compile_step = cfg.training.torch_compile is True and gather is None
+    # The decode step compiled (then captured) on GPUs unless torch_compile is false, as for
+    # training: 2-3x the eager step at 410M (docs/benchmarks.md), the same greedy tokens on a
+    # trained model (tests/inference/test_generate_gpu.py).
+    compile_step = cfg.training.torch_compile is not False and gather is None
+    compile_step = compile_step and device.type == "cuda"
     try:
         generator = Generator(
             model,

@@ -46,3 +46,24 @@ def test_cached_greedy_decoding_matches_transformers_generate(name):
         assert [c.tokens for c in again] == expected
         for a, b in zip(got, again):
             torch.testing.assert_close(a.logits, b.logits, rtol=1e-4, atol=1e-4)
+
+
+# One family per feature a decode step traces differently: dynamic NTK (base chosen on the
+# device), MQA, a sliding window, QK-norm with YaRN.
+TRACED = ["gpt_neox_partial_dynamic_untied", "llama_dynamic_mqa", "mistral_window"]
+TRACED += ["qwen3_qknorm_head_dim_yarn"]
+
+
+@pytest.mark.parametrize("name", TRACED)
+def test_whole_decode_step_traces_as_one_graph(name):
+    """compile_step's function (embedding to greedy choice) traces without a graph break
+    (fullgraph; aot_eager runs the traced graph without generating code, so this stays fast on
+    CPU) and decodes what the eager step decodes."""
+    _, _, model, _ = neox_pair(name)
+    eager = Generator(model, VOCAB, eod=PADDED - 1).generate(PROMPTS, NEW, return_logits=True)
+    gen = Generator(model, VOCAB, eod=PADDED - 1, compile_step=True)
+    gen._compiled = torch.compile(gen._decode, dynamic=False, fullgraph=True, backend="aot_eager")
+    got = gen.generate(PROMPTS, NEW, return_logits=True)
+    assert [c.tokens for c in got] == [c.tokens for c in eager]
+    for a, b in zip(got, eager):
+        torch.testing.assert_close(a.logits, b.logits, rtol=1e-5, atol=1e-5)

@@ -137,8 +137,8 @@ def test_captured_step_equals_eager_on_a_trained_model(trained):
 
 
 def test_compiled_captured_step_equals_eager_on_a_trained_model(trained):
-    """compile_step (generate.py's torch_compile: true): each block's decode step compiled, the
-    whole step captured; the same tokens as eager decoding, for two batch shapes."""
+    """compile_step (generate.py's default on GPUs): the whole decode step compiled, then
+    captured; the same tokens as eager decoding, for two batch shapes."""
     prompts = char_prompts()
     eager = Generator(trained, 256, eod=SPACE, cuda_graphs=False)
     compiled = Generator(trained, 256, eod=SPACE, compile_step=True)
@@ -149,6 +149,28 @@ def test_compiled_captured_step_equals_eager_on_a_trained_model(trained):
         assert [c.tokens for c in got] == [c.tokens for c in want]
         for a, b in zip(got, want):
             assert a.logits == pytest.approx(b.logits, rel=1e-4, abs=1e-4)
+
+
+def test_compiled_captured_step_in_bf16_equals_the_eager_path_on_a_trained_model(trained):
+    """generate.py's GPU default (bf16, compiled and captured step) against the reference path
+    (eager, uncaptured, no compilation) on a trained model: exactly the same greedy tokens,
+    rows ending at different steps included; logits within bf16 rounding."""
+    model = build_model(trained.cfg, 512, seed=1)
+    model.load_state_dict(trained.state_dict())
+    model = model.to("cuda", torch.bfloat16).eval()
+    prompts = char_prompts()
+    for eod in (SPACE, 511):  # rows ending at their first space; every row running 64 tokens
+        reference = Generator(model, 256, eod=eod, cuda_graphs=False)
+        fast = Generator(model, 256, eod=eod, compile_step=True)
+        for batch in (prompts, prompts[:1]):
+            want = reference.generate(batch, 64, return_logits=True)
+            got = fast.generate(batch, 64, return_logits=True)
+            assert fast._compiled is not None and fast._session.step is not None
+            assert [(c.tokens, c.finished) for c in got] == [(c.tokens, c.finished) for c in want]
+            for a, b in zip(got, want):
+                assert a.logits == pytest.approx(b.logits, rel=3e-2, abs=0.1)
+    words = [bytes(c.tokens).decode() for c in want]
+    assert len(set(bytes(want[0].tokens))) > 5, words  # words, not one repeated character
 
 
 @pytest.mark.parametrize("cuda_graphs", [True, False], ids=["graphed", "eager"])
