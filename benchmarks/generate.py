@@ -4,8 +4,9 @@ For each model shape, random weights are saved as a neox checkpoint; generate.py
 input-file mode through deepy.py (one launch per batch size), and its own per-batch speed
 (`tokens_per_second` in the rows it writes) is read back: the first batch is a warm-up (CUDA
 graph capture, and on a GPU the compilation of the decode step), the median of the others is
-reported. On a GPU it runs a second time with `torch_compile: false` (the eager decode step
-captured as is; --no-neox-eager-step skips it). transformers' `generate` decodes the same
+reported (generate.py's default: the eager decode step captured as a CUDA graph). On a GPU it
+runs a second time with `torch_compile: true` (the whole step compiled, then captured;
+--no-neox-compiled-step skips it). transformers' `generate` decodes the same
 prompts with the same weights (exported through hf_map), with its default dynamic cache and with
 its static cache, which its `generate` compiles (torch.compile, mode reduce-overhead: CUDA
 graphs) on a GPU, as its docs describe. The weight-bandwidth roofline is the batch times the
@@ -71,11 +72,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="also time transformers with its static cache + torch.compile (default: on GPU)",
     )
     p.add_argument(
-        "--neox-eager-step",
+        "--neox-compiled-step",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="also run generate.py with torch_compile: false, the eager decode step captured as "
-        "is (default: on GPU)",
+        help="also run generate.py with torch_compile: true, the whole decode step compiled "
+        "before capture (default: on GPU)",
     )
     p.add_argument("--workdir", help="where checkpoints and rows go (default: a temporary dir)")
     args = p.parse_args(argv)
@@ -85,8 +86,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         args.dtype = "fp32"  # generate.py computes in fp32 on CPU
     if args.hf_compile is None:
         args.hf_compile = args.device == "cuda"
-    if args.neox_eager_step is None:
-        args.neox_eager_step = args.device == "cuda"
+    if args.neox_compiled_step is None:
+        args.neox_compiled_step = args.device == "cuda"
     return args
 
 
@@ -146,17 +147,17 @@ def run_neox(
     workdir: Path,
     batch: int,
     prompts: list[str],
-    eager_step: bool = False,
+    compiled_step: bool = False,
 ) -> tuple[list[dict], float]:
     """generate.py through deepy.py on the prompts: (its rows, seconds the launch took).
-    eager_step: with `torch_compile: false` (else unset, generate.py's default)."""
+    compiled_step: with `torch_compile: true` (else unset, generate.py's default)."""
     (workdir / f"prompts{batch}.txt").write_text("\n".join(prompts) + "\n")
-    name = f"{batch}{'_eager' if eager_step else ''}"
+    name = f"{batch}{'_compiled' if compiled_step else ''}"
     keys = {
         "train_micro_batch_size_per_gpu": batch,
         "sample_input_file": str(workdir / f"prompts{batch}.txt"),
         "sample_output_file": str(workdir / f"rows{name}.jsonl"),
-        **({"torch_compile": False} if eager_step else {}),
+        **({"torch_compile": True} if compiled_step else {}),
     }
     batch_cfg = workdir / f"batch{name}.yml"
     batch_cfg.write_text(yaml.safe_dump(keys))
@@ -284,8 +285,8 @@ def main(argv: list[str]) -> int:
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n"
     )
     cols = "| model | batch | neox tok/s | % of roofline | prefill ms |"
-    if args.neox_eager_step:
-        cols += " neox eager step tok/s | % of roofline | eager-step rows = neox rows |"
+    if args.neox_compiled_step:
+        cols += " neox compiled step tok/s | % of roofline | compiled-step rows = neox rows |"
     cols += " launch s | transformers tok/s | neox / transformers |"
     if args.hf_compile:
         cols += " transformers static+compile tok/s | % of roofline | neox / static+compile |"
@@ -317,23 +318,25 @@ def bench_model(args: argparse.Namespace, model_name: str, workdir: Path, bandwi
     for batch in args.batch_sizes:
         prompts = prompts_for(args, batch)
         rows, seconds = run_neox(args, [base, override], workdir, batch, prompts)
-        eager = None
-        if args.neox_eager_step:
-            eager = run_neox(args, [base, override], workdir, batch, prompts, eager_step=True)[0]
-        launches.append((batch, prompts, rows, seconds, eager))
+        compiled = None
+        if args.neox_compiled_step:
+            compiled = run_neox(
+                args, [base, override], workdir, batch, prompts, compiled_step=True
+            )[0]
+        launches.append((batch, prompts, rows, seconds, compiled))
     hf = hf_model(model, device, dtype)
     del model
-    for batch, prompts, rows, seconds, eager in launches:
+    for batch, prompts, rows, seconds, compiled in launches:
         rate, prefill = batch_speed(rows, batch)
         ids = torch.tensor([list(p.encode()) for p in prompts[:batch]], device=device)
         t_hf, tok_hf = timed(lambda: hf_greedy(hf, ids, n, False), device, args.repeats, 1)  # noqa: B023
         ours = [r["tokens"] for r in rows[:batch]]
         same = sum(a == b for x, y in zip(ours, tok_hf) for a, b in zip(x, y))
         cells = [label, str(batch), f"{rate:,.0f}", pct(rate, batch), f"{prefill * 1e3:,.1f}"]
-        if eager is not None:
-            e_rate, _ = batch_speed(eager, batch)
-            e_same = sum(a["tokens"] == b["tokens"] for a, b in zip(eager, rows)) / len(rows)
-            cells += [f"{e_rate:,.0f}", pct(e_rate, batch), f"{e_same:.0%}"]
+        if compiled is not None:
+            c_rate, _ = batch_speed(compiled, batch)
+            c_same = sum(a["tokens"] == b["tokens"] for a, b in zip(compiled, rows)) / len(rows)
+            cells += [f"{c_rate:,.0f}", pct(c_rate, batch), f"{c_same:.0%}"]
         cells += [f"{seconds:.0f}", f"{batch * n / t_hf:,.0f}", f"{rate * t_hf / (batch * n):.2f}x"]
         if args.hf_compile:
             hf_rate = hf_compiled_rate(hf, ids, n, device, args.repeats)

@@ -90,9 +90,9 @@ class TrainingConfig(ConfigGroup):
     activation checkpointing, tensor and pipeline parallelism; parameter names and checkpoints
     are unchanged. Unset: on for GPU runs without tensor parallelism (20-30% faster at Pythia
     shapes on an H100, see docs/benchmarks.md), off on CPU, where compiling costs more than it
-    saves in short runs, and with tensor parallelism. generate.py: unless false, on a GPU
-    without tensor parallelism the whole cached decode step is compiled, then captured as one
-    CUDA graph (each new batch shape compiles once, tens of seconds)."""
+    saves in short runs, and with tensor parallelism. generate.py: when true (not when
+    unset, until measured on a GPU), on a GPU without tensor parallelism the whole cached decode
+    step is compiled, then captured as one CUDA graph (each new batch shape compiles once)."""
 
     flat_engine: Annotated[bool, Reads("neox/plan/engine_choice.py")] = True
     """Without tensor or pipeline parallelism, in bf16 or fp32 with Adam/AdamW and ZeRO 0-1 (or 2
