@@ -61,7 +61,16 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "fp8": {"fp8": {"enabled": True}},
     "fp8_rowwise": {"fp8": {"enabled": True, "recipe": "rowwise"}},
     "fp8_all_layers": {"fp8": {"enabled": True, "skip_first_layers": 0, "skip_last_layers": 0}},
+    # neox's ZeRO-3 (blocks as ZeRO-3 leaves, torch's linear: neox.config.ds_config.ZERO3_DEFAULTS)
     "zero3": {"zero_optimization": _ZERO3},
+    # DeepSpeed's own ZeRO-3 defaults: hooks on every module, its memory-efficient linear.
+    "zero3_ds_defaults": {
+        "zero_optimization": {
+            **_ZERO3,
+            "leaf_module": {"classes": []},
+            "memory_efficient_linear": True,
+        }
+    },
     # Larger gathers and every parameter kept whole: ZeRO-3 at one rank has nothing to shard.
     "zero3_prefetch": {
         "zero_optimization": {
@@ -145,8 +154,11 @@ def time_steps(step: Callable[[int], Any], iters: int, warmup: int, device) -> l
     still runs the one before, so each step's time is the interval between the ends of two
     calls, and the device is synchronised once, after the last."""
     for i in range(warmup):
+        tick = time.perf_counter()
         step(i)
-    sync(device)
+        sync(device)
+        # Compilation happens here: a run stopped by a time limit still says how far it got.
+        print(f"warmup step {i}: {time.perf_counter() - tick:.1f} s", flush=True)
     ends = [time.perf_counter()]
     for i in range(warmup, iters):
         step(i)
