@@ -61,16 +61,12 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "fp8": {"fp8": {"enabled": True}},
     "fp8_rowwise": {"fp8": {"enabled": True, "recipe": "rowwise"}},
     "fp8_all_layers": {"fp8": {"enabled": True, "skip_first_layers": 0, "skip_last_layers": 0}},
-    # neox's ZeRO-3 (blocks as ZeRO-3 leaves, torch's linear: neox.config.ds_config.ZERO3_DEFAULTS)
+    # neox's ZeRO-3: blocks as ZeRO-3 leaves (neox.config.ds_config.ZERO3_DEFAULTS).
     "zero3": {"zero_optimization": _ZERO3},
-    # DeepSpeed's own ZeRO-3 defaults: hooks on every module, its memory-efficient linear.
-    "zero3_ds_defaults": {
-        "zero_optimization": {
-            **_ZERO3,
-            "leaf_module": {"classes": []},
-            "memory_efficient_linear": True,
-        }
-    },
+    # As measured on 2026-11-26 (docs/benchmarks.md): leaves and torch's own linear.
+    "zero3_torch_linear": {"zero_optimization": {**_ZERO3, "memory_efficient_linear": False}},
+    # DeepSpeed's own ZeRO-3 defaults: hooks on every module.
+    "zero3_ds_defaults": {"zero_optimization": {**_ZERO3, "leaf_module": {"classes": []}}},
     # Larger gathers and every parameter kept whole: ZeRO-3 at one rank has nothing to shard.
     "zero3_prefetch": {
         "zero_optimization": {
@@ -83,11 +79,30 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "zero3_persist": {
         "zero_optimization": {**_ZERO3, "stage3_param_persistence_threshold": 10**12}
     },
+    # DeepSpeed's engine reads its wall_clock_breakdown timers (the Pythia files turn it on) at
+    # every step, each read a device sync; the flat engine reads them at steps_per_print only.
+    "zero3_no_timers": {"zero_optimization": _ZERO3, "wall_clock_breakdown": False},
+    # One rank has nothing to overlap: no side stream for gradients, one optimizer sub-group.
+    "zero3_one_rank": {
+        "zero_optimization": {**_ZERO3, "overlap_comm": False, "sub_group_size": 10**10},
+        "wall_clock_breakdown": False,
+    },
+    "zero3_one_rank_persist": {
+        "zero_optimization": {
+            **_ZERO3,
+            "overlap_comm": False,
+            "sub_group_size": 10**10,
+            "stage3_param_persistence_threshold": 10**12,
+        },
+        "wall_clock_breakdown": False,
+    },
     # DeepSpeed's DeepCompile: the whole module compiled with ZeRO-3's gathers in the graph
     # (in place of neox's per-block torch.compile).
     "zero3_deepcompile": {
-        "zero_optimization": _ZERO3,
+        # No leaf modules: their backward hooks reduce into buckets DeepCompile does not set up.
+        "zero_optimization": {**_ZERO3, "leaf_module": {"classes": []}},
         "torch_compile": False,
+        "wall_clock_breakdown": False,
         "deepspeed_extra_args": {"compile": {"deepcompile": True}},
     },
     "zero3_fp8": {"zero_optimization": _ZERO3, "fp8": {"enabled": True}},

@@ -15,8 +15,8 @@ class DeepSpeedConfig(ConfigGroup):
     ] = None
     """DeepSpeed ZeRO section, e.g. {"stage": 1, "overlap_comm": true}. At stage 3, where unset,
     neox's transformer blocks are ZeRO-3 leaf modules (`leaf_module: {classes:
-    [neox.model.block.Block]}`: a block's weights are gathered at once, and its compiled graph is
-    not broken by a hook per submodule) and `memory_efficient_linear` is false (torch's linear)."""
+    [neox.model.block.Block]}`): a block's weights are gathered at once, and its compiled graph
+    is not broken by a hook per submodule."""
 
     zero_stage: Annotated[Optional[int], Reads("neox/config/derived.py")] = Field(None, ge=0, le=3)
     """gpt-neox shorthand for zero_optimization.stage."""

@@ -9,12 +9,9 @@ from neox.config.schema import NeoXConfig
 # one rank: what costs the time"). DeepSpeed hooks every module; inside a torch.compile'd block
 # each hook is a graph break, so the block ran as a graph per linear. As a leaf, a block's
 # weights are gathered by its own hooks, all at once, and its compiled graph stays whole.
-# memory_efficient_linear swaps torch.nn.functional.linear process-wide for an autograd function
-# that gathers the weight again in backward: a leaf block's weights are already gathered there.
-ZERO3_DEFAULTS: dict[str, Any] = {
-    "leaf_module": {"classes": ["neox.model.block.Block"]},
-    "memory_efficient_linear": False,
-}
+# (DeepSpeed's memory_efficient_linear stays on: without it an eager linear saves a view of its
+# gathered weight for backward, so every weight stays gathered from forward to backward.)
+ZERO3_DEFAULTS: dict[str, Any] = {"leaf_module": {"classes": ["neox.model.block.Block"]}}
 
 
 def zero_section(
