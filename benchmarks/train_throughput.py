@@ -56,6 +56,8 @@ DEFAULT_MODELS = ["160M", "410M", "1-4B"]
 
 # --variants: neox runs with these keys on top of the model file (bf16: as the file says).
 _ZERO3 = {"stage": 3, "overlap_comm": True, "contiguous_gradients": True}
+# The attempts of 2026-11-26 (docs/benchmarks.md) ran with torch's own linear beside the leaves.
+_Z3_TORCH_LINEAR = {**_ZERO3, "memory_efficient_linear": False}
 VARIANTS: dict[str, dict[str, Any]] = {
     "bf16": {},
     "fp8": {"fp8": {"enabled": True}},
@@ -64,7 +66,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # neox's ZeRO-3: blocks as ZeRO-3 leaves (neox.config.ds_config.ZERO3_DEFAULTS).
     "zero3": {"zero_optimization": _ZERO3},
     # As measured on 2026-11-26 (docs/benchmarks.md): leaves and torch's own linear.
-    "zero3_torch_linear": {"zero_optimization": {**_ZERO3, "memory_efficient_linear": False}},
+    "zero3_torch_linear": {"zero_optimization": _Z3_TORCH_LINEAR},
     # DeepSpeed's own ZeRO-3 defaults: hooks on every module.
     "zero3_ds_defaults": {"zero_optimization": {**_ZERO3, "leaf_module": {"classes": []}}},
     # Larger gathers and every parameter kept whole: ZeRO-3 at one rank has nothing to shard.
@@ -81,15 +83,15 @@ VARIANTS: dict[str, dict[str, Any]] = {
     },
     # DeepSpeed's engine reads its wall_clock_breakdown timers (the Pythia files turn it on) at
     # every step, each read a device sync; the flat engine reads them at steps_per_print only.
-    "zero3_no_timers": {"zero_optimization": _ZERO3, "wall_clock_breakdown": False},
+    "zero3_no_timers": {"zero_optimization": _Z3_TORCH_LINEAR, "wall_clock_breakdown": False},
     # One rank has nothing to overlap: no side stream for gradients, one optimizer sub-group.
     "zero3_one_rank": {
-        "zero_optimization": {**_ZERO3, "overlap_comm": False, "sub_group_size": 10**10},
+        "zero_optimization": {**_Z3_TORCH_LINEAR, "overlap_comm": False, "sub_group_size": 10**10},
         "wall_clock_breakdown": False,
     },
     "zero3_one_rank_persist": {
         "zero_optimization": {
-            **_ZERO3,
+            **_Z3_TORCH_LINEAR,
             "overlap_comm": False,
             "sub_group_size": 10**10,
             "stage3_param_persistence_threshold": 10**12,
@@ -100,7 +102,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # (in place of neox's per-block torch.compile).
     "zero3_deepcompile": {
         # No leaf modules: their backward hooks reduce into buckets DeepCompile does not set up.
-        "zero_optimization": {**_ZERO3, "leaf_module": {"classes": []}},
+        "zero_optimization": {**_Z3_TORCH_LINEAR, "leaf_module": {"classes": []}},
         "torch_compile": False,
         "wall_clock_breakdown": False,
         "deepspeed_extra_args": {"compile": {"deepcompile": True}},
