@@ -11,7 +11,8 @@ from neox.config.schema import NeoXConfig
 # weights are gathered by its own hooks, all at once, and its compiled graph stays whole.
 # (DeepSpeed's memory_efficient_linear stays on: without it an eager linear saves a view of its
 # gathered weight for backward, so every weight stays gathered from forward to backward.)
-ZERO3_DEFAULTS: dict[str, Any] = {"leaf_module": {"classes": ["neox.model.block.Block"]}}
+BLOCK_CLASS = "neox.model.block.Block"
+ZERO3_DEFAULTS: dict[str, Any] = {"leaf_module": {"classes": [BLOCK_CLASS]}}
 
 
 def zero_section(
