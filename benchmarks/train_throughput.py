@@ -101,7 +101,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # DeepSpeed's DeepCompile: the whole module compiled with ZeRO-3's gathers in the graph
     # (in place of neox's per-block torch.compile).
     "zero3_deepcompile": {
-        # No leaf modules: their backward hooks reduce into buckets DeepCompile does not set up.
+        # No leaf modules (neox sets none under DeepCompile): their backward hooks reduce into
+        # buckets DeepCompile does not set up.
         "zero_optimization": {**_Z3_TORCH_LINEAR, "leaf_module": {"classes": []}},
         "torch_compile": False,
         "wall_clock_breakdown": False,

@@ -13,8 +13,8 @@ class DeepSpeedConfig(ConfigGroup):
     zero_optimization: Annotated[
         Optional[dict[str, Any]], Reads("neox/config/ds_config.py", "neox/config/derived.py")
     ] = None
-    """DeepSpeed ZeRO section, e.g. {"stage": 1, "overlap_comm": true}. At stage 3, where unset,
-    neox's transformer blocks are ZeRO-3 leaf modules (`leaf_module: {classes:
+    """DeepSpeed ZeRO section, e.g. {"stage": 1, "overlap_comm": true}. At stage 3, where unset
+    and DeepCompile is off, neox's transformer blocks are ZeRO-3 leaf modules (`leaf_module: {classes:
     [neox.model.block.Block]}`): a block's weights are gathered at once, and its compiled graph
     is not broken by a hook per submodule."""
 

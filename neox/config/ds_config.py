@@ -21,7 +21,7 @@ def zero_section(
     """zero_optimization, with gpt-neox's zero_* shorthands filled in where the section is silent
     (`stage` replaces the configured stage, for estimates of another one).
 
-    At stage 3, ZERO3_DEFAULTS where the section does not set the key.
+    At stage 3 (without DeepCompile), ZERO3_DEFAULTS where the section does not set the key.
 
     With one data-parallel rank (and no offload), ZeRO 1/2 has nothing to communicate: overlap_comm and
     contiguous_gradients then only add gradient copies (5% of a Pythia-410M step on an H100,
@@ -44,7 +44,10 @@ def zero_section(
     zero["stage"] = zero_stage_of(cfg) if stage is None else stage
     if data_parallel == 1 and zero["stage"] in (1, 2) and "offload_optimizer" not in zero:
         zero.update(overlap_comm=False, contiguous_gradients=False)
-    if zero["stage"] == 3:
+    # DeepCompile removes the module hooks and never sets up the buckets a leaf's gradient
+    # hook reduces into (KeyError at the first backward, docs/benchmarks.md): no leaves there.
+    deepcompile = ((ds.deepspeed_extra_args or {}).get("compile") or {}).get("deepcompile")
+    if zero["stage"] == 3 and not deepcompile:
         for key, value in ZERO3_DEFAULTS.items():
             zero.setdefault(key, value)
     return zero

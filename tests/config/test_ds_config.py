@@ -72,3 +72,14 @@ def test_zero3_gathers_whole_blocks_unless_the_config_says():
     assert own["zero_optimization"]["leaf_module"] == {"classes": []}
     below = build({"zero_optimization": {"stage": 2}})["zero_optimization"]
     assert "leaf_module" not in below
+
+
+def test_zero3_under_deepcompile_keeps_deepspeeds_hooks():
+    """DeepCompile fails at the first backward with leaf modules (docs/benchmarks.md)."""
+    ds = build(
+        {
+            "zero_optimization": {"stage": 3},
+            "deepspeed_extra_args": {"compile": {"deepcompile": True}},
+        }
+    )
+    assert "leaf_module" not in ds["zero_optimization"] and ds["compile"]["deepcompile"] is True
