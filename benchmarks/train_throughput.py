@@ -61,6 +61,8 @@ DEFAULT_MODELS = ["160M", "410M", "1-4B"]
 # --variants: neox runs with these keys on top of the model file (bf16: as the file says).
 _ZERO3 = {"stage": 3, "overlap_comm": True, "contiguous_gradients": True}
 _FP8_ALL = {"enabled": True, "skip_first_layers": 0, "skip_last_layers": 0}
+# The attempts of 2026-11-26 (docs/benchmarks.md) ran with torch's own linear beside the leaves.
+_Z3_TORCH_LINEAR = {**_ZERO3, "memory_efficient_linear": False}
 VARIANTS: dict[str, dict[str, Any]] = {
     "bf16": {},
     "fp8": {"fp8": {"enabled": True}},
@@ -74,7 +76,12 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "fp8": {"enabled": True, "output_layer": True, "fast_accum_backward": True}
     },
     "fp8_all_rowwise": {"fp8": {**_FP8_ALL, "recipe": "rowwise", "output_layer": True}},
+    # neox's ZeRO-3: blocks as ZeRO-3 leaves (neox.config.ds_config.ZERO3_DEFAULTS).
     "zero3": {"zero_optimization": _ZERO3},
+    # As measured on 2026-11-26 (docs/benchmarks.md): leaves and torch's own linear.
+    "zero3_torch_linear": {"zero_optimization": _Z3_TORCH_LINEAR},
+    # DeepSpeed's own ZeRO-3 defaults: hooks on every module.
+    "zero3_ds_defaults": {"zero_optimization": {**_ZERO3, "leaf_module": {"classes": []}}},
     # Larger gathers and every parameter kept whole: ZeRO-3 at one rank has nothing to shard.
     "zero3_prefetch": {
         "zero_optimization": {
@@ -87,11 +94,31 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "zero3_persist": {
         "zero_optimization": {**_ZERO3, "stage3_param_persistence_threshold": 10**12}
     },
+    # DeepSpeed's engine reads its wall_clock_breakdown timers (the Pythia files turn it on) at
+    # every step, each read a device sync; the flat engine reads them at steps_per_print only.
+    "zero3_no_timers": {"zero_optimization": _Z3_TORCH_LINEAR, "wall_clock_breakdown": False},
+    # One rank has nothing to overlap: no side stream for gradients, one optimizer sub-group.
+    "zero3_one_rank": {
+        "zero_optimization": {**_Z3_TORCH_LINEAR, "overlap_comm": False, "sub_group_size": 10**10},
+        "wall_clock_breakdown": False,
+    },
+    "zero3_one_rank_persist": {
+        "zero_optimization": {
+            **_Z3_TORCH_LINEAR,
+            "overlap_comm": False,
+            "sub_group_size": 10**10,
+            "stage3_param_persistence_threshold": 10**12,
+        },
+        "wall_clock_breakdown": False,
+    },
     # DeepSpeed's DeepCompile: the whole module compiled with ZeRO-3's gathers in the graph
     # (in place of neox's per-block torch.compile).
     "zero3_deepcompile": {
-        "zero_optimization": _ZERO3,
+        # No leaf modules (neox sets none under DeepCompile): their backward hooks reduce into
+        # buckets DeepCompile does not set up.
+        "zero_optimization": {**_Z3_TORCH_LINEAR, "leaf_module": {"classes": []}},
         "torch_compile": False,
+        "wall_clock_breakdown": False,
         "deepspeed_extra_args": {"compile": {"deepcompile": True}},
     },
     "zero3_fp8": {"zero_optimization": _ZERO3, "fp8": {"enabled": True}},
@@ -158,8 +185,11 @@ def time_steps(step: Callable[[int], Any], iters: int, warmup: int, device) -> l
     still runs the one before, so each step's time is the interval between the ends of two
     calls, and the device is synchronised once, after the last."""
     for i in range(warmup):
+        tick = time.perf_counter()
         step(i)
-    sync(device)
+        sync(device)
+        # Compilation happens here: a run stopped by a time limit still says how far it got.
+        print(f"warmup step {i}: {time.perf_counter() - tick:.1f} s", flush=True)
     ends = [time.perf_counter()]
     for i in range(warmup, iters):
         step(i)

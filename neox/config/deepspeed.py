@@ -13,7 +13,10 @@ class DeepSpeedConfig(ConfigGroup):
     zero_optimization: Annotated[
         Optional[dict[str, Any]], Reads("neox/config/ds_config.py", "neox/config/derived.py")
     ] = None
-    """DeepSpeed ZeRO section, e.g. {"stage": 1, "overlap_comm": true}."""
+    """DeepSpeed ZeRO section, e.g. {"stage": 1, "overlap_comm": true}. At stage 3, where unset
+    and DeepCompile is off, neox's transformer blocks are ZeRO-3 leaf modules (`leaf_module: {classes:
+    [neox.model.block.Block]}`): a block's weights are gathered at once, and its compiled graph
+    is not broken by a hook per submodule."""
 
     zero_stage: Annotated[Optional[int], Reads("neox/config/derived.py")] = Field(None, ge=0, le=3)
     """gpt-neox shorthand for zero_optimization.stage."""

@@ -5,12 +5,23 @@ from typing import Any, Optional
 from neox.config.derived import Derived, zero_stage_of
 from neox.config.schema import NeoXConfig
 
+# ZeRO-3's defaults that neox changes where the config is silent (docs/benchmarks.md, "ZeRO-3 at
+# one rank: what costs the time"). DeepSpeed hooks every module; inside a torch.compile'd block
+# each hook is a graph break, so the block ran as a graph per linear. As a leaf, a block's
+# weights are gathered by its own hooks, all at once, and its compiled graph stays whole.
+# (DeepSpeed's memory_efficient_linear stays on: without it an eager linear saves a view of its
+# gathered weight for backward, so every weight stays gathered from forward to backward.)
+BLOCK_CLASS = "neox.model.block.Block"
+ZERO3_DEFAULTS: dict[str, Any] = {"leaf_module": {"classes": [BLOCK_CLASS]}}
+
 
 def zero_section(
     cfg: NeoXConfig, data_parallel: int, stage: Optional[int] = None
 ) -> dict[str, Any]:
     """zero_optimization, with gpt-neox's zero_* shorthands filled in where the section is silent
     (`stage` replaces the configured stage, for estimates of another one).
+
+    At stage 3 (without DeepCompile), ZERO3_DEFAULTS where the section does not set the key.
 
     With one data-parallel rank (and no offload), ZeRO 1/2 has nothing to communicate: overlap_comm and
     contiguous_gradients then only add gradient copies (5% of a Pythia-410M step on an H100,
@@ -33,6 +44,12 @@ def zero_section(
     zero["stage"] = zero_stage_of(cfg) if stage is None else stage
     if data_parallel == 1 and zero["stage"] in (1, 2) and "offload_optimizer" not in zero:
         zero.update(overlap_comm=False, contiguous_gradients=False)
+    # DeepCompile removes the module hooks and never sets up the buckets a leaf's gradient
+    # hook reduces into (KeyError at the first backward, docs/benchmarks.md): no leaves there.
+    deepcompile = ((ds.deepspeed_extra_args or {}).get("compile") or {}).get("deepcompile")
+    if zero["stage"] == 3 and not deepcompile:
+        for key, value in ZERO3_DEFAULTS.items():
+            zero.setdefault(key, value)
     return zero
 
 

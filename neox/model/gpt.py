@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -22,8 +23,10 @@ if TYPE_CHECKING:
 class GPTNeoX(nn.Module):
     """Decoder-only language model; vocab_size is the padded vocabulary."""
 
-    # The output layer's matmul; FP8 (fp8.output_layer) swaps in a float8 one per model.
-    head_linear = staticmethod(F.linear)
+    # The output layer's matmul when set: FP8 (fp8.output_layer) puts a float8 one on a model.
+    # Unset, F.linear is looked up at each call, so DeepSpeed's ZeRO-3 linear (which it swaps
+    # into torch.nn.functional to release gathered weights after forward) is the one that runs.
+    head_linear: Optional[Callable[..., torch.Tensor]] = None
 
     def __init__(self, cfg: ModelConfig, vocab_size: int) -> None:
         super().__init__()
@@ -60,7 +63,8 @@ class GPTNeoX(nn.Module):
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """Final norm and output projection: (B, T, C) -> logits (B, T, V)."""
-        return self.head_linear(self.final_layer_norm(x), self.head_weight())
+        linear = self.head_linear or F.linear
+        return linear(self.final_layer_norm(x), self.head_weight())
 
     def loss(
         self, x: torch.Tensor, labels: torch.Tensor, loss_mask: Optional[torch.Tensor] = None

@@ -13,7 +13,8 @@ where each comes from:
 - gradients: the most backward holds at once. The flat engine and ZeRO 0-1 hold a full-size
   gradient per parameter (the flat engine in buffers shaped as its weights'); stage 2 and 3
   keep this rank's partition in one contiguous buffer, plus the gradient just produced (at
-  most the largest tensor's) awaiting its bucket.
+  most the largest tensor's; at ZeRO-3 with neox's blocks as leaves, at least a block's)
+  awaiting its bucket.
 - master weights: fp32 copies the optimizer updates (flat engine: this rank's 1/dp partition,
   none in fp32, where it steps the weights themselves; DeepSpeed: FP16_Optimizer at stage 0
   with fp16/bf16, ZeRO 1-3 always, 1/dp of them, even in fp32, where it clones its partition).
@@ -59,7 +60,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any, Optional
 
 from neox.config.derived import Derived
-from neox.config.ds_config import zero_section
+from neox.config.ds_config import BLOCK_CLASS, zero_section
 from neox.config.model import ModelConfig
 from neox.config.schema import NeoXConfig
 from neox.plan.attention_path import select_attention_path
@@ -498,8 +499,13 @@ def _estimate_memory(cfg: ModelConfig, shape: TrainingShape) -> MemoryEstimate:
     master = 4 * owned if (mixed or stage > 0) else 0
     states = OPTIMIZER_STATES.get(shape.optimizer, 1 if shape.sgd_momentum else 0)
     optimizer_states = 4 * states * owned
-    # Stage 2/3 reduce each gradient as it arrives, but it arrives whole: add the largest.
-    gradients = k * n if stage <= 1 else k * (part + max(sizes))
+    # Stage 2/3 reduce each gradient as it arrives, but it arrives whole: add the largest. A
+    # ZeRO-3 leaf block (neox's default) is reduced once its whole backward is done: a block's.
+    arriving = max(sizes)
+    leaves = ((shape.zero or {}).get("leaf_module") or {}).get("classes") or []
+    if stage >= 3 and BLOCK_CLASS in leaves:
+        arriving = max(arriving, layer_parameters(cfg, shape.tp))
+    gradients = k * n if stage <= 1 else k * (part + arriving)
 
     bucket = shape.zero_setting("reduce_bucket_size")
     overlap = (shape.zero or {}).get("overlap_comm", stage == 3)

@@ -62,3 +62,24 @@ def test_activation_checkpointing_from_neox_keys():
     )
     ac = ds["activation_checkpointing"]
     assert ac["partition_activations"] is True and ac["number_checkpoints"] == 2
+
+
+def test_zero3_gathers_whole_blocks_unless_the_config_says():
+    zero = build({"zero_optimization": {"stage": 3}})["zero_optimization"]
+    assert zero["leaf_module"] == {"classes": ["neox.model.block.Block"]}
+    assert "memory_efficient_linear" not in zero  # DeepSpeed's default (on) stays
+    own = build({"zero_optimization": {"stage": 3, "leaf_module": {"classes": []}}})
+    assert own["zero_optimization"]["leaf_module"] == {"classes": []}
+    below = build({"zero_optimization": {"stage": 2}})["zero_optimization"]
+    assert "leaf_module" not in below
+
+
+def test_zero3_under_deepcompile_keeps_deepspeeds_hooks():
+    """DeepCompile fails at the first backward with leaf modules (docs/benchmarks.md)."""
+    ds = build(
+        {
+            "zero_optimization": {"stage": 3},
+            "deepspeed_extra_args": {"compile": {"deepcompile": True}},
+        }
+    )
+    assert "leaf_module" not in ds["zero_optimization"] and ds["compile"]["deepcompile"] is True

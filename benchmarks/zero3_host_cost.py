@@ -1,0 +1,92 @@
+#!/usr/bin/env python
+"""Host cost of one training step on one CPU rank: Python calls per step and graph breaks of the
+per-block torch.compile, for the flat engine and DeepSpeed's ZeRO-3 (neox's defaults, or
+DeepSpeed's own with --variants zero3_ds_defaults). The device is not involved: these counts are
+what a GPU step pays on the host before its kernels run.
+
+python benchmarks/zero3_host_cost.py --layers 4 --variants bf16 zero3 zero3_ds_defaults
+python benchmarks/zero3_host_cost.py --layers 24 --no-compile
+
+Results go in docs/benchmarks.md ("ZeRO-3 at one rank: what costs the time").
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def measure(variant: str, layers: int, compile_backend: str | None) -> str:
+    """One variant in this process: ms/step, Python calls/step, graph breaks."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    from benchmarks import common
+    from benchmarks import train_throughput as tt
+
+    extra = dict(tt.VARIANTS[variant])
+    extra.update(common.TINY)
+    extra.update(
+        num_layers=layers,
+        attention_config=[[["flash"], layers]],
+        seq_length=16,
+        max_position_embeddings=16,
+        torch_compile=compile_backend is not None,
+        torch_compile_backend=compile_backend or "inductor",
+    )
+    cfg = tt.neox_config("160M", 2, None, False, extra)
+    step, run, close = tt.neox_step(cfg, torch.device("cpu"))
+    for i in range(3):  # compiles, and ZeRO-3 records its trace
+        step(i)
+    tick = time.perf_counter()
+    for i in range(3, 6):
+        step(i)
+    ms = 1000 * (time.perf_counter() - tick) / 3
+    profile = cProfile.Profile()
+    profile.enable()
+    for i in range(6, 8):
+        step(i)
+    profile.disable()
+    calls = pstats.Stats(profile).total_calls / 2
+    breaks = sum(counters["graph_break"].values())
+    close()
+    engine = type(run.engine).__name__
+    return f"{variant:>18} {engine:>16} {layers:>6} {ms:>9.1f} {calls:>12.0f} {breaks:>7}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--variants", nargs="+", default=["bf16", "zero3", "zero3_ds_defaults"])
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--compile-backend", default="aot_eager", help="no C compiler needed")
+    p.add_argument("--no-compile", action="store_true", help="eager blocks")
+    p.add_argument("--one", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    backend = None if args.no_compile else args.compile_backend
+    if args.one:  # a child: one variant, alone in its process (DeepSpeed patches torch globally)
+        print(measure(args.one, args.layers, backend), flush=True)
+        return 0
+    print(
+        f"{'variant':>18} {'engine':>16} {'layers':>6} {'ms/step':>9} {'calls/step':>12} {'breaks':>7}"
+    )
+    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=str(ROOT))
+    for variant in args.variants:
+        cmd = [sys.executable, __file__, "--one", variant, "--layers", str(args.layers)]
+        cmd += ["--no-compile"] if args.no_compile else ["--compile-backend", args.compile_backend]
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        lines = [line for line in out.stdout.splitlines() if line.strip().startswith(variant)]
+        print(lines[-1] if lines else f"{variant}: failed\n{out.stderr[-2000:]}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
