@@ -19,7 +19,8 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `gpu` (run them alone with `pytest -m gpu`) are skipped without CUDA."""
+    """Tests marked `gpu` (run them alone with `pytest -m gpu`) are skipped without CUDA; the
+    groups and order for pytest-xdist workers are set first."""
     group_for_xdist(items)
     if torch.cuda.is_available():
         return
@@ -34,8 +35,8 @@ def group_for_xdist(items) -> None:
     an expensive fixture run on one worker, so that it is built once: the layout matrix (the
     session's `trained` below) in group "layouts"; a module-scoped fixture of tests/ (a training
     run, sshd, a slurm cluster) in a group per module. Everything else is spread test by test.
-    On a worker the long work is queued first (`--no-loadscope-reorder` keeps this order): the
-    groups, then the tests marked slow, so that the run ends on short tests on both workers."""
+    Under xdist the long work is queued first (`--no-loadscope-reorder` keeps this order): the
+    groups, then the tests marked slow, so that the run ends on short tests on every worker."""
     for item in items:
         group = None
         for name in item.fixturenames:
