@@ -44,8 +44,10 @@ demo: install $(DEMO)/pystdlib_text_document.idx
 	@echo "== demo 4/4: export to Hugging Face format (hf/tiny) and check it with transformers"
 	$(BIN)/python tools/convert_to_hf.py --input_dir checkpoints/tiny --output_dir hf/tiny --overwrite --verify
 
+# Two pytest-xdist workers (2-core CI); tests/conftest.py groups the tests that share a fixture.
+TEST_WORKERS ?= 2
 test: install
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
 lint: install
 	$(BIN)/ruff check .

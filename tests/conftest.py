@@ -10,16 +10,56 @@ SHARED_DATA = ROOT.parent / "shared" / "data"
 
 # Tests run on CPU: DeepSpeed's CPU accelerator and the gloo backend.
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
+# On pytest-xdist workers (`make test`) every process, the ranks and deepy.py's children included,
+# gets one OpenMP thread: with one per core in each of several processes, spinning threads
+# oversubscribe the cores and a tiny training loop runs many times slower.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `gpu` (run them alone with `pytest -m gpu`) are skipped without CUDA."""
+    """Tests marked `gpu` (run them alone with `pytest -m gpu`) are skipped without CUDA; the
+    groups and order for pytest-xdist workers are set first."""
+    group_for_xdist(items)
     if torch.cuda.is_available():
         return
     no_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(no_gpu)
+
+
+def group_for_xdist(items) -> None:
+    """`make test` runs the tests on pytest-xdist workers (`--dist loadgroup`). Tests that share
+    an expensive fixture run on one worker, so that it is built once: the layout matrix (the
+    session's `trained` below) in group "layouts"; a module-scoped fixture of tests/ (a training
+    run, sshd, a slurm cluster) in a group per module. Everything else is spread test by test.
+    Under xdist the long work is queued first (`--no-loadscope-reorder` keeps this order): the
+    groups, then the tests marked slow, so that the run ends on short tests on every worker."""
+    for item in items:
+        group = None
+        for name in item.fixturenames:
+            defs = item._fixtureinfo.name2fixturedefs.get(name)
+            if not defs or not defs[-1].baseid.startswith("tests"):
+                continue  # pytest's own fixtures (tmp_path_factory, ...)
+            if name == "trained" and defs[-1].baseid == "tests":
+                group = "layouts"
+                break
+            if defs[-1].scope in ("module", "package"):
+                group = item.nodeid.split("::")[0]
+        if group:
+            item.add_marker(pytest.mark.xdist_group(group))
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return  # one process: collection order, each module's tests together
+
+    def queue(item) -> tuple[int, int]:
+        group = item.get_closest_marker("xdist_group")
+        if group:
+            return (0, group.args[0] != "layouts")  # the largest group first
+        return (1, not item.get_closest_marker("slow"))
+
+    items.sort(key=queue)
 
 
 @pytest.fixture(scope="session")

@@ -16,7 +16,8 @@ import numpy as np
 import yaml
 
 from neox.data.indexed import IndexedDatasetBuilder
-from tests.parallel.parallel_harness import RANKS, free_port
+from tests.parallel.parallel_harness import RANKS
+from tests.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.launcher.conftest import free_port, sshd  # noqa: F401  (the module's sshd fixture)
+from tests.launcher.conftest import sshd  # noqa: F401  (the module's sshd fixture)
+from tests.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.ports import free_port
+
 SSHD = "/usr/sbin/sshd"
 
 
@@ -45,13 +47,6 @@ def missing_tools() -> list[str]:
     needed["ssh-keygen"] = shutil.which("ssh-keygen")
     needed[SSHD] = SSHD if Path(SSHD).is_file() else None
     return [name for name, path in needed.items() if path is None]
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_sshd(folder: Path) -> Sshd:

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from neox.launcher.process import REPORT_PREFIX
-from tests.launcher.conftest import free_port
+from tests.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 

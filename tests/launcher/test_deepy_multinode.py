@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.launcher.conftest import free_port
+from tests.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow

@@ -11,7 +11,7 @@ import pytest
 
 from neox.config.launcher import LauncherConfig
 from neox.launcher import build_launch, launch
-from tests.launcher.conftest import free_port
+from tests.ports import free_port
 from tests.training.lifecycle_helpers import pids_with_env
 
 PROBE = str(Path(__file__).with_name("probe.py"))

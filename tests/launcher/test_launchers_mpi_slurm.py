@@ -15,12 +15,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.launcher.conftest import free_port
+from tests.ports import free_port
 from tests.train_helpers import make_dataset, records, write_config
 from tests.training.lifecycle_helpers import MARK, BackgroundRun
 
 ROOT = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.slow
+# One worker under pytest-xdist: the slurm cluster (a module fixture, reached through
+# getfixturevalue, which tests/conftest.py's grouping cannot see) starts once.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("mpi_slurm")]
 # Open MPI refuses to run as root unless told twice; CI containers run as root.
 OMPI_AS_ROOT = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
 # The agent's parent on this machine: mpirun itself (no orted on its own host), slurm's stepd.

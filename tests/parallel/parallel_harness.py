@@ -2,24 +2,19 @@
 
 import multiprocessing
 import os
-import socket
 from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.ports import free_port
+
 # Ranks are forked from a server process that imported these once, so a rank starts without
 # importing torch and DeepSpeed afresh. Not forked from pytest itself: a child of a process that
 # has run OpenMP work can hang in its own.
 RANKS = multiprocessing.get_context("forkserver")
 RANKS.set_forkserver_preload(["deepspeed", "neox.training.loop", "tests.train_helpers"])
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple) -> None:
