@@ -159,26 +159,15 @@ def test_kto_weights_each_kind(tmp_path):
     assert objective(engine, batch).item() == pytest.approx(0.5 * 2.0 * 0.5 * desirable)
 
 
-@pytest.fixture
-def two_threads():
-    """Two intra-op threads, whatever the process's count (`make test` gives its workers one).
-    The reward model's held-out accuracy depends on the order of float sums: after these 300
-    steps it is above 0.9 at 2 threads and 0.75 at 1; 2400 or 4800 pairs, 600 steps or lr 2e-3
-    to 5e-3 still left it at 0.875 for some thread count. Pinned, the run is the one this test
-    was written against (a steadier setup is left to the preference tests' owner)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.mark.usefixtures("two_threads")
 def test_reward_model_learns_the_rule(tmp_path):
+    """lr 3e-3 for 1,200 steps: at the 1e-2 the other objectives use, the held-out accuracy
+    wandered between 0.8 and 0.95 with the thread count (the order of float sums); here it is
+    0.92-1.0 at 1-4 threads from step 800 on."""
     cfg = config(tmp_path, "rm")
-    engine, objective = setup(cfg)
+    engine, objective = setup(cfg, lr=3e-3)
     assert engine.module.head_weight().shape == (1, MODEL["hidden_size"])
     assert held_out_metrics(engine, objective, cfg)["reward_acc"] < 0.9
-    losses, _ = train(engine, objective, cfg, 300)
+    losses, _ = train(engine, objective, cfg, 1200)
     held = held_out_metrics(engine, objective, cfg)
     assert held["reward_acc"] > 0.9, held
     assert held["margins"] > 0
