@@ -67,7 +67,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "bf16": {},
     "fp8": {"fp8": {"enabled": True}},
     "fp8_rowwise": {"fp8": {"enabled": True, "recipe": "rowwise"}},
-    "fp8_all_layers": {"fp8": {"enabled": True, "skip_first_layers": 0, "skip_last_layers": 0}},
+    "fp8_all_layers": {"fp8": _FP8_ALL},
     # The output layer in float8 too, and the backward matmuls' fast accumulation.
     "fp8_output_layer": {"fp8": {"enabled": True, "output_layer": True}},
     "fp8_all_output": {"fp8": {**_FP8_ALL, "output_layer": True}},

@@ -13,9 +13,9 @@ import argparse
 import logging
 import sys
 
-from neox.prep.readers import SUPPORTED_SUFFIXES
 from neox.prep.tool import (
     add_count_args,
+    add_input_group,
     add_output_and_runtime_args,
     add_tokenizer_args,
     config_from_args,
@@ -28,15 +28,7 @@ logger = logging.getLogger("preprocess_data")
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    g = p.add_argument_group("input data")
-    g.add_argument(
-        "--input",
-        required=True,
-        help="comma-separated files, directories or globs (" + ", ".join(SUPPORTED_SUFFIXES) + ")",
-    )
-    g.add_argument(
-        "--jsonl-keys", nargs="+", default=["text"], help="keys to tokenize; one dataset each"
-    )
+    g = add_input_group(p, "keys to tokenize; one dataset each")
     add_count_args(g)
     add_tokenizer_args(p)
     add_output_and_runtime_args(p, "<prefix>_<key>_document.bin/.idx")

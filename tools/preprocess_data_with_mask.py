@@ -20,9 +20,9 @@ import sys
 
 from neox.data.indexed import best_dtype
 from neox.prep.masking import MaskEncoder, parse_token_pattern
-from neox.prep.readers import SUPPORTED_SUFFIXES
 from neox.prep.tool import (
     add_count_args,
+    add_input_group,
     add_output_and_runtime_args,
     add_tokenizer_args,
     config_from_args,
@@ -36,13 +36,7 @@ logger = logging.getLogger("preprocess_data_with_mask")
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    g = p.add_argument_group("input data")
-    g.add_argument(
-        "--input",
-        required=True,
-        help="comma-separated files, directories or globs (" + ", ".join(SUPPORTED_SUFFIXES) + ")",
-    )
-    g.add_argument("--jsonl-keys", nargs="+", default=["text"], help="keys to tokenize")
+    g = add_input_group(p, "keys to tokenize")
     g.add_argument(
         "--mask-before-token",
         default=None,

@@ -393,6 +393,12 @@ def check_config(cfg: NeoXConfig) -> None:
             f"{lg.profile_step_stop} must satisfy 1 <= start <= stop"
         )
     check_lora(cfg)
+    check_activation_memory_budget(cfg)
+
+
+def check_activation_memory_budget(cfg: NeoXConfig) -> None:
+    """A budget below 1 selects what compiled blocks recompute: it needs torch_compile, and
+    whole-block checkpointing off."""
     t = cfg.training
     if t.activation_memory_budget < 1 and t.torch_compile is False:
         raise ValueError(

@@ -74,6 +74,15 @@ _TE_MODULE = (
 )
 
 
+def _te_module(what: str) -> Refused:
+    """The refusal of gpt-neox's key for a Transformer Engine module neox does not use."""
+    return Refused(
+        feature=f"Transformer Engine's {what}",
+        example=True,
+        message=_TE_MODULE.replace("{feature}", what),
+    )
+
+
 class Float8Config(ConfigGroup):
     """FP8 training (torchao float8) and gpt-neox's te_* keys."""
 
@@ -144,41 +153,25 @@ class Float8Config(ConfigGroup):
 
     te_columnparallel: Annotated[
         bool,
-        Refused(
-            feature="Transformer Engine's column-parallel linear",
-            example=True,
-            message=_TE_MODULE.replace("{feature}", "column-parallel linear"),
-        ),
+        _te_module("column-parallel linear"),
     ] = False
     """gpt-neox key (Transformer Engine's linear): not used; fp8 converts neox's own."""
 
     te_rowparallel: Annotated[
         bool,
-        Refused(
-            feature="Transformer Engine's row-parallel linear",
-            example=True,
-            message=_TE_MODULE.replace("{feature}", "row-parallel linear"),
-        ),
+        _te_module("row-parallel linear"),
     ] = False
     """gpt-neox key (Transformer Engine's linear): not used; fp8 converts neox's own."""
 
     te_layernorm_mlp: Annotated[
         bool,
-        Refused(
-            feature="Transformer Engine's fused LayerNorm-MLP",
-            example=True,
-            message=_TE_MODULE.replace("{feature}", "fused LayerNorm-MLP"),
-        ),
+        _te_module("fused LayerNorm-MLP"),
     ] = False
     """gpt-neox key (Transformer Engine's fused LayerNorm-MLP): not used."""
 
     te_mha: Annotated[
         bool,
-        Refused(
-            feature="Transformer Engine's attention",
-            example=True,
-            message=_TE_MODULE.replace("{feature}", "attention"),
-        ),
+        _te_module("attention"),
     ] = False
     """gpt-neox key (Transformer Engine's attention): not used; neox's attention runs."""
 

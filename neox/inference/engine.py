@@ -334,11 +334,15 @@ class Generator:
         state = DecodeState(batch, S, self.device)
         captured = None
         if self.cuda_graphs:
-            decode = self._compiled or self._decode
-            try:
-                captured = CapturedStep(
+
+            def capture() -> CapturedStep:
+                decode = self._compiled or self._decode
+                return CapturedStep(
                     lambda: decode(cache, state, greedy), state.scratch, self.device
                 )
+
+            try:
+                captured = capture()
             except Exception as e:  # noqa: BLE001 (compilation is an optimisation: go on without)
                 if self._compiled is None:
                     raise
@@ -346,9 +350,7 @@ class Generator:
                     "decode step not compiled (%s: %s); running it eagerly", type(e).__name__, e
                 )
                 self._compiled = None
-                captured = CapturedStep(
-                    lambda: self._decode(cache, state, greedy), state.scratch, self.device
-                )
+                captured = capture()
         self._session = _Session(key, cache, state, captured)
         return self._session
 

@@ -185,8 +185,7 @@ def run_generation(cfg: NeoXConfig) -> None:
     # The whole decode step compiled (then captured) on GPUs only when torch_compile is true:
     # it is not yet measured on a GPU, nor its bf16 greedy tokens checked against the eager
     # step there (tests/inference/test_generate_gpu.py), so unset keeps the captured eager step.
-    compile_step = cfg.training.torch_compile is True and gather is None
-    compile_step = compile_step and device.type == "cuda"
+    compile_step = cfg.training.torch_compile is True and gather is None and device.type == "cuda"
     try:
         generator = Generator(
             model,

@@ -13,7 +13,20 @@ from collections.abc import Callable
 from typing import Any, Optional
 
 from neox.prep.preprocess import PreprocessConfig, PreprocessReport, preprocess
+from neox.prep.readers import SUPPORTED_SUFFIXES
 from neox.tokenizer import TOKENIZER_TYPES
+
+
+def add_input_group(p: argparse.ArgumentParser, keys_help: str) -> argparse._ArgumentGroup:
+    """The "input data" group of the text tools: --input (any reader's suffix) and --jsonl-keys."""
+    g = p.add_argument_group("input data")
+    g.add_argument(
+        "--input",
+        required=True,
+        help="comma-separated files, directories or globs (" + ", ".join(SUPPORTED_SUFFIXES) + ")",
+    )
+    g.add_argument("--jsonl-keys", nargs="+", default=["text"], help=keys_help)
+    return g
 
 
 def add_count_args(g: argparse._ArgumentGroup) -> None:
