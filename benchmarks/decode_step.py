@@ -2,12 +2,13 @@
 
 For a Pythia shape with random weights (bf16), the engine's captured greedy step
 (neox/inference/engine.py) is replayed from a fresh cache position and timed with CUDA events;
-torch.profiler counts the kernels of a few replays and lists the costliest. Variants: the eager
-step captured as is (`generate.py` with `torch_compile: false`), and the step compiled by
-inductor before capture (the default on GPUs), optionally with inductor options.
+torch.profiler counts the kernels of a few replays and lists the costliest. Variants (VARIANTS):
+the eager step captured as is (`generate.py`'s default), the step compiled by inductor before
+capture (`generate.py` with `torch_compile: true`), and that step with its one-row products as
+generated reductions (neox/inference/decode_compile.py), optionally with inductor options.
 
     python benchmarks/decode_step.py --models 410M --batch-sizes 1 16
-    python benchmarks/decode_step.py --models 410M --variants compiled --inductor coordinate_descent_tuning=True
+    python benchmarks/decode_step.py --models 410M --batch-sizes 1 --variants compiled compiled_reductions
 """
 
 from __future__ import annotations
@@ -25,9 +26,17 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from neox.config import load_config  # noqa: E402
+from neox.inference.decode_compile import StepKernels  # noqa: E402
 from neox.inference.engine import Generator  # noqa: E402
 from neox.model import build_model  # noqa: E402
 
+# Decode-step variants: the eager step captured ("graph"), or compiled with these kernels.
+VARIANTS = {
+    "graph": StepKernels(),
+    "compiled": StepKernels(),  # generate.py's with torch_compile: cuBLAS and SDPA kernels
+    "compiled_gemv": StepKernels(gemv_reductions=True),  # batch-1 linears as reductions
+    "compiled_reductions": StepKernels(gemv_reductions=True, attention_reductions=True),
+}
 PADDED = 50304
 VOCAB = 50277
 
@@ -36,7 +45,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--models", nargs="+", default=["410M"])
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
-    p.add_argument("--variants", nargs="+", default=["graph", "compiled"])
+    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=["graph", "compiled"])
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--replays", type=int, default=200)
@@ -128,7 +137,13 @@ def main(argv: list[str]) -> int:
             prompts = prompts.tolist()
             for variant in args.variants:
                 torch._dynamo.reset()
-                gen = Generator(model, VOCAB, eod=PADDED - 1, compile_step=variant != "graph")
+                gen = Generator(
+                    model,
+                    VOCAB,
+                    eod=PADDED - 1,
+                    compile_step=variant != "graph",
+                    step_kernels=VARIANTS[variant],
+                )
                 if variant != "graph" and args.mode:
                     gen._compiled = torch.compile(gen._decode, dynamic=False, mode=args.mode)
                 t0 = time.perf_counter()

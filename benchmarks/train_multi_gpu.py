@@ -47,12 +47,23 @@ RUNS: dict[str, dict[str, Any]] = {
     "tp2": {"num_gpus": 2, "model_parallel_size": 2},
     # torch_compile stays opt-in under TP until this run measures it faster.
     "tp2_compile": {"num_gpus": 2, "model_parallel_size": 2, "torch_compile": True},
+    # Loss diagnosis beside tp2_compile: the traced graphs run by aot_eager (no generated code).
+    "tp2_compile_aot_eager": {
+        "num_gpus": 2,
+        "model_parallel_size": 2,
+        "torch_compile": True,
+        "torch_compile_backend": "aot_eager",
+    },
     "pp2": {"num_gpus": 2, "pipe_parallel_size": 2, "gradient_accumulation_steps": 4},
     "dp2_zero3": {"num_gpus": 2, "zero_optimization": {"stage": 3}},
     # One GPU through deepy: FP8, a second bf16 seed (the loss noise band beside FP8's) and
     # ZeRO-3 with the optimizer and parameters offloaded to the host (DeepSpeed's CPU Adam).
     "1gpu_seed2": {"num_gpus": 1, "seed": 4321},
     "1gpu_fp8": {"num_gpus": 1, "fp8": {"enabled": True}},
+    # The optimizer step amortised over 8 micro batches (Pythia-1.4B's own batch is 1,024
+    # sequences: 256 micro batches of 4 on one GPU).
+    "1gpu_accum8": {"num_gpus": 1, "gradient_accumulation_steps": 8},
+    "1gpu_eager": {"num_gpus": 1, "torch_compile": False},
     "1gpu_zero3_offload": {
         "num_gpus": 1,
         "zero_optimization": {
@@ -63,13 +74,14 @@ RUNS: dict[str, dict[str, Any]] = {
         "checkpoint_activations": True,
     },
 }
-ONE_GPU_EXTRA = ("1gpu_seed2", "1gpu_fp8", "1gpu_zero3_offload")
+ONE_GPU_EXTRA = ("1gpu_seed2", "1gpu_fp8", "1gpu_accum8", "1gpu_eager", "1gpu_zero3_offload")
+DIAGNOSTIC = ("tp2_compile_aot_eager",)  # run only when named
 # (model, run) in order; ZeRO-3 only where the issue asks for its memory (1.4B).
 DEFAULT_PLAN = [
     (m, r)
     for m in ("410M", "1-4B")
     for r in RUNS
-    if (r != "dp2_zero3" or m == "1-4B") and r not in ONE_GPU_EXTRA
+    if (r != "dp2_zero3" or m == "1-4B") and r not in ONE_GPU_EXTRA + DIAGNOSTIC
 ]
 
 OVERLAY: dict[str, Any] = {
@@ -280,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         for m, r in DEFAULT_PLAN
         if (args.models is None or m in args.models) and (args.runs is None or r in args.runs)
     ]
-    for extra in ("dp2_zero3", *ONE_GPU_EXTRA):
+    for extra in ("dp2_zero3", *ONE_GPU_EXTRA, *DIAGNOSTIC):
         if args.runs and extra in args.runs:
             plan += [(m, extra) for m in args.models or MICRO_BATCH if (m, extra) not in plan]
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="neox_multi_gpu_"))

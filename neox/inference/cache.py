@@ -52,6 +52,9 @@ class KVCache:
         # Slots written by the current step; set with `at` before each forward.
         self.position = torch.zeros(1, dtype=torch.long, device=device)
         self.prefill = False
+        # Decode steps attend with plain arithmetic (Attention._attend_one_query) instead of
+        # SDPA: set by a Generator whose compiled step makes it reductions.
+        self.attention_reductions = False
         self.layers = []
         for block in model.layers:
             attn = block.attention

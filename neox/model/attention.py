@@ -128,8 +128,12 @@ class Attention(nn.Module):
         impl = self.kernel(x.device, attention_mask)
         if kv_cache is not None:
             impl = "flash"  # queries are not the last T keys: only SDPA's explicit mask fits
+            if T == 1 and slots is not None and kv_cache.owner.attention_reductions:
+                impl = "one_query"
         blocks = attention_mask is None or isinstance(attention_mask, DocumentMask)
-        if impl == "flex" and blocks and slots is None:
+        if impl == "one_query":
+            y = self._attend_one_query(q, k, v, attention_mask, slots)
+        elif impl == "flex" and blocks and slots is None:
             y = self._attend_flex(q, k, v, attention_mask)
         else:
             if isinstance(attention_mask, DocumentMask):
@@ -197,6 +201,19 @@ class Attention(nn.Module):
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=dropout, scale=self.scale
         )
+
+    def _attend_one_query(self, q, k, v, attention_mask, slots):
+        """One query per row against the cached keys, written out in fp32 (rounded once at the
+        end): in a compiled decode step inductor turns both products into reductions over the
+        head dim and the slots (neox.inference.decode_compile), where SDPA's kernel is tiled
+        for long queries."""
+        allowed, bias = self._bias(q, k, attention_mask, slots)
+        scores = (q.float() @ k.float().transpose(-2, -1)) * self.scale  # (B, nh, 1, S)
+        if bias is not None:
+            scores = scores + bias
+        if allowed is not None:
+            scores = scores.masked_fill(~allowed, float("-inf"))
+        return (scores.softmax(-1) @ v.float()).to(q.dtype)
 
     def _attend_scores(self, q, k, v, attention_mask, fused: bool):
         """Materialised scores, then the Triton fused softmax (fused) or the torch reference."""
