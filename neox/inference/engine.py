@@ -146,7 +146,7 @@ class Generator:
             new batch shape compiles once (tens of seconds at 1B). The prefill and the
             recompute path stay eager.
         step_kernels: how the compiled step computes its one-row products
-            (neox.inference.decode_compile): reductions tuned by inductor by default.
+            (neox.inference.decode_compile): the library's kernels (cuBLAS, SDPA) by default.
     """
 
     def __init__(
