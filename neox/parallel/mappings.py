@@ -4,6 +4,11 @@ Each function's backward is the adjoint of its forward: the gradient of an ident
 tp ranks is the sum of their gradients (all-reduce), the gradient of a sum is a copy, the
 gradient of taking a slice is gathering the slices, and the other way round.
 With a group of one rank every wrapper is the identity.
+
+Inside a torch.compile'd graph the collectives are the functional (out-of-place) ones: dynamo
+would trace the in-place `dist.all_reduce` as a copy_ into the tensor the forward returns, and
+torch 2.11 then routes that autograd.Function's gradient to the wrong slot (pytorch issue
+180642): a tp=2 run with torch_compile trained on wrong gradients from its first step on.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 
 def _world(group: Any) -> int:
@@ -19,6 +25,8 @@ def _world(group: Any) -> int:
 
 
 def _all_reduce(x: torch.Tensor, group: Any) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        return funcol.all_reduce(x.contiguous(), "sum", group)
     x = x.contiguous().clone()  # collectives write in place; never into autograd's saved input
     dist.all_reduce(x, group=group)
     return x
@@ -33,6 +41,9 @@ def _split_last(x: torch.Tensor, group: Any) -> torch.Tensor:
 
 
 def _gather_last(x: torch.Tensor, group: Any) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        stacked = funcol.all_gather_tensor(x.contiguous(), 0, group)  # ranks along dim 0
+        return torch.cat(stacked.chunk(_world(group), dim=0), dim=-1)
     parts = [torch.empty_like(x) for _ in range(_world(group))]
     dist.all_gather(parts, x.contiguous(), group=group)
     return torch.cat(parts, dim=-1)

@@ -133,6 +133,65 @@ def _check_rng(groups) -> None:
     assert torch.equal(both[0][1], both[1][1]), "outside the tp region masks must agree"
 
 
+def _check_compiled_mappings(rank: int, world: int, group) -> None:
+    """Compiled, each mapping gives eager's values and gradients, and no graph dynamo or
+    AOTAutograd traces (the autograd.Functions' forwards and backwards included) mutates a
+    tensor in place. torch 2.11 misroutes the gradient of a Function whose forward returns a
+    tensor written in place (pytorch issue 180642): dynamo traced the in-place all-reduce as
+    such a write, and a tp=2 run with torch_compile learned from wrong gradients on GPUs."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    graphs: list[torch.fx.GraphModule] = []
+
+    def dynamo_graph(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def aot_graph(gm, example_inputs):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    fns = {
+        "reduce": reduce_from_tensor_parallel,
+        "copy": copy_to_tensor_parallel,
+        "gather": gather_from_tensor_parallel,
+    }
+    torch.manual_seed(0)  # the same x on every rank, a different output gradient on each
+    x = torch.randn(2, 3, 4)
+    for name, mapping in fns.items():
+
+        def fn(t, mapping=mapping):
+            return mapping(t * 2, group) * 3
+
+        grad_out = torch.randn(2, 3, 4 * world if name == "gather" else 4) * (rank + 1)
+        x_eager = x.clone().requires_grad_()
+        want = fn(x_eager)
+        want.backward(grad_out)
+        for backend in (dynamo_graph, aot_autograd(fw_compiler=aot_graph, bw_compiler=aot_graph)):
+            torch._dynamo.reset()
+            x_compiled = x.clone().requires_grad_()
+            got = torch.compile(fn, backend=backend, fullgraph=True)(x_compiled)
+            got.backward(grad_out)
+            torch.testing.assert_close(got, want, **TOL, msg=f"{name}: forward")
+            torch.testing.assert_close(x_compiled.grad, x_eager.grad, **TOL, msg=f"{name}: grad")
+    in_place = [
+        node.format_node()
+        for gm in graphs
+        for sub in gm.modules()
+        if isinstance(sub, torch.fx.GraphModule)
+        for node in sub.graph.nodes
+        if node.op in ("call_function", "call_method") and _is_in_place(node.target)
+    ]
+    assert not in_place, in_place
+
+
+def _is_in_place(target) -> bool:
+    """copy_, add_, _c10d_functional.all_reduce_.default, ...: a trailing underscore."""
+    name = str(getattr(target, "__name__", target)).split(".")[0]
+    return name.endswith("_") and not name.startswith("_")
+
+
 def check_all_ranks(rank: int, world: int) -> None:
     groups = Topology(tp=world).build_groups()
     assert groups.get_tensor_model_parallel_rank() == rank
@@ -141,3 +200,4 @@ def check_all_ranks(rank: int, world: int) -> None:
     _check_linears(rank, world, groups.tensor)
     _check_vocab(rank, world, groups.tensor)
     _check_rng(groups)
+    _check_compiled_mappings(rank, world, groups.tensor)
