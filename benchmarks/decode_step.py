@@ -35,6 +35,7 @@ VARIANTS = {
     "graph": StepKernels(),
     "compiled": StepKernels(),  # generate.py's with torch_compile: cuBLAS and SDPA kernels
     "compiled_gemv": StepKernels(gemv_reductions=True),  # batch-1 linears as reductions
+    "compiled_attention": StepKernels(attention_reductions=True),  # batch-1 attention only
     "compiled_reductions": StepKernels(gemv_reductions=True, attention_reductions=True),
 }
 PADDED = 50304
