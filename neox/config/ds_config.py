@@ -9,8 +9,9 @@ from neox.config.schema import NeoXConfig
 # one rank: what costs the time"). DeepSpeed hooks every module; inside a torch.compile'd block
 # each hook is a graph break, so the block ran as a graph per linear. As a leaf, a block's
 # weights are gathered by its own hooks, all at once, and its compiled graph stays whole.
-# (DeepSpeed's memory_efficient_linear stays on: without it an eager linear saves a view of its
-# gathered weight for backward, so every weight stays gathered from forward to backward.)
+# (DeepSpeed's memory_efficient_linear stays on for eager code: without it an eager linear saves
+# a view of its gathered weight for backward, so every weight stays gathered from forward to
+# backward. Compiled blocks get torch's linear: neox/training/deepspeed_engine.py says why.)
 BLOCK_CLASS = "neox.model.block.Block"
 ZERO3_DEFAULTS: dict[str, Any] = {"leaf_module": {"classes": [BLOCK_CLASS]}}
 

@@ -11,6 +11,12 @@ is DeepSpeed's own lives here, so the loop never asks which engine runs.
   `fuse_overflow_check` replaces it, on that one optimizer instance, by the same test written
   with one foreach max-abs per dtype: a step with any inf/NaN gradient is still skipped exactly
   as before; only the number of launches changes.
+- ZeRO-3 replaces torch.nn.functional.linear with its memory-efficient linear, an
+  autograd.Function whose output is written in place (the bias add). torch 2.11's dynamo (the
+  GPU image's) routes such an output's gradient to the wrong tensor (pytorch issue 180642, fixed
+  in 2.12): compiled blocks trained wrong from the second step on an H100, while CPU CI (torch
+  2.13) passed. `route_compiled_linears` keeps DeepSpeed's linear for eager code and gives
+  compiled graphs torch's own, whose saved tensors AOTAutograd manages.
 - fp16: the dynamic loss scale and DeepSpeed's count of skipped (overflowed) steps.
 """
 
@@ -47,6 +53,7 @@ class DeepSpeedAdapter:
             model=model, optimizer=optimizer, config=ds_config, mpu=mpu
         )
         fuse_overflow_check(self.ds.optimizer)
+        route_compiled_linears()
         if (ds_config.get("compile") or {}).get("deepcompile"):
             # DeepSpeed's DeepCompile (deepspeed_extra_args: {compile: {deepcompile: true}})
             # compiles the whole module with ZeRO's gathers scheduled in the graph.
@@ -234,3 +241,30 @@ def _has_overflow_partitioned_grads(self: Any) -> torch.Tensor:
     if not grads:
         return torch.zeros(1, dtype=torch.bool, device=get_accelerator().current_device_name())
     return any_non_finite(grads)
+
+
+def _zero3_linear(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None):
+    """torch.nn.functional.linear under ZeRO-3: DeepSpeed's memory-efficient linear when eager
+    (torch's would save a view of the gathered weight, keeping it gathered until backward),
+    torch's own inside a compiled graph (see the module docstring)."""
+    from deepspeed.runtime.zero.linear import zero3_linear_wrap
+    from deepspeed.runtime.zero.partition_parameters import (
+        InsertPostInitMethodToModuleSubClasses as ZeroInit,
+    )
+
+    if torch.compiler.is_compiling():
+        return ZeroInit.linear_bk(input, weight, bias)
+    return zero3_linear_wrap(input, weight, bias)
+
+
+def route_compiled_linears() -> None:
+    """Where ZeRO-3 has installed its memory-efficient linear, install _zero3_linear in its
+    place (process-wide, as DeepSpeed's own replacement is)."""
+    import torch.nn.functional as F
+    from deepspeed.runtime.zero.linear import zero3_linear_wrap
+    from deepspeed.runtime.zero.partition_parameters import (
+        InsertPostInitMethodToModuleSubClasses as ZeroInit,
+    )
+
+    if F.linear is zero3_linear_wrap and getattr(ZeroInit, "linear_bk", None) is not None:
+        F.linear = _zero3_linear
