@@ -59,6 +59,7 @@ def test_whole_decode_step_traces_as_one_graph(name):
     """compile_step's function (embedding to greedy choice) traces without a graph break
     (fullgraph; aot_eager runs the traced graph without generating code, so this stays fast on
     CPU) and decodes what the eager step decodes."""
+    torch._dynamo.reset()  # Generator._decode's cache holds earlier tests' entries otherwise
     _, _, model, _ = neox_pair(name)
     eager = Generator(model, VOCAB, eod=PADDED - 1).generate(PROMPTS, NEW, return_logits=True)
     gen = Generator(model, VOCAB, eod=PADDED - 1, compile_step=True)

@@ -70,3 +70,36 @@ def test_budget_without_compilation_or_with_full_checkpointing_is_refused():
     with pytest.raises(ConfigError, match="set checkpoint_activations: false"):
         load_dict({"activation_memory_budget": 0.5, "checkpoint_activations": True})
     assert load_dict({"activation_memory_budget": 0.5}).training.activation_memory_budget == 0.5
+
+
+def test_every_block_compiles_when_each_needs_its_own_graph(monkeypatch):
+    """ZeRO-3 numbers every parameter (ds_id) and DeepSpeed's linear reads the number, which
+    dynamo guards on as a constant (seen on an H100): each block then needs its own entry in
+    Block.forward's one dynamo cache, and past the recompile limit (8) the rest ran eagerly,
+    16 of Pythia-1.4B's 24 blocks. Here a linear that reads such a number does the same."""
+    import torch.nn.functional as F
+    from torch._dynamo.utils import counters
+
+    import torch._dynamo.config as dynamo_config
+
+    plain = F.linear
+
+    def numbered_linear(x, weight, bias=None):
+        if getattr(weight, "ds_id", 0) < 0:  # an int attribute: a guard on its value
+            raise AssertionError
+        return plain(x, weight, bias)
+
+    monkeypatch.setattr(F, "linear", numbered_linear)
+    torch._dynamo.reset()
+    counters.clear()
+    layers = 11
+    model = build_model(load_dict({**TINY, "num_layers": layers}).model, VOCAB, seed=0)
+    for i, p in enumerate(model.parameters()):
+        p.ds_id = i
+    tokens = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
+    with dynamo_config.patch(recompile_limit=8), torch.no_grad():  # compile_blocks raises it
+        compile_blocks(model, "eager")
+        model(tokens)
+    torch._dynamo.reset()
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs >= layers, f"{graphs} graphs for {layers} blocks: some ran eagerly"
