@@ -88,9 +88,9 @@ class TrainingConfig(ConfigGroup):
     """Compile each transformer block, and the final norm, output layer and loss, with
     torch.compile (fewer, fused kernels; the first steps pay the compilation). Works with
     activation checkpointing, tensor and pipeline parallelism; parameter names and checkpoints
-    are unchanged. Unset: on for GPU runs without tensor parallelism (20-30% faster at Pythia
-    shapes on an H100, see docs/benchmarks.md), off on CPU, where compiling costs more than it
-    saves in short runs, and with tensor parallelism. generate.py: when true (not when
+    are unchanged. Unset: on for GPU runs (20-30% faster at Pythia shapes on an H100, 1.39x
+    at TP=2 on two H200, see docs/benchmarks.md), off on CPU, where compiling costs more than
+    it saves in short runs. generate.py: when true (not when
     unset), on a GPU without tensor parallelism the whole cached decode step is compiled, then
     captured as one CUDA graph: 1.9x the tokens/s of the captured eager step at Pythia-410M on
     an H100, but each new batch shape and cache length compiles once (30-40 s), so it pays for

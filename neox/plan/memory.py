@@ -231,7 +231,7 @@ def training_shape(
     zero = zero_section(cfg, derived.data_parallel, zero_stage)
     t, spec = cfg.training, cfg.optimizer.optimizer
     tp, pp = derived.tensor_parallel, derived.pipe_parallel
-    compiled = torch_compile_enabled(t.torch_compile, device, tp)
+    compiled = torch_compile_enabled(t.torch_compile, device)
     pref = cfg.preference
     # DPO and RM run each pair's two answers as two rows, over full (eager) logits.
     rows = 2 if pref.train_impl in ("dpo", "rm") else 1

@@ -161,7 +161,7 @@ def fit_warning(
     hints = []
     if shape.zero_stage < 3 and derived.data_parallel > 1:
         hints.append("a higher zero_optimization.stage")
-    compiled = torch_compile_enabled(cfg.training.torch_compile, "cuda", derived.tensor_parallel)
+    compiled = torch_compile_enabled(cfg.training.torch_compile, "cuda")
     if not shape.checkpoint_activations and compiled and shape.activation_memory_budget == 1:
         # Selective recompute: at long sequences it keeps the attention outputs that
         # checkpoint_activations recomputes (docs/benchmarks.md).

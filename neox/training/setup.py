@@ -108,9 +108,7 @@ def build_run(cfg: NeoXConfig) -> Run:
             checkpoint_activations=checkpointing and tr.checkpoint_activations,
             checkpoint_num_layers=tr.checkpoint_num_layers,
             checkpointing_options=ds_config["activation_checkpointing"],
-            torch_compile=torch_compile_enabled(
-                tr.torch_compile, device.type, derived.tensor_parallel
-            ),
+            torch_compile=torch_compile_enabled(tr.torch_compile, device.type),
             torch_compile_backend=tr.torch_compile_backend,
             activation_memory_budget=tr.activation_memory_budget,
             pipe_partition_method=cfg.parallel.pipe_partition_method,
