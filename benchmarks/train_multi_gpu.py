@@ -64,6 +64,13 @@ RUNS: dict[str, dict[str, Any]] = {
     # sequences: 256 micro batches of 4 on one GPU).
     "1gpu_accum8": {"num_gpus": 1, "gradient_accumulation_steps": 8},
     "1gpu_eager": {"num_gpus": 1, "torch_compile": False},
+    # ZeRO-3 at one rank (neox's ZeRO-3 defaults) beside 1gpu and 1gpu_accum8: speed and losses.
+    "1gpu_zero3": {"num_gpus": 1, "zero_optimization": {"stage": 3}},
+    "1gpu_zero3_accum8": {
+        "num_gpus": 1,
+        "zero_optimization": {"stage": 3},
+        "gradient_accumulation_steps": 8,
+    },
     "1gpu_zero3_offload": {
         "num_gpus": 1,
         "zero_optimization": {
@@ -74,7 +81,15 @@ RUNS: dict[str, dict[str, Any]] = {
         "checkpoint_activations": True,
     },
 }
-ONE_GPU_EXTRA = ("1gpu_seed2", "1gpu_fp8", "1gpu_accum8", "1gpu_eager", "1gpu_zero3_offload")
+ONE_GPU_EXTRA = (
+    "1gpu_seed2",
+    "1gpu_fp8",
+    "1gpu_accum8",
+    "1gpu_eager",
+    "1gpu_zero3",
+    "1gpu_zero3_accum8",
+    "1gpu_zero3_offload",
+)
 DIAGNOSTIC = ("tp2_compile_aot_eager",)  # run only when named
 # (model, run) in order; ZeRO-3 only where the issue asks for its memory (1.4B).
 DEFAULT_PLAN = [

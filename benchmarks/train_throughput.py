@@ -199,6 +199,34 @@ def time_steps(step: Callable[[int], Any], iters: int, warmup: int, device) -> l
     return [b - a for a, b in zip(ends, ends[1:])]
 
 
+def host_profile(step: Callable[[int], Any], start: int, device, path: str) -> list:
+    """cProfile over two steps: where the host spends a step (ZeRO-3's Python, for one). The
+    top functions by cumulative time go to `path` and into the record."""
+    import cProfile
+    import pstats
+
+    sync(device)
+    prof = cProfile.Profile()
+    prof.enable()
+    for i in range(start, start + 2):
+        step(i)
+    sync(device)
+    prof.disable()
+    with open(path, "a") as f:
+        stats = pstats.Stats(prof, stream=f)
+        stats.sort_stats("cumulative").print_stats(60)
+        stats.sort_stats("tottime").print_stats(40)
+    top = sorted(pstats.Stats(prof).stats.items(), key=lambda kv: -kv[1][3])[:40]
+    return [
+        [
+            f"{os.path.relpath(fn, ROOT) if fn.startswith('/') else fn}:{line}:{name}",
+            ncalls // 2,
+            round(cum * 500, 2),
+        ]  # calls a step, cumulative ms a step
+        for (fn, line, name), (_, ncalls, _, cum, _) in top
+    ]
+
+
 def count_syncs(step: Callable[[int], Any], i: int, device) -> Counter:
     """Host-device synchronisations of one step, by the Python line that caused them."""
     if device.type != "cuda":
@@ -483,6 +511,8 @@ def run_one(
         "host_rss_added_gib": (rss_after - rss_before) / 2**30,
         "host_estimate_gib": estimated_host(cfg, vocab) / 2**30 if impl == "neox" else None,
     }
+    if args.cprofile:
+        rec["host_functions"] = host_profile(step, args.iters, device, args.cprofile)
     if args.sync_count:
         sites = count_syncs(step, args.iters, device)
         rec["syncs_per_step"] = sum(sites.values())
@@ -664,6 +694,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--peak-tflops", type=float, default=None)
     p.add_argument("--sync-count", action="store_true", help="count host syncs of one step")
+    p.add_argument("--cprofile", metavar="FILE", help="cProfile two steps; append the tables here")
     p.add_argument("--profile-dir", default=None)
     p.add_argument("--profile-impls", nargs="+", default=["neox"])
     p.add_argument("--profile-models", nargs="+", default=DEFAULT_MODELS)
