@@ -144,6 +144,9 @@ OVERLAY: dict[str, Any] = {
 TINY: dict[str, Any] = {**common.TINY, "zero_optimization": {"stage": 1}}
 
 
+TORCH_LINEAR = torch.nn.functional.linear
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -530,6 +533,9 @@ def run_one(
         rec["kernels"] = profile_steps(step, args.iters + 1, Path(args.profile_dir), name, device)
     close()
     del step, keep, close
+    # ZeRO-3 replaces torch.nn.functional.linear for the process (DeepSpeed's memory-efficient
+    # linear): put torch's back, or every later run of this process would use it.
+    torch.nn.functional.linear = TORCH_LINEAR
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
