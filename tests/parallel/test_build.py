@@ -77,10 +77,9 @@ def test_every_block_compiles_when_each_needs_its_own_graph(monkeypatch):
     dynamo guards on as a constant (seen on an H100): each block then needs its own entry in
     Block.forward's one dynamo cache, and past the recompile limit (8) the rest ran eagerly,
     16 of Pythia-1.4B's 24 blocks. Here a linear that reads such a number does the same."""
+    import torch._dynamo.config as dynamo_config
     import torch.nn.functional as F
     from torch._dynamo.utils import counters
-
-    import torch._dynamo.config as dynamo_config
 
     plain = F.linear
 
