@@ -44,8 +44,9 @@ MICRO_BATCH = {"410M": 8, "1-4B": 4, "2-8B": 4}
 RUNS: dict[str, dict[str, Any]] = {
     "1gpu": {"num_gpus": 1},
     "dp2": {"num_gpus": 2},
-    "tp2": {"num_gpus": 2, "model_parallel_size": 2},
-    # torch_compile stays opt-in under TP until this run measures it faster.
+    # Eager TP, the baseline of tp2_compile (torch_compile is on by default under TP since
+    # 2026-11-26: tp2_compile is what neox runs).
+    "tp2": {"num_gpus": 2, "model_parallel_size": 2, "torch_compile": False},
     "tp2_compile": {"num_gpus": 2, "model_parallel_size": 2, "torch_compile": True},
     # Loss diagnosis beside tp2_compile: the traced graphs run by aot_eager (no generated code).
     "tp2_compile_aot_eager": {

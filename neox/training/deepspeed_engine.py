@@ -243,28 +243,24 @@ def _has_overflow_partitioned_grads(self: Any) -> torch.Tensor:
     return any_non_finite(grads)
 
 
-def _zero3_linear(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None):
-    """torch.nn.functional.linear under ZeRO-3: DeepSpeed's memory-efficient linear when eager
-    (torch's would save a view of the gathered weight, keeping it gathered until backward),
-    torch's own inside a compiled graph (see the module docstring)."""
-    from deepspeed.runtime.zero.linear import zero3_linear_wrap
-    from deepspeed.runtime.zero.partition_parameters import (
-        InsertPostInitMethodToModuleSubClasses as ZeroInit,
-    )
-
-    if torch.compiler.is_compiling():
-        return ZeroInit.linear_bk(input, weight, bias)
-    return zero3_linear_wrap(input, weight, bias)
-
-
 def route_compiled_linears() -> None:
-    """Where ZeRO-3 has installed its memory-efficient linear, install _zero3_linear in its
-    place (process-wide, as DeepSpeed's own replacement is)."""
+    """Where ZeRO-3 has installed its memory-efficient linear as torch.nn.functional.linear,
+    install in its place (process-wide, as DeepSpeed's own replacement is) a linear that is
+    DeepSpeed's when eager (torch's would save a view of the gathered weight, keeping it gathered
+    until backward) and torch's own inside a compiled graph (see the module docstring)."""
     import torch.nn.functional as F
     from deepspeed.runtime.zero.linear import zero3_linear_wrap
     from deepspeed.runtime.zero.partition_parameters import (
         InsertPostInitMethodToModuleSubClasses as ZeroInit,
     )
 
-    if F.linear is zero3_linear_wrap and getattr(ZeroInit, "linear_bk", None) is not None:
-        F.linear = _zero3_linear
+    torch_linear = getattr(ZeroInit, "linear_bk", None)  # what DeepSpeed replaced
+    if F.linear is not zero3_linear_wrap or torch_linear is None:
+        return
+
+    def zero3_linear(input, weight, bias=None):
+        if torch.compiler.is_compiling():
+            return torch_linear(input, weight, bias)
+        return zero3_linear_wrap(input, weight, bias)
+
+    F.linear = zero3_linear
