@@ -2,8 +2,8 @@
 
 One reader process streams and decompresses input into ~1 MiB batches of lines; `workers`
 processes parse JSON and tokenize whole batches (tokenizer built once per worker); the main
-process writes each batch's tokens in one chunk, in input order. At most a few batches per
-worker are in flight, so memory stays bounded whatever the corpus size.
+process writes each batch's tokens in one chunk, in input order. One batch per worker is in
+flight, so memory stays bounded whatever the corpus size.
 
 Output goes to temporary files beside the final ones and is renamed at the end (the .idx
 last), so an interrupted run never leaves a dataset that looks complete, and an existing
@@ -23,8 +23,6 @@ import signal
 import time
 from collections import Counter, deque
 from collections.abc import Sequence
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -206,12 +204,9 @@ def _init_worker() -> None:
     # Each worker tokenizes on one core; the pool provides the parallelism.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     os.environ["RAYON_NUM_THREADS"] = "1"
-    # The parent turns SIGTERM into cleanup; a worker just ends when the pool is closed.
+    # The parent turns SIGTERM and Ctrl-C into cleanup, which ends the workers.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-
-
-def _encode_in_worker(batch: RawBatch) -> EncodedBatch:
-    return _WORKER.encode(batch)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 class _ShardedWriter:
@@ -373,10 +368,8 @@ def preprocess(config: PreprocessConfig, encoder: Encoder | None = None) -> Prep
             # Forked workers inherit the encoder built here: no tokenizer is loaded twice.
             global _WORKER
             _WORKER = encoder
-            # An executor, not a Pool: a Pool silently replaces a worker killed mid-batch (the
-            # OOM killer) and waits forever for its batch; an executor reports it as broken.
             pool = _WorkerPool(config.workers)
-            results = pool.ordered(batches, window=2 * config.workers + 2)
+            results = pool.ordered(batches)
         _consume(results, writers, report, config, files, start)
         _check_not_empty(writers, report)
         for key, w in writers.items():
@@ -438,59 +431,104 @@ class WorkerDiedError(ChildProcessError):
 
 
 class _WorkerPool:
-    """Forked tokenizing workers; a worker that dies aborts the run instead of hanging it."""
+    """Forked tokenizing workers, one pipe each; a worker that dies aborts the run.
+
+    Not concurrent.futures' ProcessPoolExecutor: its workers share one result pipe, and a worker
+    killed halfway through writing a result (results are megabytes) leaves the executor reading
+    the rest forever (seen in CI). A worker that owns its pipe can only end it: its death is
+    end-of-file there. Each worker holds one batch at a time, so a full pipe never blocks both
+    sides; batches are collected round-robin, which is input order.
+    """
 
     def __init__(self, workers: int):
-        self._before = set(multiprocessing.active_children())
-        self._workers: set = set()  # every worker process seen, kept to read its exit code
-        self._executor = ProcessPoolExecutor(
-            workers, mp_context=multiprocessing.get_context("fork"), initializer=_init_worker
-        )
+        ctx = multiprocessing.get_context("fork")
+        self._conns: list = []
+        self._procs: list = []
+        for i in range(workers):
+            mine, theirs = ctx.Pipe()
+            # The child closes every parent end it inherits: else a dead parent is no EOF to it.
+            parent_ends = [*self._conns, mine]
+            proc = ctx.Process(
+                target=_worker_main, args=(theirs, parent_ends), name=f"tokenize-{i}", daemon=True
+            )
+            proc.start()
+            theirs.close()  # only the worker may hold its end: its death is then our EOF
+            self._conns.append(mine)
+            self._procs.append(proc)
 
-    def ordered(self, batches, window: int):
-        """Results in input order, with at most `window` batches in flight."""
-        pending: deque = deque()
-        for batch in batches:
-            pending.append(self._submit(batch))
-            if len(pending) >= window:
-                yield self._result(pending.popleft())
-        while pending:
-            yield self._result(pending.popleft())
+    def ordered(self, batches):
+        """Results in input order."""
+        batches = iter(batches)
+        turn: deque[int] = deque()
+        for i in range(len(self._procs)):
+            batch = next(batches, None)
+            if batch is None:
+                break
+            self._send(i, batch)
+            turn.append(i)
+        upcoming = next(batches, None)  # read ahead: a worker that hands back gets it at once
+        while turn:
+            i = turn.popleft()
+            result = self._receive(i)
+            if upcoming is not None:
+                self._send(i, upcoming)
+                turn.append(i)
+                upcoming = next(batches, None)
+            yield result
 
-    def _submit(self, batch: RawBatch):
+    def _send(self, i: int, batch: RawBatch) -> None:
         try:
-            future = self._executor.submit(_encode_in_worker, batch)
-        except BrokenProcessPool:
-            raise self._died() from None
-        # Workers start inside submit(); remember them while they are alive.
-        self._workers |= set(multiprocessing.active_children()) - self._before
-        return future
+            self._conns[i].send(batch)
+        except OSError:  # BrokenPipeError, ConnectionResetError: the worker is gone
+            raise self._died(i) from None
 
-    def _result(self, future) -> EncodedBatch:
+    def _receive(self, i: int) -> EncodedBatch:
         try:
-            return future.result()
-        except BrokenProcessPool:
-            raise self._died() from None
+            ok, result = self._conns[i].recv()
+        except (EOFError, OSError):
+            raise self._died(i) from None
+        if not ok:
+            raise result  # the worker's own error (bad input), as if raised here
+        return result
 
-    def _died(self) -> WorkerDiedError:
-        # A broken executor ends and reaps all workers: after that every exit code is known.
-        self._executor.shutdown(wait=True)
-        dead = [p for p in self._workers if p.exitcode is not None]
-        # The executor SIGTERMs the survivors once one died: name the others first.
-        culprits = [p for p in dead if p.exitcode != -signal.SIGTERM] or dead
-        what = ", ".join(f"pid {p.pid} ({_exit_reason(p.exitcode)})" for p in culprits)
+    def _died(self, i: int) -> WorkerDiedError:
+        proc = self._procs[i]
+        proc.join(timeout=10)  # its pipe ended: it is dead or exiting
         return WorkerDiedError(
-            f"tokenizing worker {what or '(unknown pid)'} died mid-run, as when the "
-            "out-of-memory killer ends it; rerun with fewer --workers or more memory"
+            f"tokenizing worker pid {proc.pid} ({_exit_reason(proc.exitcode)}) died mid-run, as "
+            "when the out-of-memory killer ends it; rerun with fewer --workers or more memory"
         )
 
     def close(self) -> None:
         """Stop now: in-flight batches are dropped (the run succeeded or is being aborted)."""
-        self._executor.shutdown(wait=False, cancel_futures=True)
-        for p in self._workers:
-            if p.exitcode is None:
-                p.kill()
-        self._executor.shutdown(wait=True)
+        for proc in self._procs:
+            if proc.exitcode is None:
+                proc.kill()
+        for proc in self._procs:
+            proc.join()
+        for conn in self._conns:
+            conn.close()
+
+
+def _worker_main(conn, parent_ends) -> None:
+    for end in parent_ends:
+        end.close()
+    _init_worker()
+    while True:
+        try:
+            batch = conn.recv()
+        except EOFError:
+            return  # the parent closed the pool or died
+        try:
+            reply = (True, _WORKER.encode(batch))
+        except Exception as e:
+            reply = (False, e)
+        try:
+            conn.send(reply)
+        except OSError:
+            return  # the parent is gone
+        except Exception:  # the error itself does not pickle: send what it says
+            conn.send((False, RuntimeError(f"{type(reply[1]).__name__}: {reply[1]}")))
 
 
 def _exit_reason(exitcode: int | None) -> str:

@@ -7,12 +7,16 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from neox.data.indexed import IndexedDataset
+from neox.prep.preprocess import PreprocessConfig, TextEncoder, WorkerDiedError
+from neox.prep.preprocess import preprocess as run_preprocess
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow  # each case starts deepy.py or preprocess_data.py
@@ -161,3 +165,75 @@ def test_worker_killed_by_oom_killer_aborts_the_run(tmp_path):
     assert "fewer --workers or more memory" in log, log
     assert "Traceback" not in log, log
     assert outputs(tmp_path) == [], log
+
+
+class _SecondBatchDiesWhileSending:
+    """Encoder whose first batch is slow and whose second batch's worker is SIGKILLed while it
+    writes a result far larger than a pipe holds: the parent is still waiting on the first
+    batch, so that write cannot have finished. (ProcessPoolExecutor hung forever on this.)"""
+
+    def __init__(self, config):
+        self.inner = TextEncoder(config, np.dtype(np.int32))
+        self.outputs = self.inner.outputs
+
+    def describe(self) -> str:
+        return "a test encoder"
+
+    def encode(self, batch):
+        enc = self.inner.encode(batch)
+        if batch.first_line == 1:
+            time.sleep(1.5)
+        else:
+            threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGKILL)).start()
+            key = next(iter(enc.tokens))
+            enc.tokens[key] = (np.zeros(16 << 20, np.int32), np.array([16 << 20]))
+        return enc
+
+
+@pytest.mark.timeout(60, method="thread")  # the old pool hung past a signal
+def test_worker_killed_while_sending_its_result_aborts_the_run(tmp_path):
+    """Fault: a worker dies halfway through handing back a (64 MB) result. Promise: the run
+    stops with the dead worker's error, writes nothing, and leaves no worker behind."""
+    inp = tmp_path / "corpus.jsonl"
+    write_jsonl(inp, 400)
+    cfg = PreprocessConfig(
+        inputs=str(inp),
+        output_prefix=str(tmp_path / "out"),
+        tokenizer_type="CharLevelTokenizer",
+        workers=2,
+        batch_bytes=4096,
+        progress=False,
+    )
+    before = set(children(os.getpid()))
+    with pytest.raises(WorkerDiedError, match=r"pid \d+ \(killed by SIGKILL\) died mid-run"):
+        run_preprocess(cfg, _SecondBatchDiesWhileSending(cfg))
+    assert set(children(os.getpid())) <= before
+    assert outputs(tmp_path) == []
+
+
+def test_workers_end_with_a_killed_parent(tmp_path):
+    """Fault: kill -9 of preprocess_data.py itself. Promise: its workers end too (each sees its
+    pipe close) instead of tokenizing on as orphans."""
+    inp = tmp_path / "corpus.jsonl"
+    write_jsonl(inp, 80_000)
+    proc = preprocess(inp, tmp_path / "out", "--workers", "2")
+    workers: list[int] = []
+    deadline = time.monotonic() + 60
+    while len(workers) < 2 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+        workers = children(proc.pid)
+    assert len(workers) == 2, f"workers not seen: {workers}"
+    proc.kill()
+    proc.communicate()
+    deadline = time.monotonic() + 30
+    while any(_alive(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(pid) for pid in workers), "a worker outlived its parent"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
