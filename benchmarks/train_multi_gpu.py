@@ -65,6 +65,13 @@ RUNS: dict[str, dict[str, Any]] = {
     # sequences: 256 micro batches of 4 on one GPU).
     "1gpu_accum8": {"num_gpus": 1, "gradient_accumulation_steps": 8},
     "1gpu_eager": {"num_gpus": 1, "torch_compile": False},
+    # DeepSpeed's engine at one GPU (TP=1, ZeRO-1) in place of the flat engine, compiled blocks.
+    "1gpu_ds_engine": {"num_gpus": 1, "flat_engine": False},
+    "1gpu_ds_engine_accum8": {
+        "num_gpus": 1,
+        "flat_engine": False,
+        "gradient_accumulation_steps": 8,
+    },
     # ZeRO-3 at one rank (neox's ZeRO-3 defaults) beside 1gpu and 1gpu_accum8: speed and losses.
     "1gpu_zero3": {"num_gpus": 1, "zero_optimization": {"stage": 3}},
     "1gpu_zero3_accum8": {

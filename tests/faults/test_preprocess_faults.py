@@ -138,11 +138,10 @@ def children(pid: int) -> list[int]:
     return found
 
 
-def test_worker_killed_by_oom_killer_aborts_the_run(tmp_path):
-    """Fault: SIGKILL of one tokenizing worker mid-run (what the OOM killer does). Promise: the
-    run stops within seconds, exits 1 naming the dead worker and the fix, and leaves no files."""
+def start_two_workers(tmp_path: Path) -> tuple[subprocess.Popen, list[int]]:
+    """preprocess_data.py on 2 workers over a corpus of a few seconds, once both workers run."""
     inp = tmp_path / "corpus.jsonl"
-    write_jsonl(inp, 80_000)  # a few seconds on 2 workers: the kill lands mid-run
+    write_jsonl(inp, 80_000)
     proc = preprocess(inp, tmp_path / "out", "--workers", "2")
     workers: list[int] = []
     deadline = time.monotonic() + 60
@@ -150,6 +149,13 @@ def test_worker_killed_by_oom_killer_aborts_the_run(tmp_path):
         time.sleep(0.05)
         workers = children(proc.pid)
     assert len(workers) == 2, f"workers not seen: {workers}"
+    return proc, workers
+
+
+def test_worker_killed_by_oom_killer_aborts_the_run(tmp_path):
+    """Fault: SIGKILL of one tokenizing worker mid-run (what the OOM killer does). Promise: the
+    run stops within seconds, exits 1 naming the dead worker and the fix, and leaves no files."""
+    proc, workers = start_two_workers(tmp_path)
     time.sleep(0.3)  # let them start tokenizing
     os.kill(workers[0], signal.SIGKILL)
     try:
@@ -214,15 +220,7 @@ def test_worker_killed_while_sending_its_result_aborts_the_run(tmp_path):
 def test_workers_end_with_a_killed_parent(tmp_path):
     """Fault: kill -9 of preprocess_data.py itself. Promise: its workers end too (each sees its
     pipe close) instead of tokenizing on as orphans."""
-    inp = tmp_path / "corpus.jsonl"
-    write_jsonl(inp, 80_000)
-    proc = preprocess(inp, tmp_path / "out", "--workers", "2")
-    workers: list[int] = []
-    deadline = time.monotonic() + 60
-    while len(workers) < 2 and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-        workers = children(proc.pid)
-    assert len(workers) == 2, f"workers not seen: {workers}"
+    proc, workers = start_two_workers(tmp_path)
     proc.kill()
     proc.communicate()
     deadline = time.monotonic() + 30
