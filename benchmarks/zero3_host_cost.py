@@ -25,8 +25,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def measure(variant: str, layers: int, compile_backend: str | None) -> str:
-    """One variant in this process: ms/step, Python calls/step, graph breaks."""
+def measure(variant: str, layers: int, compile_backend: str | None, top: int = 0) -> str:
+    """One variant in this process: ms/step, Python calls/step, graph breaks (and the `top`
+    functions by calls a step, with their own time)."""
     import torch
     from torch._dynamo.utils import counters
 
@@ -56,11 +57,18 @@ def measure(variant: str, layers: int, compile_backend: str | None) -> str:
     for i in range(6, 8):
         step(i)
     profile.disable()
-    calls = pstats.Stats(profile).total_calls / 2
+    stats = pstats.Stats(profile)
+    calls = stats.total_calls / 2
     breaks = sum(counters["graph_break"].values())
     close()
     engine = type(run.engine).__name__
-    return f"{variant:>18} {engine:>16} {layers:>6} {ms:>9.1f} {calls:>12.0f} {breaks:>7}"
+    lines = []
+    by_calls = sorted(stats.stats.items(), key=lambda kv: -kv[1][1])[:top]
+    for (path, line, name), (_, ncalls, tottime, _, _) in by_calls:
+        where = f"{Path(path).parent.name}/{Path(path).name}:{line}"
+        lines.append(f"    {ncalls / 2:>9.0f} calls {1e3 * tottime / 2:>8.2f} ms  {name} ({where})")
+    row = f"{variant:>18} {engine:>16} {layers:>6} {ms:>9.1f} {calls:>12.0f} {breaks:>7}"
+    return "\n".join([row, *lines])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,11 +77,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--compile-backend", default="aot_eager", help="no C compiler needed")
     p.add_argument("--no-compile", action="store_true", help="eager blocks")
+    p.add_argument("--top", type=int, default=0, help="list the N functions most called a step")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     backend = None if args.no_compile else args.compile_backend
     if args.one:  # a child: one variant, alone in its process (DeepSpeed patches torch globally)
-        print(measure(args.one, args.layers, backend), flush=True)
+        print(measure(args.one, args.layers, backend, args.top), flush=True)
         return 0
     print(
         f"{'variant':>18} {'engine':>16} {'layers':>6} {'ms/step':>9} {'calls/step':>12} {'breaks':>7}"
@@ -81,10 +90,12 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=str(ROOT))
     for variant in args.variants:
         cmd = [sys.executable, __file__, "--one", variant, "--layers", str(args.layers)]
+        cmd += ["--top", str(args.top)]
         cmd += ["--no-compile"] if args.no_compile else ["--compile-backend", args.compile_backend]
         out = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        lines = [line for line in out.stdout.splitlines() if line.strip().startswith(variant)]
-        print(lines[-1] if lines else f"{variant}: failed\n{out.stderr[-2000:]}", flush=True)
+        lines = out.stdout.splitlines()
+        rows = [i for i, line in enumerate(lines) if line.strip().startswith(variant)]
+        print("\n".join(lines[rows[-1] :]) if rows else f"{variant}: failed\n{out.stderr[-2000:]}")
     return 0
 
 
