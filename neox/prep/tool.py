@@ -117,5 +117,8 @@ def run_preprocess(
         logger.error("%s: %s", type(e).__name__, e)
         logger.error("nothing was written (existing datasets are untouched)")
         return 1
+    except KeyboardInterrupt:  # preprocess() removed its temp files on the way out
+        logger.error("interrupted: nothing was written (existing datasets are untouched)")
+        return 130
     logger.info("done\n%s", report.format())
     return 0

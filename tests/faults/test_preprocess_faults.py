@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow  # each case starts deepy.py or preprocess_data.py
 
 
-def preprocess(inp: Path, prefix: Path, *extra: str) -> subprocess.Popen:
+def preprocess(inp: Path, prefix: Path, *extra: str, **popen) -> subprocess.Popen:
     cmd = [
         sys.executable,
         str(ROOT / "tools/preprocess_data.py"),
@@ -39,7 +39,9 @@ def preprocess(inp: Path, prefix: Path, *extra: str) -> subprocess.Popen:
         *extra,
     ]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen
+    )
 
 
 def finish(proc: subprocess.Popen) -> tuple[int, str]:
@@ -103,6 +105,24 @@ def test_sigterm_leaves_no_temp_files(corpus, tmp_path):
         assert outputs(tmp_path) == [], log
 
 
+def test_ctrl_c_stops_the_run_and_its_workers_in_one_line(tmp_path):
+    """Fault: Ctrl-C in the terminal (SIGINT to the whole process group). Promise: exit 130 with
+    one line saying nothing was written, no traceback, no files, no worker left."""
+
+    def terminal_like() -> None:  # a shell's background job would ignore SIGINT
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+    proc, workers = start_two_workers(tmp_path, start_new_session=True, preexec_fn=terminal_like)
+    time.sleep(0.3)
+    os.killpg(proc.pid, signal.SIGINT)
+    code, log = finish(proc)
+    assert code == 130, log
+    assert "interrupted" in log and "nothing was written" in log, log
+    assert "Traceback" not in log, log
+    assert outputs(tmp_path) == [], log
+    assert not any(_alive(pid) for pid in workers), "a worker outlived the run"
+
+
 def test_kill_9_at_random_points_then_rerun(corpus, tmp_path):
     """Fault: kill -9 at random points. Promise: never a half-written dataset under the final
     name, and the same command run again succeeds with the undisturbed run's bytes."""
@@ -138,11 +158,11 @@ def children(pid: int) -> list[int]:
     return found
 
 
-def start_two_workers(tmp_path: Path) -> tuple[subprocess.Popen, list[int]]:
+def start_two_workers(tmp_path: Path, **popen) -> tuple[subprocess.Popen, list[int]]:
     """preprocess_data.py on 2 workers over a corpus of a few seconds, once both workers run."""
     inp = tmp_path / "corpus.jsonl"
     write_jsonl(inp, 80_000)
-    proc = preprocess(inp, tmp_path / "out", "--workers", "2")
+    proc = preprocess(inp, tmp_path / "out", "--workers", "2", **popen)
     workers: list[int] = []
     deadline = time.monotonic() + 60
     while len(workers) < 2 and proc.poll() is None and time.monotonic() < deadline:
