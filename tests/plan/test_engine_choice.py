@@ -6,7 +6,13 @@ from neox.config import build_ds_config, derive, load_dict
 from neox.config.model import ModelConfig
 from neox.model import build_model
 from neox.parallel.build import compile_blocks
-from neox.plan.engine_choice import engine_for, flat_engine_unsupported, loss_path
+from neox.plan.engine_choice import (
+    ZERO3_ONE_RANK_NOTE,
+    choose_engine,
+    engine_for,
+    flat_engine_unsupported,
+    loss_path,
+)
 from tests.training.test_flat_engine import rank  # noqa: F401  (one gloo rank, a fixture)
 
 TINY = dict(num_layers=1, hidden_size=32, num_attention_heads=4, seq_length=16)
@@ -43,6 +49,20 @@ CASES = [
 @pytest.mark.parametrize("ds_config,kind,dp,mp,expected", CASES)
 def test_what_the_flat_engine_does_not_cover_goes_to_deepspeed(ds_config, kind, dp, mp, expected):
     assert flat_engine_unsupported(ds_config, kind, dp, mp) == expected
+
+
+@pytest.mark.parametrize(
+    "zero,dp,noted",
+    [
+        ({}, 1, True),
+        ({}, 2, False),  # partitions across the two ranks
+        ({"offload_param": {"device": "cpu"}}, 1, False),  # frees GPU memory
+    ],
+)
+def test_zero3_at_one_rank_says_it_partitions_nothing(zero, dp, noted):
+    choice = choose_engine(ds(stage=3, **zero), "adamw", dp, 1)
+    assert (ZERO3_ONE_RANK_NOTE in choice.describe()) is noted
+    assert choose_engine(ds(stage=1), "adamw", 1, 1).note is None
 
 
 # Config overrides, world size, the engine and the optimizer class the ranks must build.
