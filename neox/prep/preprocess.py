@@ -207,6 +207,12 @@ def _init_worker() -> None:
     # The parent turns SIGTERM and Ctrl-C into cleanup, which ends the workers.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)  # blocked across the fork
+
+
+# Blocked while a worker forks: one arriving before the worker has set its own handlers would
+# otherwise run the parent's in the worker (a KeyboardInterrupt traceback on Ctrl-C).
+_STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 
 
 class _ShardedWriter:
@@ -451,7 +457,11 @@ class _WorkerPool:
             proc = ctx.Process(
                 target=_worker_main, args=(theirs, parent_ends), name=f"tokenize-{i}", daemon=True
             )
-            proc.start()
+            blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+            try:
+                proc.start()
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
             theirs.close()  # only the worker may hold its end: its death is then our EOF
             self._conns.append(mine)
             self._procs.append(proc)

@@ -113,7 +113,6 @@ def test_ctrl_c_stops_the_run_and_its_workers_in_one_line(tmp_path):
         signal.signal(signal.SIGINT, signal.SIG_DFL)
 
     proc, workers = start_two_workers(tmp_path, start_new_session=True, preexec_fn=terminal_like)
-    time.sleep(0.3)
     os.killpg(proc.pid, signal.SIGINT)
     code, log = finish(proc)
     assert code == 130, log
