@@ -175,7 +175,7 @@ def test_worker_killed_by_oom_killer_aborts_the_run(tmp_path):
     """Fault: SIGKILL of one tokenizing worker mid-run (what the OOM killer does). Promise: the
     run stops within seconds, exits 1 naming the dead worker and the fix, and leaves no files."""
     proc, workers = start_two_workers(tmp_path)
-    time.sleep(0.3)  # let them start tokenizing
+    time.sleep(0.1)  # mid-run: the whole run takes ~1 s here
     os.kill(workers[0], signal.SIGKILL)
     try:
         out, err = proc.communicate(timeout=30)
