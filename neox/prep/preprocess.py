@@ -537,8 +537,9 @@ def _worker_main(conn, parent_ends) -> None:
             conn.send(reply)
         except OSError:
             return  # the parent is gone
-        except Exception:  # the error itself does not pickle: send what it says
-            conn.send((False, RuntimeError(f"{type(reply[1]).__name__}: {reply[1]}")))
+        except Exception as err:  # the reply does not pickle: send what went wrong, in words
+            what = err if reply[0] else reply[1]
+            conn.send((False, RuntimeError(f"{type(what).__name__}: {what}")))
 
 
 def _exit_reason(exitcode: int | None) -> str:

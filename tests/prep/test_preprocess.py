@@ -3,13 +3,14 @@
 import json
 import os
 import struct
+import threading
 
 import numpy as np
 import pytest
 import zstandard
 
 from neox.data.indexed import IndexedDataset, merge_datasets
-from neox.prep.preprocess import PreprocessConfig, preprocess
+from neox.prep.preprocess import PreprocessConfig, TextEncoder, preprocess
 from neox.prep.readers import InputError
 
 
@@ -214,3 +215,29 @@ def test_several_jsonl_keys_write_several_datasets(tmp_path, shared_data):
     assert report.documents_written == {"text": 2, "title": 2}
     titles = IndexedDataset(str(tmp_path / "o_title_document"))
     assert titles[1].tolist() == [7571]  # "Two"
+
+
+class _UnpicklableError(ValueError):
+    def __init__(self, what: str):
+        super().__init__(what)
+        self.lock = threading.Lock()  # cannot cross a pipe
+
+
+class _FailingEncoder(TextEncoder):
+    def encode(self, batch):
+        raise _UnpicklableError("a document this encoder refuses")
+
+
+def test_a_worker_error_that_cannot_travel_still_names_itself(tmp_path):
+    """A worker's error reaches the parent as raised there, or in words when it does not pickle."""
+    (tmp_path / "c.jsonl").write_text('{"text": "hi"}\n')
+    cfg = PreprocessConfig(
+        inputs=str(tmp_path / "c.jsonl"),
+        output_prefix=str(tmp_path / "o"),
+        tokenizer_type="CharLevelTokenizer",
+        workers=1,
+        progress=False,
+    )
+    with pytest.raises(RuntimeError, match="_UnpicklableError: a document this encoder refuses"):
+        preprocess(cfg, _FailingEncoder(cfg, np.dtype(np.int32)))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl"]
