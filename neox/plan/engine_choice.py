@@ -57,6 +57,13 @@ COMM_DTYPES = ("fp32", "fp16", "bf16")
 # types it stands in for. neox's adam is AdamW, as gpt-neox's FusedAdam (adam_w_mode=True).
 OFFLOAD_ADAM = {"adam": True, "adamw": True, "cpu_adam": True, "cpu_torch_adam": True}
 
+# Measured on one H100 at the 1.4B shape, 2026-11-26 (docs/benchmarks.md, "ZeRO-3: two faults").
+ZERO3_ONE_RANK_NOTE = (
+    "ZeRO-3 with one data-parallel rank partitions nothing: it holds what ZeRO-1 holds and ran "
+    "at 0.71x the flat engine's tokens/s at 1.4B on an H100; zero_optimization.stage: 1 steps "
+    "on the flat engine (ZeRO-3 pays off across ranks, or with offload_param)"
+)
+
 
 @dataclass(frozen=True)
 class EngineChoice:
@@ -195,14 +202,6 @@ def choose_engine(
     if zero.get("stage", 0) == 3 and data_parallel == 1 and not zero.get("offload_param"):
         note = ZERO3_ONE_RANK_NOTE
     return EngineChoice("flat" if reason is None else "deepspeed", reason, optimizer, note=note)
-
-
-# Measured on one H100 at the 1.4B shape, 2026-11-26 (docs/benchmarks.md, "ZeRO-3: two faults").
-ZERO3_ONE_RANK_NOTE = (
-    "ZeRO-3 with one data-parallel rank partitions nothing: it holds what ZeRO-1 holds and ran "
-    "at 0.71x the flat engine's tokens/s at 1.4B on an H100; zero_optimization.stage: 1 steps "
-    "on the flat engine (ZeRO-3 pays off across ranks, or with offload_param)"
-)
 
 
 def one_pass_adamw(adamw: bool, amsgrad: bool, maximize: bool, device_type: str) -> bool:

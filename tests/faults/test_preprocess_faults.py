@@ -17,6 +17,7 @@ import pytest
 from neox.data.indexed import IndexedDataset
 from neox.prep.preprocess import PreprocessConfig, TextEncoder, WorkerDiedError
 from neox.prep.preprocess import preprocess as run_preprocess
+from tests.procs import alive
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow  # each case starts deepy.py or preprocess_data.py
@@ -119,7 +120,7 @@ def test_ctrl_c_stops_the_run_and_its_workers_in_one_line(tmp_path):
     assert "interrupted" in log and "nothing was written" in log, log
     assert "Traceback" not in log, log
     assert outputs(tmp_path) == [], log
-    assert not any(_alive(pid) for pid in workers), "a worker outlived the run"
+    assert not any(alive(pid) for pid in workers), "a worker outlived the run"
 
 
 def test_kill_9_at_random_points_then_rerun(corpus, tmp_path):
@@ -243,14 +244,6 @@ def test_workers_end_with_a_killed_parent(tmp_path):
     proc.kill()
     proc.communicate()
     deadline = time.monotonic() + 30
-    while any(_alive(pid) for pid in workers) and time.monotonic() < deadline:
+    while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not any(_alive(pid) for pid in workers), "a worker outlived its parent"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
+    assert not any(alive(pid) for pid in workers), "a worker outlived its parent"

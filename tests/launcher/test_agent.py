@@ -12,6 +12,7 @@ from pathlib import Path
 
 from neox.launcher.process import REPORT_PREFIX
 from tests.ports import free_port
+from tests.procs import alive
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -73,14 +74,6 @@ def agent_argv(
 
 def env() -> dict[str, str]:
     return dict(os.environ, PYTHONPATH=str(ROOT), DS_ACCELERATOR="cpu")
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def wait_for(cond, timeout: float = 20.0) -> None:
