@@ -199,7 +199,8 @@ def choose_engine(
         )
         return EngineChoice("deepspeed", reason, "cpu_adam", adamw, note)
     note = None
-    if zero.get("stage", 0) == 3 and data_parallel == 1 and not zero.get("offload_param"):
+    one_rank = data_parallel == 1 and model_parallel == 1  # the flat engine's ground
+    if zero.get("stage", 0) == 3 and one_rank and not zero.get("offload_param"):
         note = ZERO3_ONE_RANK_NOTE
     return EngineChoice("flat" if reason is None else "deepspeed", reason, optimizer, note=note)
 

@@ -52,15 +52,16 @@ def test_what_the_flat_engine_does_not_cover_goes_to_deepspeed(ds_config, kind, 
 
 
 @pytest.mark.parametrize(
-    "zero,dp,noted",
+    "zero,dp,mp,noted",
     [
-        ({}, 1, True),
-        ({}, 2, False),  # partitions across the two ranks
-        ({"offload_param": {"device": "cpu"}}, 1, False),  # frees GPU memory
+        ({}, 1, 1, True),
+        ({}, 2, 1, False),  # partitions across the two ranks
+        ({}, 1, 2, False),  # tensor parallel: stage 1 would not run on the flat engine either
+        ({"offload_param": {"device": "cpu"}}, 1, 1, False),  # frees GPU memory
     ],
 )
-def test_zero3_at_one_rank_says_it_partitions_nothing(zero, dp, noted):
-    choice = choose_engine(ds(stage=3, **zero), "adamw", dp, 1)
+def test_zero3_at_one_rank_says_it_partitions_nothing(zero, dp, mp, noted):
+    choice = choose_engine(ds(stage=3, **zero), "adamw", dp, mp)
     assert (ZERO3_ONE_RANK_NOTE in choice.describe()) is noted
     assert choose_engine(ds(stage=1), "adamw", 1, 1).note is None
 
