@@ -91,9 +91,10 @@ class TrainingConfig(ConfigGroup):
     are unchanged. Unset: on for GPU runs (20-30% faster at Pythia shapes on an H100, 1.39x
     at TP=2 on two H200, see docs/benchmarks.md), off on CPU, where compiling costs more than
     it saves in short runs. generate.py: when true (not when unset), on a GPU without tensor
-    parallelism the whole cached decode step is compiled, then captured as one CUDA graph: 1.9x the tokens/s of the captured eager step at Pythia-410M on
-    an H100, but each new batch shape and cache length compiles once (30-40 s), so it pays for
-    long generation jobs, not for a few prompts."""
+    parallelism the whole cached decode step is compiled, then captured as one CUDA graph:
+    1.9x the tokens/s of the captured eager step at Pythia-410M on an H100, but each new batch
+    shape and cache length compiles once (30-40 s), so it pays for long generation jobs, not
+    for a few prompts."""
 
     flat_engine: Annotated[bool, Reads("neox/plan/engine_choice.py")] = True
     """Without tensor or pipeline parallelism, in bf16 or fp32 with Adam/AdamW and ZeRO 0-1 (or 2
