@@ -34,6 +34,7 @@ from neox.model import build_model  # noqa: E402
 VARIANTS = {
     "graph": StepKernels(),
     "compiled": StepKernels(),  # generate.py's with torch_compile: cuBLAS and SDPA kernels
+    "compiled_no_combo": StepKernels(combo_kernels=False),  # each small kernel launched alone
     "compiled_gemv": StepKernels(gemv_reductions=True),  # batch-1 linears as reductions
     "compiled_attention": StepKernels(attention_reductions=True),  # batch-1 attention only
     "compiled_reductions": StepKernels(gemv_reductions=True, attention_reductions=True),

@@ -36,6 +36,9 @@ class StepKernels:
 
     gemv_reductions: bool = False
     """Linears of one row (batch 1) as coordinate-descent-tuned reductions, not cuBLAS GEMMs."""
+    combo_kernels: bool = True
+    """Inductor's combo kernels: independent small kernels of a layer (its cache writes, the
+    rotations of q and k) launched as one, where a batch-1 step is bound by its kernel count."""
     attention_reductions: bool = False
     """Attention of one query against the cache as reductions, not an SDPA kernel (the
     Generator applies it at batch 1, where it measured faster)."""
@@ -69,6 +72,8 @@ def decode_backend(kernels: StepKernels, options: dict[str, Any]) -> Callable[..
     from torch._inductor.decomposition import select_decomp_table
 
     patches = dict(options)
+    if kernels.combo_kernels and hasattr(torch._inductor.config, "combo_kernels"):
+        patches["combo_kernels"] = True
     table = None
     if kernels.gemv_reductions or kernels.attention_reductions:
         patches["coordinate_descent_tuning"] = True  # inductor's own mm/bmm -> reduction rule

@@ -169,3 +169,35 @@ def test_layers_with_the_same_settings_share_one_table():
     a, b = RotaryEmbedding(8, 10000, 64), RotaryEmbedding(8, 10000, 64)
     ta = a.cos_sin(4, torch.device("cpu"), torch.float32)[0]
     assert b.cos_sin(4, torch.device("cpu"), torch.float32)[0] is ta
+
+
+def test_compiled_partial_rotation_joins_the_passed_features_without_a_cat():
+    """Under torch.compile the rotated and passed-through features are joined elementwise (one
+    fused kernel with the rotation, where a cat costs a copy kernel per tensor on a GPU), with
+    exactly the eager values, in bf16 through inductor too when it rounds where eager does (as
+    the compiled decode step asks)."""
+    graphs: list[str] = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm.code)
+        return gm.forward
+
+    rot = RotaryEmbedding(dim=4, base=10000, max_positions=16)
+    rot.prepare(torch.device("cpu"))
+    g = torch.Generator().manual_seed(5)
+    q, k = torch.randn(2, 3, 6, 16, generator=g), torch.randn(2, 1, 6, 16, generator=g)
+    pos = torch.arange(6).expand(2, 6)
+    eager = rot(q.bfloat16(), k.bfloat16(), pos)
+    torch._dynamo.reset()
+    traced = torch.compile(lambda q, k, p: rot(q, k, p), backend=capture, fullgraph=True)
+    traced(q.bfloat16(), k.bfloat16(), pos)
+    # rotate_half's cat of the two rotated halves stays; no cat appends the passed features.
+    assert sum(code.count("torch.cat(") for code in graphs) == 2, graphs
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(emulate_precision_casts=True):
+        fused = torch.compile(lambda q, k, p: rot(q, k, p), fullgraph=True)(
+            q.bfloat16(), k.bfloat16(), pos
+        )
+    for got, want in zip(fused, eager):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch._dynamo.reset()
