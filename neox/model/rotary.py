@@ -215,9 +215,9 @@ class RotaryEmbedding(nn.Module):
         hs = x.shape[-1]
         x_rot = x[..., : self.dim]
         x_rot = x_rot * cos + rotate_half(x_rot) * sin
-        if hs == self.dim:
-            return x_rot
         if torch.compiler.is_compiling():
+            if hs == self.dim:
+                return x_rot
             # The same values as the cat below, written elementwise: inductor lowers a cat of a
             # computed part and a passed-through part as two kernels (the pass-through copied
             # on its own), an extra ~1 us kernel for q and for k in every layer of a decode step.
