@@ -76,6 +76,19 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "fp8": {"enabled": True, "output_layer": True, "fast_accum_backward": True}
     },
     "fp8_all_rowwise": {"fp8": {**_FP8_ALL, "recipe": "rowwise", "output_layer": True}},
+    # Fewer casts (the 4h-wide tensors' amax and transposed casts cost most, docs/benchmarks.md):
+    # the weight gradient in bf16, or the 4h -> h linear (its input is the GELU output) in bf16.
+    "fp8_all_output_fast_bf16_wgrad": {
+        "fp8": {**_FP8_ALL, "output_layer": True, "fast_accum_backward": True, "wgrad": False}
+    },
+    "fp8_all_output_fast_no_4h_to_h": {
+        "fp8": {
+            **_FP8_ALL,
+            "output_layer": True,
+            "fast_accum_backward": True,
+            "modules": ["attention.query_key_value", "attention.dense", "mlp.dense_h_to_4h"],
+        }
+    },
     # neox's ZeRO-3: blocks as ZeRO-3 leaves (neox.config.ds_config.ZERO3_DEFAULTS).
     "zero3": {"zero_optimization": _ZERO3},
     # As measured on 2026-11-26 (docs/benchmarks.md): leaves and torch's own linear.
