@@ -212,15 +212,15 @@ class RotaryEmbedding(nn.Module):
         )
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        hs = x.shape[-1]
         x_rot = x[..., : self.dim]
         x_rot = x_rot * cos + rotate_half(x_rot) * sin
-        if torch.compiler.is_compiling():
-            if hs == self.dim:
-                return x_rot
-            # The same values as the cat below, written elementwise: inductor lowers a cat of a
-            # computed part and a passed-through part as two kernels (the pass-through copied
-            # on its own), an extra ~1 us kernel for q and for k in every layer of a decode step.
-            rotated = torch.arange(hs, device=x.device) < self.dim
-            return torch.where(rotated, F.pad(x_rot, (0, hs - self.dim)), x)
-        return torch.cat((x_rot, x[..., self.dim :]), dim=-1)
+        if not torch.compiler.is_compiling():
+            return torch.cat((x_rot, x[..., self.dim :]), dim=-1)
+        # The same values written elementwise: inductor lowers the cat of a computed part and a
+        # passed-through part as two kernels (the pass-through copied on its own), an extra
+        # ~1 us kernel for q and for k in every layer of a decode step.
+        passed = x.shape[-1] - self.dim
+        if passed == 0:
+            return x_rot
+        rotated = torch.arange(x.shape[-1], device=x.device) < self.dim
+        return torch.where(rotated, F.pad(x_rot, (0, passed)), x)
