@@ -4,8 +4,9 @@ For a Pythia shape with random weights (bf16), the engine's captured greedy step
 (neox/inference/engine.py) is replayed from a fresh cache position and timed with CUDA events;
 torch.profiler counts the kernels of a few replays and lists the costliest. Variants (VARIANTS):
 the eager step captured as is (`generate.py`'s default), the step compiled by inductor before
-capture (`generate.py` with `torch_compile: true`), and that step with its one-row products as
-generated reductions (neox/inference/decode_compile.py), optionally with inductor options.
+capture (`generate.py` with `torch_compile: true`), that step with its one-row products as
+generated reductions (neox/inference/decode_compile.py), optionally with inductor options, and
+the fused step (neox/inference/fused_step.py: three Triton kernels a layer, no compilation).
 
     python benchmarks/decode_step.py --models 410M --batch-sizes 1 16
     python benchmarks/decode_step.py --models 410M --batch-sizes 1 --variants compiled compiled_reductions
@@ -38,7 +39,9 @@ VARIANTS = {
     "compiled_gemv": StepKernels(gemv_reductions=True),  # batch-1 linears as reductions
     "compiled_attention": StepKernels(attention_reductions=True),  # batch-1 attention only
     "compiled_reductions": StepKernels(gemv_reductions=True, attention_reductions=True),
+    "fused": StepKernels(),  # neox/inference/fused_step.py: three Triton kernels a layer
 }
+UNCOMPILED = {"graph", "fused"}
 PADDED = 50304
 VOCAB = 50277
 
@@ -143,10 +146,11 @@ def main(argv: list[str]) -> int:
                     model,
                     VOCAB,
                     eod=PADDED - 1,
-                    compile_step=variant != "graph",
+                    compile_step=variant not in UNCOMPILED,
                     step_kernels=VARIANTS[variant],
+                    fused_step=variant == "fused",
                 )
-                if variant != "graph" and args.mode:
+                if variant not in UNCOMPILED and args.mode:
                     gen._compiled = torch.compile(gen._decode, dynamic=False, mode=args.mode)
                 t0 = time.perf_counter()
                 gen.generate(prompts, args.new_tokens)
@@ -161,6 +165,7 @@ def main(argv: list[str]) -> int:
                     batch=batch,
                     variant=variant,
                     compiled=gen._compiled is not None,
+                    fused=gen.fused_for(batch),
                     step_ms=round(ms, 4),
                     roofline_ms=round(roofline_ms, 4),
                     pct_roofline=round(100 * roofline_ms / ms, 1),

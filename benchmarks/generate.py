@@ -4,8 +4,9 @@ For each model shape, random weights are saved as a neox checkpoint; generate.py
 input-file mode through deepy.py (one launch per batch size), and its own per-batch speed
 (`tokens_per_second` in the rows it writes) is read back: the first batch is a warm-up (CUDA
 graph capture, and on a GPU the compilation of the decode step), the median of the others is
-reported (generate.py's default: the eager decode step captured as a CUDA graph). On a GPU it
-runs a second time with `torch_compile: true` (the whole step compiled, then captured;
+reported (generate.py's defaults: on a GPU the fused step at batches of 1, 2 or 4, else the eager
+step, captured as a CUDA graph). On a GPU it runs a second time with `torch_compile: true` and
+`fused_decode: false` (the whole step compiled, then captured, at every batch;
 --no-neox-compiled-step skips it). transformers' `generate` decodes the same
 prompts with the same weights (exported through hf_map), with its default dynamic cache and with
 its static cache, which its `generate` compiles (torch.compile, mode reduce-overhead: CUDA
@@ -150,14 +151,15 @@ def run_neox(
     compiled_step: bool = False,
 ) -> tuple[list[dict], float]:
     """generate.py through deepy.py on the prompts: (its rows, seconds the launch took).
-    compiled_step: with `torch_compile: true` (else unset, generate.py's default)."""
+    compiled_step: with `torch_compile: true` and `fused_decode: false`, the compiled step at
+    every batch (else generate.py's defaults: the fused step at batches of 1, 2 or 4)."""
     (workdir / f"prompts{batch}.txt").write_text("\n".join(prompts) + "\n")
     name = f"{batch}{'_compiled' if compiled_step else ''}"
     keys = {
         "train_micro_batch_size_per_gpu": batch,
         "sample_input_file": str(workdir / f"prompts{batch}.txt"),
         "sample_output_file": str(workdir / f"rows{name}.jsonl"),
-        **({"torch_compile": True} if compiled_step else {}),
+        **({"torch_compile": True, "fused_decode": False} if compiled_step else {}),
     }
     batch_cfg = workdir / f"batch{name}.yml"
     batch_cfg.write_text(yaml.safe_dump(keys))

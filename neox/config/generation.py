@@ -50,6 +50,12 @@ class GenerationConfig(ConfigGroup):
     num_samples: Annotated[int, Reads("neox/inference/modes.py")] = Field(1, ge=1, le=MAX_COUNT)
     """Unconditional samples to generate."""
 
+    fused_decode: Annotated[bool, Reads("neox/inference/modes.py")] = True
+    """On a GPU without tensor parallelism, decode batches of 1, 2 or 4 rows through the fused
+    step (neox/inference/fused_step.py: three Triton kernels a layer, captured as a CUDA graph,
+    no compilation) when the model allows it (not ALiBi, query/key norms or dynamic NTK);
+    false, or other batches: the compiled step (torch_compile: true) or the captured eager one."""
+
     recompute: Annotated[bool, Reads("neox/inference/modes.py")] = False
     """Recompute the whole sequence each token instead of using the KV cache (slower, same
     greedy text; needed for ALiBi and sliding-window models)."""

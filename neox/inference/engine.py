@@ -22,6 +22,7 @@ from torch import nn
 
 from neox.inference.cache import KVCache
 from neox.inference.decode_compile import StepKernels, decode_backend
+from neox.inference.fused_step import MAX_ROWS, FusedStep
 from neox.inference.graphed import CapturedStep
 from neox.inference.sampling import SamplingParams, sample
 from neox.model.rotary import RotaryEmbedding
@@ -128,6 +129,8 @@ class _Session:
     cache: KVCache
     state: DecodeState
     step: Optional[CapturedStep]
+    decode: Callable[..., Optional[torch.Tensor]]
+    """The uncaptured step (cache, state, greedy): fused, compiled or eager."""
 
 
 class Generator:
@@ -147,6 +150,9 @@ class Generator:
             recompute path stay eager.
         step_kernels: how the compiled step computes its one-row products
             (neox.inference.decode_compile): the library's kernels (cuBLAS, SDPA) by default.
+        fused_step: batches of 1, 2 or 4 rows decode through neox.inference.fused_step (three
+            Triton kernels a layer, no compilation) when the model allows it; other batches
+            take the compiled or eager step.
     """
 
     def __init__(
@@ -160,6 +166,7 @@ class Generator:
         stop_check_every: int = STOP_CHECK_EVERY,
         compile_step: bool = False,
         step_kernels: StepKernels = StepKernels(),
+        fused_step: bool = False,
     ) -> None:
         self.model = model
         self.vocab_size = vocab_size
@@ -183,6 +190,13 @@ class Generator:
         self._session: Optional[_Session] = None
         self._compiled = None
         self._attention_reductions = False
+        self._fused: Optional[FusedStep] = None
+        if fused_step and use_cache:
+            problem = FusedStep.unsupported(model)
+            if problem:
+                log.info("decode step not fused: the fused step does not support %s", problem)
+            else:
+                self._fused = FusedStep(model)
         if compile_step and use_cache:
             # The whole decode step (embedding, every block, head, greedy choice and the
             # bookkeeping) as one inductor graph: a few fused kernels per layer where eager runs
@@ -297,7 +311,7 @@ class Generator:
         if captured is not None:
             return state, prefill, lambda n: self._choose(state, captured(), params, generator)
 
-        decode = self._compiled or self._decode
+        decode = session.decode
 
         def step(n: int) -> None:
             logits = decode(cache, state, params.greedy)
@@ -306,24 +320,38 @@ class Generator:
 
         return state, prefill, step
 
-    def _forward(self, cache: KVCache, state: DecodeState) -> torch.Tensor:
+    def _forward(self, cache: KVCache, state: DecodeState, fused: bool = False) -> torch.Tensor:
         """Feed state.tok at state.slot; advance position and slot; last-position logits."""
         state.valid.index_fill_(1, state.slot, True)
-        mask = state.valid[:, None, None, :]  # (B, 1, 1, S): the slots a query may see
-        tok = state.tok[:, None]
-        logits = self.model(tok, state.pos, mask, kv_cache=cache.at(state.slot))[:, -1]
+        if fused:
+            logits = self._fused(state.tok, state.pos, cache, state.slot, state.valid)
+        else:
+            mask = state.valid[:, None, None, :]  # (B, 1, 1, S): the slots a query may see
+            tok = state.tok[:, None]
+            logits = self.model(tok, state.pos, mask, kv_cache=cache.at(state.slot))[:, -1]
         state.pos.add_(1)
         state.slot.add_(1)
         return logits
 
-    def _decode(self, cache: KVCache, state: DecodeState, greedy: bool) -> Optional[torch.Tensor]:
+    def _decode(
+        self, cache: KVCache, state: DecodeState, greedy: bool, fused: bool = False
+    ) -> Optional[torch.Tensor]:
         """One cached decode step: greedy, the next token chosen into state (None returned);
         else the logits, for the caller to sample from its generator."""
-        logits = self._forward(cache, state)
+        logits = self._forward(cache, state, fused)
         if not greedy:
             return logits
         self._choose(state, logits, SamplingParams(), None)
         return None
+
+    def _decode_fused(
+        self, cache: KVCache, state: DecodeState, greedy: bool
+    ) -> Optional[torch.Tensor]:
+        return self._decode(cache, state, greedy, fused=True)
+
+    def fused_for(self, batch: int) -> bool:
+        """Whether a batch of `batch` rows decodes through the fused step."""
+        return self._fused is not None and batch <= MAX_ROWS and batch & (batch - 1) == 0
 
     def _session_for(self, batch: int, length: int, greedy: bool) -> _Session:
         """The cache and buffers for `batch` rows of `length` slots (rounded up to the bucket),
@@ -344,11 +372,18 @@ class Generator:
                 # here, never inside a captured step.
                 module.prepare(self.device, S, self.dtype)
         state = DecodeState(batch, S, self.device)
+        fused = self.fused_for(batch)
+        if fused:
+            cache.attention_reductions = False
+
+        def chosen() -> Callable[..., Optional[torch.Tensor]]:
+            return self._decode_fused if fused else self._compiled or self._decode
+
         captured = None
         if self.cuda_graphs:
 
             def capture() -> CapturedStep:
-                decode = self._compiled or self._decode
+                decode = chosen()
                 return CapturedStep(
                     lambda: decode(cache, state, greedy), state.scratch, self.device
                 )
@@ -356,7 +391,7 @@ class Generator:
             try:
                 captured = capture()
             except Exception as e:  # noqa: BLE001 (compilation is an optimisation: go on without)
-                if self._compiled is None:
+                if self._compiled is None or fused:
                     raise
                 log.warning(
                     "decode step not compiled (%s: %s); running it eagerly", type(e).__name__, e
@@ -364,7 +399,7 @@ class Generator:
                 self._compiled = None
                 cache.attention_reductions = False
                 captured = capture()
-        self._session = _Session(key, cache, state, captured)
+        self._session = _Session(key, cache, state, captured, chosen())
         return self._session
 
     def _recomputed(

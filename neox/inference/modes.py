@@ -187,6 +187,9 @@ def run_generation(cfg: NeoXConfig) -> None:
     # bf16 (docs/benchmarks.md, tests/inference/test_generate_gpu.py), but each new batch shape
     # and cache bucket compiles once (30-40 s on an H100), more than a few prompts take.
     compile_step = cfg.training.torch_compile is True and gather is None and device.type == "cuda"
+    # Batches of up to 4 rows through three Triton kernels a layer: no compilation, and
+    # faster than the compiled step at batch 1 (docs/benchmarks.md, "The fused decode step").
+    fused_step = g.fused_decode and gather is None and device.type == "cuda"
     try:
         generator = Generator(
             model,
@@ -195,6 +198,7 @@ def run_generation(cfg: NeoXConfig) -> None:
             not g.recompute,
             gather_logits=gather,
             compile_step=compile_step,
+            fused_step=fused_step,
         )
     except ValueError as e:  # a model the KV cache cannot run
         raise ConfigError(str(e)) from None
@@ -202,13 +206,16 @@ def run_generation(cfg: NeoXConfig) -> None:
     text_gen = TextGenerator(cfg, generator, tokenizer, derived.micro_batch, replica)
     is_writer = dist.get_rank() == 0
     log.info(
-        "generating (%s) on %s in %s, tp=%d, %s%s",
+        "generating (%s) on %s in %s, tp=%d, %s%s%s",
         g.text_gen_type,
         device,
         str(dtype).removeprefix("torch."),
         tp,
         "recompute" if g.recompute else "KV cache",
         ", compiled decode step" if compile_step and not g.recompute else "",
+        ", fused decode step for batches of 1, 2 or 4"
+        if generator.fused_for(1) and not g.recompute
+        else "",
     )
     if g.text_gen_type == "interactive":
         interactive(text_gen, is_writer)
