@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 from neox.config import load_config  # noqa: E402
 from neox.inference.decode_compile import StepKernels  # noqa: E402
 from neox.inference.engine import Generator  # noqa: E402
+from neox.kernels import decode as decode_kernels  # noqa: E402
 from neox.model import build_model  # noqa: E402
 
 # Decode-step variants: the eager step captured ("graph"), or compiled with these kernels.
@@ -40,8 +41,9 @@ VARIANTS = {
     "compiled_attention": StepKernels(attention_reductions=True),  # batch-1 attention only
     "compiled_reductions": StepKernels(gemv_reductions=True, attention_reductions=True),
     "fused": StepKernels(),  # neox/inference/fused_step.py: three Triton kernels a layer
+    "fused_no_pdl": StepKernels(),  # the same, each kernel launched after the last one ends
 }
-UNCOMPILED = {"graph", "fused"}
+UNCOMPILED = {"graph", "fused", "fused_no_pdl"}
 PADDED = 50304
 VOCAB = 50277
 
@@ -148,8 +150,9 @@ def main(argv: list[str]) -> int:
                     eod=PADDED - 1,
                     compile_step=variant not in UNCOMPILED,
                     step_kernels=VARIANTS[variant],
-                    fused_step=variant == "fused",
+                    fused_step=variant.startswith("fused"),
                 )
+                decode_kernels.PDL = variant != "fused_no_pdl"
                 if variant not in UNCOMPILED and args.mode:
                     gen._compiled = torch.compile(gen._decode, dynamic=False, mode=args.mode)
                 t0 = time.perf_counter()

@@ -388,17 +388,23 @@ class Generator:
                     lambda: decode(cache, state, greedy), state.scratch, self.device
                 )
 
-            try:
-                captured = capture()
-            except Exception as e:  # noqa: BLE001 (compilation is an optimisation: go on without)
-                if self._compiled is None or fused:
-                    raise
-                log.warning(
-                    "decode step not compiled (%s: %s); running it eagerly", type(e).__name__, e
-                )
-                self._compiled = None
-                cache.attention_reductions = False
-                captured = capture()
+            while captured is None:
+                try:
+                    captured = capture()
+                except Exception as e:  # noqa: BLE001 (fused and compiled steps are optimisations)
+                    if fused:  # e.g. a Triton too old for a kernel: the other steps remain
+                        log.warning("decode step not fused (%s: %s)", type(e).__name__, e)
+                        self._fused, fused = None, False
+                        continue
+                    if self._compiled is None:
+                        raise
+                    log.warning(
+                        "decode step not compiled (%s: %s); running it eagerly",
+                        type(e).__name__,
+                        e,
+                    )
+                    self._compiled = None
+                    cache.attention_reductions = False
         self._session = _Session(key, cache, state, captured, chosen())
         return self._session
 

@@ -43,9 +43,40 @@ ROW_ELEMENTS = 8192
 """rows x BLOCK_K: the most input elements a program holds at once."""
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+try:  # programmatic dependent launch (Hopper and later; Triton >= 3.3)
+    from triton.backends.nvidia.compiler import CUDAOptions
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    _HAS_PDL = "launch_pdl" in CUDAOptions.__dataclass_fields__ and not INTERPRET
+except ImportError:  # pragma: no cover (an older Triton)
+    _HAS_PDL = False
+
+    @triton.jit
+    def gdc_wait():
+        pass
+
+    @triton.jit
+    def gdc_launch_dependents():
+        pass
+
+
+PDL = True
+"""Launch each kernel while the one before it finishes (programmatic dependent launch, on
+devices of compute capability 9 and later): a kernel loads its weights (and whatever earlier
+kernels wrote), then waits for the previous kernel, so the ~2 us a kernel takes to fill the GPU
+overlaps the previous one's tail. Off: each kernel starts after the previous one ends."""
 # Triton's interpreter truncates fp32 -> bf16 where GPUs round to nearest even: under it,
 # `_round` rounds with integer arithmetic instead, so CPU tests check the GPU's arithmetic.
 _BITWISE_BF16 = tl.constexpr(INTERPRET)
+
+
+def _pdl(device: torch.device) -> bool:
+    return (
+        PDL
+        and _HAS_PDL
+        and device.type == "cuda"
+        and torch.cuda.get_device_capability(device)[0] >= 9
+    )
 
 
 def _block_k(K: int, rows: int) -> int:
@@ -152,7 +183,7 @@ def _norm_linear_part(
     x_ptr, K, eps, g_ptr, nb_ptr, w_ptr, b_ptr, gw_ptr, gb_ptr, out_ptr, N, blk,
     ROWS: tl.constexpr, NORM: tl.constexpr, NORM_BIAS: tl.constexpr, BIAS: tl.constexpr,
     GATED: tl.constexpr, ACT: tl.constexpr, DTYPE: tl.constexpr, ONE_BLOCK: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     r = tl.arange(0, ROWS)
     n = blk * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -166,6 +197,9 @@ def _norm_linear_part(
         w = tl.load(w_ptr + n[:, None] * K + kk[None, :], mask=wm, other=0.0)
         if GATED:
             gw = tl.load(gw_ptr + n[:, None] * K + kk[None, :], mask=wm, other=0.0)
+        if USE_PDL:  # x is the previous kernel's output
+            gdc_wait()
+            gdc_launch_dependents()
         xv = tl.load(x_ptr + r[:, None] * K + kk[None, :], mask=km[None, :], other=0.0)
         xv = xv.to(tl.float32)
         mean = tl.zeros([ROWS], dtype=tl.float32)
@@ -177,6 +211,9 @@ def _norm_linear_part(
         if GATED:
             gacc += tl.sum(xn[:, None, :] * gw.to(tl.float32)[None, :, :], axis=2)
     else:
+        if USE_PDL:
+            gdc_wait()
+            gdc_launch_dependents()
         mean = tl.zeros([ROWS], dtype=tl.float32)
         rstd = tl.full([ROWS], 1.0, dtype=tl.float32)
         if NORM != 0:
@@ -220,20 +257,23 @@ def _norm_linear_kernel(
     ROWS: tl.constexpr, NORM: tl.constexpr, NORM_BIAS: tl.constexpr, DTYPE: tl.constexpr,
     BIAS_A: tl.constexpr, GATED_A: tl.constexpr, ACT_A: tl.constexpr,
     BIAS_B: tl.constexpr, GATED_B: tl.constexpr, ACT_B: tl.constexpr,
-    ONE_BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    ONE_BLOCK: tl.constexpr, USE_PDL: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     blocks_a = tl.cdiv(NA, BLOCK_N)
     if pid < blocks_a:
         _norm_linear_part(
             x_ptr, K, eps, ga_ptr, nba_ptr, wa_ptr, ba_ptr, gwa_ptr, gba_ptr, outa_ptr, NA, pid,
-            ROWS, NORM, NORM_BIAS, BIAS_A, GATED_A, ACT_A, DTYPE, ONE_BLOCK, BLOCK_N, BLOCK_K,
+            ROWS, NORM, NORM_BIAS, BIAS_A, GATED_A, ACT_A, DTYPE, ONE_BLOCK, USE_PDL, BLOCK_N,
+            BLOCK_K,
         )  # fmt: skip
     else:
         _norm_linear_part(
             x_ptr, K, eps, gb_ptr, nbb_ptr, wb_ptr, bb_ptr, gwb_ptr, gbb_ptr, outb_ptr, NB,
             pid - blocks_a,
-            ROWS, NORM, NORM_BIAS, BIAS_B, GATED_B, ACT_B, DTYPE, ONE_BLOCK, BLOCK_N, BLOCK_K,
+            ROWS, NORM, NORM_BIAS, BIAS_B, GATED_B, ACT_B, DTYPE, ONE_BLOCK, USE_PDL, BLOCK_N,
+            BLOCK_K,
         )  # fmt: skip
 
 
@@ -298,6 +338,7 @@ def norm_linear(
     if b is None:
         args_b[-1] = 0  # no rows in part b
     block_k = _block_k(K, rows)
+    pdl = _pdl(x.device)
 
     def grid(meta):
         blocks = triton.cdiv(a.weight.shape[0], meta["BLOCK_N"])
@@ -310,27 +351,44 @@ def norm_linear(
         ROWS=rows, NORM=NORMS[norm], NORM_BIAS=norm_weights[1] is not None,
         DTYPE=_tl_dtype(x.dtype), BIAS_A=a.flags()[0], GATED_A=a.flags()[1], ACT_A=a.flags()[2],
         BIAS_B=part_b.flags()[0], GATED_B=part_b.flags()[1], ACT_B=part_b.flags()[2],
-        ONE_BLOCK=block_k >= K, BLOCK_K=block_k,
+        ONE_BLOCK=block_k >= K, BLOCK_K=block_k, USE_PDL=pdl, launch_pdl=pdl,
     )  # fmt: skip
     return out_a, out_b
 
 
 @triton.jit
-def _gemv_part(y_ptr, K, w_ptr, b_ptr, n, nm,
-               ROWS: tl.constexpr, BIAS: tl.constexpr, DTYPE: tl.constexpr,
+def _gemv_part(y_ptr, K, w_ptr, n, nm, w, ROWS: tl.constexpr, ONE_BLOCK: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
-    """(y @ W.T + b) for output columns n, rounded: [ROWS, BLOCK_N] in fp32."""
+    """y @ W.T for output columns n: [ROWS, BLOCK_N] in fp32; w is the weights' single block
+    loaded already (ONE_BLOCK), else they are loaded here block by block."""
     r = tl.arange(0, ROWS)
     acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + tl.arange(0, BLOCK_K)
-        km = kk < K
-        w = tl.load(w_ptr + n[:, None] * K + kk[None, :], mask=nm[:, None] & km[None, :], other=0.0)
-        yv = tl.load(y_ptr + r[:, None] * K + kk[None, :], mask=km[None, :], other=0.0)
+    if ONE_BLOCK:
+        kk = tl.arange(0, BLOCK_K)
+        yv = tl.load(y_ptr + r[:, None] * K + kk[None, :], mask=kk[None, :] < K, other=0.0)
         acc += tl.sum(yv.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
-    if BIAS:
-        acc += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)[None, :]
-    return _round(acc, DTYPE)
+    else:
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            km = kk < K
+            wm = nm[:, None] & km[None, :]
+            wb = tl.load(w_ptr + n[:, None] * K + kk[None, :], mask=wm, other=0.0)
+            yv = tl.load(y_ptr + r[:, None] * K + kk[None, :], mask=km[None, :], other=0.0)
+            acc += tl.sum(yv.to(tl.float32)[:, None, :] * wb.to(tl.float32)[None, :, :], axis=2)
+    return acc
+
+
+@triton.jit
+def _weights(w_ptr, K, n, nm, ONE_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
+             BLOCK_K: tl.constexpr):  # fmt: skip
+    """The [BLOCK_N, BLOCK_K] weights of output columns n when K fits one block (else a
+    placeholder: `_gemv_part` loads them itself)."""
+    kk = tl.arange(0, BLOCK_K)
+    if ONE_BLOCK:
+        w = tl.load(w_ptr + n[:, None] * K + kk[None, :], mask=nm[:, None] & (kk[None, :] < K))
+    else:
+        w = tl.zeros([BLOCK_N, BLOCK_K], dtype=w_ptr.dtype.element_ty)
+    return w
 
 
 @triton.autotune(
@@ -344,18 +402,29 @@ def _linear_residual_kernel(
     y1_ptr, w1_ptr, b1_ptr, K1,
     y2_ptr, w2_ptr, b2_ptr, K2,
     ROWS: tl.constexpr, BIAS1: tl.constexpr, TWO: tl.constexpr, BIAS2: tl.constexpr,
-    DTYPE: tl.constexpr, BLOCK_K1: tl.constexpr, BLOCK_K2: tl.constexpr, BLOCK_N: tl.constexpr,
+    DTYPE: tl.constexpr, BLOCK_K1: tl.constexpr, BLOCK_K2: tl.constexpr, ONE1: tl.constexpr,
+    ONE2: tl.constexpr, USE_PDL: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < N
     r = tl.arange(0, ROWS)
-    a = _gemv_part(y1_ptr, K1, w1_ptr, b1_ptr, n, nm, ROWS, BIAS1, DTYPE, BLOCK_N, BLOCK_K1)
+    # The weights first; the activations (the previous kernels' outputs) after the wait.
+    w1 = _weights(w1_ptr, K1, n, nm, ONE1, BLOCK_N, BLOCK_K1)
     if TWO:
-        m = _gemv_part(y2_ptr, K2, w2_ptr, b2_ptr, n, nm, ROWS, BIAS2, DTYPE, BLOCK_N, BLOCK_K2)
+        w2 = _weights(w2_ptr, K2, n, nm, ONE2, BLOCK_N, BLOCK_K2)
+    if USE_PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    a = _gemv_part(y1_ptr, K1, w1_ptr, n, nm, w1, ROWS, ONE1, BLOCK_N, BLOCK_K1)
+    if BIAS1:
+        a += tl.load(b1_ptr + n, mask=nm, other=0.0).to(tl.float32)[None, :]
     x = tl.load(x_ptr + r[:, None] * N + n[None, :], mask=nm[None, :], other=0.0)
-    out = _round(x.to(tl.float32) + a, DTYPE)
+    out = _round(x.to(tl.float32) + _round(a, DTYPE), DTYPE)
     if TWO:
-        out = _round(out + m, DTYPE)
+        m = _gemv_part(y2_ptr, K2, w2_ptr, n, nm, w2, ROWS, ONE2, BLOCK_N, BLOCK_K2)
+        if BIAS2:
+            m += tl.load(b2_ptr + n, mask=nm, other=0.0).to(tl.float32)[None, :]
+        out = _round(out + _round(m, DTYPE), DTYPE)
     tl.store(out_ptr + r[:, None] * N + n[None, :], out.to(DTYPE), mask=nm[None, :])
 
 
@@ -378,6 +447,8 @@ def linear_residual(
     b1_ = b1 if b1 is not None else w1
     b2_ = b2 if b2 is not None else w2_
     K1, K2 = y1.shape[1], y2_.shape[1]
+    block1, block2 = _block_k(K1, rows), _block_k(K2, rows)
+    pdl = _pdl(x.device)
 
     def grid(meta):
         return (triton.cdiv(N, meta["BLOCK_N"]),)
@@ -387,7 +458,8 @@ def linear_residual(
         y1.contiguous(), w1, b1_, K1,
         y2_, w2_, b2_, K2,
         ROWS=rows, BIAS1=b1 is not None, TWO=two, BIAS2=two and b2 is not None,
-        DTYPE=_tl_dtype(x.dtype), BLOCK_K1=_block_k(K1, rows), BLOCK_K2=_block_k(K2, rows),
+        DTYPE=_tl_dtype(x.dtype), BLOCK_K1=block1, BLOCK_K2=block2, ONE1=block1 >= K1,
+        ONE2=block2 >= K2, USE_PDL=pdl, launch_pdl=pdl,
     )  # fmt: skip
     return out
 
@@ -414,12 +486,41 @@ def _rotate(
 
 
 @triton.jit
+def _cache_block(k_cache, v_cache, valid_ptr, cache_row, b, S, s0, hi, slot, window, d, dm,
+                 HS: tl.constexpr, WINDOWED: tl.constexpr, BLOCK_S: tl.constexpr):  # fmt: skip
+    """Keys and values of cached slots s0 .. s0 + BLOCK_S (below hi), and which of them the
+    query sees: every load issued at once (the mask applies to the scores)."""
+    s = s0 + tl.arange(0, BLOCK_S)
+    inside = s < hi
+    kv_off = (cache_row + s[:, None]) * HS + d[None, :]
+    km = inside[:, None] & dm[None, :]
+    k = tl.load(k_cache + kv_off, mask=km, other=0.0).to(tl.float32)
+    v = tl.load(v_cache + kv_off, mask=km, other=0.0).to(tl.float32)
+    seen = inside & (tl.load(valid_ptr + b * S + s, mask=inside, other=0) != 0)
+    if WINDOWED:
+        seen = seen & (slot - s <= window)
+    return k, v, seen
+
+
+@triton.jit
+def _attend(q, k, v, seen, m, lsum, acc, scale):
+    """The online softmax's update by one block of keys k and values v [BLOCK_S, HS]."""
+    scores = tl.where(seen, tl.sum(k * q[None, :], axis=1) * scale, -float("inf"))
+    m_new = tl.maximum(m, tl.max(scores, axis=0))
+    alpha = tl.exp(m - m_new)
+    prob = tl.exp(scores - m_new)
+    lsum = lsum * alpha + tl.sum(prob, axis=0)
+    acc = acc * alpha + tl.sum(prob[:, None] * v, axis=0)
+    return m_new, lsum, acc
+
+
+@triton.jit
 def _cached_attention_kernel(
     qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, valid_ptr, k_cache, v_cache,
     pm_ptr, pl_ptr, pacc_ptr, count_ptr, out_ptr, S, chunk, scale, window,
     NH: tl.constexpr, NKV: tl.constexpr, HS: tl.constexpr, HS_PAD: tl.constexpr,
     ROT: tl.constexpr, WINDOWED: tl.constexpr, DTYPE: tl.constexpr, BLOCK_S: tl.constexpr,
-    SPLITS: tl.constexpr,
+    SPLITS: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -428,37 +529,35 @@ def _cached_attention_kernel(
     g = h // GRP
     d = tl.arange(0, HS_PAD)
     dm = d < HS
-    # The fused QKV row: per kv group, its GRP query heads, then its key, then its value.
-    group = qkv_ptr + b * (NH + 2 * NKV) * HS + g * (GRP + 2) * HS
     p = tl.load(pos_ptr + b)
     slot = tl.load(slot_ptr)
-    q = _rotate(group + (h % GRP) * HS, d, cos_ptr, sin_ptr, p, ROT, HS, DTYPE)
     cache_row = (b * NKV + g) * S
-    # Earlier slots from the cache, `chunk` of them per split, each block's loads issued at
-    # once (the mask applies to the scores); this step's own key from registers, in split 0
-    # (another program may not have stored it yet). Slots after this one are never written.
+    # Earlier slots from the cache, `chunk` of them per split (written by earlier steps: the
+    # first block loads before the wait for the previous kernel); this step's own key from
+    # registers, in split 0 (another program may not have stored it yet). Slots after this
+    # one are never written yet.
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, slot)
+    k, v, seen = _cache_block(
+        k_cache, v_cache, valid_ptr, cache_row, b, S, lo, hi, slot, window, d, dm, HS,
+        WINDOWED, BLOCK_S,
+    )  # fmt: skip
+    if USE_PDL:  # qkv is the previous kernel's output
+        gdc_wait()
+        gdc_launch_dependents()
+    # The fused QKV row: per kv group, its GRP query heads, then its key, then its value.
+    group = qkv_ptr + b * (NH + 2 * NKV) * HS + g * (GRP + 2) * HS
+    q = _rotate(group + (h % GRP) * HS, d, cos_ptr, sin_ptr, p, ROT, HS, DTYPE)
     m = tl.full([1], -1e30, dtype=tl.float32)
     lsum = tl.zeros([1], dtype=tl.float32)
     acc = tl.zeros([HS_PAD], dtype=tl.float32)
-    lo = split * chunk
-    hi = tl.minimum(lo + chunk, slot)
-    for s0 in range(lo, hi, BLOCK_S):
-        s = s0 + tl.arange(0, BLOCK_S)
-        inside = s < hi
-        kv_off = (cache_row + s[:, None]) * HS + d[None, :]
-        km = inside[:, None] & dm[None, :]
-        k = tl.load(k_cache + kv_off, mask=km, other=0.0).to(tl.float32)
-        v = tl.load(v_cache + kv_off, mask=km, other=0.0).to(tl.float32)
-        seen = inside & (tl.load(valid_ptr + b * S + s, mask=inside, other=0) != 0)
-        if WINDOWED:
-            seen = seen & (slot - s <= window)
-        scores = tl.where(seen, tl.sum(k * q[None, :], axis=1) * scale, -float("inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=0))
-        alpha = tl.exp(m - m_new)
-        prob = tl.exp(scores - m_new)
-        lsum = lsum * alpha + tl.sum(prob, axis=0)
-        acc = acc * alpha + tl.sum(prob[:, None] * v, axis=0)
-        m = m_new
+    m, lsum, acc = _attend(q, k, v, seen, m, lsum, acc, scale)
+    for s0 in range(lo + BLOCK_S, hi, BLOCK_S):
+        k, v, seen = _cache_block(
+            k_cache, v_cache, valid_ptr, cache_row, b, S, s0, hi, slot, window, d, dm, HS,
+            WINDOWED, BLOCK_S,
+        )  # fmt: skip
+        m, lsum, acc = _attend(q, k, v, seen, m, lsum, acc, scale)
     if split == 0:
         k_new = _rotate(group + GRP * HS, d, cos_ptr, sin_ptr, p, ROT, HS, DTYPE)
         v_new = tl.load(group + (GRP + 1) * HS + d, mask=dm, other=0.0).to(tl.float32)
@@ -560,13 +659,14 @@ def cached_attention(
     cos_ = cos if cos is not None else qkv
     sin_ = sin if sin is not None else qkv
     out = qkv.new_empty((rows, num_heads * hs))
+    pdl = _pdl(qkv.device)
     _cached_attention_kernel[(rows, num_heads, scratch.splits)](
         qkv, cos_, sin_, pos, slot, valid, k_cache, v_cache,
         scratch.m, scratch.lsum, scratch.acc, scratch.count, out,
         S, scratch.chunk, scale, window if window is not None else 0,
         NH=num_heads, NKV=nkv, HS=hs, HS_PAD=triton.next_power_of_2(hs), ROT=rot,
         WINDOWED=window is not None, DTYPE=_tl_dtype(qkv.dtype), BLOCK_S=scratch.block,
-        SPLITS=scratch.splits, num_warps=4,
+        SPLITS=scratch.splits, USE_PDL=pdl, num_warps=4, launch_pdl=pdl,
     )  # fmt: skip
     return out
 
