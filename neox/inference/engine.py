@@ -192,7 +192,10 @@ class Generator:
         self._attention_reductions = False
         self._fused: Optional[FusedStep] = None
         if fused_step and use_cache:
-            problem = FusedStep.unsupported(model)
+            try:
+                problem = FusedStep.unsupported(model)
+            except ImportError as e:  # no Triton
+                problem = f"this install ({e})"
             if problem:
                 log.info("decode step not fused: the fused step does not support %s", problem)
             else:

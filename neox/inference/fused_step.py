@@ -153,15 +153,14 @@ class FusedStep:
             norm_linear,
         )
 
-        rows = tok.shape[0]
         x = self.model.embed(tok[:, None], pos)[:, 0]  # (R, C)
         S = cache.length
         first = cache.layers[0].k
+        rows = tok.shape[0]
         key = (rows, S, first.device)
         if key not in self._scratch:  # made on the first (uncaptured) call of a session
-            self._scratch = {
-                key: AttentionScratch(rows, self.layers[0].num_heads, first.shape[-1], S, x.device)
-            }
+            heads, hs = self.layers[0].num_heads, first.shape[-1]
+            self._scratch = {key: AttentionScratch(rows, heads, hs, S, x.device)}
         scratch = self._scratch[key]
         for layer, kv in zip(self.layers, cache.layers):
             cos = sin = None
@@ -184,5 +183,4 @@ class FusedStep:
                 h, _ = norm_linear(x, self.norm, self.eps, layer.ln2, layer.up)
                 x = linear_residual(x, h, *layer.down)
         logits, _ = norm_linear(x, self.norm, self.eps, self.final, self.head)
-        assert logits.shape[0] == rows
         return logits

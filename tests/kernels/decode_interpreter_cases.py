@@ -30,7 +30,7 @@ from tests.hf_families import FAMILIES, PADDED, VOCAB, neox_pair  # noqa: E402
 from tests.inference.test_engine import tiny_pair  # noqa: E402
 
 PROMPTS = [[(7 * i + 3) % VOCAB for i in range(20)], [8, 1, 50], [61, 2, 2, 70, 33], [4]]
-NEW = 12
+NEW = 10
 
 
 def both(model, prompts, new=NEW):
@@ -52,7 +52,7 @@ def test_fused_step_equals_the_eager_step_for_each_family(name):
         assert not gen.fused_for(1)
         return
     assert problem is None, problem
-    for rows in (1, 4):
+    for rows in (4,):  # left-padded rows of different lengths
         a, b, eager, fused = both(model, PROMPTS[:rows])
         assert [c.tokens for c in a] == [c.tokens for c in b]
         for x, y in zip(a, b):
