@@ -42,8 +42,9 @@ VARIANTS = {
     "compiled_reductions": StepKernels(gemv_reductions=True, attention_reductions=True),
     "fused": StepKernels(),  # neox/inference/fused_step.py: three Triton kernels a layer
     "fused_no_pdl": StepKernels(),  # the same, each kernel launched after the last one ends
+    "fused_choice": StepKernels(),  # the fused step with its greedy choice as one kernel
 }
-UNCOMPILED = {"graph", "fused", "fused_no_pdl"}
+UNCOMPILED = {"graph", "fused", "fused_no_pdl", "fused_choice"}
 PADDED = 50304
 VOCAB = 50277
 
@@ -153,6 +154,8 @@ def main(argv: list[str]) -> int:
                     fused_step=variant.startswith("fused"),
                 )
                 decode_kernels.PDL = variant != "fused_no_pdl"
+                if variant == "fused_choice":
+                    gen._fused.greedy_kernel = True
                 if variant not in UNCOMPILED and args.mode:
                     gen._compiled = torch.compile(gen._decode, dynamic=False, mode=args.mode)
                 t0 = time.perf_counter()

@@ -344,7 +344,10 @@ class Generator:
         logits = self._forward(cache, state, fused)
         if not greedy:
             return logits
-        self._choose(state, logits, SamplingParams(), None)
+        if fused and self._fused.greedy_kernel:
+            self._fused.choose_greedy(logits, state, self.vocab_size, self.eod)
+        else:
+            self._choose(state, logits, SamplingParams(), None)
         return None
 
     def _decode_fused(

@@ -675,3 +675,80 @@ def _tl_dtype(dtype: torch.dtype):
     return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[
         dtype
     ]
+
+
+@triton.jit
+def _greedy_kernel(
+    logits_ptr, stride, vocab, part_val, part_idx, count_ptr,
+    finished_ptr, tokens_ptr, chosen_ptr, tok_ptr, slot_ptr, S, eod,
+    BLOCKS: tl.constexpr, BLOCKS_PAD: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    blk = tl.program_id(1)
+    offs = blk * BLOCK + tl.arange(0, BLOCK)
+    inside = offs < vocab
+    x = tl.load(logits_ptr + b * stride + offs, mask=inside, other=-float("inf")).to(tl.float32)
+    best = tl.max(x, axis=0)
+    first = tl.min(tl.where(inside & (x == best), offs, 2147483647), axis=0)
+    one = tl.arange(0, 1)
+    tl.store(part_val + b * BLOCKS + blk + one, tl.zeros([1], dtype=tl.float32) + best)
+    tl.store(part_idx + b * BLOCKS + blk + one, tl.zeros([1], dtype=tl.int32) + first)
+    # The row's last block to finish picks among the blocks' winners (the first of equal
+    # maxima, as torch.argmax) and does the step's bookkeeping.
+    done = tl.atomic_add(count_ptr + b + one, 1)
+    if tl.sum(done, axis=0) == BLOCKS - 1:
+        blocks = tl.arange(0, BLOCKS_PAD)
+        bm = blocks < BLOCKS
+        vals = tl.load(part_val + b * BLOCKS + blocks, mask=bm, other=-float("inf"),
+                       cache_modifier=".cg")  # fmt: skip
+        idxs = tl.load(part_idx + b * BLOCKS + blocks, mask=bm, other=2147483647,
+                       cache_modifier=".cg")  # fmt: skip
+        top = tl.max(vals, axis=0)
+        choice = tl.min(tl.where(bm & (vals == top), idxs, 2147483647), axis=0).to(tl.int64)
+        ended = tl.load(finished_ptr + b + one) != 0
+        tok = tl.where(ended, eod, choice + tl.zeros([1], dtype=tl.int64))
+        slot = tl.load(slot_ptr + one)
+        tl.store(tokens_ptr + b * S + slot, tok)
+        raw = tl.load(logits_ptr + b * stride + tok).to(tl.float32)
+        tl.store(chosen_ptr + b * S + slot, raw)
+        tl.store(finished_ptr + b + one, (ended | (tok == eod)).to(finished_ptr.dtype.element_ty))
+        tl.store(tok_ptr + b + one, tok)
+        tl.store(count_ptr + b + one, tl.zeros([1], dtype=tl.int32))
+
+
+class GreedyScratch:
+    """`greedy_choice`'s per-block winners and its counters (kept at zero by the kernel)."""
+
+    BLOCK = 2048
+
+    def __init__(self, rows: int, vocab: int, device) -> None:
+        self.blocks = triton.cdiv(vocab, self.BLOCK)
+        self.val = torch.empty((rows, self.blocks), dtype=torch.float32, device=device)
+        self.idx = torch.empty((rows, self.blocks), dtype=torch.int32, device=device)
+        self.count = torch.zeros(rows, dtype=torch.int32, device=device)
+
+
+def greedy_choice(
+    logits: torch.Tensor,
+    vocab: int,
+    eod: int,
+    finished: torch.Tensor,
+    tokens: torch.Tensor,
+    chosen: torch.Tensor,
+    tok: torch.Tensor,
+    slot: torch.Tensor,
+    scratch: GreedyScratch | None = None,
+) -> None:
+    """The greedy step's choice and bookkeeping in one kernel, as the Generator's `_choose`
+    does them: per row the argmax of logits[:, :vocab] (the first of equal maxima), or `eod`
+    for a row that has ended, written to tokens[:, slot] and tok, its raw logit to
+    chosen[:, slot] (fp32), and finished |= (token == eod)."""
+    rows = logits.shape[0]
+    if scratch is None:
+        scratch = GreedyScratch(rows, vocab, logits.device)
+    _greedy_kernel[(rows, scratch.blocks)](
+        logits, logits.stride(0), vocab, scratch.val, scratch.idx, scratch.count,
+        finished, tokens, chosen, tok, slot, tokens.shape[1], eod,
+        BLOCKS=scratch.blocks, BLOCKS_PAD=triton.next_power_of_2(scratch.blocks),
+        BLOCK=scratch.BLOCK, num_warps=4,
+    )  # fmt: skip

@@ -213,10 +213,14 @@ def test_pythia_410m_bf16_graphed_greedy_equals_eager():
     assert [c.logits for c in graphed] == [c.logits for c in eager]
 
 
-def test_fused_captured_step_in_bf16_equals_the_eager_path_on_a_trained_model(trained):
+@pytest.mark.parametrize("greedy_kernel", [False, True], ids=["torch_choice", "kernel_choice"])
+def test_fused_captured_step_in_bf16_equals_the_eager_path_on_a_trained_model(
+    trained, greedy_kernel
+):
     """The fused step (neox.inference.fused_step: three Triton kernels a layer, captured),
     generate.py's GPU default at batch 1, 2 and 4, against the reference path (eager,
-    uncaptured): exactly the same greedy tokens, rows ending at different steps included."""
+    uncaptured): exactly the same greedy tokens, rows ending at different steps included;
+    with the greedy choice as torch ops (the default) or as one kernel."""
     model = build_model(trained.cfg, 512, seed=1)
     model.load_state_dict(trained.state_dict())
     model = model.to("cuda", torch.bfloat16).eval()
@@ -224,6 +228,7 @@ def test_fused_captured_step_in_bf16_equals_the_eager_path_on_a_trained_model(tr
     for eod in (SPACE, 511):
         reference = Generator(model, 256, eod=eod, cuda_graphs=False)
         fast = Generator(model, 256, eod=eod, fused_step=True)
+        fast._fused.greedy_kernel = greedy_kernel
         for batch in (prompts, prompts[:1], prompts[1:3]):
             want = reference.generate(batch, 64, return_logits=True)
             got = fast.generate(batch, 64, return_logits=True)

@@ -20,6 +20,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from neox.inference.engine import Generator  # noqa: E402
 from neox.inference.fused_step import FusedStep  # noqa: E402
+from neox.inference.sampling import SamplingParams  # noqa: E402
 from neox.kernels.decode import (  # noqa: E402
     LinearPart,
     cached_attention,
@@ -203,3 +204,49 @@ def test_attention_scratch_is_reused_across_calls():
     ]
     assert torch.equal(scratch.count, torch.zeros_like(scratch.count))
     torch.testing.assert_close(outs[0], outs[1])
+
+
+def test_greedy_choice_is_the_generators_choose():
+    """Against Generator._choose: the first of equal maxima within the real vocabulary (ties
+    across blocks included), eod for an ended row, the raw logit, finished updated, counters
+    left at zero for the next call."""
+    from neox.inference.engine import DecodeState
+    from neox.kernels.decode import GreedyScratch, greedy_choice
+
+    vocab, padded, eod = 5000, 5120, 7
+    logits = torch.randn(4, padded).bfloat16()
+    logits[0, 4100] = logits[0, 300] = 50.0  # a tie across blocks: the first wins
+    logits[1, vocab + 3] = 99.0  # a padded id never wins
+    logits[2, eod] = 80.0  # row 2 chooses the end of document
+    scratch = GreedyScratch(4, vocab, "cpu")
+    for step in range(2):
+        want, got = DecodeState(4, 16, "cpu"), DecodeState(4, 16, "cpu")
+        for s in (want, got):
+            s.finished[3] = True  # row 3 ended earlier
+            s.slot.fill_(5 + step)
+        gen = Generator.__new__(Generator)
+        gen.gather_logits, gen.vocab_size, gen.eod = (lambda x: x), vocab, eod
+        gen._choose(want, logits, SamplingParams(), None)
+        greedy_choice(
+            logits, vocab, eod, got.finished, got.tokens, got.logits, got.tok, got.slot, scratch
+        )
+        assert got.tok.tolist() == want.tok.tolist() == [300, got.tok[1].item(), eod, eod]
+        assert torch.equal(got.tokens, want.tokens) and torch.equal(got.finished, want.finished)
+        torch.testing.assert_close(got.logits, want.logits, rtol=0, atol=0)
+        assert not scratch.count.any()
+
+
+def test_fused_greedy_rows_end_at_the_end_of_document_as_eager_rows_do():
+    """The fused step with its greedy kernel (FusedStep.greedy_kernel) against the eager
+    step, rows ending at different steps."""
+    model, _ = tiny_pair("gpt_neox")
+    free = Generator(model, VOCAB, eod=PADDED - 1).generate(PROMPTS, NEW)
+    eod = free[0].tokens[2]  # row 0 ends at its third token; others when they meet it
+    want = Generator(model, VOCAB, eod=eod).generate(PROMPTS, NEW, return_logits=True)
+    fused = Generator(model, VOCAB, eod=eod, fused_step=True)
+    fused._fused.greedy_kernel = True
+    got = fused.generate(PROMPTS, NEW, return_logits=True)
+    assert [(c.tokens, c.finished) for c in got] == [(c.tokens, c.finished) for c in want]
+    assert got[0].finished and len(got[0].tokens) == 2
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.logits, b.logits, rtol=1e-4, atol=1e-4)
