@@ -10,6 +10,7 @@ the fused step (neox/inference/fused_step.py: three Triton kernels a layer, no c
 
     python benchmarks/decode_step.py --models 410M --batch-sizes 1 16
     python benchmarks/decode_step.py --models 410M --batch-sizes 1 --variants compiled compiled_reductions
+    python benchmarks/decode_step.py --models 410M 1-4B --batch-sizes 1 --variants fused fused_no_pdl fused_choice
 """
 
 from __future__ import annotations
