@@ -15,6 +15,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Optional
 
 import torch
@@ -22,7 +23,7 @@ from torch import nn
 
 from neox.inference.cache import KVCache
 from neox.inference.decode_compile import StepKernels, decode_backend
-from neox.inference.fused_step import MAX_ROWS, FusedStep
+from neox.inference.fused_step import FusedStep
 from neox.inference.graphed import CapturedStep
 from neox.inference.sampling import SamplingParams, sample
 from neox.model.rotary import RotaryEmbedding
@@ -350,14 +351,9 @@ class Generator:
             self._choose(state, logits, SamplingParams(), None)
         return None
 
-    def _decode_fused(
-        self, cache: KVCache, state: DecodeState, greedy: bool
-    ) -> Optional[torch.Tensor]:
-        return self._decode(cache, state, greedy, fused=True)
-
     def fused_for(self, batch: int) -> bool:
         """Whether a batch of `batch` rows decodes through the fused step."""
-        return self._fused is not None and batch <= MAX_ROWS and batch & (batch - 1) == 0
+        return self._fused is not None and FusedStep.takes(batch)
 
     def _session_for(self, batch: int, length: int, greedy: bool) -> _Session:
         """The cache and buffers for `batch` rows of `length` slots (rounded up to the bucket),
@@ -379,11 +375,9 @@ class Generator:
                 module.prepare(self.device, S, self.dtype)
         state = DecodeState(batch, S, self.device)
         fused = self.fused_for(batch)
-        if fused:
-            cache.attention_reductions = False
 
         def chosen() -> Callable[..., Optional[torch.Tensor]]:
-            return self._decode_fused if fused else self._compiled or self._decode
+            return partial(self._decode, fused=True) if fused else self._compiled or self._decode
 
         captured = None
         if self.cuda_graphs:

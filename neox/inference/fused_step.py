@@ -25,9 +25,6 @@ from neox.inference.cache import KVCache
 from neox.model.mlp import activation_name
 from neox.model.norms import LayerNorm, RMSNorm
 
-MAX_ROWS = 4
-"""The most rows the kernels take (neox.kernels.decode.MAX_ROWS), in powers of two."""
-
 
 def _norm_kind(norm: nn.Module) -> Optional[str]:
     if isinstance(norm, LayerNorm):
@@ -57,7 +54,7 @@ class _Layer:
 
 
 class FusedStep:
-    """Logits (R, V) of one cached decode step of `model` for R <= MAX_ROWS rows."""
+    """Logits (R, V) of one cached decode step of `model` for R rows (`takes`)."""
 
     greedy_kernel = False
     """Make the greedy choice and its bookkeeping one kernel (`choose_greedy`). Off until it
@@ -105,6 +102,13 @@ class FusedStep:
         self.head = LinearPart(model.head_weight())
         self._scratch: dict[tuple, object] = {}
         self._greedy: dict[tuple, object] = {}
+
+    @staticmethod
+    def takes(rows: int) -> bool:
+        """Whether the kernels take a batch of `rows` (1, 2 or 4)."""
+        from neox.kernels.decode import MAX_ROWS
+
+        return rows <= MAX_ROWS and rows & (rows - 1) == 0
 
     @staticmethod
     def unsupported(model: nn.Module) -> Optional[str]:

@@ -28,6 +28,7 @@ path's (tests/kernels/decode_interpreter_cases.py, tests/inference/test_generate
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -43,6 +44,10 @@ ROW_ELEMENTS = 8192
 """rows x BLOCK_K: the most input elements a program holds at once."""
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# Triton's interpreter truncates fp32 -> bf16 where GPUs round to nearest even: under it,
+# `_round` rounds with integer arithmetic instead, so CPU tests check the GPU's arithmetic.
+_BITWISE_BF16 = tl.constexpr(INTERPRET)
+
 try:  # programmatic dependent launch (Hopper and later; Triton >= 3.3)
     from triton.backends.nvidia.compiler import CUDAOptions
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -65,18 +70,15 @@ PDL = True
 devices of compute capability 9 and later): a kernel loads its weights (and whatever earlier
 kernels wrote), then waits for the previous kernel, so the ~2 us a kernel takes to fill the GPU
 overlaps the previous one's tail. Off: each kernel starts after the previous one ends."""
-# Triton's interpreter truncates fp32 -> bf16 where GPUs round to nearest even: under it,
-# `_round` rounds with integer arithmetic instead, so CPU tests check the GPU's arithmetic.
-_BITWISE_BF16 = tl.constexpr(INTERPRET)
+
+
+@functools.lru_cache
+def _hopper_or_later(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def _pdl(device: torch.device) -> bool:
-    return (
-        PDL
-        and _HAS_PDL
-        and device.type == "cuda"
-        and torch.cuda.get_device_capability(device)[0] >= 9
-    )
+    return PDL and _HAS_PDL and _hopper_or_later(device)
 
 
 def _block_k(K: int, rows: int) -> int:
@@ -132,7 +134,7 @@ def _activation(x, ACT: tl.constexpr):
 
 
 @triton.jit
-def _normalise(xv, km, K, eps, mean, rstd, kk, g_ptr, nb_ptr,
+def _normalise(xv, km, mean, rstd, kk, g_ptr, nb_ptr,
                NORM: tl.constexpr, NORM_BIAS: tl.constexpr, DTYPE: tl.constexpr):  # fmt: skip
     """Columns kk of norm(x) from x's columns xv [ROWS, BLOCK_K], as the eager norm rounds."""
     if NORM == 1:  # LayerNorm: one rounding after the affine
@@ -206,7 +208,7 @@ def _norm_linear_part(
         rstd = tl.full([ROWS], 1.0, dtype=tl.float32)
         if NORM != 0:
             mean, rstd = _stats(xv, km, K, eps, NORM)
-        xn = _normalise(xv, km, K, eps, mean, rstd, kk, g_ptr, nb_ptr, NORM, NORM_BIAS, DTYPE)
+        xn = _normalise(xv, km, mean, rstd, kk, g_ptr, nb_ptr, NORM, NORM_BIAS, DTYPE)
         acc += tl.sum(xn[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
         if GATED:
             gacc += tl.sum(xn[:, None, :] * gw.to(tl.float32)[None, :, :], axis=2)
@@ -225,9 +227,8 @@ def _norm_linear_part(
             w = tl.load(w_ptr + n[:, None] * K + kk[None, :], mask=wm, other=0.0)
             xv = tl.load(x_ptr + r[:, None] * K + kk[None, :], mask=km[None, :], other=0.0)
             xn = _normalise(
-                xv.to(tl.float32), km, K, eps, mean, rstd, kk, g_ptr, nb_ptr, NORM, NORM_BIAS,
-                DTYPE,
-            )  # fmt: skip
+                xv.to(tl.float32), km, mean, rstd, kk, g_ptr, nb_ptr, NORM, NORM_BIAS, DTYPE
+            )
             acc += tl.sum(xn[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
             if GATED:
                 gw = tl.load(gw_ptr + n[:, None] * K + kk[None, :], mask=wm, other=0.0)
@@ -339,6 +340,7 @@ def norm_linear(
         args_b[-1] = 0  # no rows in part b
     block_k = _block_k(K, rows)
     pdl = _pdl(x.device)
+    (bias_a, gated_a, act_a), (bias_b, gated_b, act_b) = a.flags(), part_b.flags()
 
     def grid(meta):
         blocks = triton.cdiv(a.weight.shape[0], meta["BLOCK_N"])
@@ -349,8 +351,8 @@ def norm_linear(
         ga, nba, *a.args(out_a),
         gb_, nbb, *args_b,
         ROWS=rows, NORM=NORMS[norm], NORM_BIAS=norm_weights[1] is not None,
-        DTYPE=_tl_dtype(x.dtype), BIAS_A=a.flags()[0], GATED_A=a.flags()[1], ACT_A=a.flags()[2],
-        BIAS_B=part_b.flags()[0], GATED_B=part_b.flags()[1], ACT_B=part_b.flags()[2],
+        DTYPE=_tl_dtype(x.dtype), BIAS_A=bias_a, GATED_A=gated_a, ACT_A=act_a,
+        BIAS_B=bias_b, GATED_B=gated_b, ACT_B=act_b,
         ONE_BLOCK=block_k >= K, BLOCK_K=block_k, USE_PDL=pdl, launch_pdl=pdl,
     )  # fmt: skip
     return out_a, out_b
