@@ -110,6 +110,12 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # DeepSpeed's engine reads its wall_clock_breakdown timers (the Pythia files turn it on) at
     # every step, each read a device sync; the flat engine reads them at steps_per_print only.
     "zero3_no_timers": {"zero_optimization": _Z3_TORCH_LINEAR, "wall_clock_breakdown": False},
+    # neox's ZeRO-3 defaults without the per-step timer reads, with and without gathers.
+    "zero3_quiet": {"zero_optimization": _ZERO3, "wall_clock_breakdown": False},
+    "zero3_quiet_persist": {
+        "zero_optimization": {**_ZERO3, "stage3_param_persistence_threshold": 10**12},
+        "wall_clock_breakdown": False,
+    },
     # One rank has nothing to overlap: no side stream for gradients, one optimizer sub-group.
     "zero3_one_rank": {
         "zero_optimization": {**_Z3_TORCH_LINEAR, "overlap_comm": False, "sub_group_size": 10**10},
