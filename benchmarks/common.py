@@ -1,9 +1,11 @@
 """What the training benchmarks share: the overlay on configs/pythia/<M>.yml (bf16, no
 recompute, nothing saved), the 2-layer CPU shape of their smoke runs, and how a result is
-reported."""
+reported, and how inductor options given on the command line are set."""
 
 import json
 from typing import Any, Optional
+
+import torch
 
 OVERLAY: dict[str, Any] = {
     "bf16": {"enabled": True},
@@ -35,3 +37,15 @@ def emit(record: dict[str, Any], json_path: Optional[str]) -> None:
     if json_path:
         with open(json_path, "a") as f:
             f.write(line + "\n")
+
+
+def set_inductor_options(options: list[str]) -> None:
+    """Set torch._inductor.config options given as key=value (dotted keys reach sub-configs,
+    values are JSON or True/False), process-wide, before anything compiles."""
+    for opt in options:
+        key, value = opt.split("=", 1)
+        obj = torch._inductor.config
+        *path, last = key.split(".")
+        for part in path:
+            obj = getattr(obj, part)
+        setattr(obj, last, json.loads(value.lower() if value in ("True", "False") else value))

@@ -27,6 +27,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks import common  # noqa: E402
 from neox.config import load_config  # noqa: E402
 from neox.inference.decode_compile import StepKernels  # noqa: E402
 from neox.inference.engine import Generator  # noqa: E402
@@ -123,13 +124,7 @@ def kernels(gen: Generator, batch: int, prompt: int, n: int = 5) -> tuple[float,
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
-    for opt in args.inductor:
-        key, value = opt.split("=", 1)
-        obj = torch._inductor.config
-        *path, last = key.split(".")
-        for part in path:
-            obj = getattr(obj, part)
-        setattr(obj, last, json.loads(value.lower() if value in ("True", "False") else value))
+    common.set_inductor_options(args.inductor)
     bandwidth = copy_bandwidth()
     name = torch.cuda.get_device_name()
     print(

@@ -711,6 +711,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vocab-file", default=None, help="the 20B tokenizer json (HFTokenizer)")
     p.add_argument("--neox-overrides", default=None, help="JSON dict of extra neox config keys")
     p.add_argument(
+        "--inductor",
+        nargs="*",
+        default=[],
+        help="torch._inductor.config options, key=value, for every run of the process",
+    )
+    p.add_argument(
         "--attention",
         nargs="+",
         choices=["config", "flash", "triton", "torch"],
@@ -743,6 +749,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.impls == p.get_default("impls"):
             args.impls = ["neox", "hf"]
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
+    common.set_inductor_options(args.inductor)
     if args.long_context:
         run_long_context(args, device)
         return 0
