@@ -93,3 +93,27 @@ def test_tiny_grad_accum_counts_every_micro_batch(tmp_path):
         assert abs(tokens - rec["micro_batch"] * 3 * rec["seq"]) < 1e-6 * tokens
     neox = next(rec for rec in records if rec["impl"] == "neox")
     assert neox["neox_overrides"]["gradient_accumulation_steps"] == 3
+
+
+def test_inductor_options_reach_inductor_config(monkeypatch):
+    """--inductor key=value (dotted keys into sub-configs, True/False and JSON values) sets
+    torch._inductor.config for the runs that follow."""
+    import torch._inductor.config as inductor
+
+    from benchmarks.common import set_inductor_options
+
+    monkeypatch.setattr(inductor, "coordinate_descent_tuning", False)
+    monkeypatch.setattr(inductor.triton, "unique_kernel_names", False)
+    monkeypatch.setattr(inductor, "realize_opcount_threshold", 30)
+    set_inductor_options(
+        [
+            "coordinate_descent_tuning=True",
+            "triton.unique_kernel_names=True",
+            "realize_opcount_threshold=12",
+        ]
+    )
+    assert inductor.coordinate_descent_tuning is True
+    assert inductor.triton.unique_kernel_names is True
+    assert inductor.realize_opcount_threshold == 12
+    with pytest.raises(AttributeError):
+        set_inductor_options(["triton.no_such_option_here.x=1"])
