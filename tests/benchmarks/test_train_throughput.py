@@ -95,25 +95,22 @@ def test_tiny_grad_accum_counts_every_micro_batch(tmp_path):
     assert neox["neox_overrides"]["gradient_accumulation_steps"] == 3
 
 
-def test_inductor_options_reach_inductor_config(monkeypatch):
+def test_inductor_options_reach_inductor_config():
     """--inductor key=value (dotted keys into sub-configs, True/False and JSON values) sets
     torch._inductor.config for the runs that follow."""
     import torch._inductor.config as inductor
 
     from benchmarks.common import set_inductor_options
 
-    monkeypatch.setattr(inductor, "coordinate_descent_tuning", False)
-    monkeypatch.setattr(inductor.triton, "unique_kernel_names", False)
-    monkeypatch.setattr(inductor, "realize_opcount_threshold", 30)
-    set_inductor_options(
-        [
-            "coordinate_descent_tuning=True",
-            "triton.unique_kernel_names=True",
-            "realize_opcount_threshold=12",
-        ]
-    )
-    assert inductor.coordinate_descent_tuning is True
-    assert inductor.triton.unique_kernel_names is True
-    assert inductor.realize_opcount_threshold == 12
-    with pytest.raises(AttributeError):
-        set_inductor_options(["triton.no_such_option_here.x=1"])
+    # inductor's own patch restores these keys on exit (pytest's monkeypatch would delete
+    # them from the config module on undo).
+    keys = {"coordinate_descent_tuning": False, "triton.unique_kernel_names": False}
+    with inductor.patch({**keys, "combo_kernels": False}):
+        set_inductor_options(
+            ["coordinate_descent_tuning=True", "triton.unique_kernel_names=True", "combo_kernels=1"]
+        )
+        assert inductor.coordinate_descent_tuning is True
+        assert inductor.triton.unique_kernel_names is True
+        assert inductor.combo_kernels == 1
+        with pytest.raises(AttributeError):
+            set_inductor_options(["triton.no_such_option_here.x=1"])
