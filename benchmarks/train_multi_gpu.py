@@ -106,14 +106,16 @@ ONE_GPU_EXTRA = (
     "1gpu_zero3_accum8",
     "1gpu_zero3_offload",
 )
-TWO_GPU_EXTRA = ("dp2_accum8", "dp2_zero3_accum8")
-DIAGNOSTIC = ("tp2_compile_aot_eager",)  # run only when named
+TWO_GPU_EXTRA = ("dp2_zero3", "dp2_accum8", "dp2_zero3_accum8")
+DIAGNOSTIC = ("tp2_compile_aot_eager",)
+# Run only when named, but for dp2_zero3 at 1.4B in the default plan.
+EXTRA = ONE_GPU_EXTRA + TWO_GPU_EXTRA + DIAGNOSTIC
 # (model, run) in order; ZeRO-3 only where the issue asks for its memory (1.4B).
 DEFAULT_PLAN = [
     (m, r)
     for m in ("410M", "1-4B")
     for r in RUNS
-    if (r != "dp2_zero3" or m == "1-4B") and r not in ONE_GPU_EXTRA + TWO_GPU_EXTRA + DIAGNOSTIC
+    if r not in EXTRA or (r == "dp2_zero3" and m == "1-4B")
 ]
 
 OVERLAY: dict[str, Any] = {
@@ -324,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
         for m, r in DEFAULT_PLAN
         if (args.models is None or m in args.models) and (args.runs is None or r in args.runs)
     ]
-    for extra in ("dp2_zero3", *ONE_GPU_EXTRA, *TWO_GPU_EXTRA, *DIAGNOSTIC):
+    for extra in EXTRA:
         if args.runs and extra in args.runs:
             plan += [(m, extra) for m in args.models or MICRO_BATCH if (m, extra) not in plan]
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="neox_multi_gpu_"))

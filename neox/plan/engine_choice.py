@@ -57,7 +57,8 @@ COMM_DTYPES = ("fp32", "fp16", "bf16")
 # types it stands in for. neox's adam is AdamW, as gpt-neox's FusedAdam (adam_w_mode=True).
 OFFLOAD_ADAM = {"adam": True, "adamw": True, "cpu_adam": True, "cpu_torch_adam": True}
 
-# Measured on one H100 at the 1.4B shape, 2026-11-26 (docs/benchmarks.md, "ZeRO-3: two faults").
+# Measured on one H100 at the 1.4B shape, 2026-11-26/27 (docs/benchmarks.md, "ZeRO-3: two
+# faults" and "ZeRO-3 at one rank at micro batch 8 x 8").
 ZERO3_ONE_RANK_NOTE = (
     "ZeRO-3 with one data-parallel rank partitions nothing: it holds what ZeRO-1 holds; at 1.4B "
     "on an H100 it ran at 0.93x the flat engine's tokens/s with micro batch 8 x 8 accumulation "
