@@ -18,6 +18,11 @@ is DeepSpeed's own lives here, so the loop never asks which engine runs.
   2.13) passed. `route_compiled_linears` keeps DeepSpeed's linear for eager code and gives
   compiled graphs torch's own, whose saved tensors AOTAutograd manages.
 - fp16: the dynamic loss scale and DeepSpeed's count of skipped (overflowed) steps.
+- wall_clock_breakdown under pipeline parallelism: DeepSpeed 0.19's PipelineEngine starts the
+  backward timers itself on every stage but the last, and then its engine's backward hook starts
+  them again: `AssertionError: bwd_microstep timer has already been started` at the first
+  backward of every stock Pythia config with PP. `time_pipeline_backward_once` keeps the pipe's
+  own start/stop and lets the hook time nothing during that pass (docs/compat.md).
 """
 
 from __future__ import annotations
@@ -54,6 +59,8 @@ class DeepSpeedAdapter:
         )
         fuse_overflow_check(self.ds.optimizer)
         route_compiled_linears()
+        if isinstance(self.ds, PipelineEngine):
+            time_pipeline_backward_once(self.ds)
         if (ds_config.get("compile") or {}).get("deepcompile"):
             # DeepSpeed's DeepCompile (deepspeed_extra_args: {compile: {deepcompile: true}})
             # compiles the whole module with ZeRO's gathers scheduled in the graph.
@@ -163,6 +170,31 @@ class DeepSpeedAdapter:
 
     def destroy(self) -> None:
         self.ds.destroy()
+
+
+def time_pipeline_backward_once(engine: Any) -> None:
+    """On stages before the last, run the pipeline's backward instruction with the engine's
+    hook-side backward timer lists empty: the PipelineEngine already starts and stops those
+    timers around the pass, and a second start asserts. Per instance (a copy of the class's
+    instruction table); a no-op without wall_clock_breakdown."""
+    from deepspeed.runtime.pipe import schedule
+
+    if not engine.wall_clock_breakdown():
+        return
+    pipe_backward = engine._INSTRUCTION_MAP[schedule.BackwardPass]
+    timers = engine.engine_timers
+
+    def backward_pass(self: Any, buffer_id: int) -> None:
+        if self.is_last_stage():  # DeepSpeed's plain backward, which times itself once
+            return pipe_backward(self, buffer_id)
+        kept = timers.backward_timers, timers.backward_inner_timers
+        timers.backward_timers, timers.backward_inner_timers = [], []
+        try:
+            return pipe_backward(self, buffer_id)
+        finally:
+            timers.backward_timers, timers.backward_inner_timers = kept
+
+    engine._INSTRUCTION_MAP = {**engine._INSTRUCTION_MAP, schedule.BackwardPass: backward_pass}
 
 
 def _pipeline_batches(batches: Iterable[Batch]) -> Iterator:
