@@ -631,10 +631,13 @@ def _exact_div(glob: int, part: int, part_is: str) -> int:
 
 
 def precision_of(cfg: NeoXConfig) -> str:
-    """fp16, bf16 or fp32, from the DeepSpeed sections or gpt-neox's `precision`."""
+    """fp16, bf16 or fp32, from the DeepSpeed sections or gpt-neox's `precision`. An fp16
+    section of `type: bfloat16` is gpt-neox's way of asking for bf16 (configs/pythia/1B.yml)."""
     p = cfg.precision
     fp16 = bool(p.fp16 and p.fp16.get("enabled", True))
     bf16 = bool(p.bf16 and p.bf16.get("enabled", True))
+    if fp16 and p.fp16.get("type") in ("bfloat16", "bf16"):
+        fp16, bf16 = False, True
     if fp16 and bf16:
         raise ConfigError("fp16 and bf16 are both enabled; enable one of them")
     from_sections = "fp16" if fp16 else "bf16" if bf16 else None

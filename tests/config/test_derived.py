@@ -113,6 +113,17 @@ def test_precision_sources_must_agree():
         precision_of(load_dict({"fp16": {"enabled": True}, "precision": "bfloat16"}))
 
 
+def test_fp16_section_of_type_bfloat16_is_bf16():
+    """gpt-neox's spelling of bf16 (configs/pythia/1B.yml): DeepSpeed gets a bf16 section, never
+    its fp16 section with a `type` key it refuses."""
+    from neox.config import build_ds_config
+
+    cfg = load_dict({"fp16": {"enabled": True, "type": "bfloat16", "loss_scale": 0}})
+    assert precision_of(cfg) == "bf16"
+    ds = build_ds_config(cfg, derive(cfg, 1))
+    assert ds["bf16"]["enabled"] and "fp16" not in ds
+
+
 def test_schedule_iterations():
     d = derive(load_dict({"train_iters": 1000, "warmup": 0.1}), 1)
     assert (d.lr_decay_iters, d.warmup_iters) == (1000, 100)
