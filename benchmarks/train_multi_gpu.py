@@ -6,6 +6,8 @@ python benchmarks/train_multi_gpu.py --vocab-file data/20B_tokenizer.json   # on
 python benchmarks/train_multi_gpu.py --tiny --runs 1gpu dp2                  # CPU, 2 ranks
 python benchmarks/train_multi_gpu.py --models 410M --runs 1gpu 1gpu_seed2 1gpu_fp8 \
     --data-prefix data/shakespeare_text_document --seq-length 512 --iters 300   # loss curves
+python benchmarks/train_multi_gpu.py --plan 4gpu     # issue 34's 4-GPU speed table (4 GPUs)
+python benchmarks/train_multi_gpu.py --plan 8gpu     # issue 10's 8-GPU targets (8 GPUs)
 
 Runs (configs/pythia/<M>.yml with bf16, no activation checkpointing, the micro batch below,
 random tokens): one GPU with ZeRO-1; DP=2 with ZeRO-1 (and its ratio to one GPU: issue 11's
@@ -13,6 +15,13 @@ target is >= 1.9x); TP=2, without and with torch_compile; PP=2 (4 micro batches 
 DP=2 with ZeRO-3 (peak memory per GPU against DP=2 ZeRO-1). tokens/s is the mean of the logged
 steps from --first to the last (the first steps compile and warm up); memory is rank 0's peak
 allocated (ranks of one layout hold near-equal shares).
+
+--plan 4gpu (issue 34): Pythia-1.4B one GPU and DP=4; Pythia-6.9B at TP2 x PP2 (8 micro
+batches), TP2 x DP2, TP4, DP=4 with activation checkpointing (ZeRO-1) and DP=4 ZeRO-3, FP8 beside
+bf16 at TP2 x DP2; configs/20B.yml cut to 12 layers at TP2 x PP2. --plan 8gpu (issue 10):
+Pythia-6.9B at TP2 x PP2 x DP2, and configs/20B.yml unchanged (its own TP2 x PP4, fp16 and
+activation checkpointing; only data, tokenizer and schedule set). Their overlays are dry-run in
+tests/benchmarks/test_train_multi_gpu.py, so a GPU call only has to run them.
 """
 
 from __future__ import annotations
@@ -37,8 +46,21 @@ sys.path.insert(0, str(ROOT))
 from benchmarks import common  # noqa: E402
 from neox.data.indexed import IndexedDatasetBuilder  # noqa: E402
 
-# Pythia shape -> micro batch per GPU (issue 11's one-GPU shapes; fits an 80 GB H100).
-MICRO_BATCH = {"410M": 8, "1-4B": 4, "2-8B": 4}
+# Model -> micro batch per GPU (issue 11's one-GPU shapes; fits an 80 GB H100).
+MICRO_BATCH = {"410M": 8, "1-4B": 4, "2-8B": 4, "6-9B": 4, "20B-12L": 2, "20B": 4}
+# Model -> (config file, keys over it): the Pythia files, and configs/20B.yml whole or cut.
+MODELS: dict[str, tuple[str, dict[str, Any]]] = {
+    m: (f"configs/pythia/{m}.yml", {}) for m in ("410M", "1-4B", "2-8B", "6-9B")
+} | {"20B-12L": ("configs/20B.yml", {"num_layers": 12}), "20B": ("configs/20B.yml", {})}
+
+DP_ONLY = {"model_parallel_size": 1, "pipe_parallel_size": 1}
+FP8_ALL = {
+    "enabled": True,
+    "skip_first_layers": 0,
+    "skip_last_layers": 0,
+    "output_layer": True,
+    "fast_accum_backward": True,
+}
 
 # Run name -> config keys on top of the model's file and OVERLAY.
 RUNS: dict[str, dict[str, Any]] = {
@@ -87,6 +109,43 @@ RUNS: dict[str, dict[str, Any]] = {
         "zero_optimization": {"stage": 3},
         "gradient_accumulation_steps": 8,
     },
+    # Four GPUs (issue 34). Pipelines get 8 micro batches a step so the bubble is 1/9 of it
+    # (1F1B: (pp - 1) / (m + pp - 1) at pp=2).
+    # DP runs name TP=1: configs/pythia/6-9B.yml sets model_parallel_size 2.
+    "dp4": {"num_gpus": 4, **DP_ONLY},
+    "dp4_ckpt": {"num_gpus": 4, **DP_ONLY, "checkpoint_activations": True},
+    "dp4_zero3": {"num_gpus": 4, **DP_ONLY, "zero_optimization": {"stage": 3}},
+    "dp4_zero3_ckpt": {
+        "num_gpus": 4,
+        **DP_ONLY,
+        "zero_optimization": {"stage": 3},
+        "checkpoint_activations": True,
+    },
+    "tp2_pp2": {
+        "num_gpus": 4,
+        "model_parallel_size": 2,
+        "pipe_parallel_size": 2,
+        "gradient_accumulation_steps": 8,
+    },
+    "tp2_dp2": {"num_gpus": 4, "model_parallel_size": 2},
+    "tp2_dp2_ckpt": {"num_gpus": 4, "model_parallel_size": 2, "checkpoint_activations": True},
+    "tp4": {"num_gpus": 4, "model_parallel_size": 4},
+    # FP8 at its fastest one-GPU setting (every block, the output layer, fast backward).
+    "tp2_dp2_fp8": {
+        "num_gpus": 4,
+        "model_parallel_size": 2,
+        "fp8": FP8_ALL,
+    },
+    "dp4_ckpt_fp8": {"num_gpus": 4, **DP_ONLY, "checkpoint_activations": True, "fp8": FP8_ALL},
+    # Eight GPUs (issue 10).
+    "tp2_pp2_dp2": {
+        "num_gpus": 8,
+        "model_parallel_size": 2,
+        "pipe_parallel_size": 2,
+        "gradient_accumulation_steps": 8,
+    },
+    # The config file's own layout and keys: only data, tokenizer, schedule and logging set.
+    "stock8": {"num_gpus": 8},
     "1gpu_zero3_offload": {
         "num_gpus": 1,
         "zero_optimization": {
@@ -108,8 +167,27 @@ ONE_GPU_EXTRA = (
 )
 TWO_GPU_EXTRA = ("dp2_zero3", "dp2_accum8", "dp2_zero3_accum8")
 DIAGNOSTIC = ("tp2_compile_aot_eager",)
+# Issue 34's 4-GPU table and issue 10's 8-GPU targets, in order (--plan 4gpu / 8gpu).
+PLANS = {
+    "4gpu": [
+        ("1-4B", "1gpu"),
+        ("1-4B", "dp4"),
+        ("6-9B", "tp2_pp2"),
+        ("6-9B", "tp2_dp2"),
+        ("6-9B", "tp4"),
+        ("6-9B", "dp4_ckpt"),
+        ("6-9B", "dp4_zero3_ckpt"),
+        ("6-9B", "tp2_dp2_fp8"),
+        ("20B-12L", "tp2_pp2"),
+    ],
+    "8gpu": [("6-9B", "tp2_pp2_dp2"), ("20B", "stock8")],
+}
+FOUR_GPU_EXTRA = tuple(r for r in RUNS if r.startswith(("dp4", "tp2_pp2", "tp2_dp2", "tp4")))
+# Keys of OVERLAY that change the model or its training, which "stock" runs leave to the file.
+MODEL_KEYS = (*common.OVERLAY, "synchronize_each_layer", "wall_clock_breakdown")
+STOCK = ("stock8",)
 # Run only when named, but for dp2_zero3 at 1.4B in the default plan.
-EXTRA = ONE_GPU_EXTRA + TWO_GPU_EXTRA + DIAGNOSTIC
+EXTRA = ONE_GPU_EXTRA + TWO_GPU_EXTRA + DIAGNOSTIC + FOUR_GPU_EXTRA + ("stock8",)
 # (model, run) in order; ZeRO-3 only where the issue asks for its memory (1.4B).
 DEFAULT_PLAN = [
     (m, r)
@@ -154,21 +232,32 @@ def write_random_tokens(prefix: Path, vocab: int, tokens: int, seed: int = 0) ->
 def run_config(args, model: str, run: str, work: Path, data: Path) -> Path:
     """The overlay file of one run under `work`."""
     cfg = {**OVERLAY, "train_micro_batch_size_per_gpu": args.micro_batch or MICRO_BATCH[model]}
+    if run in STOCK:  # the file's own precision, checkpointing, batch and timers
+        cfg = {k: v for k, v in OVERLAY.items() if k not in MODEL_KEYS or k in ("save", "load")}
+        cfg["tensorboard_dir"] = None
+        cfg.pop("gradient_accumulation_steps")
     cfg |= {"train_iters": args.iters, "lr_decay_iters": args.iters, "data_path": str(data)}
     cfg |= {"log_dir": str(work / f"{model}_{run}"), "master_port": free_port()}
     if args.vocab_file:
         cfg["vocab_file"] = args.vocab_file
     if args.seq_length:
         cfg |= {"seq_length": args.seq_length, "max_position_embeddings": args.seq_length}
+    cfg |= MODELS[model][1]
+    if getattr(args, "profile", False):  # torch.profiler over the last two steps, every rank
+        cfg |= {"profile": True, "profile_step_start": args.iters - 1}
+        cfg["profile_step_stop"] = args.iters
     if args.tiny:
         cfg |= TINY
     cfg |= RUNS[run]
     if args.tiny and "fp8" in cfg:
         cfg.pop("fp8")  # no float8 matmuls on CPU ranks: the smoke run keeps the row
-    if run == "dp2_zero3":
+    if "zero_optimization" in RUNS[run]:
         # Stage 3 keeps the file's other ZeRO settings; the keys are merged over it.
-        base = yaml.safe_load((ROOT / "configs" / "pythia" / f"{model}.yml").read_text())
-        cfg["zero_optimization"] = {**base.get("zero_optimization", {}), "stage": 3}
+        base = yaml.safe_load((ROOT / MODELS[model][0]).read_text())
+        cfg["zero_optimization"] = {
+            **base.get("zero_optimization", {}),
+            **RUNS[run]["zero_optimization"],
+        }
     path = work / f"{model}_{run}.yml"
     path.write_text(yaml.safe_dump(cfg))
     return path
@@ -177,7 +266,7 @@ def run_config(args, model: str, run: str, work: Path, data: Path) -> Path:
 def launch(args, model: str, run: str, overlay: Path, log: Path) -> tuple[int, float]:
     """`deepy.py train.py <model file> <overlay>`, output to `log`; (exit code, seconds)."""
     cmd = [sys.executable, str(ROOT / "deepy.py"), "train.py"]
-    cmd += [str(ROOT / "configs" / "pythia" / f"{model}.yml"), str(overlay)]
+    cmd += [str(ROOT / MODELS[model][0]), str(overlay)]
     env = dict(
         os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
     )
@@ -293,12 +382,47 @@ def print_table(records: list[dict[str, Any]]) -> None:
                 f"{model}: peak memory per GPU, DP=2 ZeRO-3 {zero3['peak_mem_gb']:.2f} GB vs "
                 f"ZeRO-1 {zero1['peak_mem_gb']:.2f} GB"
             )
+    for line in targets(by):
+        print(line)
+
+
+def targets(by: dict[tuple[str, str], dict[str, Any]]) -> list[str]:
+    """Issue 34's and issue 10's speed targets, for the runs present."""
+    tps = lambda m, r: by[(m, r)]["tokens_per_s"] if (m, r) in by else None  # noqa: E731
+    out = []
+    if tps("1-4B", "dp4") and tps("1-4B", "1gpu"):
+        ratio = tps("1-4B", "dp4") / tps("1-4B", "1gpu")
+        out.append(f"1-4B: DP=4 / one GPU = {ratio:.2f}x (target >= 3.85x)")
+    mfu = {r: by[("6-9B", r)]["mfu"] for m, r in by if m == "6-9B" and by[(m, r)]["mfu"]}
+    four = {r: v for r, v in mfu.items() if RUNS[r]["num_gpus"] == 4 and "fp8" not in RUNS[r]}
+    if four:
+        best = max(four, key=four.get)
+        out.append(f"6-9B: best 4-GPU layout {best} at {four[best]:.1%} MFU (target >= 52%)")
+        zero1 = {r: tps("6-9B", r) for r in four if "zero3" not in r}
+        zero3 = {r: tps("6-9B", r) for r in four if "zero3" in r}
+        if zero1 and zero3:
+            b1, b3 = max(zero1, key=zero1.get), max(zero3, key=zero3.get)
+            ratio = zero3[b3] / zero1[b1]
+            out.append(f"6-9B: ZeRO-3 {b3} / best ZeRO-1 {b1} = {ratio:.2f}x (target >= 0.9x)")
+    for fp8 in (r for m, r in by if m == "6-9B" and "fp8" in RUNS[r]):
+        base = fp8.removesuffix("_fp8")
+        if tps("6-9B", base):
+            ratio = tps("6-9B", fp8) / tps("6-9B", base)
+            out.append(f"6-9B: FP8 {fp8} / bf16 {base} = {ratio:.2f}x (target >= 1.25x)")
+    if ("20B-12L", "tp2_pp2") in by and by[("20B-12L", "tp2_pp2")]["mfu"]:
+        mfu20 = by[("20B-12L", "tp2_pp2")]["mfu"]
+        out.append(f"20B at 12 layers: TP2 x PP2 at {mfu20:.1%} MFU (target >= 45%)")
+    if ("6-9B", "tp2_pp2_dp2") in by and by[("6-9B", "tp2_pp2_dp2")]["mfu"]:
+        mfu8 = by[("6-9B", "tp2_pp2_dp2")]["mfu"]
+        out.append(f"6-9B: TP2 x PP2 x DP2 on 8 GPUs at {mfu8:.1%} MFU (target >= 45%)")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--models", nargs="+", choices=list(MICRO_BATCH), default=None)
     p.add_argument("--runs", nargs="+", choices=list(RUNS), default=None)
+    p.add_argument("--plan", choices=list(PLANS), default=None, help="a whole table, in order")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--first", type=int, default=10, help="first logged step averaged")
     p.add_argument("--micro-batch", type=int, default=None)
@@ -313,6 +437,11 @@ def main(argv: list[str] | None = None) -> int:
         help="train on this .bin/.idx dataset (real text, for loss curves) instead of random tokens",
     )
     p.add_argument("--seq-length", type=int, default=None, help="override seq_length")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="torch.profiler over the last two steps: <work>/<model>_<run>/profile/rank*.ops.txt",
+    )
     args = p.parse_args(argv)
     if args.tiny:
         args.iters, args.first, args.vocab_file = min(args.iters, 6), min(args.first, 3), None
@@ -323,10 +452,10 @@ def main(argv: list[str] | None = None) -> int:
         )
     plan = [
         (m, r)
-        for m, r in DEFAULT_PLAN
+        for m, r in PLANS.get(args.plan, DEFAULT_PLAN)
         if (args.models is None or m in args.models) and (args.runs is None or r in args.runs)
     ]
-    for extra in EXTRA:
+    for extra in EXTRA if not args.plan else ():
         if args.runs and extra in args.runs:
             plan += [(m, extra) for m in args.models or MICRO_BATCH if (m, extra) not in plan]
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="neox_multi_gpu_"))
@@ -334,9 +463,9 @@ def main(argv: list[str] | None = None) -> int:
     data = Path(args.data_prefix) if args.data_prefix else work / "random_tokens"
     batch = max(MICRO_BATCH.values()) if args.micro_batch is None else args.micro_batch
     seq = 64 if args.tiny else args.seq_length or 2048
-    # Enough for the largest step (DP=2 or PP's 4 micro batches) over every iteration.
+    # Enough for the largest step (configs/20B.yml's own: 32 micro batches) over every iteration.
     if not args.data_prefix:
-        write_random_tokens(data, 256 if args.tiny else 50277, 8 * batch * (seq + 1) * args.iters)
+        write_random_tokens(data, 256 if args.tiny else 50277, 32 * batch * (seq + 1) * args.iters)
     print(f"work dir: {work}", flush=True)
     records = []
     for model, run in plan:

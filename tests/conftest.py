@@ -19,9 +19,15 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `gpu` (run them alone with `pytest -m gpu`) are skipped without CUDA; the
-    groups and order for pytest-xdist workers are set first."""
+    """Tests marked `gpu` (run them alone with `pytest -m gpu`) are skipped without CUDA, those
+    marked `multigpu` (`pytest -m multigpu`) with fewer than 4 CUDA GPUs; the groups and order
+    for pytest-xdist workers are set first."""
     group_for_xdist(items)
+    if torch.cuda.device_count() < 4:
+        few = pytest.mark.skip(reason="needs 4 CUDA GPUs")
+        for item in items:
+            if "multigpu" in item.keywords:
+                item.add_marker(few)
     if torch.cuda.is_available():
         return
     no_gpu = pytest.mark.skip(reason="needs a CUDA GPU")

@@ -209,12 +209,15 @@ def losses(log_dir: Path, split: str = "train") -> dict[int, float]:
 
 
 def deepy_env(cpu: bool = True, **extra: str) -> dict[str, str]:
-    """The environment of a deepy.py child: this checkout first on PYTHONPATH, CPU ranks."""
+    """The environment of a deepy.py child: this checkout first on PYTHONPATH, CPU ranks (or,
+    with cpu=False, GPU ranks: conftest.py's DS_ACCELERATOR=cpu is not passed on)."""
     env = dict(
         os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
     )
     if cpu:
         env["DS_ACCELERATOR"] = "cpu"
+    elif env.get("DS_ACCELERATOR") == "cpu":
+        del env["DS_ACCELERATOR"]
     env.update(extra)
     return env
 

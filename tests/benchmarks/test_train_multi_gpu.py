@@ -29,3 +29,53 @@ def test_tiny_one_rank_and_dp2_runs_fill_the_table(tmp_path):
 def test_missing_tokenizer_is_named_before_any_launch(tmp_path):
     r = run_benchmark("train_multi_gpu.py", "--vocab-file", tmp_path / "no.json", check=False)
     assert r.returncode == 2 and "no.json not found" in r.stderr and "Traceback" not in r.stderr
+
+
+def bench_module():
+    import importlib.util
+
+    from tests.benchmarks.bench_helpers import ROOT
+
+    path = ROOT / "benchmarks" / "train_multi_gpu.py"
+    spec = importlib.util.spec_from_file_location("train_multi_gpu", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+BENCH = bench_module()
+PLANNED = [(m, r) for plan in ("4gpu", "8gpu") for m, r in BENCH.PLANS[plan]]
+H100_GIB = 79.6  # what torch reports of an 80 GB H100
+
+
+@pytest.mark.parametrize("model,run", PLANNED, ids=[f"{m}-{r}" for m, r in PLANNED])
+def test_four_and_eight_gpu_runs_dry_run_and_fit_an_h100(model, run, tmp_path, capsys, monkeypatch):
+    """The exact overlays of --plan 4gpu / 8gpu pass deepy.py's dry run (on num_gpus planned
+    GPUs, as on the device), with the layout asked and an estimate under an H100's memory, so
+    the first GPU call only has to run them."""
+    import argparse
+    import sys
+
+    from tests.benchmarks.bench_helpers import ROOT
+
+    monkeypatch.syspath_prepend(str(ROOT))
+    monkeypatch.chdir(ROOT)
+    sys.modules.pop("deepy", None)
+    import deepy
+
+    args = argparse.Namespace(
+        micro_batch=None, iters=20, vocab_file=None, seq_length=None, tiny=False
+    )
+    overlay = BENCH.run_config(args, model, run, tmp_path, tmp_path / "tokens")
+    assert deepy.main(["train.py", BENCH.MODELS[model][0], str(overlay), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    keys = BENCH.RUNS[run]
+    tp, pp = keys.get("model_parallel_size", 1), keys.get("pipe_parallel_size", 1)
+    if run == "stock8":  # configs/20B.yml's own layout
+        tp, pp = 2, 4
+    gpus = keys["num_gpus"]
+    assert f"layout: {gpus} GPU(s) = tp {tp} x pp {pp} x dp {gpus // tp // pp};" in out
+    header = next(line for line in out.splitlines() if "ZeRO-0" in line).split()
+    total = next(line for line in out.splitlines() if line.startswith("total incl. CUDA"))
+    column = next(i for i, name in enumerate(header) if name.endswith("*"))
+    assert float(total.split()[4 + column]) < H100_GIB, f"{model} {run}: {total}"
