@@ -1,12 +1,11 @@
-"""Values computed from the config, never read from YAML: model shape, layout, batch triple,
-vocab, schedule. Everything else reads them from here rather than working them out again.
+"""Values computed from the config, never read from YAML: layout, batch triple, vocab,
+schedule, precision. Everything else reads them from here rather than working them out again
+(the model's own shape is `ModelConfig.shape`, neox/config/shape.py).
 
-Every rule across keys lives here too (a rule on one key sits at its field): `check_model`
-runs when a ModelConfig is validated (its shape depends on it) and carries the result as
-`ModelConfig.shape`, which every other module reads; `check_config` runs when a NeoXConfig is
-validated; the rules of a run (world size and layout, batch, precision, pipeline) run in `derive`,
-and `Topology.validate` applies the same layout rules. The schema is imported for type hints only.
-"""
+Rules across keys not yet with their groups live here too: `check_config` runs when a NeoXConfig
+is validated; the rules of a run (world size and layout, batch, precision, pipeline) run in
+`derive`, and `Topology.validate` applies the same layout rules. The schema is imported for type
+hints only."""
 
 from __future__ import annotations
 
@@ -17,9 +16,10 @@ from typing import TYPE_CHECKING, Optional
 
 from neox.config.errors import ConfigError
 from neox.config.optimizer import OPTIMIZER_TYPES
+from neox.config.parallel import check_model_split, divisors
+from neox.config.shape import ModelShape
 
 if TYPE_CHECKING:
-    from neox.config.model import ModelConfig
     from neox.config.schema import NeoXConfig
 
 log = logging.getLogger(__name__)
@@ -48,309 +48,6 @@ class Derived:
 
     def as_dict(self) -> dict:
         return asdict(self)
-
-
-# gpt-neox attention types neox runs; the sparse/linear/recurrent ones are refused by name.
-SUPPORTED_ATTENTION = ("global", "flash", "local")
-UNSUPPORTED_ATTENTION = {
-    "sparse_fixed": "sparse attention",
-    "sparse_variable": "sparse attention",
-    "bigbird": "sparse attention",
-    "bslongformer": "sparse attention",
-    "gmlp": "gMLP",
-    "amlp": "gMLP",
-    "rwkv": "RWKV",
-    "mamba": "Mamba layers",
-}
-GATED_ACTIVATIONS = ("swiglu", "geglu")
-
-
-ROPE_TYPES = ("linear", "dynamic", "yarn", "llama3")
-# rope_scaling mapping key (transformers' spelling) -> flat key.
-ROPE_SCALING_KEYS = {
-    "factor": "rope_scaling_factor",
-    "original_max_position_embeddings": "rope_original_max_position_embeddings",
-    "low_freq_factor": "rope_low_freq_factor",
-    "high_freq_factor": "rope_high_freq_factor",
-    "beta_fast": "rope_yarn_beta_fast",
-    "beta_slow": "rope_yarn_beta_slow",
-    "attention_factor": "rope_yarn_attention_factor",
-    "mscale": "rope_yarn_mscale",
-    "mscale_all_dim": "rope_yarn_mscale_all_dim",
-    "truncate": "rope_yarn_truncate",
-}
-# Flat keys each scaling type reads (the others must stay unset).
-ROPE_TYPE_KEYS = {
-    "linear": ("rope_scaling_factor",),
-    "dynamic": ("rope_scaling_factor",),
-    "llama3": (
-        "rope_scaling_factor",
-        "rope_original_max_position_embeddings",
-        "rope_low_freq_factor",
-        "rope_high_freq_factor",
-    ),
-    "yarn": (
-        "rope_scaling_factor",
-        "rope_original_max_position_embeddings",
-        "rope_yarn_beta_fast",
-        "rope_yarn_beta_slow",
-        "rope_yarn_attention_factor",
-        "rope_yarn_mscale",
-        "rope_yarn_mscale_all_dim",
-        "rope_yarn_truncate",
-    ),
-}
-
-
-@dataclass(frozen=True)
-class RopeScaling:
-    """RoPE scaling with every default resolved as transformers resolves it."""
-
-    rope_type: str  # linear | dynamic | yarn | llama3
-    factor: float
-    original_max_positions: int  # yarn/llama3: pretraining length; dynamic: max_positions
-    low_freq_factor: float = 0.0  # llama3
-    high_freq_factor: float = 0.0  # llama3
-    beta_fast: float = 32.0  # yarn
-    beta_slow: float = 1.0  # yarn
-    attention_factor: float = 1.0  # scale of cos and sin (yarn)
-    truncate: bool = True  # yarn
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """Sizes the model is built with, computed from a ModelConfig alone (so tools holding only a
-    checkpoint's model config get the same numbers as the run that wrote it)."""
-
-    head_dim: int
-    kv_heads: int  # key/value heads (num_kv_heads, or one per query head)
-    ffn_size: int  # MLP inner width, per branch for gated activations
-    gated_mlp: bool
-    rotary_dims: int  # dimensions of each head that rotary embeddings rotate
-    max_positions: int  # longest sequence the model supports
-    position_rows: int  # rows of the learned position table (OPT shifts ids by an offset)
-    layer_types: tuple[str, ...]  # attention type of each layer
-    attn_dense_bias: bool = True  # bias of the attention output projection
-    rope: Optional[RopeScaling] = None  # RoPE scaling, None for plain rotary
-
-
-def model_shape(m: ModelConfig) -> ModelShape:
-    """The ModelShape of `m`; raises ValueError for an attention_config that does not fit."""
-    head_dim = m.head_dim or m.hidden_size // m.num_attention_heads
-    max_positions = m.max_position_embeddings or m.seq_length
-    dense_bias = m.use_bias_in_attn_dense
-    return ModelShape(
-        attn_dense_bias=m.use_bias_in_attn_linear if dense_bias is None else dense_bias,
-        rope=rope_scaling(m, max_positions),
-        head_dim=head_dim,
-        kv_heads=m.num_kv_heads or m.num_attention_heads,
-        ffn_size=_ffn_size(m),
-        gated_mlp=m.activation in GATED_ACTIVATIONS,
-        rotary_dims=int(head_dim * m.rotary_pct),
-        max_positions=max_positions,
-        position_rows=max_positions + m.opt_pos_emb_offset,
-        layer_types=_layer_types(m),
-    )
-
-
-def rope_scaling(m: ModelConfig, max_positions: int) -> Optional[RopeScaling]:
-    """The RoPE scaling the flat rope_* keys (or the rope_scaling mapping) ask for; raises
-    ValueError naming the key when a value is missing, misplaced or contradictory."""
-    flat = {key: getattr(m, key) for key in ("rope_scaling_type", *ROPE_SCALING_KEYS.values())}
-    flat["rope_yarn_truncate"] = None if m.rope_yarn_truncate else False  # True is the default
-    if m.rope_scaling is not None:
-        if any(v is not None for v in flat.values()):
-            given = ", ".join(f"{k}={v}" for k, v in flat.items() if v is not None)
-            raise ValueError(
-                f"rope_scaling={m.rope_scaling} and {given} are both set; keep one spelling"
-            )
-        flat = _flat_rope_keys(m.rope_scaling, m.rotary_emb_base)
-    kind = flat["rope_scaling_type"]
-    if kind is None:
-        stray = [f"{k}={v}" for k, v in flat.items() if v is not None]
-        if stray:
-            raise ValueError(
-                f"{', '.join(stray)} set without rope_scaling_type; set it or drop them"
-            )
-        return None
-    if m.pos_emb != "rotary":
-        raise ValueError(f"rope_scaling_type={kind!r} needs pos_emb=rotary (got {m.pos_emb!r})")
-    stray = [
-        f"{k}={v}"
-        for k, v in flat.items()
-        if v is not None and k not in ("rope_scaling_type", *ROPE_TYPE_KEYS[kind])
-    ]
-    if stray:
-        raise ValueError(
-            f"{', '.join(stray)} do not apply to rope_scaling_type={kind!r}; drop them"
-        )
-    factor = flat["rope_scaling_factor"]
-    original = flat["rope_original_max_position_embeddings"] or max_positions
-    if factor is None and kind == "yarn":
-        factor = max_positions / original  # transformers' default for yarn
-    if factor is None:
-        raise ValueError(f"rope_scaling_type={kind!r} needs rope_scaling_factor (e.g. 8.0)")
-    if kind == "dynamic":
-        return RopeScaling(kind, float(factor), max_positions)
-    if kind == "linear":
-        return RopeScaling(kind, float(factor), original)
-    if kind == "llama3":
-        low, high = flat["rope_low_freq_factor"], flat["rope_high_freq_factor"]
-        if low is None or high is None:
-            raise ValueError(
-                "rope_scaling_type='llama3' needs rope_low_freq_factor and rope_high_freq_factor "
-                "(Llama 3.1: 1.0 and 4.0)"
-            )
-        if high <= low:
-            raise ValueError(f"rope_high_freq_factor={high} must exceed rope_low_freq_factor={low}")
-        return RopeScaling(kind, float(factor), original, float(low), float(high))
-    attention = flat["rope_yarn_attention_factor"]
-    mscale, mscale_all = flat["rope_yarn_mscale"], flat["rope_yarn_mscale_all_dim"]
-    if attention is None:
-        if mscale and mscale_all:
-            attention = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all)
-        else:
-            attention = _yarn_mscale(factor)
-    return RopeScaling(
-        kind,
-        float(factor),
-        original,
-        beta_fast=float(flat["rope_yarn_beta_fast"] or 32),
-        beta_slow=float(flat["rope_yarn_beta_slow"] or 1),
-        attention_factor=float(attention),
-        truncate=flat["rope_yarn_truncate"] is not False,
-    )
-
-
-def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
-    """YaRN's attention temperature term: 0.1 mscale ln(scale) + 1 (1 for scale <= 1)."""
-    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
-
-
-def _flat_rope_keys(mapping: dict, base: int) -> dict:
-    """A transformers-style rope_scaling mapping as the flat rope_* keys (None where unset);
-    raises ValueError quoting the mapping."""
-    given, mapping = dict(mapping), dict(mapping)
-    kind = mapping.pop("rope_type", mapping.pop("type", None))
-    theta = mapping.pop("rope_theta", base)
-    problem = None
-    unknown = sorted(str(k) for k in mapping if k not in ROPE_SCALING_KEYS)
-    if unknown:
-        problem = (
-            f"unknown key(s) {unknown}; it takes rope_type and {', '.join(ROPE_SCALING_KEYS)} "
-            "(rotary_emb_base sets the base)"
-        )
-    elif theta != base:
-        problem = f"rope_theta={theta} differs from rotary_emb_base={base}; drop rope_theta"
-    elif kind not in (None, "default", *ROPE_TYPES):
-        problem = f"rope_type={kind!r} is not supported; use one of {ROPE_TYPES}"
-    for key, value in mapping.items():
-        number = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if problem is None and key == "truncate" and not isinstance(value, bool):
-            problem = f"truncate={value!r} must be true or false"
-        elif problem is None and key != "truncate" and value is not None:
-            may_be_zero = key in ("attention_factor", "mscale", "mscale_all_dim")
-            if (
-                not number
-                or not math.isfinite(value)
-                or value < 0
-                or (value == 0 and not may_be_zero)
-            ):
-                problem = f"{key}={value!r} must be a finite number > 0"
-    if problem:
-        raise ValueError(f"rope_scaling={given}: {problem}")
-    flat = {flat_key: mapping.get(key) for key, flat_key in ROPE_SCALING_KEYS.items()}
-    if flat["rope_yarn_truncate"] is True:
-        flat["rope_yarn_truncate"] = None  # the default, as the flat key's True
-    return {"rope_scaling_type": None if kind == "default" else kind, **flat}
-
-
-def _ffn_size(m: ModelConfig) -> int:
-    """Inner width of the MLP (per branch for gated activations), as gpt-neox derives it."""
-    if m.intermediate_size is not None:
-        width = m.intermediate_size
-    elif m.expansion_factor is not None:
-        width = int(m.expansion_factor * m.hidden_size)
-    else:
-        width = 4 * m.hidden_size
-    if m.activation in GATED_ACTIVATIONS:
-        # Equal parameters to the ungated MLP: two branches of 2/3 of the width, halved.
-        width = int(width * 2 / 3) // 2
-    k = m.mlp_multiple_of
-    return k * ((width + k - 1) // k)
-
-
-def _layer_types(m: ModelConfig) -> tuple[str, ...]:
-    """Attention type of each layer, expanded from attention_config (default: all global)."""
-    if not m.attention_config:
-        return ("global",) * m.num_layers
-    types: list[str] = []
-    for entry in m.attention_config:
-        if not (isinstance(entry, (list, tuple)) and len(entry) == 2):
-            raise ValueError(
-                f"attention_config entry {entry!r} must be [[types...], repeat], "
-                'e.g. [["flash"], 24]'
-            )
-        kinds, repeat = entry
-        kinds = [kinds] if isinstance(kinds, str) else list(kinds)
-        if repeat == "all":  # gpt-neox: the pattern repeats over every layer
-            repeat = m.num_layers // max(1, len(kinds))
-        if not isinstance(repeat, int):
-            raise ValueError(f'attention_config repeat {repeat!r} must be a whole number or "all"')
-        types.extend(kinds * repeat)
-    for kind in types:
-        if kind in UNSUPPORTED_ATTENTION:
-            raise ValueError(
-                f"attention type {kind!r} (attention_config) asks for "
-                f"{UNSUPPORTED_ATTENTION[kind]}, which is not implemented in neox; "
-                f"use one of {SUPPORTED_ATTENTION}"
-            )
-        if kind not in SUPPORTED_ATTENTION:
-            raise ValueError(
-                f"unknown attention type {kind!r} in attention_config; use one of "
-                f"{SUPPORTED_ATTENTION}"
-            )
-    if len(types) != m.num_layers:
-        raise ValueError(
-            f"attention_config describes {len(types)} layers but num_layers={m.num_layers}; "
-            f"make the repeats add up to {m.num_layers}"
-        )
-    return tuple(types)
-
-
-def check_model(m: ModelConfig) -> ModelShape:
-    """The model's own cross-field rules (run when a ModelConfig is validated, since its shape
-    depends on them); returns the shape. Raises ValueError naming the keys and the fix."""
-    if m.head_dim is None and m.hidden_size % m.num_attention_heads:
-        raise ValueError(
-            f"hidden_size={m.hidden_size} is not divisible by "
-            f"num_attention_heads={m.num_attention_heads}; pick heads among "
-            f"{_divisor_list(m.hidden_size)}, or set head_dim"
-        )
-    kv = m.num_kv_heads
-    if kv is not None and m.num_attention_heads % kv:
-        raise ValueError(
-            f"num_attention_heads={m.num_attention_heads} is not divisible by "
-            f"num_kv_heads={kv}; use one of {_divisor_list(m.num_attention_heads)}"
-        )
-    shape = model_shape(m)  # also checks attention_config
-    if m.pos_emb == "rotary" and shape.rotary_dims % 2:
-        raise ValueError(
-            f"rotary_pct={m.rotary_pct} rotates {shape.head_dim * m.rotary_pct:g} of "
-            f"{shape.head_dim} head dims; that must be an even whole number"
-        )
-    if m.max_position_embeddings is not None and m.seq_length > m.max_position_embeddings:
-        raise ValueError(
-            f"seq_length={m.seq_length} exceeds max_position_embeddings="
-            f"{m.max_position_embeddings}; raise max_position_embeddings or shorten seq_length"
-        )
-    if m.gpt_j_tied and not m.gpt_j_residual:
-        raise ValueError("gpt_j_tied=true needs gpt_j_residual=true")
-    return shape
-
-
-def _divisor_list(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0][:12]
 
 
 def check_config(cfg: NeoXConfig) -> None:
@@ -715,7 +412,8 @@ def schedule_iters(cfg: NeoXConfig) -> tuple[int, int]:
 
 def derive(cfg: NeoXConfig, world_size: int, vocab_size: Optional[int] = None) -> Derived:
     """Compute layout, batch, precision, schedule and padded vocab; raise ConfigError when off."""
-    dp = check_layout(cfg, world_size)
+    dp = data_parallel_size(world_size, cfg.parallel.model_parallel_size, cfg.parallel.pp)
+    check_model_split(cfg.model, cfg.parallel.model_parallel_size, cfg.parallel.pp)
     micro, gas, glob = batch_triple(cfg, dp)
     decay, warmup = schedule_iters(cfg)
     padded = padded_vocab(cfg, vocab_size)
@@ -748,20 +446,6 @@ def derive(cfg: NeoXConfig, world_size: int, vocab_size: Optional[int] = None) -
     )
 
 
-def check_layout(cfg: NeoXConfig, world_size: int) -> int:
-    """World, heads, kv heads, MLP width and layers against the parallel sizes, every degree
-    named; returns the data-parallel size."""
-    tp, pp = cfg.parallel.model_parallel_size, cfg.parallel.pp
-    dp = data_parallel_size(world_size, tp, pp)
-    check_model_split(cfg.model, tp, pp)
-    return dp
-
-
-def _divisors(n: int) -> str:
-    ds = [str(d) for d in range(1, n + 1) if n % d == 0]
-    return ", ".join(ds[:-1]) + " or " + ds[-1] if len(ds) > 1 else ds[0]
-
-
 def data_parallel_size(world_size: int, tp: int = 1, pp: int = 1) -> int:
     """world_size / (tp * pp); raises ConfigError when the ranks do not divide evenly."""
     pp = max(1, pp)  # gpt-neox reads pipe_parallel_size=0 as "no pipeline"
@@ -772,44 +456,9 @@ def data_parallel_size(world_size: int, tp: int = 1, pp: int = 1) -> int:
             f"world size {world_size} is not divisible by model_parallel_size={tp} x "
             f"pipe_parallel_size={pp} = {tp * pp}; use a world size that is a multiple of "
             f"{tp * pp}, or choose model_parallel_size x pipe_parallel_size among the divisors "
-            f"of {world_size} ({_divisors(world_size)})"
+            f"of {world_size} ({divisors(world_size)})"
         )
     return world_size // (tp * pp)
-
-
-def check_model_split(m: ModelConfig, tp: int, pp: int, source: str = "") -> None:
-    """Raise ConfigError, naming the key and the fix, when the model cannot be cut into `tp`
-    tensor-parallel shards and `pp` pipeline stages.
-
-    Args:
-        source: where the values came from (a config path), quoted in the messages.
-    """
-    where = f" ({source})" if source else ""
-    heads, pp = m.num_attention_heads, max(1, pp)
-    if heads % tp:
-        raise ConfigError(
-            f"num_attention_heads={heads} is not divisible by model_parallel_size={tp}{where}; "
-            f"use model_parallel_size {_divisors(heads)}"
-        )
-    kv = m.shape.kv_heads
-    if kv % tp:
-        raise ConfigError(
-            f"num_kv_heads={kv} is not divisible by model_parallel_size={tp}{where}; each "
-            f"tensor-parallel rank needs whole key/value heads: use model_parallel_size "
-            f"{_divisors(kv)}, or raise num_kv_heads"
-        )
-    ffn = m.shape.ffn_size
-    if ffn % tp:
-        raise ConfigError(
-            f"the MLP width {ffn} (intermediate_size/expansion_factor) is not divisible by "
-            f"model_parallel_size={tp}{where}; use model_parallel_size {_divisors(ffn)} or "
-            f"set mlp_multiple_of to a multiple of {tp}"
-        )
-    if m.num_layers < pp:
-        raise ConfigError(
-            f"num_layers={m.num_layers} is smaller than pipe_parallel_size={pp}{where}; "
-            f"every stage needs a block: use pipe_parallel_size <= {m.num_layers}"
-        )
 
 
 def check_pipeline_clipping(cfg: NeoXConfig, precision: str) -> None:

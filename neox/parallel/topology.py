@@ -6,7 +6,7 @@ pipeline stages are furthest apart:  rank = (pipe * dp + data) * tp + model.
 
 `Topology` is plain arithmetic and imports neither torch nor DeepSpeed; the rules a layout must
 meet (world divisible by tp x pp, heads and MLP width by tp, layers by pp) are config checks in
-neox/config/derived.py, which `Topology.validate` applies. `ProcessGroups` is the runtime side:
+neox/config/derived.py and neox/config/parallel.py, which `Topology.validate` applies. `ProcessGroups` is the runtime side:
 the torch.distributed groups of one rank, and the `mpu` object DeepSpeed's engine expects.
 """
 
@@ -16,7 +16,8 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
-from neox.config.derived import check_model_split, data_parallel_size
+from neox.config.derived import data_parallel_size
+from neox.config.parallel import check_model_split
 
 if TYPE_CHECKING:
     from neox.config.model import ModelConfig
