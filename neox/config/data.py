@@ -3,7 +3,7 @@
 import math
 from typing import Annotated, Literal, Optional
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from neox.config.base import MAX_VOCAB, ConfigGroup, Reads, Refused
 
@@ -184,6 +184,40 @@ class DataConfig(ConfigGroup):
     def _split_form(cls, v: str) -> str:
         parse_split(v)
         return v
+
+    @model_validator(mode="after")
+    def _sources(self) -> "DataConfig":
+        """Weights and label datasets match their paths; one way of naming the data."""
+        for name in ("train", "valid", "test"):
+            paths = getattr(self, f"{name}_data_paths")
+            weights = getattr(self, f"{name}_data_weights")
+            if weights is not None and not any(weights):
+                raise ValueError(f"{name}_data_weights={weights} are all zero; give one weight > 0")
+            if weights is not None and (paths is None or len(weights) != len(paths)):
+                raise ValueError(
+                    f"{name}_data_weights has {len(weights)} entries but {name}_data_paths has "
+                    f"{0 if paths is None else len(paths)}; give one weight per path"
+                )
+        for name in ("train", "valid", "test"):
+            paths = getattr(self, f"{name}_data_paths")
+            labels = getattr(self, f"{name}_label_data_paths")
+            if labels is not None and (paths is None or len(labels) != len(paths)):
+                raise ValueError(
+                    f"{name}_label_data_paths has {len(labels)} entries but {name}_data_paths "
+                    f"has {0 if paths is None else len(paths)}; give one label dataset per data "
+                    "path"
+                )
+        if self.label_data_paths and not self.data_path:
+            raise ValueError(
+                "label_data_paths is the label dataset of data_path, which is not set; with "
+                "train/valid/test_data_paths use train/valid/test_label_data_paths"
+            )
+        if self.train_data_paths and self.data_path:
+            raise ValueError(
+                "data_path and train_data_paths are both set; use data_path (with split) or "
+                "train/valid/test_data_paths, not both"
+            )
+        return self
 
 
 def parse_split(split: str) -> list[float]:

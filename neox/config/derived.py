@@ -2,10 +2,8 @@
 schedule, precision. Everything else reads them from here rather than working them out again
 (the model's own shape is `ModelConfig.shape`, neox/config/shape.py).
 
-Rules across keys not yet with their groups live here too: `check_config` runs when a NeoXConfig
-is validated; the rules of a run (world size and layout, batch, precision, pipeline) run in
-`derive`, and `Topology.validate` applies the same layout rules. The schema is imported for type
-hints only."""
+`derive` also runs the rules that need the run's layout or batch; the rules still here move to
+the groups that own their keys. The schema is imported for type hints only."""
 
 from __future__ import annotations
 
@@ -48,213 +46,6 @@ class Derived:
 
     def as_dict(self) -> dict:
         return asdict(self)
-
-
-def check_config(cfg: NeoXConfig) -> None:
-    """Rules across keys of different groups, or of a group about its data sources and
-    profiling (run when a NeoXConfig is validated; the run's own rules are in `derive`)."""
-    d = cfg.data
-    for name in ("train", "valid", "test"):
-        paths = getattr(d, f"{name}_data_paths")
-        weights = getattr(d, f"{name}_data_weights")
-        if weights is not None and not any(weights):
-            raise ValueError(f"{name}_data_weights={weights} are all zero; give one weight > 0")
-        if weights is not None and (paths is None or len(weights) != len(paths)):
-            raise ValueError(
-                f"{name}_data_weights has {len(weights)} entries but {name}_data_paths has "
-                f"{0 if paths is None else len(paths)}; give one weight per path"
-            )
-    for name in ("train", "valid", "test"):
-        paths = getattr(d, f"{name}_data_paths")
-        labels = getattr(d, f"{name}_label_data_paths")
-        if labels is not None and (paths is None or len(labels) != len(paths)):
-            raise ValueError(
-                f"{name}_label_data_paths has {len(labels)} entries but {name}_data_paths has "
-                f"{0 if paths is None else len(paths)}; give one label dataset per data path"
-            )
-    if d.label_data_paths and not d.data_path:
-        raise ValueError(
-            "label_data_paths is the label dataset of data_path, which is not set; with "
-            "train/valid/test_data_paths use train/valid/test_label_data_paths"
-        )
-    if d.train_data_paths and d.data_path:
-        raise ValueError(
-            "data_path and train_data_paths are both set; use data_path (with split) or "
-            "train/valid/test_data_paths, not both"
-        )
-    check_preference(cfg)
-    lg = cfg.logging
-    if lg.profile and not lg.profile_step_start <= lg.profile_step_stop:
-        raise ValueError(
-            f"profile_step_start={lg.profile_step_start} and profile_step_stop="
-            f"{lg.profile_step_stop} must satisfy 1 <= start <= stop"
-        )
-    check_lora(cfg)
-    check_activation_memory_budget(cfg)
-
-
-def check_activation_memory_budget(cfg: NeoXConfig) -> None:
-    """A budget below 1 selects what compiled blocks recompute: it needs torch_compile, and
-    whole-block checkpointing off."""
-    t = cfg.training
-    if t.activation_memory_budget < 1 and t.torch_compile is False:
-        raise ValueError(
-            f"activation_memory_budget={t.activation_memory_budget} selects what compiled blocks "
-            "recompute, but torch_compile is false; unset torch_compile (on for GPU runs) or "
-            "use checkpoint_activations: true"
-        )
-    if t.activation_memory_budget < 1 and t.checkpoint_activations:
-        raise ValueError(
-            f"activation_memory_budget={t.activation_memory_budget} and checkpoint_activations: "
-            "true both recompute activations (the whole block would be rerun, then part of it "
-            "again); set checkpoint_activations: false to recompute selectively, or "
-            "activation_memory_budget: 1 to rerun whole blocks"
-        )
-
-
-def check_lora(cfg: NeoXConfig) -> None:
-    """LoRA's layouts and options: what neox/parallel/lora.py implements, the rest refused."""
-    lo = cfg.lora
-    if not lo.lora_rank:
-        return
-    if cfg.parallel.pp > 1:
-        raise ValueError(
-            f"lora_rank={lo.lora_rank} with pipe_parallel_size={cfg.parallel.pipe_parallel_size}: "
-            "LoRA is not implemented with pipeline parallelism; set pipe_parallel_size to 1 "
-            "(tensor and data parallelism work)"
-        )
-    if zero_stage_of(cfg) == 3:
-        raise ValueError(
-            f"lora_rank={lo.lora_rank} with zero_optimization.stage=3: LoRA is not implemented "
-            "with ZeRO-3 (the optimizer holds only the adapters, so stage 1 or 2 saves the same "
-            "memory); use stage 0-2"
-        )
-    if cfg.training.finetune:
-        raise ValueError(
-            "finetune: true with lora_rank > 0: LoRA reads its base from lora_base; set "
-            "lora_base to the base checkpoint and leave finetune false (load/save hold the "
-            "adapter, so a restart resumes it)"
-        )
-    if "gate" in lo.lora_target_modules and not cfg.model.shape.gated_mlp:
-        raise ValueError(
-            f"lora_target_modules names 'gate', but activation={cfg.model.activation!r} has no "
-            "gate linear (only swiglu/geglu do); remove it"
-        )
-    if cfg.preference.train_impl != "normal":
-        raise ValueError(
-            f"lora_rank={lo.lora_rank} with train_impl={cfg.preference.train_impl!r}: LoRA is "
-            "not implemented for preference training (its reference copy is the full model); "
-            "set lora_rank to 0 or train_impl to normal"
-        )
-    if cfg.float8.fp8.enabled:
-        raise ValueError(
-            f"lora_rank={lo.lora_rank} with fp8.enabled: LoRA adapters on float8 linears are not "
-            "implemented; set fp8.enabled to false or lora_rank to 0"
-        )
-    tp = cfg.parallel.model_parallel_size
-    if lo.lora_dropout and cfg.model.attention_dropout and tp > 1:
-        raise ValueError(
-            f"lora_dropout={lo.lora_dropout} with attention_dropout="
-            f"{cfg.model.attention_dropout} at model_parallel_size={tp}: attention then runs "
-            "on each tensor-parallel rank's own random stream, so the replicated adapter input "
-            "of query_key_value would be dropped differently per rank; set one of them to 0"
-        )
-
-
-PAIRED = ("dpo", "rm")
-SPLITS = ("train", "valid", "test")
-
-
-def check_preference(cfg: NeoXConfig) -> None:
-    """train_impl against its data keys: DPO and RM read chosen/rejected pairs, KTO rewarded
-    answers; a key of another train_impl is a mistake, named with the fix."""
-    p, d = cfg.preference, cfg.data
-    impl = p.train_impl
-    fields = type(p).model_fields
-    for key in sorted(p.model_fields_set):
-        value, default = getattr(p, key), fields[key].default
-        owner = "dpo" if key.startswith("dpo_") else "kto" if key.startswith("kto_") else None
-        if key.startswith(("pos_", "neg_")):
-            owner = "dpo or rm"
-        elif key.endswith("_reward_data_paths"):
-            owner = "kto"
-        if owner and value != default and impl not in owner.split(" or "):
-            feature = {"dpo": "DPO", "kto": "KTO", "dpo or rm": "DPO/RM pairwise data"}[owner]
-            raise ValueError(
-                f"{key}={value!r} asks for {feature} training but train_impl is {impl!r}; set "
-                f"train_impl: {owner.split(' or ')[0]} or remove {key}"
-            )
-    if d.dataset_impl == "pairwise" and impl not in PAIRED:
-        raise ValueError(
-            f"dataset_impl='pairwise' is the chosen/rejected data of train_impl dpo or rm, but "
-            f"train_impl is {impl!r}; set dataset_impl: gpt2"
-        )
-    if impl == "normal":
-        return
-    if cfg.parallel.pp > 1:
-        raise ValueError(
-            f"train_impl={impl!r} cannot run with pipe_parallel_size={cfg.parallel.pp}: its "
-            "loss reads whole sequences' log-probabilities (and a reference model) at the last "
-            "stage; use pipe_parallel_size 1 (tensor and data parallelism both work)"
-        )
-    if d.data_path:
-        raise ValueError(
-            f"train_impl={impl!r} reads per-split data paths, not data_path; set "
-            + ("pos_/neg_train_data_paths" if impl in PAIRED else "train_data_paths")
-        )
-    for split in SPLITS:
-        if impl in PAIRED:
-            _check_paired(p, split, impl, d.train_data_paths if split == "train" else None)
-        else:
-            _check_rewarded(cfg, split)
-
-
-def _paths(group: object, key: str) -> list[str]:
-    return list(getattr(group, key) or [])
-
-
-def _check_paired(p: object, split: str, impl: str, plain: Optional[list[str]]) -> None:
-    pos, neg = _paths(p, f"pos_{split}_data_paths"), _paths(p, f"neg_{split}_data_paths")
-    if split == "train" and not pos:
-        raise ValueError(
-            f"train_impl={impl!r} trains on chosen/rejected pairs: set pos_train_data_paths and "
-            "neg_train_data_paths (preprocess_data_with_chat_template.py --jsonl-keys chosen "
-            "rejected writes them)" + ("; train_data_paths is not read by it" if plain else "")
-        )
-    if len(pos) != len(neg):
-        raise ValueError(
-            f"pos_{split}_data_paths has {len(pos)} entries and neg_{split}_data_paths "
-            f"{len(neg)}; give one rejected dataset per chosen one"
-        )
-    for side, data in (("pos", pos), ("neg", neg)):
-        labels = _paths(p, f"{side}_{split}_label_data_paths")
-        if labels and len(labels) != len(data):
-            raise ValueError(
-                f"{side}_{split}_label_data_paths has {len(labels)} entries and "
-                f"{side}_{split}_data_paths {len(data)}; give one label file per dataset"
-            )
-
-
-def _check_rewarded(cfg: NeoXConfig, split: str) -> None:
-    data = _paths(cfg.data, f"{split}_data_paths")
-    rewards = _paths(cfg.preference, f"{split}_reward_data_paths")
-    labels = _paths(cfg.data, f"{split}_label_data_paths")
-    if split == "train" and not (data and rewards):
-        raise ValueError(
-            "train_impl='kto' trains on rewarded answers: set train_data_paths and "
-            "train_reward_data_paths (preprocess_data_with_chat_template.py --reward-key writes "
-            "them)"
-        )
-    if data and len(rewards) != len(data):
-        raise ValueError(
-            f"{split}_reward_data_paths has {len(rewards)} entries and {split}_data_paths "
-            f"{len(data)}; KTO needs one reward file per dataset"
-        )
-    if labels and len(labels) != len(data):
-        raise ValueError(
-            f"{split}_label_data_paths has {len(labels)} entries and {split}_data_paths "
-            f"{len(data)}; give one label file per dataset"
-        )
 
 
 def pad_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel: int) -> int:
@@ -344,12 +135,6 @@ def precision_of(cfg: NeoXConfig) -> str:
     return from_sections or named or "fp32"
 
 
-def zero_stage_of(cfg: NeoXConfig) -> int:
-    """ZeRO stage: zero_optimization.stage, else gpt-neox's zero_stage shorthand, else 0."""
-    ds = cfg.deepspeed
-    return int((ds.zero_optimization or {}).get("stage", ds.zero_stage or 0))
-
-
 def optimizer_type(cfg: NeoXConfig) -> str:
     """optimizer.type, or gpt-neox's flat optimizer_type when no `optimizer` section is given."""
     o = cfg.optimizer
@@ -425,7 +210,7 @@ def derive(cfg: NeoXConfig, world_size: int, vocab_size: Optional[int] = None) -
     check_fused_loss(cfg)
     samples = sample_counts(cfg, glob)
     check_split_sources(cfg, samples)
-    check_preference_run(cfg, micro, samples)
+    cfg.preference.check_run(micro, samples, cfg.deepspeed.stage)
     return Derived(
         world_size=world_size,
         tensor_parallel=cfg.parallel.model_parallel_size,
@@ -441,7 +226,7 @@ def derive(cfg: NeoXConfig, world_size: int, vocab_size: Optional[int] = None) -
         optimizer_type=optimizer_type(cfg),
         lr=peak_lr(cfg),
         samples=samples,
-        zero_stage=zero_stage_of(cfg),
+        zero_stage=cfg.deepspeed.stage,
         model=cfg.model.shape,
     )
 
@@ -463,7 +248,7 @@ def data_parallel_size(world_size: int, tp: int = 1, pp: int = 1) -> int:
 
 def check_pipeline_clipping(cfg: NeoXConfig, precision: str) -> None:
     """DeepSpeed 0.19's fp32 pipeline path without ZeRO clips with a wrong global norm."""
-    stage = zero_stage_of(cfg)
+    stage = cfg.deepspeed.stage
     t = cfg.training
     clip = t.clip_grad if t.clip_grad is not None else t.gradient_clipping
     if cfg.parallel.pp > 1 and precision == "fp32" and not stage and clip:
@@ -551,34 +336,6 @@ def check_split_sources(cfg: NeoXConfig, samples: tuple[int, int, int]) -> None:
                 f"train_data_paths is set but {name}_data_paths is not, and the run evaluates "
                 f"{n} {name} samples; add {name}_data_paths (gpt-neox requires all three) or "
                 f"set {off[name]}"
-            )
-
-
-def check_preference_run(cfg: NeoXConfig, micro: int, samples: tuple[int, int, int]) -> None:
-    """KTO estimates its KL term from the other half of each micro-batch; paired data covers
-    every split the run evaluates on."""
-    impl = cfg.preference.train_impl
-    if impl == "kto" and micro < 2:
-        raise ConfigError(
-            f"train_impl='kto' needs train_micro_batch_size_per_gpu >= 2 (got {micro}): each "
-            "half of a micro-batch is the other's KL baseline"
-        )
-    p = cfg.preference
-    reference = impl == "kto" or (impl == "dpo" and not p.dpo_reference_free)
-    if reference and zero_stage_of(cfg) == 3:
-        raise ConfigError(
-            f"train_impl={impl!r} with ZeRO stage 3: the frozen reference copy is taken from "
-            "whole weights, which ZeRO-3 partitions; use ZeRO stage 1 or 2 (or "
-            "dpo_reference_free: true)"
-        )
-    if impl not in PAIRED:
-        return
-    off = {"valid": "do_valid: false (or eval_iters: 0)", "test": "do_test: false"}
-    for name, n in zip(("valid", "test"), samples[1:]):
-        if n and not getattr(cfg.preference, f"pos_{name}_data_paths"):
-            raise ConfigError(
-                f"train_impl={impl!r} evaluates {n} {name} samples but pos_{name}_data_paths is "
-                f"not set; add pos_/neg_{name}_data_paths or set {off[name]}"
             )
 
 

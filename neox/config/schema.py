@@ -8,7 +8,6 @@ from neox.config.base import ConfigGroup
 from neox.config.checkpoint import CheckpointConfig
 from neox.config.data import DataConfig, TokenizerConfig
 from neox.config.deepspeed import DeepSpeedConfig
-from neox.config.derived import check_config
 from neox.config.evaluation import EvalConfig
 from neox.config.float8 import Float8Config
 from neox.config.generation import GenerationConfig
@@ -81,7 +80,12 @@ class NeoXConfig(BaseModel):
 
     @model_validator(mode="after")
     def _across_groups(self) -> "NeoXConfig":
-        check_config(self)
+        """The rules of a group's keys that read other groups' keys (each group's own rules ran
+        when it was validated; the run's, which need its layout and batch, run in `derive`)."""
+        self.preference.check_with(self.data, self.parallel.pp)
+        self.lora.check_with(
+            self.model, self.parallel, self.deepspeed, self.training, self.preference, self.float8
+        )
         return self
 
     @classmethod

@@ -183,9 +183,14 @@ def test_model_shape_as_gpt_neox_derives_it():
 
 
 # Each derived value's formula as it would look written again outside the modules that derive:
-# neox/config/derived.py (the run's values) and the model's shape (shape.py, and model.py, which
-# builds it from ModelConfig's keys).
-DERIVING = {"neox/config/derived.py", "neox/config/shape.py", "neox/config/model.py"}
+# neox/config/derived.py (the run's values), the model's shape (shape.py, and model.py, which
+# builds it from ModelConfig's keys) and the ZeRO stage (DeepSpeedConfig.stage).
+DERIVING = {
+    "neox/config/derived.py",
+    "neox/config/shape.py",
+    "neox/config/model.py",
+    "neox/config/deepspeed.py",
+}
 RECOMPUTED = {
     "head_dim": r"hidden_size\s*//",
     "kv_heads": r"\.num_kv_heads\s+or\b",
