@@ -5,7 +5,8 @@ from typing import Annotated, Literal, Optional
 
 from pydantic import Field, field_validator, model_validator
 
-from neox.config.base import MAX_VOCAB, ConfigGroup, Reads, Refused
+from neox.config.base import MAX_VOCAB, ConfigGroup, Reads, Refused, Restricted
+from neox.config.errors import ConfigError
 
 TokenizerType = Literal[
     "GPT2BPETokenizer",
@@ -16,6 +17,13 @@ TokenizerType = Literal[
     "TiktokenTokenizer",
 ]
 
+
+# Per-document positions and masks stay inside the plain model's forward.
+PIPELINE_INPUTS = Restricted(
+    "Not with pipe_parallel_size > 1 (pipeline stages pass hidden states only).",
+    example={"reset_position_ids": True, "reset_attention_mask": True},
+    broken_by=({"pipe_parallel_size": 2, "gradient_clipping": 0},),
+)
 
 # A blending weight: the weights of a split are normalised, so any finite non-negative number.
 Weight = Annotated[float, Field(ge=0, le=1e12)]
@@ -148,10 +156,10 @@ class DataConfig(ConfigGroup):
     eod_mask_loss: Annotated[bool, Reads("neox/training/loop.py")] = False
     """Exclude end-of-document tokens from the loss."""
 
-    reset_position_ids: Annotated[bool, Reads("neox/training/loop.py")] = False
+    reset_position_ids: Annotated[bool, Reads("neox/training/loop.py"), PIPELINE_INPUTS] = False
     """Restart position ids at each document inside a sample."""
 
-    reset_attention_mask: Annotated[bool, Reads("neox/training/loop.py")] = False
+    reset_attention_mask: Annotated[bool, Reads("neox/training/loop.py"), PIPELINE_INPUTS] = False
     """Stop attention across documents inside a sample."""
 
     num_workers: Annotated[int, Reads("neox/training/setup.py")] = Field(2, ge=0, le=1024)
@@ -218,6 +226,33 @@ class DataConfig(ConfigGroup):
                 "train/valid/test_data_paths, not both"
             )
         return self
+
+    def check_run(self, pp: int, samples: tuple[int, int, int]) -> None:
+        """Pipeline stages pass hidden states only (no per-document positions or masks); per-split
+        data paths cover every split the run draws samples from (gpt-neox asks for all three),
+        so the ranks never find a split missing after launch. Run by `derive`."""
+        asked = [k for k in ("reset_position_ids", "reset_attention_mask") if getattr(self, k)]
+        if pp > 1 and asked:
+            raise ConfigError(
+                f"{' and '.join(asked)} cannot be used with pipe_parallel_size={pp} "
+                "(pipeline stages pass hidden states only); turn them off or use pipe_parallel_size 1"
+            )
+        if self.data_path or not self.train_data_paths:
+            return
+        for name, n, off in evaluated_splits(samples):
+            if not getattr(self, f"{name}_data_paths"):
+                raise ConfigError(
+                    f"train_data_paths is set but {name}_data_paths is not, and the run evaluates "
+                    f"{n} {name} samples; add {name}_data_paths (gpt-neox requires all three) or "
+                    f"set {off}"
+                )
+
+
+def evaluated_splits(samples: tuple[int, int, int]) -> list[tuple[str, int, str]]:
+    """(split, samples drawn, the setting that stops drawing them) of the valid and test splits a
+    run evaluates on: the splits whose data a run's rules ask for."""
+    off = {"valid": "do_valid: false (or eval_iters: 0)", "test": "do_test: false"}
+    return [(name, n, off[name]) for name, n in zip(("valid", "test"), samples[1:]) if n]
 
 
 def parse_split(split: str) -> list[float]:

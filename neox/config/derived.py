@@ -2,8 +2,10 @@
 schedule, precision. Everything else reads them from here rather than working them out again
 (the model's own shape is `ModelConfig.shape`, neox/config/shape.py).
 
-`derive` also runs the rules that need the run's layout or batch; the rules still here move to
-the groups that own their keys. The schema is imported for type hints only."""
+Rules live with the groups that own their keys: a group checks its own keys when validated,
+NeoXConfig the rules that read several groups, and `derive` hands the values it computes to
+`NeoXConfig.check_run` for the rules that need them. The schema is imported for type hints
+only."""
 
 from __future__ import annotations
 
@@ -202,15 +204,8 @@ def derive(cfg: NeoXConfig, world_size: int, vocab_size: Optional[int] = None) -
     micro, gas, glob = batch_triple(cfg, dp)
     decay, warmup = schedule_iters(cfg)
     padded = padded_vocab(cfg, vocab_size)
-    check_pipeline_clipping(cfg, precision_of(cfg))
-    check_loss_scale(cfg, precision_of(cfg))
-    check_float8(cfg, precision_of(cfg))
-    check_pipeline_inputs(cfg)
-    check_as_gpt_neox_does(cfg)
-    check_fused_loss(cfg)
     samples = sample_counts(cfg, glob)
-    check_split_sources(cfg, samples)
-    cfg.preference.check_run(micro, samples, cfg.deepspeed.stage)
+    cfg.check_run(precision_of(cfg), peak_lr(cfg), micro, samples)
     return Derived(
         world_size=world_size,
         tensor_parallel=cfg.parallel.model_parallel_size,
@@ -244,107 +239,3 @@ def data_parallel_size(world_size: int, tp: int = 1, pp: int = 1) -> int:
             f"of {world_size} ({divisors(world_size)})"
         )
     return world_size // (tp * pp)
-
-
-def check_pipeline_clipping(cfg: NeoXConfig, precision: str) -> None:
-    """DeepSpeed 0.19's fp32 pipeline path without ZeRO clips with a wrong global norm."""
-    stage = cfg.deepspeed.stage
-    t = cfg.training
-    clip = t.clip_grad if t.clip_grad is not None else t.gradient_clipping
-    if cfg.parallel.pp > 1 and precision == "fp32" and not stage and clip:
-        raise ConfigError(
-            f"pipe_parallel_size={cfg.parallel.pp} with fp32, ZeRO stage 0 and gradient_clipping="
-            f"{clip}: DeepSpeed computes the clipping norm from stage 0's parameters only in this "
-            "mode; use zero_optimization.stage 1 (or fp16/bf16), or gradient_clipping 0"
-        )
-
-
-def check_float8(cfg: NeoXConfig, precision: str) -> None:
-    """FP8 (neox/parallel/float8.py) converts the plain model's linears: bf16 or fp32 master
-    precision, no pipeline (its stages are built apart, neox/parallel/pipeline.py), and the
-    output layer only where the model's own head computes the logits (no chunked loss)."""
-    if not cfg.float8.fp8.enabled:
-        return
-    if precision == "fp16":
-        raise ConfigError(
-            "fp8.enabled with fp16: torchao's float8 training runs beside bf16 or fp32, not "
-            "fp16 loss scaling; set bf16: {enabled: true} (precision: bfloat16)"
-        )
-    if cfg.parallel.pp > 1:
-        raise ConfigError(
-            f"fp8.enabled with pipe_parallel_size={cfg.parallel.pp}: FP8 is applied to the "
-            "plain model, not to pipeline stages; use pipe_parallel_size 1 (tensor or data "
-            "parallelism) or set fp8.enabled: false"
-        )
-    chunk = cfg.model.lm_loss_chunk_size
-    if cfg.float8.fp8.output_layer and chunk:
-        raise ConfigError(
-            f"fp8.output_layer with lm_loss_chunk_size={chunk}: the chunked loss computes the "
-            "output layer in its own bf16 matmul; set lm_loss_chunk_size: 0 or "
-            "fp8.output_layer: false"
-        )
-
-
-def check_loss_scale(cfg: NeoXConfig, precision: str) -> None:
-    """fp16's dynamic_loss_scale against a static loss scale (gpt-neox's two spellings)."""
-    p = cfg.precision
-    static = p.loss_scale or (p.fp16 or {}).get("loss_scale")
-    if precision != "fp16":
-        return
-    if p.dynamic_loss_scale and static:
-        raise ConfigError(
-            f"dynamic_loss_scale=true contradicts a static loss_scale={static}; drop one of them"
-        )
-    if p.dynamic_loss_scale is False and not static:
-        raise ConfigError(
-            "dynamic_loss_scale=false needs a static loss scale; set loss_scale (e.g. 1024) "
-            "or drop dynamic_loss_scale"
-        )
-
-
-def check_as_gpt_neox_does(cfg: NeoXConfig) -> None:
-    """Combinations gpt-neox's own validation refuses (NeoXArgs.validate_values)."""
-    lr, min_lr = peak_lr(cfg), cfg.optimizer.min_lr
-    if min_lr > lr:
-        raise ConfigError(
-            f"min_lr={min_lr} exceeds the peak learning rate {lr}; lower min_lr or raise lr"
-        )
-
-
-def check_fused_loss(cfg: NeoXConfig) -> None:
-    """The chunked output-layer loss runs on the plain model's whole vocabulary only."""
-    chunk, tp, pp = cfg.model.lm_loss_chunk_size, cfg.parallel.model_parallel_size, cfg.parallel.pp
-    if chunk < 0:
-        raise ConfigError(f"lm_loss_chunk_size={chunk} must be >= 0 (0: full logits)")
-    if chunk and (tp > 1 or pp > 1):
-        raise ConfigError(
-            f"lm_loss_chunk_size={chunk} needs model_parallel_size=1 and pipe_parallel_size=1 "
-            f"(got {tp} and {pp}); set lm_loss_chunk_size 0 for this layout"
-        )
-
-
-def check_split_sources(cfg: NeoXConfig, samples: tuple[int, int, int]) -> None:
-    """Per-split data paths cover every split the run draws samples from (gpt-neox asks for all
-    three), so the ranks never find a split missing after launch."""
-    d = cfg.data
-    if d.data_path or not d.train_data_paths:
-        return
-    off = {"valid": "do_valid: false (or eval_iters: 0)", "test": "do_test: false"}
-    for name, n in zip(("valid", "test"), samples[1:]):
-        if n and not getattr(d, f"{name}_data_paths"):
-            raise ConfigError(
-                f"train_data_paths is set but {name}_data_paths is not, and the run evaluates "
-                f"{n} {name} samples; add {name}_data_paths (gpt-neox requires all three) or "
-                f"set {off[name]}"
-            )
-
-
-def check_pipeline_inputs(cfg: NeoXConfig) -> None:
-    """Pipeline stages pass hidden states only: no per-document positions or masks."""
-    d = cfg.data
-    asked = [k for k in ("reset_position_ids", "reset_attention_mask") if getattr(d, k)]
-    if cfg.parallel.pp > 1 and asked:
-        raise ConfigError(
-            f"{' and '.join(asked)} cannot be used with pipe_parallel_size={cfg.parallel.pp} "
-            "(pipeline stages pass hidden states only); turn them off or use pipe_parallel_size 1"
-        )

@@ -13,7 +13,9 @@ from neox.config.base import (
     ConfigGroup,
     Reads,
     Refused,
+    Restricted,
 )
+from neox.config.errors import ConfigError
 from neox.config.shape import (
     GATED_ACTIVATIONS,
     ROPE_SCALING_KEYS,
@@ -330,12 +332,18 @@ class ModelConfig(ConfigGroup):
     """No-op (gpt-neox key): neox builds no CUDA extensions; its Triton kernels compile on use."""
 
     lm_loss_chunk_size: Annotated[
-        int, Reads("neox/model/gpt.py", "neox/config/derived.py", "neox/plan/memory.py")
+        int,
+        Reads("neox/model/gpt.py", "neox/config/model.py", "neox/plan/memory.py"),
+        Restricted(
+            "Above 0, needs model_parallel_size 1 (tensor parallelism keeps its vocab-split "
+            "loss, whose logits are already split) and pipe_parallel_size 1.",
+            example={"lm_loss_chunk_size": 1024},
+            broken_by=({"model_parallel_size": 2},),
+        ),
     ] = Field(0, ge=0, le=MAX_COUNT)
     """Training loss from the output layer and cross-entropy fused, this many tokens at a time,
     so the full (tokens, vocab) float32 logits never exist (0: full logits). Same loss within
-    float32 rounding; needs model_parallel_size=1 (tensor parallelism keeps its vocab-split
-    loss, whose logits are already split)."""
+    float32 rounding."""
 
     _shape: ModelShape = PrivateAttr()
 
@@ -349,6 +357,18 @@ class ModelConfig(ConfigGroup):
     def _check_shape(self) -> "ModelConfig":
         self._shape = check_model(self)
         return self
+
+    def check_run(self, tp: int, pp: int) -> None:
+        """The chunked output-layer loss runs on the plain model's whole vocabulary only (run by
+        `derive`)."""
+        chunk = self.lm_loss_chunk_size
+        if chunk < 0:
+            raise ConfigError(f"lm_loss_chunk_size={chunk} must be >= 0 (0: full logits)")
+        if chunk and (tp > 1 or pp > 1):
+            raise ConfigError(
+                f"lm_loss_chunk_size={chunk} needs model_parallel_size=1 and pipe_parallel_size=1 "
+                f"(got {tp} and {pp}); set lm_loss_chunk_size 0 for this layout"
+            )
 
 
 def check_model(m: ModelConfig) -> ModelShape:

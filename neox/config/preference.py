@@ -5,7 +5,7 @@ from typing import Annotated, Literal, Optional
 from pydantic import Field, model_validator
 
 from neox.config.base import ConfigGroup, Reads, Restricted
-from neox.config.data import DataConfig
+from neox.config.data import DataConfig, evaluated_splits
 from neox.config.errors import ConfigError
 
 PREF = "neox/training/preference.py"
@@ -184,12 +184,11 @@ class PreferenceConfig(ConfigGroup):
             )
         if impl not in PAIRED:
             return
-        off = {"valid": "do_valid: false (or eval_iters: 0)", "test": "do_test: false"}
-        for name, n in zip(("valid", "test"), samples[1:]):
-            if n and not getattr(self, f"pos_{name}_data_paths"):
+        for name, n, off in evaluated_splits(samples):
+            if not getattr(self, f"pos_{name}_data_paths"):
                 raise ConfigError(
                     f"train_impl={impl!r} evaluates {n} {name} samples but pos_{name}_data_paths "
-                    f"is not set; add pos_/neg_{name}_data_paths or set {off[name]}"
+                    f"is not set; add pos_/neg_{name}_data_paths or set {off}"
                 )
 
     def _check_paired(self, split: str, plain: Optional[list[str]]) -> None:

@@ -88,6 +88,24 @@ class NeoXConfig(BaseModel):
         )
         return self
 
+    def check_run(
+        self, precision: str, lr: float, micro: int, samples: tuple[int, int, int]
+    ) -> None:
+        """The rules that need the run's derived values (precision, peak learning rate, micro
+        batch, samples drawn); `derive` runs them once it has them."""
+        tp, pp, zero_stage = (
+            self.parallel.model_parallel_size,
+            self.parallel.pp,
+            self.deepspeed.stage,
+        )
+        self.parallel.check_run(precision, zero_stage, self.training)
+        self.precision.check_run(precision)
+        self.float8.check_run(precision, pp, self.model.lm_loss_chunk_size)
+        self.data.check_run(pp, samples)
+        self.optimizer.check_run(lr)
+        self.model.check_run(tp, pp)
+        self.preference.check_run(micro, samples, zero_stage)
+
     @classmethod
     def from_flat(cls, flat: dict[str, Any]) -> "NeoXConfig":
         """Build from flat, already-normalised keys (the loader checks unknown keys first)."""

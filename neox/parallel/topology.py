@@ -6,8 +6,9 @@ pipeline stages are furthest apart:  rank = (pipe * dp + data) * tp + model.
 
 `Topology` is plain arithmetic and imports neither torch nor DeepSpeed; the rules a layout must
 meet (world divisible by tp x pp, heads and MLP width by tp, layers by pp) are config checks in
-neox/config/derived.py and neox/config/parallel.py, which `Topology.validate` applies. `ProcessGroups` is the runtime side:
-the torch.distributed groups of one rank, and the `mpu` object DeepSpeed's engine expects.
+neox/config/derived.py and neox/config/parallel.py, which `Topology.validate` applies.
+`ProcessGroups` is the runtime side: the torch.distributed groups of one rank, and the `mpu`
+object DeepSpeed's engine expects.
 """
 
 from __future__ import annotations
