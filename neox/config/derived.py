@@ -9,7 +9,6 @@ only."""
 
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Optional
@@ -21,8 +20,6 @@ from neox.config.shape import ModelShape
 
 if TYPE_CHECKING:
     from neox.config.schema import NeoXConfig
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)

@@ -93,11 +93,8 @@ class NeoXConfig(BaseModel):
     ) -> None:
         """The rules that need the run's derived values (precision, peak learning rate, micro
         batch, samples drawn); `derive` runs them once it has them."""
-        tp, pp, zero_stage = (
-            self.parallel.model_parallel_size,
-            self.parallel.pp,
-            self.deepspeed.stage,
-        )
+        tp, pp = self.parallel.model_parallel_size, self.parallel.pp
+        zero_stage = self.deepspeed.stage
         self.parallel.check_run(precision, zero_stage, self.training)
         self.precision.check_run(precision)
         self.float8.check_run(precision, pp, self.model.lm_loss_chunk_size)
