@@ -10,6 +10,8 @@ import json
 
 import torch
 
+from neox.inference.engine import left_pad
+
 VOCAB, PADDED = 100, 128  # HF's vocabulary; neox pads it (the padding must never leak back)
 BASE = dict(
     vocab_size=VOCAB,
@@ -162,3 +164,19 @@ def neox_pair(name: str, seed: int = 0):
 
 def token_ids(batch: int = 2, length: int = 52, seed: int = 1) -> torch.Tensor:
     return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def hf_greedy(hf, prompts: list[list[int]], new_tokens: int, pad: int = 0, device: str = "cpu"):
+    """transformers' greedy generate of exactly `new_tokens` per left-padded prompt (no EOS
+    stop), as lists of ids: the reference neox's decoding must equal."""
+    ids, mask = left_pad(prompts, pad, device)
+    out = hf.generate(
+        input_ids=ids,
+        attention_mask=mask.long(),
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        pad_token_id=pad,
+        eos_token_id=None,
+    )
+    return out[:, ids.shape[1] :].tolist()

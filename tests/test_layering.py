@@ -1,6 +1,7 @@
 """The packages of neox form layers: a module imports only its own layer or lower ones, and no
 modules import each other in a circle (a lazy import inside a function counts: it is the same
-dependency, only later). Imports under `if TYPE_CHECKING:` are annotations and do not count.
+dependency, only later). Imports under `if TYPE_CHECKING:` count too: an annotation that names a
+module is a dependency on it, and a circle through one still ties the modules together.
 
 Layers, lowest first:
 
@@ -47,6 +48,13 @@ LAYERS = [
 ]
 LAYER = {package: i for i, packages in enumerate(LAYERS) for package in packages}
 TORCH_FREE = ("config", "plan", *(key for key in LAYER if key.startswith("checkpoint.")))
+# Upward imports that wait for a module move, each with the move that ends it. The model names
+# inference's KV cache in annotations only; issue 32 (part 3) moves KVCache beside the model.
+AWAITING_MOVE = {
+    ("neox.model.attention", "neox.inference.cache"),
+    ("neox.model.block", "neox.inference.cache"),
+    ("neox.model.gpt", "neox.inference.cache"),
+}
 
 
 def modules() -> dict[str, Path]:
@@ -58,12 +66,8 @@ def modules() -> dict[str, Path]:
     return out
 
 
-def _is_type_checking(node: ast.AST) -> bool:
-    return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-
-
 def imports_of(path: Path, known: dict[str, Path]) -> set[str]:
-    """neox modules `path` imports, at module level or inside functions."""
+    """neox modules `path` imports: at module level, inside functions or for type checking."""
 
     def resolve(name: str) -> str:
         while name not in known:
@@ -74,8 +78,6 @@ def imports_of(path: Path, known: dict[str, Path]) -> set[str]:
 
     def visit(nodes: list[ast.stmt]) -> None:
         for node in nodes:
-            if _is_type_checking(node):
-                continue
             if isinstance(node, ast.Import):
                 found.update(resolve(a.name) for a in node.names if a.name.startswith("neox."))
             elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("neox"):
@@ -146,12 +148,15 @@ def test_no_import_cycles():
 
 
 def test_no_upward_imports():
-    upward = sorted(
-        f"{m} imports {t}"
+    found = {
+        (m, t)
         for m, targets in import_graph().items()
         for t in targets
         if LAYER[package(t)] > LAYER[package(m)]
-    )
+    }
+    moved = sorted(f"{m} -> {t}" for m, t in AWAITING_MOVE - found)
+    assert not moved, f"no longer imported: drop them from AWAITING_MOVE: {moved}"
+    upward = sorted(f"{m} imports {t}" for m, t in found - AWAITING_MOVE)
     assert not upward, "imports against the layer order (tests/test_layering.py):\n" + "\n".join(
         upward
     )

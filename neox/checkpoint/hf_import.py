@@ -35,8 +35,8 @@ from neox.checkpoint.staging import check_output_dir, staged_directory
 from neox.checkpoint.stream_writer import StreamingCheckpoint
 from neox.checkpoint.writer import check_layout
 from neox.config import ConfigError, load_dict, pad_vocab_size
-from neox.config.derived import ROPE_SCALING_KEYS
-from neox.config.derived import ROPE_TYPES as SCALING_TYPES
+from neox.config.shape import ROPE_SCALING_KEYS
+from neox.config.shape import ROPE_TYPES as SCALING_TYPES
 from neox.model import build_model
 from neox.tokenizer import build_tokenizer
 

@@ -8,6 +8,12 @@ where the field is defined. The status is one of:
 - refused: `Annotated[bool, Refused(feature, example, message)]` fails validation for any value
   but the feature-off ones, naming the feature.
 
+A key that works only with some values of other keys says so once, in a `Restricted(says, ...)`
+mark: the statement ends the field's description (and so its row in docs/config.md),
+and the group's checks enforce it (a model validator for rules among its own keys; a `check_with`
+for rules that read other groups, run by NeoXConfig; a `check_run` for rules that need the run's
+layout or batch, run by `derive`).
+
 tests/config/test_registry.py checks each declaration against the code; docs/config.md shows it.
 """
 
@@ -44,6 +50,14 @@ class ConfigGroup(BaseModel):
         frozen=False,
         allow_inf_nan=False,  # NaN or inf in a float key is always a mistake
     )
+
+    @classmethod
+    def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
+        super().__pydantic_init_subclass__(**kwargs)
+        for field in cls.model_fields.values():
+            for mark in field.metadata:
+                if isinstance(mark, Restricted) and mark.says not in (field.description or ""):
+                    field.description = f"{field.description or ''} Restricted: {mark.says}"
 
     def model_copy(self, *, update: Optional[dict[str, Any]] = None, deep: bool = False) -> Any:
         """A copy; with `update`, validated like a new config (pydantic's own copy would skip
@@ -82,6 +96,18 @@ class Refused:
         if value not in self.allowed:
             raise ValueError(self.message.format(key=info.field_name, value=value))
         return value
+
+
+@dataclass(frozen=True)
+class Restricted:
+    """The rule that ties a key to other keys, stated once: `says` is appended to the field's
+    description; the owning group's checks enforce it. `example` (flat keys) uses the key
+    validly; each of `broken_by` is valid alone but breaks the rule added to `example`, which
+    tests/config/test_registry.py checks."""
+
+    says: str
+    example: dict[str, Any]
+    broken_by: tuple[dict[str, Any], ...]
 
 
 @dataclass(frozen=True)

@@ -3,9 +3,10 @@
 import math
 from typing import Annotated, Literal, Optional
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
-from neox.config.base import MAX_VOCAB, ConfigGroup, Reads, Refused
+from neox.config.base import MAX_VOCAB, ConfigGroup, Reads, Refused, Restricted
+from neox.config.errors import ConfigError
 
 TokenizerType = Literal[
     "GPT2BPETokenizer",
@@ -16,6 +17,13 @@ TokenizerType = Literal[
     "TiktokenTokenizer",
 ]
 
+
+# Per-document positions and masks stay inside the plain model's forward.
+PIPELINE_INPUTS = Restricted(
+    "Not with pipe_parallel_size > 1 (pipeline stages pass hidden states only).",
+    example={"reset_position_ids": True, "reset_attention_mask": True},
+    broken_by=({"pipe_parallel_size": 2, "gradient_clipping": 0},),
+)
 
 # A blending weight: the weights of a split are normalised, so any finite non-negative number.
 Weight = Annotated[float, Field(ge=0, le=1e12)]
@@ -148,10 +156,10 @@ class DataConfig(ConfigGroup):
     eod_mask_loss: Annotated[bool, Reads("neox/training/loop.py")] = False
     """Exclude end-of-document tokens from the loss."""
 
-    reset_position_ids: Annotated[bool, Reads("neox/training/loop.py")] = False
+    reset_position_ids: Annotated[bool, Reads("neox/training/loop.py"), PIPELINE_INPUTS] = False
     """Restart position ids at each document inside a sample."""
 
-    reset_attention_mask: Annotated[bool, Reads("neox/training/loop.py")] = False
+    reset_attention_mask: Annotated[bool, Reads("neox/training/loop.py"), PIPELINE_INPUTS] = False
     """Stop attention across documents inside a sample."""
 
     num_workers: Annotated[int, Reads("neox/training/setup.py")] = Field(2, ge=0, le=1024)
@@ -184,6 +192,67 @@ class DataConfig(ConfigGroup):
     def _split_form(cls, v: str) -> str:
         parse_split(v)
         return v
+
+    @model_validator(mode="after")
+    def _sources(self) -> "DataConfig":
+        """Weights and label datasets match their paths; one way of naming the data."""
+        for name in ("train", "valid", "test"):
+            paths = getattr(self, f"{name}_data_paths")
+            weights = getattr(self, f"{name}_data_weights")
+            if weights is not None and not any(weights):
+                raise ValueError(f"{name}_data_weights={weights} are all zero; give one weight > 0")
+            if weights is not None and (paths is None or len(weights) != len(paths)):
+                raise ValueError(
+                    f"{name}_data_weights has {len(weights)} entries but {name}_data_paths has "
+                    f"{0 if paths is None else len(paths)}; give one weight per path"
+                )
+        for name in ("train", "valid", "test"):
+            paths = getattr(self, f"{name}_data_paths")
+            labels = getattr(self, f"{name}_label_data_paths")
+            if labels is not None and (paths is None or len(labels) != len(paths)):
+                raise ValueError(
+                    f"{name}_label_data_paths has {len(labels)} entries but {name}_data_paths "
+                    f"has {0 if paths is None else len(paths)}; give one label dataset per data "
+                    "path"
+                )
+        if self.label_data_paths and not self.data_path:
+            raise ValueError(
+                "label_data_paths is the label dataset of data_path, which is not set; with "
+                "train/valid/test_data_paths use train/valid/test_label_data_paths"
+            )
+        if self.train_data_paths and self.data_path:
+            raise ValueError(
+                "data_path and train_data_paths are both set; use data_path (with split) or "
+                "train/valid/test_data_paths, not both"
+            )
+        return self
+
+    def check_run(self, pp: int, samples: tuple[int, int, int]) -> None:
+        """Pipeline stages pass hidden states only (no per-document positions or masks); per-split
+        data paths cover every split the run draws samples from (gpt-neox asks for all three),
+        so the ranks never find a split missing after launch. Run by `derive`."""
+        asked = [k for k in ("reset_position_ids", "reset_attention_mask") if getattr(self, k)]
+        if pp > 1 and asked:
+            raise ConfigError(
+                f"{' and '.join(asked)} cannot be used with pipe_parallel_size={pp} "
+                "(pipeline stages pass hidden states only); turn them off or use pipe_parallel_size 1"
+            )
+        if self.data_path or not self.train_data_paths:
+            return
+        for name, n, off in evaluated_splits(samples):
+            if not getattr(self, f"{name}_data_paths"):
+                raise ConfigError(
+                    f"train_data_paths is set but {name}_data_paths is not, and the run evaluates "
+                    f"{n} {name} samples; add {name}_data_paths (gpt-neox requires all three) or "
+                    f"set {off}"
+                )
+
+
+def evaluated_splits(samples: tuple[int, int, int]) -> list[tuple[str, int, str]]:
+    """(split, samples drawn, the setting that stops drawing them) of the valid and test splits a
+    run evaluates on: the splits whose data a run's rules ask for."""
+    off = {"valid": "do_valid: false (or eval_iters: 0)", "test": "do_test: false"}
+    return [(name, n, off[name]) for name, n in zip(("valid", "test"), samples[1:]) if n]
 
 
 def parse_split(split: str) -> list[float]:

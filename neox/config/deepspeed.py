@@ -11,14 +11,16 @@ class DeepSpeedConfig(ConfigGroup):
     """DeepSpeed's own config sections and gpt-neox's shorthands for them."""
 
     zero_optimization: Annotated[
-        Optional[dict[str, Any]], Reads("neox/config/ds_config.py", "neox/config/derived.py")
+        Optional[dict[str, Any]], Reads("neox/config/ds_config.py", "neox/config/deepspeed.py")
     ] = None
     """DeepSpeed ZeRO section, e.g. {"stage": 1, "overlap_comm": true}. At stage 3, where unset
     and DeepCompile is off, neox's transformer blocks are ZeRO-3 leaf modules (`leaf_module: {classes:
     [neox.model.block.Block]}`): a block's weights are gathered at once, and its compiled graph
     is not broken by a hook per submodule."""
 
-    zero_stage: Annotated[Optional[int], Reads("neox/config/derived.py")] = Field(None, ge=0, le=3)
+    zero_stage: Annotated[Optional[int], Reads("neox/config/deepspeed.py")] = Field(
+        None, ge=0, le=3
+    )
     """gpt-neox shorthand for zero_optimization.stage."""
 
     zero_reduce_scatter: Annotated[Optional[bool], Reads("neox/config/ds_config.py")] = None
@@ -121,3 +123,8 @@ class DeepSpeedConfig(ConfigGroup):
                 f"zero_optimization.stage={stage!r} is not a ZeRO stage; use 0, 1, 2 or 3"
             )
         return v
+
+    @property
+    def stage(self) -> int:
+        """The ZeRO stage: zero_optimization.stage, else gpt-neox's zero_stage shorthand, else 0."""
+        return int((self.zero_optimization or {}).get("stage", self.zero_stage or 0))

@@ -15,8 +15,10 @@ later files overriding earlier ones.
 
 Values computed from these keys (the model's head size, key/value heads, MLP width and layer
 types; the data-parallel size, batch triple, schedule iterations, padded vocabulary, precision
-and optimizer type) are never keys: `neox/config/derived.py` computes each once, and
-`deepy.py --dry-run` prints them under `# derived`.
+and optimizer type) are never keys: `neox/config/shape.py` (the model's) and
+`neox/config/derived.py` (the run's) compute each once, and `deepy.py --dry-run` prints them
+under `# derived`. A key that works only with some values of other keys says so after
+"Restricted:" in its description.
 """
 
 

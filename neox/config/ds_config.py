@@ -2,7 +2,7 @@
 
 from typing import Any, Optional
 
-from neox.config.derived import Derived, zero_stage_of
+from neox.config.derived import Derived
 from neox.config.schema import NeoXConfig
 
 # ZeRO-3's defaults that neox changes where the config is silent (docs/benchmarks.md, "ZeRO-3 at
@@ -42,7 +42,7 @@ def zero_section(
     # gpt-neox configs still say `cpu_offload`; DeepSpeed now wants offload_optimizer.
     if zero.pop("cpu_offload", False):
         zero.setdefault("offload_optimizer", {"device": "cpu"})
-    zero["stage"] = zero_stage_of(cfg) if stage is None else stage
+    zero["stage"] = cfg.deepspeed.stage if stage is None else stage
     if data_parallel == 1 and zero["stage"] in (1, 2) and "offload_optimizer" not in zero:
         zero.update(overlap_comm=False, contiguous_gradients=False)
     # DeepCompile removes the module hooks and never sets up the buckets a leaf's gradient

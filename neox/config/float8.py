@@ -5,7 +5,8 @@ from typing import Annotated, Literal, Optional
 
 from pydantic import Field, model_validator
 
-from neox.config.base import MAX_LAYERS, ConfigGroup, Reads, Refused
+from neox.config.base import MAX_LAYERS, ConfigGroup, Reads, Refused, Restricted
+from neox.config.errors import ConfigError
 
 # The block linears FP8 can take (names as in neox/model, HF GPTNeoX's).
 FP8_MODULES = (
@@ -36,7 +37,7 @@ class Float8Spec(ConfigGroup):
     """Compute the output layer (the vocabulary projection, tied or not) in float8 too. Off
     by default: the logits' matmul is where float8's rounding costs most. It is one block's
     matmuls or less (6 x hidden x vocab FLOPs a token), so it weighs most in shallow models
-    (docs/benchmarks.md). Not with lm_loss_chunk_size, whose loss runs its own matmul."""
+    (docs/benchmarks.md)."""
 
     skip_first_layers: int = Field(1, ge=0, le=MAX_LAYERS)
     """Blocks at the bottom kept in bf16 (the first block sees the raw embeddings)."""
@@ -88,7 +89,16 @@ class Float8Config(ConfigGroup):
 
     fp8: Annotated[
         Float8Spec,
-        Reads("neox/config/float8.py", "neox/config/derived.py", "neox/plan/preflight.py"),
+        Reads("neox/config/float8.py", "neox/plan/preflight.py"),
+        Restricted(
+            "Enabled, not with fp16 nor pipe_parallel_size > 1; its output_layer not with "
+            "lm_loss_chunk_size.",
+            example={"fp8": {"enabled": True, "output_layer": True}, "bf16": {"enabled": True}},
+            broken_by=(
+                {"pipe_parallel_size": 2, "gradient_clipping": 0},
+                {"lm_loss_chunk_size": 1024},
+            ),
+        ),
     ] = Float8Spec()
     """FP8 section: enabled, recipe (tensorwise | rowwise), modules, output_layer,
     skip_first_layers, skip_last_layers, format, wgrad, fast_accum_backward. Weights, optimizer states and checkpoints stay in the run's
@@ -201,3 +211,29 @@ class Float8Config(ConfigGroup):
     def _consistent(self) -> "Float8Config":
         self.resolved()
         return self
+
+    def check_run(self, precision: str, pp: int, lm_loss_chunk_size: int) -> None:
+        """FP8 (neox/parallel/float8.py) converts the plain model's linears: bf16 or fp32 master
+        precision, no pipeline (its stages are built apart, neox/parallel/pipeline.py), and the
+        output layer only where the model's own head computes the logits (no chunked loss).
+        Run by `derive`."""
+        if not self.fp8.enabled:
+            return
+        if precision == "fp16":
+            raise ConfigError(
+                "fp8.enabled with fp16: torchao's float8 training runs beside bf16 or fp32, not "
+                "fp16 loss scaling; set bf16: {enabled: true} (precision: bfloat16)"
+            )
+        if pp > 1:
+            raise ConfigError(
+                f"fp8.enabled with pipe_parallel_size={pp}: FP8 is applied to the "
+                "plain model, not to pipeline stages; use pipe_parallel_size 1 (tensor or data "
+                "parallelism) or set fp8.enabled: false"
+            )
+        chunk = lm_loss_chunk_size
+        if self.fp8.output_layer and chunk:
+            raise ConfigError(
+                f"fp8.output_layer with lm_loss_chunk_size={chunk}: the chunked loss computes the "
+                "output layer in its own bf16 matmul; set lm_loss_chunk_size: 0 or "
+                "fp8.output_layer: false"
+            )

@@ -2,7 +2,7 @@
 
 from typing import Annotated, Optional
 
-from pydantic import Field, ValidationInfo, field_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from neox.config.base import MAX_COUNT, ConfigGroup, Reads, Refused
 
@@ -138,3 +138,12 @@ class LoggingConfig(ConfigGroup):
                 "/ \\ # ? % :"
             )
         return v
+
+    @model_validator(mode="after")
+    def _profile_window(self) -> "LoggingConfig":
+        if self.profile and not self.profile_step_start <= self.profile_step_stop:
+            raise ValueError(
+                f"profile_step_start={self.profile_step_start} and profile_step_stop="
+                f"{self.profile_step_stop} must satisfy 1 <= start <= stop"
+            )
+        return self

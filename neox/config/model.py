@@ -13,8 +13,17 @@ from neox.config.base import (
     ConfigGroup,
     Reads,
     Refused,
+    Restricted,
 )
-from neox.config.derived import ModelShape, check_model
+from neox.config.errors import ConfigError
+from neox.config.shape import (
+    GATED_ACTIVATIONS,
+    ROPE_SCALING_KEYS,
+    ModelShape,
+    ffn_size,
+    layer_types,
+    rope_scaling,
+)
 
 InitMethod = Literal[
     "normal",
@@ -32,7 +41,7 @@ InitMethod = Literal[
 class ModelConfig(ConfigGroup):
     """Shape and options of the decoder."""
 
-    num_layers: Annotated[int, Reads("neox/model/init.py", "neox/config/derived.py")] = Field(
+    num_layers: Annotated[int, Reads("neox/model/init.py", "neox/config/model.py")] = Field(
         2, ge=1, le=MAX_LAYERS
     )
     """Number of transformer blocks."""
@@ -47,22 +56,22 @@ class ModelConfig(ConfigGroup):
     )
     """Query heads per layer; hidden_size must be divisible by it."""
 
-    num_kv_heads: Annotated[Optional[int], Reads("neox/config/derived.py")] = Field(
+    num_kv_heads: Annotated[Optional[int], Reads("neox/config/model.py")] = Field(
         None, ge=1, le=MAX_WIDTH
     )
     """Key/value heads for grouped-query attention (None: same as num_attention_heads)."""
 
-    intermediate_size: Annotated[Optional[int], Reads("neox/config/derived.py")] = Field(
+    intermediate_size: Annotated[Optional[int], Reads("neox/config/model.py")] = Field(
         None, ge=1, le=MAX_MLP_WIDTH
     )
     """MLP width before gating (None: 4 x hidden); gated MLPs use 2/3 of it per branch, as gpt-neox."""
 
-    mlp_multiple_of: Annotated[int, Reads("neox/config/derived.py")] = Field(
+    mlp_multiple_of: Annotated[int, Reads("neox/config/model.py")] = Field(
         1, ge=1, le=MAX_MLP_WIDTH
     )
     """Round the MLP inner width up to a multiple of this (Llama configs use 256)."""
 
-    expansion_factor: Annotated[Optional[float], Reads("neox/config/derived.py")] = Field(
+    expansion_factor: Annotated[Optional[float], Reads("neox/config/model.py")] = Field(
         None, gt=0, le=64
     )
     """MLP width as a multiple of hidden_size, used when intermediate_size is unset."""
@@ -70,7 +79,7 @@ class ModelConfig(ConfigGroup):
     seq_length: Annotated[int, Reads("neox/training/setup.py")] = Field(128, ge=1, le=MAX_POSITIONS)
     """Training sequence length in tokens."""
 
-    max_position_embeddings: Annotated[Optional[int], Reads("neox/config/derived.py")] = Field(
+    max_position_embeddings: Annotated[Optional[int], Reads("neox/config/model.py")] = Field(
         None, ge=1, le=MAX_POSITIONS
     )
     """Longest position the model supports (None: seq_length); seq_length may not exceed it."""
@@ -82,7 +91,7 @@ class ModelConfig(ConfigGroup):
     itself included, so N + 1 keys (HF Mistral/Qwen `sliding_window` = N + 1); None is full
     causal. Every layer, or only the `local` layers of attention_config."""
 
-    head_dim: Annotated[Optional[int], Reads("neox/config/derived.py")] = Field(
+    head_dim: Annotated[Optional[int], Reads("neox/config/model.py")] = Field(
         None, ge=1, le=MAX_WIDTH
     )
     """Features per attention head (None: hidden_size / num_attention_heads). Qwen3-0.6B uses
@@ -117,7 +126,7 @@ class ModelConfig(ConfigGroup):
     ] = "learned"
     """Positional information: rotary, learned absolute embeddings, ALiBi biases, or none."""
 
-    rotary_pct: Annotated[float, Reads("neox/config/derived.py")] = Field(1.0, gt=0, le=1)
+    rotary_pct: Annotated[float, Reads("neox/config/model.py")] = Field(1.0, gt=0, le=1)
     """Fraction of each head's dimensions that rotary embeddings rotate (Pythia: 0.25)."""
 
     rotary_emb_base: Annotated[int, Reads("neox/model/attention.py")] = Field(
@@ -126,7 +135,7 @@ class ModelConfig(ConfigGroup):
     """Base of the rotary frequencies."""
 
     rope_scaling_type: Annotated[
-        Optional[Literal["linear", "dynamic", "yarn", "llama3"]], Reads("neox/config/derived.py")
+        Optional[Literal["linear", "dynamic", "yarn", "llama3"]], Reads("neox/config/shape.py")
     ] = None
     """RoPE scaling as transformers' `rope_parameters.rope_type` computes it: `linear` divides
     every frequency by the factor; `dynamic` (NTK) raises the base once a sequence is longer than
@@ -134,61 +143,61 @@ class ModelConfig(ConfigGroup):
     interpolated and original frequencies and scales cos/sin by its attention factor; `llama3`
     divides the low frequencies by the factor, smoothly (Llama 3.1+). None: unscaled."""
 
-    rope_scaling_factor: Annotated[Optional[float], Reads("neox/config/derived.py")] = Field(
+    rope_scaling_factor: Annotated[Optional[float], Reads("neox/config/shape.py")] = Field(
         None, gt=0, le=1e6
     )
     """The scaling `factor` (required by every rope_scaling_type; for yarn, None means
     max_position_embeddings / rope_original_max_position_embeddings, as transformers does)."""
 
     rope_original_max_position_embeddings: Annotated[
-        Optional[int], Reads("neox/config/derived.py")
+        Optional[int], Reads("neox/config/shape.py")
     ] = Field(None, ge=1, le=MAX_POSITIONS)
     """Pretraining context length of a `yarn` or `llama3` model (None: max_position_embeddings);
     `dynamic` scales from max_position_embeddings itself, as transformers does."""
 
-    rope_low_freq_factor: Annotated[Optional[float], Reads("neox/config/derived.py")] = Field(
+    rope_low_freq_factor: Annotated[Optional[float], Reads("neox/config/shape.py")] = Field(
         None, gt=0, le=1e6
     )
     """`llama3`: wavelengths longer than original length / this are divided by the factor
     (Llama 3.1: 1)."""
 
-    rope_high_freq_factor: Annotated[Optional[float], Reads("neox/config/derived.py")] = Field(
+    rope_high_freq_factor: Annotated[Optional[float], Reads("neox/config/shape.py")] = Field(
         None, gt=0, le=1e6
     )
     """`llama3`: wavelengths shorter than original length / this are kept; those between the two
     bounds are interpolated (Llama 3.1: 4)."""
 
-    rope_yarn_beta_fast: Annotated[Optional[float], Reads("neox/config/derived.py")] = Field(
+    rope_yarn_beta_fast: Annotated[Optional[float], Reads("neox/config/shape.py")] = Field(
         None, gt=0, le=1e6
     )
     """`yarn`: rotations bounding the extrapolated (unscaled) dimensions (None: 32)."""
 
-    rope_yarn_beta_slow: Annotated[Optional[float], Reads("neox/config/derived.py")] = Field(
+    rope_yarn_beta_slow: Annotated[Optional[float], Reads("neox/config/shape.py")] = Field(
         None, gt=0, le=1e6
     )
     """`yarn`: rotations bounding the interpolated dimensions (None: 1)."""
 
-    rope_yarn_attention_factor: Annotated[Optional[float], Reads("neox/config/derived.py")] = Field(
+    rope_yarn_attention_factor: Annotated[Optional[float], Reads("neox/config/shape.py")] = Field(
         None, ge=0, le=1e6
     )
     """`yarn`: scale of cos and sin (None: 0.1 ln(factor) + 1, or the mscale ratio below)."""
 
-    rope_yarn_mscale: Annotated[Optional[float], Reads("neox/config/derived.py")] = Field(
+    rope_yarn_mscale: Annotated[Optional[float], Reads("neox/config/shape.py")] = Field(
         None, ge=0, le=1e6
     )
     """`yarn`, with rope_yarn_mscale_all_dim and no attention factor: the attention factor is
     (0.1 mscale ln(factor) + 1) / (0.1 mscale_all_dim ln(factor) + 1) (DeepSeek-style)."""
 
-    rope_yarn_mscale_all_dim: Annotated[Optional[float], Reads("neox/config/derived.py")] = Field(
+    rope_yarn_mscale_all_dim: Annotated[Optional[float], Reads("neox/config/shape.py")] = Field(
         None, ge=0, le=1e6
     )
     """`yarn`: the denominator's mscale of the attention factor (see rope_yarn_mscale)."""
 
-    rope_yarn_truncate: Annotated[bool, Reads("neox/config/derived.py")] = True
+    rope_yarn_truncate: Annotated[bool, Reads("neox/config/shape.py")] = True
     """`yarn`: round the correction range's bounds to whole dimensions (transformers' default;
     gpt-oss sets false)."""
 
-    rope_scaling: Annotated[Optional[dict[str, Any]], Reads("neox/config/derived.py")] = None
+    rope_scaling: Annotated[Optional[dict[str, Any]], Reads("neox/config/model.py")] = None
     """The same settings as one mapping in transformers' spelling, e.g. {rope_type: llama3,
     factor: 8.0, low_freq_factor: 1.0, high_freq_factor: 4.0, original_max_position_embeddings:
     8192}; an alternative to the flat rope_* keys (not both)."""
@@ -215,7 +224,7 @@ class ModelConfig(ConfigGroup):
     """Biases in the attention projections (query/key/value, and the output unless
     use_bias_in_attn_dense says otherwise)."""
 
-    use_bias_in_attn_dense: Annotated[Optional[bool], Reads("neox/config/derived.py")] = None
+    use_bias_in_attn_dense: Annotated[Optional[bool], Reads("neox/config/model.py")] = None
     """Bias in the attention output projection (None: as use_bias_in_attn_linear). Qwen2/2.5
     have q/k/v biases and none here: use_bias_in_attn_linear true, this false."""
 
@@ -237,7 +246,7 @@ class ModelConfig(ConfigGroup):
     init_method_std: Annotated[float, Reads("neox/model/init.py")] = Field(0.02, gt=0, le=10)
     """Standard deviation of the normal initialisers."""
 
-    attention_config: Annotated[Optional[list[Any]], Reads("neox/config/derived.py")] = None
+    attention_config: Annotated[Optional[list[Any]], Reads("neox/config/model.py")] = None
     """gpt-neox per-layer attention types, e.g. [[["flash"], 24]] or [[["global", "local"], 12]]."""
 
     attention_impl: Annotated[
@@ -323,12 +332,18 @@ class ModelConfig(ConfigGroup):
     """No-op (gpt-neox key): neox builds no CUDA extensions; its Triton kernels compile on use."""
 
     lm_loss_chunk_size: Annotated[
-        int, Reads("neox/model/gpt.py", "neox/config/derived.py", "neox/plan/memory.py")
+        int,
+        Reads("neox/model/gpt.py", "neox/config/model.py", "neox/plan/memory.py"),
+        Restricted(
+            "Above 0, needs model_parallel_size 1 (tensor parallelism keeps its vocab-split "
+            "loss, whose logits are already split) and pipe_parallel_size 1.",
+            example={"lm_loss_chunk_size": 1024},
+            broken_by=({"model_parallel_size": 2},),
+        ),
     ] = Field(0, ge=0, le=MAX_COUNT)
     """Training loss from the output layer and cross-entropy fused, this many tokens at a time,
     so the full (tokens, vocab) float32 logits never exist (0: full logits). Same loss within
-    float32 rounding; needs model_parallel_size=1 (tensor parallelism keeps its vocab-split
-    loss, whose logits are already split)."""
+    float32 rounding."""
 
     _shape: ModelShape = PrivateAttr()
 
@@ -342,3 +357,81 @@ class ModelConfig(ConfigGroup):
     def _check_shape(self) -> "ModelConfig":
         self._shape = check_model(self)
         return self
+
+    def check_run(self, tp: int, pp: int) -> None:
+        """The chunked output-layer loss runs on the plain model's whole vocabulary only (run by
+        `derive`)."""
+        chunk = self.lm_loss_chunk_size
+        if chunk < 0:
+            raise ConfigError(f"lm_loss_chunk_size={chunk} must be >= 0 (0: full logits)")
+        if chunk and (tp > 1 or pp > 1):
+            raise ConfigError(
+                f"lm_loss_chunk_size={chunk} needs model_parallel_size=1 and pipe_parallel_size=1 "
+                f"(got {tp} and {pp}); set lm_loss_chunk_size 0 for this layout"
+            )
+
+
+def check_model(m: ModelConfig) -> ModelShape:
+    """The model's own cross-field rules (run when a ModelConfig is validated, since its shape
+    depends on them); returns the shape. Raises ValueError naming the keys and the fix."""
+    if m.head_dim is None and m.hidden_size % m.num_attention_heads:
+        raise ValueError(
+            f"hidden_size={m.hidden_size} is not divisible by "
+            f"num_attention_heads={m.num_attention_heads}; pick heads among "
+            f"{_divisor_list(m.hidden_size)}, or set head_dim"
+        )
+    kv = m.num_kv_heads
+    if kv is not None and m.num_attention_heads % kv:
+        raise ValueError(
+            f"num_attention_heads={m.num_attention_heads} is not divisible by "
+            f"num_kv_heads={kv}; use one of {_divisor_list(m.num_attention_heads)}"
+        )
+    shape = model_shape(m)  # also checks attention_config
+    if m.pos_emb == "rotary" and shape.rotary_dims % 2:
+        raise ValueError(
+            f"rotary_pct={m.rotary_pct} rotates {shape.head_dim * m.rotary_pct:g} of "
+            f"{shape.head_dim} head dims; that must be an even whole number"
+        )
+    if m.max_position_embeddings is not None and m.seq_length > m.max_position_embeddings:
+        raise ValueError(
+            f"seq_length={m.seq_length} exceeds max_position_embeddings="
+            f"{m.max_position_embeddings}; raise max_position_embeddings or shorten seq_length"
+        )
+    if m.gpt_j_tied and not m.gpt_j_residual:
+        raise ValueError("gpt_j_tied=true needs gpt_j_residual=true")
+    return shape
+
+
+def _divisor_list(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0][:12]
+
+
+def model_shape(m: ModelConfig) -> ModelShape:
+    """The ModelShape of `m`; raises ValueError for an attention_config that does not fit."""
+    head_dim = m.head_dim or m.hidden_size // m.num_attention_heads
+    max_positions = m.max_position_embeddings or m.seq_length
+    dense_bias = m.use_bias_in_attn_dense
+    return ModelShape(
+        attn_dense_bias=m.use_bias_in_attn_linear if dense_bias is None else dense_bias,
+        rope=rope_scaling(
+            {key: getattr(m, key) for key in ("rope_scaling_type", *ROPE_SCALING_KEYS.values())},
+            m.rope_scaling,
+            m.rotary_emb_base,
+            m.pos_emb,
+            max_positions,
+        ),
+        head_dim=head_dim,
+        kv_heads=m.num_kv_heads or m.num_attention_heads,
+        ffn_size=ffn_size(
+            m.hidden_size,
+            m.intermediate_size,
+            m.expansion_factor,
+            m.activation,
+            m.mlp_multiple_of,
+        ),
+        gated_mlp=m.activation in GATED_ACTIVATIONS,
+        rotary_dims=int(head_dim * m.rotary_pct),
+        max_positions=max_positions,
+        position_rows=max_positions + m.opt_pos_emb_offset,
+        layer_types=layer_types(m.attention_config, m.num_layers),
+    )

@@ -6,6 +6,7 @@ from typing import Annotated, Any, Literal, Optional
 from pydantic import Field, field_validator, model_validator
 
 from neox.config.base import MAX_COUNT, MAX_LR, ConfigGroup, Reads, Refused
+from neox.config.errors import ConfigError
 
 OPTIMIZER_TYPES = ("adam", "adamw", "cpu_adam", "cpu_torch_adam", "sgd", "lion")
 
@@ -141,3 +142,12 @@ class OptimizerConfig(ConfigGroup):
         if v is not None and v < 0:
             raise ValueError(f"{info.field_name}={v} is negative; learning rates are >= 0")
         return v
+
+    def check_run(self, lr: float) -> None:
+        """Combinations gpt-neox's own validation refuses (NeoXArgs.validate_values), against
+        the peak learning rate `derive` resolves."""
+        if self.min_lr > lr:
+            raise ConfigError(
+                f"min_lr={self.min_lr} exceeds the peak learning rate {lr}; lower min_lr or raise "
+                "lr"
+            )

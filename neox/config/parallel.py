@@ -4,7 +4,10 @@ from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
 
-from neox.config.base import MAX_RANKS, ConfigGroup, Reads, Refused
+from neox.config.base import MAX_RANKS, ConfigGroup, Reads, Refused, Restricted
+from neox.config.errors import ConfigError
+from neox.config.model import ModelConfig
+from neox.config.training import TrainingConfig
 
 
 class ParallelConfig(ConfigGroup):
@@ -15,9 +18,16 @@ class ParallelConfig(ConfigGroup):
     )
     """Tensor-parallel degree (Megatron-style column/row split of each layer)."""
 
-    pipe_parallel_size: Annotated[int, Reads("neox/config/parallel.py")] = Field(
-        1, ge=0, le=MAX_RANKS
-    )
+    pipe_parallel_size: Annotated[
+        int,
+        Reads("neox/config/parallel.py"),
+        Restricted(
+            "Above 1 in fp32 with ZeRO stage 0, needs gradient_clipping 0 (DeepSpeed 0.19 "
+            "computes the clipping norm from one stage's parameters there).",
+            example={"pipe_parallel_size": 2, "zero_optimization": {"stage": 1}},
+            broken_by=({"zero_optimization": {"stage": 0}},),
+        ),
+    ] = Field(1, ge=0, le=MAX_RANKS)
     """Pipeline stages (gpt-neox: 0 and 1 both mean no pipeline)."""
 
     pipe_partition_method: Annotated[str, Reads("neox/training/setup.py")] = "type:Block"
@@ -54,3 +64,56 @@ class ParallelConfig(ConfigGroup):
     def pp(self) -> int:
         """Pipeline stages, with gpt-neox's 0 read as 1."""
         return max(1, self.pipe_parallel_size)
+
+    def check_run(self, precision: str, zero_stage: int, training: TrainingConfig) -> None:
+        """DeepSpeed 0.19's fp32 pipeline path without ZeRO clips with a wrong global norm
+        (run by `derive`)."""
+        t = training
+        clip = t.clip_grad if t.clip_grad is not None else t.gradient_clipping
+        if self.pp > 1 and precision == "fp32" and not zero_stage and clip:
+            raise ConfigError(
+                f"pipe_parallel_size={self.pp} with fp32, ZeRO stage 0 and gradient_clipping="
+                f"{clip}: DeepSpeed computes the clipping norm from stage 0's parameters only in "
+                "this mode; use zero_optimization.stage 1 (or fp16/bf16), or gradient_clipping 0"
+            )
+
+
+def check_model_split(m: ModelConfig, tp: int, pp: int, source: str = "") -> None:
+    """Raise ConfigError, naming the key and the fix, when the model cannot be cut into `tp`
+    tensor-parallel shards and `pp` pipeline stages.
+
+    Args:
+        source: where the values came from (a config path), quoted in the messages.
+    """
+    where = f" ({source})" if source else ""
+    heads, pp = m.num_attention_heads, max(1, pp)
+    if heads % tp:
+        raise ConfigError(
+            f"num_attention_heads={heads} is not divisible by model_parallel_size={tp}{where}; "
+            f"use model_parallel_size {divisors(heads)}"
+        )
+    kv = m.shape.kv_heads
+    if kv % tp:
+        raise ConfigError(
+            f"num_kv_heads={kv} is not divisible by model_parallel_size={tp}{where}; each "
+            f"tensor-parallel rank needs whole key/value heads: use model_parallel_size "
+            f"{divisors(kv)}, or raise num_kv_heads"
+        )
+    ffn = m.shape.ffn_size
+    if ffn % tp:
+        raise ConfigError(
+            f"the MLP width {ffn} (intermediate_size/expansion_factor) is not divisible by "
+            f"model_parallel_size={tp}{where}; use model_parallel_size {divisors(ffn)} or "
+            f"set mlp_multiple_of to a multiple of {tp}"
+        )
+    if m.num_layers < pp:
+        raise ConfigError(
+            f"num_layers={m.num_layers} is smaller than pipe_parallel_size={pp}{where}; "
+            f"every stage needs a block: use pipe_parallel_size <= {m.num_layers}"
+        )
+
+
+def divisors(n: int) -> str:
+    """`1, 2, 4 or 8`: the divisors of n, for a message that names the choices."""
+    ds = [str(d) for d in range(1, n + 1) if n % d == 0]
+    return ", ".join(ds[:-1]) + " or " + ds[-1] if len(ds) > 1 else ds[0]

@@ -5,6 +5,7 @@ from typing import Annotated, Any, Literal, Optional
 from pydantic import Field, ValidationInfo, field_validator
 
 from neox.config.base import MAX_COUNT, ConfigGroup, Reads, check_finite
+from neox.config.errors import ConfigError
 
 
 class PrecisionConfig(ConfigGroup):
@@ -71,3 +72,19 @@ class PrecisionConfig(ConfigGroup):
                 "false), as gpt-neox requires"
             )
         return v
+
+    def check_run(self, precision: str) -> None:
+        """fp16's dynamic_loss_scale against a static loss scale (gpt-neox's two spellings);
+        run by `derive`, which knows the precision."""
+        static = self.loss_scale or (self.fp16 or {}).get("loss_scale")
+        if precision != "fp16":
+            return
+        if self.dynamic_loss_scale and static:
+            raise ConfigError(
+                f"dynamic_loss_scale=true contradicts a static loss_scale={static}; drop one of them"
+            )
+        if self.dynamic_loss_scale is False and not static:
+            raise ConfigError(
+                "dynamic_loss_scale=false needs a static loss scale; set loss_scale (e.g. 1024) "
+                "or drop dynamic_loss_scale"
+            )

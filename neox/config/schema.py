@@ -8,7 +8,6 @@ from neox.config.base import ConfigGroup
 from neox.config.checkpoint import CheckpointConfig
 from neox.config.data import DataConfig, TokenizerConfig
 from neox.config.deepspeed import DeepSpeedConfig
-from neox.config.derived import check_config
 from neox.config.evaluation import EvalConfig
 from neox.config.float8 import Float8Config
 from neox.config.generation import GenerationConfig
@@ -81,8 +80,28 @@ class NeoXConfig(BaseModel):
 
     @model_validator(mode="after")
     def _across_groups(self) -> "NeoXConfig":
-        check_config(self)
+        """The rules of a group's keys that read other groups' keys (each group's own rules ran
+        when it was validated; the run's, which need its layout and batch, run in `derive`)."""
+        self.preference.check_with(self.data, self.parallel.pp)
+        self.lora.check_with(
+            self.model, self.parallel, self.deepspeed, self.training, self.preference, self.float8
+        )
         return self
+
+    def check_run(
+        self, precision: str, lr: float, micro: int, samples: tuple[int, int, int]
+    ) -> None:
+        """The rules that need the run's derived values (precision, peak learning rate, micro
+        batch, samples drawn); `derive` runs them once it has them."""
+        tp, pp = self.parallel.model_parallel_size, self.parallel.pp
+        zero_stage = self.deepspeed.stage
+        self.parallel.check_run(precision, zero_stage, self.training)
+        self.precision.check_run(precision)
+        self.float8.check_run(precision, pp, self.model.lm_loss_chunk_size)
+        self.data.check_run(pp, samples)
+        self.optimizer.check_run(lr)
+        self.model.check_run(tp, pp)
+        self.preference.check_run(micro, samples, zero_stage)
 
     @classmethod
     def from_flat(cls, flat: dict[str, Any]) -> "NeoXConfig":

@@ -2,9 +2,17 @@
 
 from typing import Annotated, Optional
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
-from neox.config.base import MAX_BATCH, MAX_COUNT, MAX_LAYERS, ConfigGroup, Reads, Refused
+from neox.config.base import (
+    MAX_BATCH,
+    MAX_COUNT,
+    MAX_LAYERS,
+    ConfigGroup,
+    Reads,
+    Refused,
+    Restricted,
+)
 
 
 class TrainingConfig(ConfigGroup):
@@ -112,15 +120,20 @@ class TrainingConfig(ConfigGroup):
     """Recompute activations in the backward pass to save memory."""
 
     activation_memory_budget: Annotated[
-        float, Reads("neox/parallel/build.py", "neox/plan/memory.py")
+        float,
+        Reads("neox/parallel/build.py", "neox/plan/memory.py"),
+        Restricted(
+            "Below 1, needs torch_compile (not false) and checkpoint_activations: false.",
+            example={"activation_memory_budget": 0.5},
+            broken_by=({"torch_compile": False}, {"checkpoint_activations": True}),
+        ),
     ] = Field(1.0, ge=0, le=1)
     """Selective activation checkpointing inside each compiled block (torch_compile): the
     fraction of its activations, between recomputing all (0) and the default partition (1),
     that forward keeps for backward. Below 1, torch.compile's partitioner recomputes what costs
     fewest FLOPs per byte saved (pointwise ops first), so at long sequences, where attention
     costs the most per byte it saves, it reruns far less than checkpoint_activations, which
-    reruns every block whole (1.28x its tokens/s at seq 32k, docs/benchmarks.md). Needs
-    torch_compile, and checkpoint_activations off; 1: off."""
+    reruns every block whole (1.28x its tokens/s at seq 32k, docs/benchmarks.md). 1: off."""
 
     checkpoint_num_layers: Annotated[
         int, Reads("neox/training/setup.py", "neox/config/ds_config.py")
@@ -193,3 +206,22 @@ class TrainingConfig(ConfigGroup):
         ),
     ] = 0.0
     """gpt-neox key for the z-loss auxiliary term; not implemented in neox, so it must be 0."""
+
+    @model_validator(mode="after")
+    def _selective_recompute(self) -> "TrainingConfig":
+        # A budget below 1 selects what compiled blocks recompute.
+        budget = self.activation_memory_budget
+        if budget < 1 and self.torch_compile is False:
+            raise ValueError(
+                f"activation_memory_budget={budget} selects what compiled blocks "
+                "recompute, but torch_compile is false; unset torch_compile (on for GPU runs) or "
+                "use checkpoint_activations: true"
+            )
+        if budget < 1 and self.checkpoint_activations:
+            raise ValueError(
+                f"activation_memory_budget={budget} and checkpoint_activations: "
+                "true both recompute activations (the whole block would be rerun, then part of it "
+                "again); set checkpoint_activations: false to recompute selectively, or "
+                "activation_memory_budget: 1 to rerun whole blocks"
+            )
+        return self

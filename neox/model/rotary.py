@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from neox.config.derived import RopeScaling
+from neox.config.shape import RopeScaling
 
 # Tables shared by every layer with the same rotary settings (a 128k-position table is 130 MB in
 # fp32; one per layer would be gigabytes), freed once no layer holds them.

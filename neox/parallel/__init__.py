@@ -1,9 +1,14 @@
 """Tensor, pipeline and data parallelism applied to the plain GPTNeoX from outside.
 
-`neox.parallel.topology` imports neither torch nor DeepSpeed (config validation uses it before
-launch); the rest is imported on first use.
+`topology` is the layout (tp x pp x dp) and its process groups; `tensor` swaps the model's
+linears for column/row-parallel ones; `pipeline` cuts it into DeepSpeed pipeline stages;
+`build.parallelize` does all of it for a run. DeepSpeed is imported inside the functions that
+need it, so importing this package costs torch, not DeepSpeed.
 """
 
+from neox.parallel.build import engine_mpu, parallelize, pipeline_batch
+from neox.parallel.pipeline import to_pipeline
+from neox.parallel.tensor import apply_tensor_parallel
 from neox.parallel.topology import Coord, ProcessGroups, Topology
 
 __all__ = [
@@ -16,19 +21,3 @@ __all__ = [
     "pipeline_batch",
     "to_pipeline",
 ]
-
-_LAZY = {
-    "apply_tensor_parallel": "neox.parallel.tensor",
-    "to_pipeline": "neox.parallel.pipeline",
-    "parallelize": "neox.parallel.build",
-    "engine_mpu": "neox.parallel.build",
-    "pipeline_batch": "neox.parallel.build",
-}
-
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'neox.parallel' has no attribute {name!r}")

@@ -4,10 +4,11 @@ Ranks are laid out as DeepSpeed's `PipeModelDataParallelTopology` lays them out,
 (pipe, data, model) row-major, so tensor-parallel peers are adjacent ranks (same node) and
 pipeline stages are furthest apart:  rank = (pipe * dp + data) * tp + model.
 
-`Topology` is plain arithmetic and imports neither torch nor DeepSpeed; the rules a layout must
+`Topology` is plain arithmetic (only ProcessGroups uses torch.distributed); the rules a layout must
 meet (world divisible by tp x pp, heads and MLP width by tp, layers by pp) are config checks in
-neox/config/derived.py, which `Topology.validate` applies. `ProcessGroups` is the runtime side:
-the torch.distributed groups of one rank, and the `mpu` object DeepSpeed's engine expects.
+neox/config/derived.py and neox/config/parallel.py, which `Topology.validate` applies.
+`ProcessGroups` is the runtime side: the torch.distributed groups of one rank, and the `mpu`
+object DeepSpeed's engine expects.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
-from neox.config.derived import check_model_split, data_parallel_size
+from neox.config.derived import data_parallel_size
+from neox.config.parallel import check_model_split
 
 if TYPE_CHECKING:
     from neox.config.model import ModelConfig

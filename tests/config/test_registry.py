@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from neox.config import ConfigError, load_dict
+from neox.config import ConfigError, derive, load_dict
+from neox.config.base import Restricted
 from neox.config.registry import KEYS, NoOp, Reads, Refused
 from neox.config.schema import GROUPS, KEY_OWNER
 
@@ -98,3 +99,34 @@ def test_refused_key_names_its_feature(key):
     with pytest.raises(ConfigError) as e:
         load_dict({key: status.example})
     assert key in str(e.value) and status.feature.lower() in str(e.value).lower()
+
+
+def restrictions() -> list:
+    return [
+        pytest.param(key, mark, flat, id=f"{key}-{i}")
+        for cls in GROUPS.values()
+        for key, field in cls.model_fields.items()
+        for mark in field.metadata
+        if isinstance(mark, Restricted)
+        for i, flat in enumerate(mark.broken_by)
+    ]
+
+
+def _load_and_derive(flat: dict) -> None:
+    world = flat.get("model_parallel_size", 1) * max(1, flat.get("pipe_parallel_size", 1))
+    derive(load_dict(flat), world)
+
+
+@pytest.mark.parametrize("key,mark,flat", restrictions())
+def test_restricted_key_states_its_rule_and_is_checked(key, mark, flat):
+    """The statement is in the key's doc; the example loads, and so do the keys that break the
+    rule alone, but together they are refused naming the key."""
+    assert mark.says in field_of(key).description
+    _load_and_derive(mark.example)
+    _load_and_derive(flat)
+    with pytest.raises(ConfigError, match=key):
+        _load_and_derive({**mark.example, **flat})
+
+
+def test_some_keys_state_their_restrictions():
+    assert {key for key, _, _ in (p.values for p in restrictions())} >= {"lora_rank", "train_impl"}

@@ -9,6 +9,7 @@ from neox.config.model import ModelConfig
 from neox.inference.engine import Generator, left_pad
 from neox.inference.sampling import SamplingParams
 from neox.model import build_model
+from tests.hf_families import hf_greedy
 from tests.inference.conftest import KNOWN
 
 VOCAB, PADDED = 97, 128
@@ -42,25 +43,11 @@ def tiny_pair(case: str, seed: int = 3):
     return model, hf
 
 
-def hf_greedy(hf, prompts, new_tokens, device="cpu"):
-    ids, mask = left_pad(prompts, EOD, device)
-    out = hf.generate(
-        input_ids=ids,
-        attention_mask=mask.long(),
-        max_new_tokens=new_tokens,
-        min_new_tokens=new_tokens,
-        do_sample=False,
-        pad_token_id=EOD,
-        eos_token_id=None,
-    )
-    return out[:, ids.shape[1] :].tolist()
-
-
 @pytest.mark.parametrize("case", CASES)
 def test_greedy_matches_transformers_generate(case):
     model, hf = tiny_pair(case)
     new = 12
-    expected = hf_greedy(hf, PROMPTS, new)
+    expected = hf_greedy(hf, PROMPTS, new, EOD)
     # eod = an id no model picks here (the padded range), so every row runs the whole budget.
     gen = Generator(model, VOCAB, eod=PADDED - 1)
     got = [c.tokens for c in gen.generate(PROMPTS, new)]

@@ -5,8 +5,8 @@ its base grows token by token, and cached keys keep the rotation they were store
 import pytest
 import torch
 
-from neox.inference.engine import Generator, left_pad
-from tests.hf_families import FAMILIES, PADDED, VOCAB, neox_pair
+from neox.inference.engine import Generator
+from tests.hf_families import FAMILIES, PADDED, VOCAB, hf_greedy, neox_pair
 
 # Left-padded batch; the longest prompt alone is past the windows (5-7) and the original RoPE
 # lengths (16), and 32 new tokens take every row past the 64 max_position_embeddings of most.
@@ -15,24 +15,10 @@ NEW = 32
 PAD = 0
 
 
-def hf_greedy(hf, prompts, new_tokens):
-    ids, mask = left_pad(prompts, PAD, "cpu")
-    out = hf.generate(
-        input_ids=ids,
-        attention_mask=mask.long(),
-        max_new_tokens=new_tokens,
-        min_new_tokens=new_tokens,
-        do_sample=False,
-        pad_token_id=PAD,
-        eos_token_id=None,
-    )
-    return out[:, ids.shape[1] :].tolist()
-
-
 @pytest.mark.parametrize("name", FAMILIES)
 def test_cached_greedy_decoding_matches_transformers_generate(name):
     _, cfg, model, hf = neox_pair(name)
-    expected = hf_greedy(hf, PROMPTS, NEW)
+    expected = hf_greedy(hf, PROMPTS, NEW, PAD)
     # eod = a padded id, never chosen, so every row runs the whole budget.
     gen = Generator(model, VOCAB, eod=PADDED - 1)
     got = gen.generate(PROMPTS, NEW, return_logits=True)

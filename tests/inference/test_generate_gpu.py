@@ -15,7 +15,8 @@ from neox.config.model import ModelConfig
 from neox.inference.engine import Generator
 from neox.inference.sampling import SamplingParams
 from neox.model import build_model, lm_loss
-from tests.inference.test_engine import PADDED, PROMPTS, VOCAB, hf_greedy, tiny_pair
+from tests.hf_families import hf_greedy
+from tests.inference.test_engine import EOD, PADDED, PROMPTS, VOCAB, tiny_pair
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -65,7 +66,7 @@ def char_prompts():
 def test_greedy_matches_transformers_on_gpu(case):
     model, hf = tiny_pair(case)
     model, hf = model.cuda(), hf.cuda()
-    expected = hf_greedy(hf, PROMPTS, 12, device="cuda")
+    expected = hf_greedy(hf, PROMPTS, 12, EOD, device="cuda")
     got = Generator(model, VOCAB, eod=PADDED - 1).generate(PROMPTS, 12)
     assert [c.tokens for c in got] == expected
 
