@@ -405,11 +405,11 @@ def check_weight_dtypes(meta: dict[str, torch.Tensor], hf_dir: Path, cast: bool)
             f"{hf_dir}: {len(other)} tensor(s) are not floating point ({other[0]} is "
             f"{weights[other[0]]}); neox imports unquantized fp32, bf16 or fp16 models"
         )
-    kinds = sorted({str(d).removeprefix("torch.") for d in weights.values()})
-    if len(kinds) > 1 and not cast:
-        names = ", ".join(
-            f"{next(n for n, d in weights.items() if str(d).endswith(k))} is {k}" for k in kinds
-        )
+    first: dict[str, str] = {}  # dtype -> the first tensor of it
+    for name, dtype in weights.items():
+        first.setdefault(str(dtype).removeprefix("torch."), name)
+    if len(first) > 1 and not cast:
+        names = ", ".join(f"{name} is {dtype}" for dtype, name in sorted(first.items()))
         raise HFImportError(
             f"{hf_dir}'s weights mix dtypes ({names}); pass --dtype fp32, bf16 or fp16 to "
             "write them all in one"
