@@ -250,8 +250,16 @@ def export_to_hf(
         sd, sources = lazy  # meta tensors: names and shapes only
     if carried is not None:
         # The imported model's own rows (Qwen's exceed its tokenizer's) and token ids.
-        original = json.loads((carried / "config.json").read_text())
-        vocab = max(tokenizer.vocab_size if tokenizer else 0, original["vocab_size"])
+        try:
+            original = json.loads((carried / "config.json").read_text())
+            rows = original["vocab_size"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise ExportError(
+                f"{carried / 'config.json'} (the imported model's, hf_files) is damaged "
+                f"({type(e).__name__}: {e}); import the model again, or pass --config_file "
+                "without hf_files"
+            ) from None
+        vocab = max(tokenizer.vocab_size if tokenizer else 0, rows)
         special = {k: original[k] for k in SPECIAL_IDS if original.get(k) is not None}
     else:
         vocab = tokenizer.vocab_size

@@ -68,3 +68,22 @@ def test_a_refused_architecture_names_ones_that_fit_and_the_flag_takes_them():
         assert args.architecture == name
     with pytest.raises(SystemExit):
         parse_args(["--input_dir", "a", "--output_dir", "b", "--architecture", "gpt_neox"])
+
+
+def test_a_damaged_carried_config_is_one_line_exit_2(bpe_tokenizer, tmp_path, capsys):
+    """The config.json an import carried (hf_files) no longer parses: refused in one line."""
+    from tests.checkpoint.test_hf_import import random_hf_model
+    from tools.convert_from_hf import main as import_hf
+
+    random_hf_model("llama", bpe_tokenizer, tmp_path / "hf")
+    import_hf(["--input_dir", str(tmp_path / "hf"), "--output_dir", str(tmp_path / "neox")])
+    (tmp_path / "neox" / "hf" / "config.json").write_text("{")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main(["--input_dir", str(tmp_path / "neox"), "--output_dir", str(tmp_path / "back")])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert (
+        err.count("\n") == 1 and "hf/config.json (the imported model's, hf_files) is damaged" in err
+    )
+    assert not (tmp_path / "back").exists()
