@@ -83,7 +83,23 @@ def load_chat_tokenizer(path: str) -> Any:
             "tokenizer_config.json, no chat_template.jinja); use a chat model's tokenizer, add "
             "a template, or mark prompts with tools/preprocess_data_with_mask.py instead"
         )
+    check_template_parses(tokenizer, path)
     return tokenizer
+
+
+def check_template_parses(tokenizer: Any, path: str) -> None:
+    """A template with a syntax error fails every record: one setup error instead."""
+    from jinja2 import TemplateError, TemplateSyntaxError
+
+    try:
+        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+    except TemplateSyntaxError as e:
+        raise ChatTemplateError(
+            f"the chat template of {path} does not parse (template line {e.lineno}: "
+            f"{e.message}); fix its chat_template"
+        ) from None
+    except TemplateError:
+        pass  # it may refuse this probe conversation (a role check): records are judged alone
 
 
 class ChatFormatError(ValueError):

@@ -216,6 +216,12 @@ def test_a_tokenizer_without_a_chat_template_is_refused(tmp_path):
         load_chat_tokenizer(str(plain))
 
 
+def test_a_template_that_does_not_parse_is_refused_before_any_record(tmp_path):
+    broken = make_tokenizer(tmp_path / "broken", "{% for m in messages %}{{ m['content'] }")
+    with pytest.raises(ChatTemplateError, match=r"does not parse \(template line 1: unexpected"):
+        load_chat_tokenizer(str(broken))
+
+
 def test_cli_with_workers_writes_the_pair_and_reports_skips(tmp_path, tokenizer_dir):
     src = write_jsonl(
         tmp_path / "chat.jsonl", [{"messages": c} for c in CHATS * 3] + [{"other": 1}]
