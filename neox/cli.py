@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -32,10 +33,17 @@ def add_iteration(p: argparse.ArgumentParser, verb: str) -> None:
 
 
 @contextmanager
-def exit_on(tool: str, *errors: type[Exception], what: str = "error") -> Iterator[None]:
-    """Log at INFO to stderr; any of `errors` ends the tool with `tool: what: message`."""
+def exit_on(
+    tool: str, *errors: type[Exception], what: str = "error", status: int = 1
+) -> Iterator[None]:
+    """Log at INFO to stderr; any of `errors` ends the tool with `tool: what: message` on
+    stderr and exit status `status`."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         yield
     except errors as err:
-        raise SystemExit(f"{tool}: {what}: {err}") from None
+        message = f"{tool}: {what}: {err}"
+        print(message, file=sys.stderr)
+        stop = SystemExit(message)  # str() is the message, for callers that catch it
+        stop.code = status  # an int: the interpreter exits with it and prints nothing more
+        raise stop from None

@@ -115,6 +115,8 @@ def test_finetuning_walkthrough(tmp_path):
         *("--lora_format", "peft", "--verify"),
     )
     hf = tmp_path / "hf/tiny-chat-lora"
+    adapter = json.loads((hf / "adapter/adapter_config.json").read_text())
+    assert adapter["base_model_name_or_path"] == str((tmp_path / "hf/tiny-chat").resolve())
     base_model = AutoModelForCausalLM.from_pretrained(hf).eval()
     ids = torch.tensor([tok(prompt)["input_ids"]])
     with torch.no_grad():

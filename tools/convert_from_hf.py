@@ -12,7 +12,11 @@ the model and tokenizer keys with `finetune: true` and `load` set to it.
 gpt-neox's tools/ckpts/convert_hf_llama_to_neox.py flags work too: --model (a local directory
 here, nothing is downloaded) for --input_dir, --model_path for --output_dir, --pp 0 for 1.
 A config.json field neox does not know, or cannot express, is refused by name (exit status 2)
-before anything is written.
+before anything is written, as is any malformed input (a truncated or corrupt weight file, a
+config.json that is not JSON or lacks a size, a shard missing or not matching the index, weights
+that are not floating point, of mixed dtypes or of other shapes than config.json's).
+--verify then loads the output with neox and the input with transformers and checks that their
+logits (fp32, within 1e-4) and greedy tokens agree, as convert_to_hf.py --verify does.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from pathlib import Path
 
 from neox.checkpoint.consolidate import CheckpointError
 from neox.checkpoint.hf_import import DTYPES, HFImportError, convert_from_hf
+from neox.checkpoint.hf_weights import HFWeightsError
 from neox.checkpoint.staging import OutputDirError
 from neox.cli import tool_parser
 
@@ -56,6 +61,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="auto",
         help="dtype of the written weights (auto: as the HF files store them)",
     )
+    p.add_argument(
+        "--verify",
+        action="store_true",
+        help="then check that neox's load of the output computes transformers' logits (fp32, "
+        "within 1e-4) and greedy tokens on a sample text",
+    )
     args = p.parse_args(argv)
     if args.tp < 1 or args.pp < 0:
         p.error(f"--tp {args.tp} --pp {args.pp}: tp must be >= 1 and pp >= 0")
@@ -81,12 +92,23 @@ def main(argv: list[str] | None = None) -> None:
             overwrite=args.overwrite,
             dtype=args.dtype,
         )
-    except (CheckpointError, HFImportError, OutputDirError) as err:
+    except (CheckpointError, HFImportError, HFWeightsError, OutputDirError) as err:
         print(f"convert_from_hf: error: {err}", file=sys.stderr)
         raise SystemExit(REFUSED) from None
     print(f"wrote {args.output_dir} (tp={args.tp}, pp={args.pp}) and {config}")
     if note:
         print(f"note: {note}")
+    if args.verify:
+        from neox.checkpoint.verify import VerifyError, verify_export
+
+        try:
+            agreement = verify_export(
+                args.input_dir, args.output_dir, hf_dtype=DTYPES.get(args.dtype)
+            )
+        except VerifyError as err:
+            print(f"convert_from_hf: verification failed: {err}", file=sys.stderr)
+            raise SystemExit(1) from None
+        print(agreement.describe())
 
 
 if __name__ == "__main__":

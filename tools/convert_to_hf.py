@@ -13,6 +13,7 @@ are exported without tokenizer files.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from neox.checkpoint.consolidate import CheckpointError
 from neox.checkpoint.export import (
@@ -98,7 +99,10 @@ def check_tokenizer(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    with exit_on("convert_to_hf", CheckpointError, ExportError, OutputDirError):
+    # A refused checkpoint or config exits 2, as convert_from_hf.py's and deepy.py's refusals
+    # do; a missing input is a mistyped path, not a refusal: 1, as the other checkpoint tools.
+    status = 2 if Path(args.input_dir).exists() else 1
+    with exit_on("convert_to_hf", CheckpointError, ExportError, OutputDirError, status=status):
         check_tokenizer(args)
         note = export_to_hf(
             args.input_dir,

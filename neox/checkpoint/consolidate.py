@@ -381,7 +381,13 @@ def merge_tensor_parallel(shards: list[StateDict]) -> StateDict:
     return merged
 
 
-def check_state_dict(sd: StateDict, model: GPTNeoX, source: Path) -> None:
+def check_state_dict(
+    sd: StateDict,
+    model: GPTNeoX,
+    source: Path,
+    described_by: str = "its config.yml",
+    hint: str = "was config.yml edited after training?",
+) -> None:
     """Raise CheckpointError unless `sd` has exactly the names and shapes of `model`."""
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     got = {k: tuple(v.shape) for k, v in sd.items()}
@@ -394,9 +400,8 @@ def check_state_dict(sd: StateDict, model: GPTNeoX, source: Path) -> None:
     )
     if missing or extra or wrong:
         raise CheckpointError(
-            f"the weights in {source} do not fit the model its config.yml describes: "
-            f"missing {missing[:5]}, unexpected {extra[:5]}, wrong shapes {wrong[:5]}; "
-            "was config.yml edited after training?"
+            f"the weights in {source} do not fit the model {described_by} describes: "
+            f"missing {missing[:5]}, unexpected {extra[:5]}, wrong shapes {wrong[:5]}; {hint}"
         )
 
 

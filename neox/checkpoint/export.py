@@ -37,6 +37,7 @@ from neox.checkpoint.consolidate import (
     resolve_checkpoint,
 )
 from neox.checkpoint.hf_map import (
+    ARCH_NAMES,
     HF_KEYS,
     check_exportable,
     hf_config_for,
@@ -59,13 +60,7 @@ from neox.config.derived import precision_of
 log = logging.getLogger(__name__)
 
 # --architecture values (gpt-neox's neox|llama, then the newer families) -> hf_map's names.
-ARCHITECTURES = {
-    "neox": "gpt_neox",
-    "llama": "llama",
-    "mistral": "mistral",
-    "qwen2": "qwen2",
-    "qwen3": "qwen3",
-}
+ARCHITECTURES = {name: arch for arch, name in ARCH_NAMES.items()}
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 PRECISIONS = ("auto", *DTYPES)
 # transformers' save_pretrained default.
@@ -255,8 +250,16 @@ def export_to_hf(
         sd, sources = lazy  # meta tensors: names and shapes only
     if carried is not None:
         # The imported model's own rows (Qwen's exceed its tokenizer's) and token ids.
-        original = json.loads((carried / "config.json").read_text())
-        vocab = max(tokenizer.vocab_size if tokenizer else 0, original["vocab_size"])
+        try:
+            original = json.loads((carried / "config.json").read_text())
+            rows = original["vocab_size"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise ExportError(
+                f"{carried / 'config.json'} (the imported model's, hf_files) is damaged "
+                f"({type(e).__name__}: {e}); import the model again, or pass --config_file "
+                "without hf_files"
+            ) from None
+        vocab = max(tokenizer.vocab_size if tokenizer else 0, rows)
         special = {k: original[k] for k in SPECIAL_IDS if original.get(k) is not None}
     else:
         vocab = tokenizer.vocab_size
@@ -291,7 +294,11 @@ def export_to_hf(
         if peft:
             peft_sd = to_peft_state_dict(adapters, cfg.model, arch)
             peft_sd = {k: v.to(dtype).contiguous() for k, v in peft_sd.items()}
-            write_peft_adapter(tmp / ADAPTER_DIR, peft_sd, cfg, Path(output_dir).resolve())
+            # The base as imported, when exported as the family it came from: the adapter
+            # then loads on the original model, wherever this export lives.
+            imported = architecture == cfg.checkpoint.hf_architecture and cfg.checkpoint.hf_source
+            base = imported or str(Path(output_dir).resolve())
+            write_peft_adapter(tmp / ADAPTER_DIR, peft_sd, cfg, base)
     log.info("exported %s as HF %s (%s) to %s", tag_dir, arch, dtype, output_dir)
     if note:
         log.warning("%s; the model was written without tokenizer files", note)
@@ -299,17 +306,17 @@ def export_to_hf(
 
 
 def write_peft_adapter(
-    directory: Path, peft_sd: dict[str, torch.Tensor], cfg: NeoXConfig, base: Path
+    directory: Path, peft_sd: dict[str, torch.Tensor], cfg: NeoXConfig, base: str
 ) -> None:
     """adapter_config.json and adapter_model.safetensors as PEFT's save_pretrained writes them
-    for a LoRA on a causal LM, its base the HF model exported at `base`."""
+    for a LoRA on a causal LM, its base the HF model `base` (a hub name or path)."""
     from safetensors.torch import save_file
 
     lo = cfg.lora
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": str(base),
+        "base_model_name_or_path": base,
         "r": lo.lora_rank,
         "lora_alpha": lo.lora_alpha,
         "lora_dropout": lo.lora_dropout,

@@ -24,9 +24,14 @@ import yaml
 
 from neox.checkpoint.consolidate import check_state_dict
 from neox.checkpoint.hf_map import (
+    ARCH_NAMES,
     ARCHS,
     HF_ACTIVATIONS,
+    HF_ALIASES,
+    HF_IGNORED,
+    HF_KEYS,
     LLAMA_FAMILY,
+    VOCAB_MODULES,
     check_exportable,
     from_hf_state_dict,
 )
@@ -123,14 +128,6 @@ READ_FIELDS = {
 ROPE_TYPES = ("default", *SCALING_TYPES)
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
-# HF model_type -> the name convert_to_hf.py's --architecture (and hf_architecture) use.
-FAMILIES = {
-    "gpt_neox": "neox",
-    "llama": "llama",
-    "mistral": "mistral",
-    "qwen2": "qwen2",
-    "qwen3": "qwen3",
-}
 
 # Files of an HF model directory besides config.json and the weights, carried into the
 # checkpoint's hf/ directory and written back on export.
@@ -163,7 +160,46 @@ def read_hf_config(hf_dir: Path) -> dict[str, Any]:
             f"{hf_dir} has no config.json; pass a local Hugging Face model directory "
             "(config.json plus model.safetensors or pytorch_model.bin)"
         )
-    return json.loads(path.read_text())
+    try:
+        hf = json.loads(path.read_text())
+    except ValueError as e:
+        raise HFImportError(
+            f"{path} is not valid JSON ({e}); restore it from the model's download"
+        ) from None
+    if not isinstance(hf, dict):
+        raise HFImportError(
+            f"{path} holds a JSON {type(hf).__name__}, not an object of config fields; restore "
+            "it from the model's download"
+        )
+    return hf
+
+
+# config.json's sizes, read by every family: each must be a positive integer.
+SIZE_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "max_position_embeddings",
+)
+
+
+def _bad_sizes(hf: dict[str, Any]) -> list[str]:
+    """The size fields that are missing or not positive integers (num_key_value_heads and
+    head_dim may also be absent or null)."""
+
+    def size(v: Any) -> bool:
+        return type(v) is int and v > 0
+
+    bad = [f"{k} missing" for k in SIZE_FIELDS if k not in hf]
+    bad += [f"{k}={hf[k]!r}" for k in SIZE_FIELDS if k in hf and not size(hf[k])]
+    bad += [
+        f"{k}={hf[k]!r}"
+        for k in ("num_key_value_heads", "head_dim")
+        if hf.get(k) is not None and not size(hf[k])
+    ]
+    return bad
 
 
 def _rope(hf: dict[str, Any], problems: list[str]) -> dict[str, Any]:
@@ -256,6 +292,11 @@ def neox_model_keys(hf: dict[str, Any]) -> dict[str, Any]:
     if arch not in MODEL_TYPES:
         raise HFImportError(
             f"model_type={arch!r} is not supported; convert_from_hf reads {', '.join(MODEL_TYPES)}"
+        )
+    if bad := _bad_sizes(hf):
+        raise HFImportError(
+            f"config.json's sizes must be positive integers: {', '.join(bad)}; restore "
+            "config.json from the model's download"
         )
     problems = [
         f"unknown field {k}={hf[k]!r} (neox does not know what it changes)"
@@ -354,6 +395,57 @@ def layer_groups(names: list[str]) -> list[list[str]]:
     return [*rest, *(blocks[i] for i in sorted(blocks))]
 
 
+def check_weight_dtypes(meta: dict[str, torch.Tensor], hf_dir: Path, cast: bool) -> None:
+    """Floating-point weights only, of one dtype unless they are cast to one (a mix is a file
+    from another download, or a partly quantized model)."""
+    weights = {n: t.dtype for n, t in meta.items() if not HF_IGNORED.search(n)}
+    other = sorted(n for n, d in weights.items() if not d.is_floating_point)
+    if other:
+        raise HFImportError(
+            f"{hf_dir}: {len(other)} tensor(s) are not floating point ({other[0]} is "
+            f"{weights[other[0]]}); neox imports unquantized fp32, bf16 or fp16 models"
+        )
+    first: dict[str, str] = {}  # dtype -> the first tensor of it
+    for name, dtype in weights.items():
+        first.setdefault(str(dtype).removeprefix("torch."), name)
+    if len(first) > 1 and not cast:
+        names = ", ".join(f"{name} is {dtype}" for dtype, name in sorted(first.items()))
+        raise HFImportError(
+            f"{hf_dir}'s weights mix dtypes ({names}); pass --dtype fp32, bf16 or fp16 to "
+            "write them all in one"
+        )
+
+
+def check_vocab_rows(
+    meta: dict[str, torch.Tensor], vocab_size: int, arch: str, hf_dir: Path
+) -> None:
+    """The embedding and head must have config.json's vocab_size rows, as transformers requires
+    (neox would otherwise pad or cut them silently)."""
+    modules = {HF_KEYS[arch][m] for m in VOCAB_MODULES}
+    aliases = HF_ALIASES.get(arch, {})
+    for name, tensor in meta.items():
+        module = name.rsplit(".", 1)[0]
+        if aliases.get(module, module) in modules and tensor.shape[0] != vocab_size:
+            raise HFImportError(
+                f"{hf_dir}: {name} has {tensor.shape[0]} rows but config.json's vocab_size is "
+                f"{vocab_size}; config.json and the weights come from different models"
+            )
+
+
+def check_carried_json(hf_dir: Path) -> None:
+    """The JSON files carried into the checkpoint must parse (the export writes them back)."""
+    for name in CARRIED_FILES:
+        path = hf_dir / name
+        if name.endswith(".json") and path.is_file():
+            try:
+                json.loads(path.read_text())
+            except ValueError as e:
+                raise HFImportError(
+                    f"{path} is not valid JSON ({e}); restore it from the model's download, "
+                    "or remove it"
+                ) from None
+
+
 def write_converted(
     writer: StreamingCheckpoint,
     weights: HFWeights,
@@ -392,6 +484,16 @@ def _tokenizer_keys(hf_dir: Path, carried: Path) -> tuple[dict[str, Any], Option
     return {"tokenizer_type": "HFTokenizer", "vocab_file": str(carried / "tokenizer.json")}, None
 
 
+def hf_source(hf_dir: Path) -> str:
+    """The imported model's name: the hub name of a Hugging Face cache snapshot
+    (.../models--org--name/snapshots/<revision>), else the directory's absolute path."""
+    path = hf_dir.resolve()
+    repo = path.parent.parent.name
+    if path.parent.name == "snapshots" and repo.startswith("models--"):
+        return repo.removeprefix("models--").replace("--", "/")
+    return str(path)
+
+
 def convert_from_hf(
     hf_dir: str | Path,
     output_dir: str | Path,
@@ -424,8 +526,9 @@ def convert_from_hf(
     flat.update(
         finetune=True,
         load=str(out.resolve()),
-        hf_architecture=FAMILIES[family],
+        hf_architecture=ARCH_NAMES[family],
         hf_files=str(carried),
+        hf_source=hf_source(hf_dir),
     )
     try:
         cfg = load_dict(flat, source=str(hf_dir / "config.json"))
@@ -433,18 +536,28 @@ def convert_from_hf(
     except (ConfigError, ValueError) as e:
         raise HFImportError(str(e)) from None
     check_layout(cfg, tp, pp)
+    check_carried_json(hf_dir)
     check_output_dir(out, overwrite, protected=[hf_dir])
 
     # The plan: every converted name, shape and dtype, from the headers alone.
     padded = flat["padded_vocab_size"]
     weights = _weights(hf_dir)
     cast = DTYPES.get(dtype)
+    meta = weights.meta()
+    check_weight_dtypes(meta, hf_dir, cast is not None)
+    check_vocab_rows(meta, hf["vocab_size"], arch, hf_dir)
     try:
-        layout = from_hf_state_dict(weights.meta(), cfg.model, padded, arch)
+        layout = from_hf_state_dict(meta, cfg.model, padded, arch)
     except KeyError as e:
         raise HFImportError(f"{hf_dir}: {e.args[0]}") from None
     layout = {k: v.to(cast) if cast else v for k, v in layout.items()}
-    check_state_dict(layout, build_model(cfg.model, padded, device="meta"), hf_dir)
+    check_state_dict(
+        layout,
+        build_model(cfg.model, padded, device="meta"),
+        hf_dir,
+        described_by="config.json",
+        hint="are config.json and the weights from the same model?",
+    )
 
     with staged_directory(out, overwrite) as tmp:
         writer = StreamingCheckpoint(cfg, tmp, layout)

@@ -22,6 +22,14 @@ from neox.plan.attention_path import layer_window
 
 ARCHS = ("gpt_neox", "llama", "mistral", "qwen2", "qwen3")
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
+# The names users give the families (convert_to_hf.py --architecture, hf_architecture).
+ARCH_NAMES = {
+    "gpt_neox": "neox",
+    "llama": "llama",
+    "mistral": "mistral",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+}
 HF_CLASSES = {
     "gpt_neox": "GPTNeoXForCausalLM",
     "llama": "LlamaForCausalLM",
@@ -117,9 +125,26 @@ def resize_vocab(weight: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def check_exportable(cfg: ModelConfig, arch: str) -> None:
-    """Raise ValueError listing every option the HF architecture `arch` cannot express."""
+    """Raise ValueError listing every option the HF architecture `arch` cannot express, and the
+    --architecture names that can write this model."""
     if arch not in ARCHS:
         raise ValueError(f"unknown HF architecture {arch!r}; use one of {ARCHS}")
+    problems = export_problems(cfg, arch)
+    if problems:
+        fits = [ARCH_NAMES[a] for a in ARCHS if a != arch and not export_problems(cfg, a)]
+        other = (
+            f"or export with --architecture {' or '.join(fits)}"
+            if fits
+            else "no other --architecture can write it either"
+        )
+        raise ValueError(
+            f"this model cannot be written as HF {arch}: " + "; ".join(problems) + ". "
+            f"Change those keys, {other}."
+        )
+
+
+def export_problems(cfg: ModelConfig, arch: str) -> list[str]:
+    """Every option of `cfg` the HF architecture `arch` cannot express."""
     problems, shape = [], cfg.shape
     name = HF_CLASSES[arch]
     if cfg.pos_emb != "rotary":
@@ -168,11 +193,7 @@ def check_exportable(cfg: ModelConfig, arch: str) -> None:
             problems.append("gpt_j_residual=true (Llama is sequential)")
         if cfg.rotary_pct != 1.0:
             problems.append(f"rotary_pct={cfg.rotary_pct} (Llama rotates whole heads)")
-    if problems:
-        raise ValueError(
-            f"this model cannot be written as HF {arch}: " + "; ".join(problems) + ". "
-            f"Change those keys or pick another arch ({', '.join(ARCHS)})."
-        )
+    return problems
 
 
 def rope_parameters(cfg: ModelConfig) -> dict[str, Any]:

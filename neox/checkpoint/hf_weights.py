@@ -9,8 +9,10 @@ alone, so a converter that asks for one layer at a time holds about one layer in
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -37,23 +39,31 @@ class HFWeightsError(ValueError):
 
 def weight_files(hf_dir: Path) -> list[Path]:
     """The weight files of hf_dir: one file, or the shards its *.index.json lists."""
+    files, _ = _weight_files(hf_dir)
+    return files
+
+
+def _weight_files(hf_dir: Path) -> tuple[list[Path], Optional[dict[str, str]]]:
+    """The weight files, and the index's tensor name -> shard map when sharded."""
     for name in WEIGHT_FILES:
         if (hf_dir / name).is_file():
-            return [hf_dir / name]
+            return [hf_dir / name], None
         index = hf_dir / f"{name}.index.json"
         if index.is_file():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
+                shards = [hf_dir / s for s in sorted(set(weight_map.values()))]
             except (ValueError, KeyError, TypeError) as e:
-                raise HFWeightsError(f"{index} is not a weight index ({e!r})") from None
-            shards = [hf_dir / s for s in sorted(set(weight_map.values()))]
+                raise HFWeightsError(
+                    f"{index} is not a weight index ({e!r}); restore it from the model's download"
+                ) from None
             missing = [str(s) for s in shards if not s.is_file()]
             if missing:
                 raise HFWeightsError(
                     f"{', '.join(missing)} listed in {index.name} but missing; download the "
                     "whole model directory"
                 )
-            return shards
+            return shards, weight_map
     raise HFWeightsError(
         f"{hf_dir} has no weights: expected {' or '.join(WEIGHT_FILES)} (or a sharded "
         "*.index.json beside its shards)"
@@ -75,18 +85,63 @@ def _load_bin(path: Path, map_location: str) -> dict[str, torch.Tensor]:
     return sd
 
 
+@contextmanager
+def _unreadable(path: Path) -> Iterator[None]:
+    """safetensors' own errors (a Rust exception outside Python's hierarchy) as HFWeightsError."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except HFWeightsError:
+        raise
+    except (SafetensorError, OSError, RuntimeError, ValueError) as e:
+        raise HFWeightsError(
+            f"{path} is not a readable safetensors file ({e}); it may be truncated or "
+            "corrupt: download it again"
+        ) from None
+
+
 class HFWeights:
     """Tensor names -> their file, with `meta()` for the layout and `read()` for the data."""
 
     def __init__(self, hf_dir: str | Path) -> None:
         self.dir = Path(hf_dir)
-        self.files = weight_files(self.dir)
+        self.files, weight_map = _weight_files(self.dir)
         self._meta: dict[str, torch.Tensor] = {}
         self._where: dict[str, Path] = {}
         for path in self.files:
             for name, tensor in self._file_meta(path).items():
+                if name in self._where:
+                    raise HFWeightsError(
+                        f"tensor {name!r} is in both {self._where[name]} and {path}; "
+                        "download the model directory again"
+                    )
                 self._meta[name] = tensor
                 self._where[name] = path
+        if weight_map is not None:
+            self._check_index(weight_map)
+
+    def _check_index(self, weight_map: dict[str, str]) -> None:
+        """The index must list every tensor the shards hold, each in the shard that holds it:
+        a mismatch is a shard from another download."""
+        wrong = sorted(
+            f"{name} (index: {shard}, files: "
+            + (self._where[name].name if name in self._where else "none")
+            + ")"
+            for name, shard in weight_map.items()
+            if self._where.get(name) != self.dir / shard
+        )
+        unlisted = sorted(set(self._where) - set(weight_map))
+        problems = []
+        if wrong:
+            problems.append(f"listed where the files do not hold it: {', '.join(wrong[:3])}")
+        if unlisted:
+            problems.append(f"in a shard but not in the index: {', '.join(unlisted[:3])}")
+        if problems:
+            raise HFWeightsError(
+                f"{self.dir}'s weight index does not match its shards ({'; '.join(problems)}); "
+                "download the whole model directory again"
+            )
 
     @staticmethod
     def _file_meta(path: Path) -> dict[str, torch.Tensor]:
@@ -95,7 +150,9 @@ class HFWeights:
         from safetensors import safe_open
 
         out = {}
-        try:
+        # safe_open checks that the header is whole and its offsets cover the file exactly: a
+        # truncated or corrupt file fails here, before anything is written.
+        with _unreadable(path):
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():
                     part = f.get_slice(name)
@@ -106,10 +163,6 @@ class HFWeights:
                             f"does not read ({', '.join(SAFETENSORS_DTYPES)})"
                         )
                     out[name] = torch.empty(part.get_shape(), dtype=dtype, device="meta")
-        except (OSError, RuntimeError, ValueError) as e:
-            if isinstance(e, HFWeightsError):
-                raise
-            raise HFWeightsError(f"{path} is not a readable safetensors file ({e})") from None
         return out
 
     def meta(self) -> dict[str, torch.Tensor]:
@@ -130,7 +183,7 @@ class HFWeights:
             if path.suffix == ".safetensors":
                 from safetensors import safe_open
 
-                with safe_open(str(path), framework="pt") as f:
+                with _unreadable(path), safe_open(str(path), framework="pt") as f:
                     for name in wanted:
                         out[name] = f.get_tensor(name)
             else:

@@ -378,8 +378,11 @@ def load_checkpoint(engine, cfg: NeoXConfig) -> Optional[dict[str, Any]]:
     if cfg.lora.lora_rank:
         check_adapter_base(Path(c.load) / tag, cfg)
     if finetune:
-        state = {"iteration": 0, "consumed_train_samples": 0}
-    elif not c.no_load_rng and "rng" in state:
+        # Weights only: nothing of the checkpoint's run resumes, so say so rather than
+        # "resumed ... at iteration 0".
+        log.info("loaded the weights of %s to finetune from iteration 0", path)
+        return {"iteration": 0, "consumed_train_samples": 0}
+    if not c.no_load_rng and "rng" in state:
         set_rng_state(state["rng"])
     log.info("resumed from %s at iteration %s", path, state.get("iteration"))
     return state

@@ -1,8 +1,10 @@
-"""Check an exported Hugging Face directory against the neox checkpoint it came from.
+"""Check a Hugging Face directory against the neox checkpoint of the same model: an export
+against the checkpoint it came from (convert_to_hf.py --verify), or an import's checkpoint
+against the directory it was read from (convert_from_hf.py --verify).
 
 transformers loads the directory (AutoModelForCausalLM, and AutoTokenizer when tokenizer files
 were written); both models score the same tokens and decode greedily from the same prompt. The
-export is accepted when the logits agree within `atol` and the greedy tokens are identical.
+pair is accepted when the logits agree within `atol` and the greedy tokens are identical.
 """
 
 from __future__ import annotations
@@ -53,15 +55,22 @@ def verify_export(
     atol: float = 1e-4,
     new_tokens: int = 8,
     trust: bool = False,
+    hf_dtype: Optional[torch.dtype] = None,
 ) -> Agreement:
-    """Compare neox's fp32 model with transformers' fp32 load of `hf_dir` on `text`."""
+    """Compare neox's fp32 model with transformers' fp32 load of `hf_dir` on `text`.
+
+    Args:
+        hf_dtype: the dtype the checkpoint's weights were cast to from `hf_dir`'s (an import's
+            --dtype): transformers' weights are rounded to it too before both run in fp32.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from neox.tokenizer import build_tokenizer
 
     model, cfg = load_model(checkpoint, iteration, "cpu", torch.float32, trust=trust)
     t = cfg.tokenizer
-    hf = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=hf_dtype or torch.float32)
+    hf = hf.float().eval()
     adapter = Path(hf_dir) / "adapter"
     if (adapter / "adapter_config.json").is_file():
         # A LoRA export in PEFT's format: the base plus the adapter, as users will load it.

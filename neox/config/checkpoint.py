@@ -99,5 +99,11 @@ class CheckpointConfig(ConfigGroup):
     tools/convert_to_hf.py writes them back beside the weights when the run still uses that
     tokenizer. Relative paths are read from the current directory, like vocab_file."""
 
+    hf_source: Annotated[Optional[str], Reads("neox/checkpoint/export.py")] = None
+    """The Hugging Face model the weights were imported from: its hub name when
+    tools/convert_from_hf.py read a hub cache snapshot, else the directory's absolute path.
+    A `--lora_format peft` export of the same family names it as the adapter's
+    base_model_name_or_path, so the adapter loads on the original base."""
+
     save_iters: Optional[list[Iteration]] = None
     """No-op (gpt-neox runtime key): save iterations follow checkpoint_factor/extra_save_iters."""

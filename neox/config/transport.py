@@ -57,4 +57,16 @@ def read_saved_config(path: Path) -> NeoXConfig:
         path = path / "config.yml"
     if not path.is_file():
         raise ConfigError(f"no saved config at {path}; pass the checkpoint directory neox wrote")
-    return load_dict(yaml.safe_load(path.read_text()), source=str(path))
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        reason = " ".join(str(e).split())[:200]
+        raise ConfigError(
+            f"{path} is not a readable neox config (not valid YAML: {reason}); fix or restore it"
+        ) from None
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"{path} is not a readable neox config (a YAML {type(data).__name__}, not a mapping "
+            "of config keys); fix or restore it"
+        )
+    return load_dict(data, source=str(path))

@@ -72,11 +72,27 @@ def label_problems(loaded: LoadedConfig) -> list[str]:
     return problems
 
 
+CHAT_TOOL = "tools/preprocess_data_with_chat_template.py"
+
+
+def writer_of(key: str, train_impl: str) -> str:
+    """The tool that writes the dataset a data key names: preference data (DPO, KTO, RM) and
+    label files come from conversations, plain text from tools/preprocess_data.py."""
+    if key.startswith(("pos_", "neg_")):
+        return f"{CHAT_TOOL} --jsonl-keys chosen rejected"
+    if "reward" in key:
+        return f"{CHAT_TOOL} --reward-key <its field>"
+    if "label" in key or train_impl != "normal":
+        return f"{CHAT_TOOL} (or _with_mask.py)"
+    return "tools/preprocess_data.py"
+
+
 def check_data(loaded: LoadedConfig) -> None:
     """Every dataset prefix has a readable .idx header and a .bin of the size it promises."""
     cfg = loaded.config
     prefixes = data_prefixes(cfg)
-    if not prefixes:
+    train_impl = cfg.preference.train_impl
+    if not prefixes:  # DPO, KTO and RM configs without their data are refused on load
         raise ConfigError(
             "no training data: set data_path (one .bin/.idx prefix, split by `split`) or "
             "train_data_paths; make one with tools/prepare_data.py and tools/preprocess_data.py"
@@ -85,9 +101,7 @@ def check_data(loaded: LoadedConfig) -> None:
     for key, prefix in prefixes:
         absent = [s for s in (".bin", ".idx") if not Path(prefix + s).is_file()]
         if absent:
-            tool = "tools/preprocess_data.py"
-            if "label" in key:
-                tool = "tools/preprocess_data_with_chat_template.py (or _with_mask.py)"
+            tool = writer_of(key, train_impl)
             missing.append(
                 f"{loaded.source_of(key)}: {key}={prefix!r}: {' and '.join(prefix + s for s in absent)} "
                 f"not found; run {tool} (it writes <prefix>.bin/.idx) or fix the path"

@@ -10,9 +10,12 @@ the tokens turn i adds are those of the first i + 1 turns beyond those of the fi
 generation prompt (e.g. "<|im_start|>assistant\\n") rendered as part of the turn before an
 assistant turn, so it is context, never a target. Turns of the generation role are trained
 (with `only_last`, the last turn only); the tokenizer's EOS is appended, trained when the last
-turn is. A template whose rendering of a longer conversation does not start with that of a
-shorter one (some rewrite earlier turns) cannot be cut so: such a conversation is skipped and
-counted, as are malformed ones and ones with nothing to train.
+turn is, unless the template already closed the last turn with it (Llama-3's `<|eot_id|>`,
+Mistral's `</s>`, Qwen's `<|im_end|>` then a newline). A template whose rendering of a longer
+conversation does not start with that of a shorter one (some rewrite earlier turns) cannot be
+cut so: such a conversation is skipped and counted, as are malformed ones, ones the template
+refuses (`raise_exception`, e.g. Mistral's and Gemma's role-alternation checks) and ones with
+nothing to train.
 """
 
 from __future__ import annotations
@@ -80,21 +83,57 @@ def load_chat_tokenizer(path: str) -> Any:
             "tokenizer_config.json, no chat_template.jinja); use a chat model's tokenizer, add "
             "a template, or mark prompts with tools/preprocess_data_with_mask.py instead"
         )
+    check_template_parses(tokenizer, path)
     return tokenizer
+
+
+def check_template_parses(tokenizer: Any, path: str) -> None:
+    """A template with a syntax error fails every record: one setup error instead."""
+    from jinja2 import TemplateError, TemplateSyntaxError
+
+    try:
+        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+    except TemplateSyntaxError as e:
+        raise ChatTemplateError(
+            f"the chat template of {path} does not parse (template line {e.lineno}: "
+            f"{e.message}); fix its chat_template"
+        ) from None
+    except TemplateError:
+        pass  # it may refuse this probe conversation (a role check): records are judged alone
+
+
+class ChatFormatError(ValueError):
+    """One conversation that cannot be made into a training document (skipped and counted)."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(reason + (f" ({detail})" if detail else ""))
+        self.reason, self.detail = reason, detail
 
 
 def render(tokenizer: Any, turns: list[dict], generation_prompt: bool) -> list[int]:
     """Token ids of `turns` under the tokenizer's chat template."""
-    ids = tokenizer.apply_chat_template(
-        turns, tokenize=True, add_generation_prompt=generation_prompt, return_dict=False
-    )
+    from jinja2 import TemplateError  # transformers renders templates with jinja2
+
+    try:
+        ids = tokenizer.apply_chat_template(
+            turns, tokenize=True, add_generation_prompt=generation_prompt, return_dict=False
+        )
+    except TemplateError as e:
+        # raise_exception(...) in the template, or a template bug: this record's problem.
+        message = " ".join(str(e).split())[:300] or type(e).__name__
+        raise ChatFormatError("chat template error", message) from None
     if isinstance(ids, Mapping):  # transformers versions differ in what they return
         ids = ids["input_ids"]
     return list(ids)
 
 
-class ChatFormatError(ValueError):
-    """One conversation that cannot be made into a training document (skipped and counted)."""
+def closes_with_eos(tokenizer: Any, tokens: list[int], eos: int) -> bool:
+    """Whether `tokens` (a rendered turn) end with the EOS, followed by whitespace at most: the
+    template closed the turn itself, and another EOS would train a doubled end."""
+    if eos not in tokens:
+        return False
+    after = tokens[len(tokens) - tokens[::-1].index(eos) :]
+    return not after or not tokenizer.decode(after).strip()
 
 
 def chat_labels(
@@ -110,10 +149,12 @@ def chat_labels(
         return tokens + [eos, eos], [IGNORE_INDEX] * (len(tokens) + 1) + [eos]
     if options.no_mask:
         tokens = render(tokenizer, turns, False)
-        tokens += [eos] if eos is not None else []
+        if eos is not None and not closes_with_eos(tokenizer, tokens, eos):
+            tokens.append(eos)
         return tokens, list(tokens)
     tokens: list[int] = []
     labels: list[int] = []
+    new: list[int] = []
     for i, turn in enumerate(turns):
         last = i == len(turns) - 1
         prompt = not last and turns[i + 1]["role"] == options.generation_role
@@ -124,7 +165,7 @@ def chat_labels(
         trained = turn["role"] == options.generation_role and (last or not options.only_last)
         tokens += new
         labels += new if trained else [IGNORE_INDEX] * len(new)
-    if eos is not None:
+    if eos is not None and not closes_with_eos(tokenizer, new, eos):
         tokens.append(eos)
         labels.append(eos if labels and labels[-1] != IGNORE_INDEX else IGNORE_INDEX)
     if all(label == IGNORE_INDEX for label in labels):
@@ -210,7 +251,7 @@ class ChatEncoder:
                     reward = _reward(record[opt.reward_key], opt.binary_reward)
             except ChatFormatError as e:
                 # A record is written for every key or for none: the datasets stay aligned.
-                fail_document(cfg.strict, issues, str(e), batch.source, line)
+                fail_document(cfg.strict, issues, e.reason, batch.source, line, e.detail)
                 continue
             for key, (tokens, labels) in docs.items():
                 out[key].append(tokens)

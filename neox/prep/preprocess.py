@@ -377,7 +377,7 @@ def preprocess(config: PreprocessConfig, encoder: Encoder | None = None) -> Prep
             pool = _WorkerPool(config.workers)
             results = pool.ordered(batches)
         _consume(results, writers, report, config, files, start)
-        _check_not_empty(writers, report)
+        _check_not_empty(writers, report, config.jsonl_keys)
         for key, w in writers.items():
             report.outputs[key] = w.commit()
     except BaseException:
@@ -391,13 +391,17 @@ def preprocess(config: PreprocessConfig, encoder: Encoder | None = None) -> Prep
     return report
 
 
-def _check_not_empty(writers: dict[str, _ShardedWriter], report: PreprocessReport) -> None:
+def _check_not_empty(
+    writers: dict[str, _ShardedWriter], report: PreprocessReport, keys: Sequence[str]
+) -> None:
     """A dataset without documents trains nothing: say why instead of writing it."""
     from neox.prep.readers import InputError
 
-    empty = [key for key, w in writers.items() if w.documents == 0]
+    empty = [name for name, w in writers.items() if w.documents == 0]
     if not empty:
         return
+    # Name the user's --jsonl-keys, not the label or reward datasets derived from them.
+    empty = [key for key in keys if key in empty] or empty
     reasons = ", ".join(f"{r}: {n}" for r, n in report.issues.counts.most_common()) or "none"
     examples = "".join(f"\n  {e}" for e in report.issues.examples[:3])
     raise InputError(

@@ -164,6 +164,28 @@ def test_exports_merged_and_peft_give_the_lora_models_logits(runs, tmp_path):
     torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-4)
 
 
+def test_a_peft_export_of_an_import_names_the_imported_base(runs, tmp_path):
+    """An adapter on an imported model (hf_source, exported as the family it came from) names
+    that model as its base_model_name_or_path, not the export's own directory, so it can be
+    shared alone; without a source, the export's directory, which holds the base."""
+    import yaml
+
+    from neox.checkpoint.export import export_to_hf
+
+    ckpt = runs / "full" / "ckpt"
+    saved = yaml.safe_load((ckpt / (ckpt / "latest").read_text() / "config.yml").read_text())
+    imported = tmp_path / "imported.yml"
+    source = {"hf_architecture": "neox", "hf_source": "EleutherAI/pythia-14m"}
+    imported.write_text(yaml.safe_dump({**saved, **source}))
+    for name, config_file, base in (
+        ("imported", imported, "EleutherAI/pythia-14m"),
+        ("own", None, str((tmp_path / "own").resolve())),
+    ):
+        export_to_hf(ckpt, tmp_path / name, lora_format="peft", config_file=config_file)
+        adapter = json.loads((tmp_path / name / "adapter" / "adapter_config.json").read_text())
+        assert adapter["base_model_name_or_path"] == base
+
+
 def test_convert_to_hf_verifies_a_peft_export(runs, tmp_path):
     from tools.convert_to_hf import main
 
@@ -243,7 +265,7 @@ def test_peft_adapter_for_llama_splits_the_fused_qkv(tmp_path):
     hf.load_state_dict(to_hf_state_dict(base, cfg.model, vocab, "llama"), strict=True)
     hf.save_pretrained(tmp_path / "base")
     peft_sd = to_peft_state_dict(adapters, cfg.model, "llama")
-    write_peft_adapter(tmp_path / "adapter", peft_sd, cfg, tmp_path / "base")
+    write_peft_adapter(tmp_path / "adapter", peft_sd, cfg, str(tmp_path / "base"))
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert config["target_modules"] == sorted(
         ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

@@ -199,3 +199,22 @@ def test_preference_data_files_are_checked_and_a_reward_model_does_not_generate(
     assert "pos_train" not in str(e.value)
     _, problems = preflight(cfg, "generate.py")
     assert any("train_impl='rm' is a reward model" in p for p in problems), problems
+
+
+def test_preference_data_is_pointed_at_the_chat_template_tool(tmp_path):
+    """DPO's pairs and KTO's labelled, rewarded answers are written by the chat-template tool:
+    the hint for a missing file names it, never tools/preprocess_data.py."""
+    pairs = f"pos_train_data_paths: [{tmp_path}/p]\nneg_train_data_paths: [{tmp_path}/n]\n"
+    with pytest.raises(ConfigError) as e:
+        check_data(loaded(tmp_path, "train_impl: dpo\ndataset_impl: pairwise\n" + pairs))
+    message = str(e.value)
+    tool = "run tools/preprocess_data_with_chat_template.py --jsonl-keys chosen rejected"
+    assert message.count(tool) == 2 and "tools/preprocess_data.py" not in message, message
+    kto = f"train_impl: kto\ntrain_data_paths: [{tmp_path}/t]\n"
+    kto += f"train_label_data_paths: [{tmp_path}/l]\ntrain_reward_data_paths: [{tmp_path}/r]\n"
+    with pytest.raises(ConfigError) as e:
+        check_data(loaded(tmp_path, kto))
+    message = str(e.value)
+    assert "tools/preprocess_data.py" not in message
+    assert "--reward-key <its field>" in message
+    assert message.count("tools/preprocess_data_with_chat_template.py") == 3, message

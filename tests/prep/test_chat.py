@@ -1,6 +1,8 @@
 """Chat-template preprocessing (neox/prep/chat.py, tools/preprocess_data_with_chat_template.py)
-on a local Hugging Face tokenizer with a ChatML template: labels are -100 exactly on the
-tokens that are not the assistant's."""
+on local Hugging Face tokenizers: labels are -100 exactly on the tokens that are not the
+assistant's. Besides a plain ChatML template, the real chat templates of Llama-3-Instruct,
+Mistral-7B-Instruct-v0.1, Qwen2.5-Instruct and Gemma-it (tests/prep/chat_templates/, the
+tokenizer_config.json strings of those models) render over a small BPE with their special tokens."""
 
 import json
 import subprocess
@@ -13,6 +15,7 @@ import pytest
 from neox.data.indexed import IndexedDataset
 from neox.prep.chat import ChatEncoder, ChatOptions, ChatTemplateError, load_chat_tokenizer
 from neox.prep.preprocess import PreprocessConfig, preprocess
+from neox.prep.readers import InputError
 
 pytest.importorskip("transformers")
 
@@ -38,8 +41,40 @@ CHATS = [
 ]
 
 
-def make_tokenizer(directory: Path, template: str | None = TEMPLATE) -> Path:
-    """A byte-level BPE with ChatML special tokens, saved as a transformers tokenizer folder."""
+TEMPLATES = Path(__file__).parent / "chat_templates"
+# family: (template file, special tokens, bos, eos); the specials and bos/eos are the model's.
+FAMILIES = {
+    "llama3": (
+        "llama3_instruct.jinja",
+        ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>"]
+        + ["<|eot_id|>"],
+        "<|begin_of_text|>",
+        "<|eot_id|>",
+    ),
+    "mistral": ("mistral_instruct.jinja", ["<unk>", "<s>", "</s>"], "<s>", "</s>"),
+    "qwen2.5": (
+        "qwen2_5_instruct.jinja",
+        ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        None,
+        "<|im_end|>",
+    ),
+    "gemma": (
+        "gemma_it.jinja",
+        ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"],
+        "<bos>",
+        "<eos>",
+    ),
+}
+
+
+def make_tokenizer(
+    directory: Path,
+    template: str | None = TEMPLATE,
+    special: list[str] = SPECIAL,
+    bos: str | None = None,
+    eos: str = "<|endoftext|>",
+) -> Path:
+    """A byte-level BPE with the given special tokens, saved as a transformers tokenizer folder."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -47,7 +82,7 @@ def make_tokenizer(directory: Path, template: str | None = TEMPLATE) -> Path:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=400,
-        special_tokens=SPECIAL,
+        special_tokens=special,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -55,7 +90,7 @@ def make_tokenizer(directory: Path, template: str | None = TEMPLATE) -> Path:
     tok.train_from_iterator(text, trainer=trainer)
     directory.mkdir(parents=True, exist_ok=True)
     tok.save(str(directory / "tokenizer.json"))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>"}
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "bos_token": bos}
     if template is not None:
         config["chat_template"] = template
     (directory / "tokenizer_config.json").write_text(json.dumps(config))
@@ -65,6 +100,24 @@ def make_tokenizer(directory: Path, template: str | None = TEMPLATE) -> Path:
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory):
     return make_tokenizer(tmp_path_factory.mktemp("chat_tok") / "tok")
+
+
+def family_tokenizer(directory: Path, family: str) -> Path:
+    """A tokenizer with `family`'s real chat template, special tokens, BOS and EOS."""
+    template, special, bos, eos = FAMILIES[family]
+    return make_tokenizer(directory, (TEMPLATES / template).read_text(), special, bos, eos)
+
+
+def chat_config(src: Path, prefix: Path, strict: bool = False) -> PreprocessConfig:
+    return PreprocessConfig(
+        inputs=str(src),
+        output_prefix=str(prefix),
+        tokenizer_type="HFTokenizer",
+        jsonl_keys=("messages",),
+        workers=0,
+        strict=strict,
+        progress=False,
+    )
 
 
 def trained_runs(tokenizer, tokens, labels) -> list[str]:
@@ -163,6 +216,12 @@ def test_a_tokenizer_without_a_chat_template_is_refused(tmp_path):
         load_chat_tokenizer(str(plain))
 
 
+def test_a_template_that_does_not_parse_is_refused_before_any_record(tmp_path):
+    broken = make_tokenizer(tmp_path / "broken", "{% for m in messages %}{{ m['content'] }")
+    with pytest.raises(ChatTemplateError, match=r"does not parse \(template line 1: unexpected"):
+        load_chat_tokenizer(str(broken))
+
+
 def test_cli_with_workers_writes_the_pair_and_reports_skips(tmp_path, tokenizer_dir):
     src = write_jsonl(
         tmp_path / "chat.jsonl", [{"messages": c} for c in CHATS * 3] + [{"other": 1}]
@@ -189,3 +248,94 @@ def test_cli_with_workers_writes_the_pair_and_reports_skips(tmp_path, tokenizer_
         timeout=120,
     )
     assert again.returncode == 1 and "already exists" in again.stderr
+
+
+# Each template's own end of a turn, and whether it is the tokenizer's EOS (then not doubled).
+TURN_END = {
+    "llama3": ("<|eot_id|>", True),
+    "mistral": ("</s>", True),
+    "qwen2.5": ("<|im_end|>\n", True),
+    "gemma": ("<end_of_turn>\n", False),
+}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_real_templates_train_the_replies_and_end_with_one_eos(tmp_path, family):
+    tok_dir = family_tokenizer(tmp_path / "tok", family)
+    chat = CHATS[0][1:]  # user, assistant, user, assistant: every family's template takes it
+    src = write_jsonl(tmp_path / "chat.jsonl", [{"messages": chat}])
+    preprocess(
+        chat_config(src, tmp_path / "out"),
+        ChatEncoder(chat_config(src, tmp_path / "out"), ChatOptions(str(tok_dir))),
+    )
+    tokens = IndexedDataset(str(tmp_path / "out_messages_document"))[0]
+    labels = IndexedDataset(str(tmp_path / "out_messages_label_document"))[0]
+    tokenizer = load_chat_tokenizer(str(tok_dir))
+    whole = tokenizer.apply_chat_template(chat, tokenize=False)
+    end, closed_by_eos = TURN_END[family]
+    assert whole.endswith(end)
+    eos = tokenizer.eos_token
+    decoded = tokenizer.decode(tokens.tolist(), skip_special_tokens=False)
+    # An EOS the template wrote is not appended again; otherwise the EOS follows the turn.
+    assert decoded == (whole if closed_by_eos else whole + eos)
+    assert not decoded.rstrip().endswith(eos + eos)
+    replies = [t["content"] + end for t in chat if t["role"] == "assistant"]
+    replies[-1] += "" if closed_by_eos else eos
+    assert [r.strip() for r in trained_runs(tokenizer, tokens, labels)] == [
+        r.strip() for r in replies
+    ]
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma"])
+def test_template_refusals_are_skipped_and_counted_or_stop_strict_with_file_line(tmp_path, family):
+    tok_dir = family_tokenizer(tmp_path / "tok", family)
+    records = [
+        {"messages": CHATS[1]},
+        {"messages": CHATS[0]},  # a system turn first: both templates raise_exception
+        {"messages": [CHATS[1][0], CHATS[1][0], CHATS[1][1]]},  # user twice: not alternating
+    ]
+    src = write_jsonl(tmp_path / "chat.jsonl", records)
+    config = chat_config(src, tmp_path / "out")
+    report = preprocess(config, ChatEncoder(config, ChatOptions(str(tok_dir))))
+    assert report.issues.counts == {"chat template error": 2}
+    alternate = "Conversation roles must alternate user/assistant/user/assistant/..."
+    first = "System role not supported" if family == "gemma" else alternate
+    assert report.issues.examples == [
+        f"{src}:2: chat template error ({first})",
+        f"{src}:3: chat template error ({alternate})",
+    ]
+    assert len(IndexedDataset(str(tmp_path / "out_messages_document"))) == 1
+    # --strict: the first refusal stops the run in one line naming file:line and the message;
+    # nothing is written.
+    strict = chat_config(src, tmp_path / "strict", strict=True)
+    with pytest.raises(InputError) as e:
+        preprocess(strict, ChatEncoder(strict, ChatOptions(str(tok_dir))))
+    assert str(e.value).startswith(f"{src}:2: chat template error ({first}); fix or remove")
+    assert "\n" not in str(e.value)
+    assert not list(tmp_path.glob("strict*"))
+
+
+def test_cli_strict_template_error_is_one_line_and_all_skipped_names_the_jsonl_key(
+    tmp_path, caplog
+):
+    from tools.preprocess_data_with_chat_template import main
+
+    tok_dir = family_tokenizer(tmp_path / "tok", "gemma")
+    src = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CHATS[0]}])
+    args = ["--input", str(src), "--tokenizer-path", str(tok_dir), "--jsonl-keys", "messages"]
+    args += ["--workers", "0", "--no-progress", "--output-prefix"]
+    with caplog.at_level("ERROR"):
+        assert main([*args, str(tmp_path / "strict"), "--strict"]) == 1
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert errors[0] == (
+        f"InputError: {src}:1: chat template error (System role not supported); fix or remove "
+        "that document, or run without --strict to skip and count such documents"
+    )
+    caplog.clear()
+    # Every record skipped: the error names the user's key, not the derived label dataset.
+    with caplog.at_level("ERROR"):
+        assert main([*args, str(tmp_path / "all")]) == 1
+    error = caplog.records[0].getMessage()
+    assert "no document yielded tokens for --jsonl-keys messages (" in error
+    assert "messages_label" not in error
+    assert not list(tmp_path.glob("strict*")) and not list(tmp_path.glob("all*"))

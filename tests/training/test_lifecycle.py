@@ -267,6 +267,9 @@ def test_finetune_loads_weights_only_and_restarts_at_zero(ref):
     )
     r = run_here("train.py", cfg)
     assert "finetuning from" in r.stdout
+    # Weights only: the log says so, never that the run "resumed".
+    assert "to finetune from iteration 0" in r.stdout + r.stderr
+    assert "resumed from" not in r.stdout + r.stderr
     tune = {x["step"]: x for x in records(tmp / "tune" / "logs") if x["split"] == "train"}
     first = {x["step"]: x for x in records(tmp / "ref" / "logs") if x["split"] == "train"}[1]
     assert sorted(tune) == [1, 2, 3] and tune[1]["consumed_samples"] == GLOBAL_BATCH
