@@ -161,7 +161,10 @@ def test_fp8_trains_beside_bf16_on_four_gpus(data):
         run_deepy("train.py", cfg, cpu=False)
         curves[name] = losses(data / name / "logs")
     fp8, bf16 = curves["fp8_tp2dp2"], curves["bf16_tp2dp2"]
-    assert fp8[20] < 0.9 * fp8[1]
+    # The tokens are uniform over 255 ids, so no model gets below ln(255) = 5.54: ask for half
+    # the way from the first loss to that floor (on 4 H200s, 6.29 -> 5.74 in 20 steps), not for
+    # a fixed fraction of the first loss, which can lie below the floor.
+    assert fp8[20] < (fp8[1] + math.log(255)) / 2
     assert fp8[20] == pytest.approx(bf16[20], rel=0.05)
 
 
