@@ -722,7 +722,6 @@ def derive(cfg: NeoXConfig, world_size: int, vocab_size: Optional[int] = None) -
     micro, gas, glob = batch_triple(cfg, dp)
     decay, warmup = schedule_iters(cfg)
     padded = padded_vocab(cfg, vocab_size)
-    check_pipeline_clipping(cfg, precision_of(cfg))
     check_loss_scale(cfg, precision_of(cfg))
     check_float8(cfg, precision_of(cfg))
     check_pipeline_inputs(cfg)
@@ -812,19 +811,6 @@ def check_model_split(m: ModelConfig, tp: int, pp: int, source: str = "") -> Non
         raise ConfigError(
             f"num_layers={m.num_layers} is smaller than pipe_parallel_size={pp}{where}; "
             f"every stage needs a block: use pipe_parallel_size <= {m.num_layers}"
-        )
-
-
-def check_pipeline_clipping(cfg: NeoXConfig, precision: str) -> None:
-    """DeepSpeed 0.19's fp32 pipeline path without ZeRO clips with a wrong global norm."""
-    stage = zero_stage_of(cfg)
-    t = cfg.training
-    clip = t.clip_grad if t.clip_grad is not None else t.gradient_clipping
-    if cfg.parallel.pp > 1 and precision == "fp32" and not stage and clip:
-        raise ConfigError(
-            f"pipe_parallel_size={cfg.parallel.pp} with fp32, ZeRO stage 0 and gradient_clipping="
-            f"{clip}: DeepSpeed computes the clipping norm from stage 0's parameters only in this "
-            "mode; use zero_optimization.stage 1 (or fp16/bf16), or gradient_clipping 0"
         )
 
 
