@@ -185,32 +185,47 @@ def test_lora_sft_on_four_gpus(data):
         lora_alpha=16,
         lora_base=str(data / "b"),
         optimizer={"type": "Adam", "params": {"lr": 1.0e-2}},
+        train_iters=10,  # 40 packed samples: within the 120 short documents' epoch
+        gradient_accumulation_steps=1,
     )
     run_deepy("train.py", tiny(data, "lora_sft", model_parallel_size=2, **keys), cpu=False)
     curve = losses(data / "lora_sft" / "logs")
-    assert all(math.isfinite(v) for v in curve.values()) and curve[20] < curve[1], curve
+    assert all(math.isfinite(v) for v in curve.values()) and curve[10] < curve[1], curve
 
 
 @pytest.mark.multigpu
 @pytest.mark.slow
-def test_dpo_on_four_gpus(data):
-    """DPO at DP=4: the first loss is log 2 (policy = reference) and it falls."""
+def test_dpo_on_four_gpus_matches_one_gpu(data):
+    """DPO at DP4: the first loss is log 2 (policy = reference), the reward metrics are logged,
+    and every step equals one GPU's accumulating the same 8 pairs (fp32)."""
     from tests.preference_helpers import pair_keys
+    from tests.train_helpers import records
 
     keys = pair_keys(data / "pairs")
-    cfg = tiny(
-        data,
-        "dpo",
-        data_path=None,
-        dataset_impl="pairwise",
-        pack_impl="unpacked",
-        train_impl="dpo",
-        dpo_beta=0.5,
-        seq_length=16,
-        max_position_embeddings=16,
-        **keys,
-    )
-    run_deepy("train.py", cfg, cpu=False)
-    curve = losses(data / "dpo" / "logs")
-    assert curve[1] == pytest.approx(math.log(2), abs=1e-2)
-    assert curve[20] < curve[1], curve
+    curves = {}
+    for name, gpus in (("dpo_4", 4), ("dpo_1", 1)):
+        cfg = tiny(
+            data,
+            name,
+            num_gpus=gpus,
+            data_path=None,
+            dataset_impl="pairwise",
+            pack_impl="unpacked",
+            train_impl="dpo",
+            dpo_beta=0.5,
+            seq_length=16,
+            max_position_embeddings=16,
+            train_iters=10,  # 80 of the 256 training pairs
+            train_micro_batch_size_per_gpu=2,
+            gradient_accumulation_steps=4 // gpus,
+            bf16={"enabled": False},
+            **keys,
+        )
+        run_deepy("train.py", cfg, cpu=False)
+        curves[name] = losses(data / name / "logs")
+    four, one = curves["dpo_4"], curves["dpo_1"]
+    assert four[1] == pytest.approx(math.log(2), abs=1e-4)
+    for step, loss in one.items():
+        assert four[step] == pytest.approx(loss, rel=1e-3), (step, four, one)
+    logged = [r for r in records(data / "dpo_4" / "logs") if r["split"] == "train"]
+    assert all({"chosen_rewards", "rejected_rewards", "reward_acc"} <= r.keys() for r in logged)
