@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from neox.config import load_config  # noqa: E402
-from neox.config.derived import pad_vocab_size  # noqa: E402
+from neox.config.derived import padded_vocab  # noqa: E402
 from neox.config.model import ModelConfig  # noqa: E402
 from neox.plan.estimate import count_parameters, train_flops_per_token  # noqa: E402
 
@@ -56,11 +56,9 @@ def model_of(name: str, layers: int | None = None, seq: int | None = None) -> Mo
     return model.model_copy(update=update)
 
 
-def vocab_of(name: str, tp: int) -> int:
-    cfg = load_config([str(ROOT / name)]).config
-    if cfg.tokenizer.padded_vocab_size:
-        return cfg.tokenizer.padded_vocab_size
-    return pad_vocab_size(GPT_NEOX_20B_VOCAB, cfg.model.make_vocab_size_divisible_by, tp)
+def vocab_of(name: str) -> int:
+    """The file's padded_vocab_size, or the GPT-NeoX-20B tokenizer's padded as the file says."""
+    return padded_vocab(load_config([str(ROOT / name)]).config, GPT_NEOX_20B_VOCAB)
 
 
 def megatron_flops_per_token(cfg: ModelConfig, vocab: int, recompute: bool = False) -> float:
@@ -100,7 +98,7 @@ def table() -> list[str]:
     for name, seq, tp, pp, gpus, tps, recompute, source in RUNS:
         layers = LAYERS.get((name, tps))
         cfg = model_of(name, layers, seq)
-        flops = compare(cfg, vocab_of(name, tp), recompute)
+        flops = compare(cfg, vocab_of(name), recompute)
         cells = [
             f"{f / 1e9:.1f}, {tps * f / gpus / 1e12 / PEAK_TFLOPS:.1%}" for f in flops.values()
         ]
@@ -119,7 +117,7 @@ def shapes_table() -> list[str]:
     ]
     for name in SHAPES:
         cfg = model_of(name)
-        flops = compare(cfg, vocab_of(name, 1))
+        flops = compare(cfg, vocab_of(name))
         ratio = [f"{flops[k] / 1e9:.2f} ({flops[k] / flops['neox']:.3f}x)" for k in flops]
         rows.append(
             f"| {name} ({cfg.seq_length}) | {flops['neox'] / 1e9:.2f} | {ratio[1]} | {ratio[2]} |"

@@ -22,6 +22,7 @@ part=${1:?usage: benchmarks/multi_gpu.sh tier1|tier2|tier3|speed1|speed2|profile
 out=${OUT:-runs/multi_gpu}/$part
 mkdir -p "$out"
 vocab=${VOCAB:-data/20B_tokenizer.json}
+[ -f "$vocab" ] || vocab=shared/data/20B_tokenizer.json  # the tier needs none; speed parts do
 { nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || echo "no nvidia-smi"; } | tee "$out/device.txt"
 date -u +%FT%TZ | tee -a "$out/device.txt"
 bench() {

@@ -194,10 +194,4 @@ def stock_keys(
     if cpu and _precision(cfg) == "fp16":
         cfg["fp16"] = {**cfg["fp16"], "enabled": False}
         cfg["bf16"] = {"enabled": True}
-    stage = (cfg.get("zero_optimization") or {}).get("stage", 0)
-    if cfg["pipe_parallel_size"] > 1 and _precision(cfg) == "fp32" and not stage:
-        # neox refuses fp32 pipelines at ZeRO stage 0 with clipping (DeepSpeed 0.19 clips them
-        # with stage 0's norm alone, docs/compat.md); the files without a precision (Llama,
-        # Mistral, Qwen) train their pipelines in bf16, as they would on GPUs.
-        cfg["bf16"] = {"enabled": True}
     return cfg

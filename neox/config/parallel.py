@@ -4,10 +4,9 @@ from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
 
-from neox.config.base import MAX_RANKS, ConfigGroup, Reads, Refused, Restricted
+from neox.config.base import MAX_RANKS, ConfigGroup, Reads, Refused
 from neox.config.errors import ConfigError
 from neox.config.model import ModelConfig
-from neox.config.training import TrainingConfig
 
 
 class ParallelConfig(ConfigGroup):
@@ -18,16 +17,9 @@ class ParallelConfig(ConfigGroup):
     )
     """Tensor-parallel degree (Megatron-style column/row split of each layer)."""
 
-    pipe_parallel_size: Annotated[
-        int,
-        Reads("neox/config/parallel.py"),
-        Restricted(
-            "Above 1 in fp32 with ZeRO stage 0, needs gradient_clipping 0 (DeepSpeed 0.19 "
-            "computes the clipping norm from one stage's parameters there).",
-            example={"pipe_parallel_size": 2, "zero_optimization": {"stage": 1}},
-            broken_by=({"zero_optimization": {"stage": 0}},),
-        ),
-    ] = Field(1, ge=0, le=MAX_RANKS)
+    pipe_parallel_size: Annotated[int, Reads("neox/config/parallel.py")] = Field(
+        1, ge=0, le=MAX_RANKS
+    )
     """Pipeline stages (gpt-neox: 0 and 1 both mean no pipeline)."""
 
     pipe_partition_method: Annotated[str, Reads("neox/training/setup.py")] = "type:Block"
@@ -64,18 +56,6 @@ class ParallelConfig(ConfigGroup):
     def pp(self) -> int:
         """Pipeline stages, with gpt-neox's 0 read as 1."""
         return max(1, self.pipe_parallel_size)
-
-    def check_run(self, precision: str, zero_stage: int, training: TrainingConfig) -> None:
-        """DeepSpeed 0.19's fp32 pipeline path without ZeRO clips with a wrong global norm
-        (run by `derive`)."""
-        t = training
-        clip = t.clip_grad if t.clip_grad is not None else t.gradient_clipping
-        if self.pp > 1 and precision == "fp32" and not zero_stage and clip:
-            raise ConfigError(
-                f"pipe_parallel_size={self.pp} with fp32, ZeRO stage 0 and gradient_clipping="
-                f"{clip}: DeepSpeed computes the clipping norm from stage 0's parameters only in "
-                "this mode; use zero_optimization.stage 1 (or fp16/bf16), or gradient_clipping 0"
-            )
 
 
 def check_model_split(m: ModelConfig, tp: int, pp: int, source: str = "") -> None:

@@ -95,7 +95,6 @@ class NeoXConfig(BaseModel):
         batch, samples drawn); `derive` runs them once it has them."""
         tp, pp = self.parallel.model_parallel_size, self.parallel.pp
         zero_stage = self.deepspeed.stage
-        self.parallel.check_run(precision, zero_stage, self.training)
         self.precision.check_run(precision)
         self.float8.check_run(precision, pp, self.model.lm_loss_chunk_size)
         self.data.check_run(pp, samples)

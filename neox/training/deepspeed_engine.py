@@ -23,6 +23,9 @@ is DeepSpeed's own lives here, so the loop never asks which engine runs.
   them again: `AssertionError: bwd_microstep timer has already been started` at the first
   backward of every stock Pythia config with PP. `time_pipeline_backward_once` keeps the pipe's
   own start/stop and lets the hook time nothing during that pass (docs/compat.md).
+- fp32 pipelines at ZeRO stage 0 with clipping: DeepSpeed 0.19 sums the squared gradients of
+  the first stage and only the tensor-split ones of later stages, so it clips with the wrong
+  norm. `clip_pipeline_fp32_gradients` replaces that clip with one over every stage.
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ class DeepSpeedAdapter:
         route_compiled_linears()
         if isinstance(self.ds, PipelineEngine):
             time_pipeline_backward_once(self.ds)
+            clip_pipeline_fp32_gradients(self.ds)
         if (ds_config.get("compile") or {}).get("deepcompile"):
             # DeepSpeed's DeepCompile (deepspeed_extra_args: {compile: {deepcompile: true}})
             # compiles the whole module with ZeRO's gathers scheduled in the graph.
@@ -195,6 +199,38 @@ def time_pipeline_backward_once(engine: Any) -> None:
             timers.backward_timers, timers.backward_inner_timers = kept
 
     engine._INSTRUCTION_MAP = {**engine._INSTRUCTION_MAP, schedule.BackwardPass: backward_pass}
+
+
+def clip_pipeline_fp32_gradients(engine: Any) -> None:
+    """The fp32, ZeRO-0 pipeline's gradient clip with the norm over every stage's gradients:
+    each tensor-parallel-replicated gradient counted once (tp rank 0), tensor-split ones on every
+    rank, a tied weight's copy on a later stage not again; squares summed over the pipeline x
+    tensor group. Per instance; a no-op where DeepSpeed does not take this path."""
+    from deepspeed import comm as dist
+    from deepspeed.runtime.utils import is_model_parallel_parameter
+
+    if engine.fp16_enabled() or engine.bfloat16_enabled() or engine.zero_optimization():
+        return
+    grid = engine.mpu
+
+    def clip_fp32_gradients() -> None:
+        params = [p for p in engine.module.parameters() if p.grad is not None]
+        counted = [
+            p.grad.detach().float().pow(2).sum()
+            for p in params
+            if not getattr(p, "ds_pipe_replicated", False)
+            and (grid.get_slice_parallel_rank() == 0 or is_model_parallel_parameter(p))
+        ]
+        device = params[0].grad.device if params else engine.device
+        squares = torch.stack(counted).sum() if counted else torch.zeros((), device=device)
+        dist.all_reduce(squares, group=grid.get_model_parallel_group())
+        norm = squares.sqrt()
+        engine._global_grad_norm = norm  # read by the loop after the next step is queued
+        coef = (engine.gradient_clipping() / (norm + 1e-6)).clamp(max=1.0)  # no host sync
+        for p in params:
+            p.grad.detach().mul_(coef)
+
+    engine.clip_fp32_gradients = clip_fp32_gradients
 
 
 def _pipeline_batches(batches: Iterable[Batch]) -> Iterator:

@@ -127,12 +127,10 @@ def test_schedule_iterations():
     assert (d.lr_decay_iters, d.warmup_iters) == (500, 5)
 
 
-def test_fp32_pipeline_clipping_without_zero_is_refused():
-    flat = {"pipe_parallel_size": 2, "num_layers": 2, "gradient_clipping": 1.0}
-    with pytest.raises(ConfigError, match="use zero_optimization.stage 1"):
-        derive(load_dict(flat), 2)
-    derive(load_dict({**flat, "zero_optimization": {"stage": 1}}), 2)
-    derive(load_dict({**flat, "gradient_clipping": 0.0}), 2)
+def test_fp32_pipeline_clipping_without_zero_is_accepted():
+    """DeepSpeed's wrong norm is worked around in the adapter (tests/parallel/
+    test_stock_layouts.py trains it against one rank), so the stock fp32 files pipeline."""
+    derive(load_dict({"pipe_parallel_size": 2, "num_layers": 2, "gradient_clipping": 1.0}), 2)
 
 
 def test_pipeline_refuses_per_document_masks():

@@ -35,7 +35,8 @@ MODELS = {
 # name -> layout, ZeRO stage, features; world size = tp * pp * dp.
 # Pipeline cases use ZeRO-1: DeepSpeed 0.19's fp32 pipeline path clips with runtime.utils
 # clip_grad_norm_, which keeps only model-parallel rank 0's replicated parameters (stage 0's)
-# in the norm, so without ZeRO a clipped pipeline run drifts from the dense one (~4e-5 by step 2).
+# in the norm, so without ZeRO a clipped pipeline run drifts from the dense one (~4e-5 by step 2);
+# train.py's adapter replaces that clip (tests/parallel/test_stock_layouts.py), this worker not.
 CASES = {
     "tp2": dict(model="A", tp=2, pp=1, dp=1, zero=0, checkpoint=True, partition=True),
     "pp2": dict(model="A", tp=1, pp=2, dp=1, zero=1, checkpoint=True),

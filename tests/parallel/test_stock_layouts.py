@@ -17,7 +17,7 @@ from tests.stock_configs import (
     shipped_model_configs,
     stock_keys,
 )
-from tests.train_helpers import SHORT_RUN, losses, make_dataset, train, write_config
+from tests.train_helpers import SHORT_RUN, losses, make_dataset, records, train, write_config
 
 STEPS = 2
 
@@ -31,8 +31,7 @@ def test_representatives_hold_every_shipped_configs_keys():
 
 def test_stock_runs_replace_only_sizes_and_run_keys():
     """What a stock run changes of the file: nothing outside the size and run keys but the
-    precision CPU ranks lack (fp16 -> bf16; bf16 for fp32 pipelines, see stock_keys) and the
-    layout's ZeRO stage."""
+    precision CPU ranks lack (fp16 -> bf16) and the layout's ZeRO stage."""
     from neox.config.loader import read_config_file
     from tests.stock_configs import ROOT, RUN_KEYS, SCALED_KEYS, SIZE_KEYS
 
@@ -100,3 +99,27 @@ def test_pipeline_with_wall_clock_breakdown_trains(tmp_path):
     out = train(cfg).stdout
     assert "bwd_microstep" in out, out[-3000:]
     assert sorted(losses(tmp_path / "pp" / "logs")) == [1, 2, 3, 4, 5]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["pp2", "tp2_pp2"])
+def test_fp32_pipeline_at_zero_stage_0_clips_with_the_whole_models_norm(layout, tmp_path):
+    """DeepSpeed 0.19 clipped fp32 ZeRO-0 pipelines with the first stage's norm (and only the
+    tensor-split gradients of later stages); the adapter's clip_pipeline_fp32_gradients clips
+    with every stage's. Clipping at 0.5 is active at every step here (norms above 1), so the
+    losses and norms equal one rank's only with the right norm."""
+    make_dataset(tmp_path / "data" / "chars")
+    runs = {
+        "dense": dict(num_gpus=1),
+        layout: dict(num_gpus=2 if layout == "pp2" else 4, pipe_parallel_size=2)
+        | (dict(model_parallel_size=2) if layout == "tp2_pp2" else {}),
+    }
+    logs = {}
+    for name, keys in runs.items():
+        cfg = write_config(tmp_path, name, zero_optimization={"stage": 0}, **SHORT_RUN, **keys)
+        train(cfg)
+        logs[name] = [r for r in records(tmp_path / name / "logs") if r["split"] == "train"]
+    for one, piped in zip(logs["dense"], logs[layout], strict=True):
+        assert one["grad_norm"] > 0.5  # clipped
+        assert piped["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5), (one, piped)
+        assert piped["loss"] == pytest.approx(one["loss"], rel=1e-5), (one, piped)
