@@ -244,7 +244,7 @@ def check_resume(cfg: NeoXConfig, derived: Derived) -> str:
     c = cfg.checkpoint
     if c.load is None:
         return "no `load` directory: training starts from scratch"
-    resume = find_checkpoint(c.load)
+    resume = find_checkpoint(c.load, c.allow_unverified_checkpoint)
     skipped = "".join(f"\nwarning: {line}" for line in resume.report())
     if resume.tag is None:
         if resume.skipped:

@@ -257,9 +257,10 @@ def verify_checkpoint(step_dir: Path, trust: bool) -> Optional[str]:
     Reads every byte once; UntrustedCheckpointError for a file holding objects a weights-only
     load refuses (unless `trust`): a tampered checkpoint stops the run, it is not skipped.
     """
-    problem = checkpoint_problem(step_dir, verify=True)
+    problem = checkpoint_problem(step_dir, verify=True, allow_unverified=True)  # find decided
     if problem is not None:
         return problem
+    # Every .pt file, however named: checkpoint_problem refused symbolic links, so rglob sees all.
     for path in sorted(step_dir.rglob("*.pt")):
         try:
             check_loadable(path, trust)
@@ -321,7 +322,7 @@ def load_checkpoint(engine, cfg: NeoXConfig) -> Optional[dict[str, Any]]:
     lock_save_dir(cfg)
     if c.load is None:
         return None
-    resume = find_checkpoint(c.load)
+    resume = find_checkpoint(c.load, c.allow_unverified_checkpoint)
     if torch.distributed.get_rank() == 0:
         for line in resume.report():
             log.warning(line)

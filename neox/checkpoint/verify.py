@@ -53,13 +53,16 @@ def verify_export(
     atol: float = 1e-4,
     new_tokens: int = 8,
     trust: bool = False,
+    allow_unverified: bool = False,
 ) -> Agreement:
     """Compare neox's fp32 model with transformers' fp32 load of `hf_dir` on `text`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from neox.tokenizer import build_tokenizer
 
-    model, cfg = load_model(checkpoint, iteration, "cpu", torch.float32, trust=trust)
+    model, cfg = load_model(
+        checkpoint, iteration, "cpu", torch.float32, trust=trust, allow_unverified=allow_unverified
+    )
     t = cfg.tokenizer
     hf = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
     adapter = Path(hf_dir) / "adapter"
