@@ -232,3 +232,32 @@ def test_a_save_that_fills_the_disk_says_so_and_leaves_no_partial(saved, small_f
     assert (ckpt / "latest").read_text() == "global_step3"
     again = deepy(cfg)
     assert again.returncode == 2 and "MB free, but one checkpoint needs" in again.stderr
+
+
+def measured_and_estimated(tmp: Path, name: str, step: str) -> tuple[int, int, str]:
+    """(bytes of the run's checkpoint `step`, the pre-launch room check's figure, the engine)."""
+    from neox.config import derive, load_config
+    from neox.plan.engine_choice import engine_for
+    from neox.plan.preflight import checkpoint_bytes, preflight
+
+    loaded = load_config([str(tmp / f"{name}.yml")])
+    vocab, _ = preflight(loaded, "train.py")
+    derived = derive(loaded.config, loaded.config.launcher.num_gpus, vocab)
+    files = (tmp / name / "ckpt" / step).rglob("*")
+    measured = sum(f.stat().st_size for f in files if f.is_file())
+    engine = engine_for(loaded.config, derived).engine
+    return measured, checkpoint_bytes(loaded.config, derived), engine
+
+
+def test_the_room_check_asks_what_each_engine_writes(saved):
+    """Issue 33 (5): the room check counted 12 bytes per parameter for fp32 runs, the flat
+    engine writes 16 (its fp32 partition beside Adam's moments), so a disk-full relaunch was
+    accepted and failed at the same save. Measured on both engines' real checkpoints: the
+    figure covers each, within a tenth."""
+    measured, estimated, engine = measured_and_estimated(saved, "ref", "global_step6")
+    assert engine == "flat"
+    assert measured <= estimated <= 1.1 * measured, (measured, estimated)
+    train(write_config(saved, "ds", num_gpus=1, train_iters=3, flat_engine=False))
+    measured, estimated, engine = measured_and_estimated(saved, "ds", "global_step3")
+    assert engine == "deepspeed"
+    assert measured <= estimated <= 1.1 * measured, (measured, estimated)
