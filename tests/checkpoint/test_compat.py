@@ -161,3 +161,30 @@ def test_describe_stop_claims_a_checkpoint_only_after_a_clean_stop(tmp_path):
         "stopped by SIGTERM; the ranks did not exit cleanly (exit status 1)"
     )
 
+
+def test_describe_stop_claims_only_a_save_made_after_the_signal(tmp_path):
+    """Issue 33 (6): a stop during a run of non-finite steps saves nothing, yet deepy printed
+    `checkpoint saved in <save>/None`, or named an older step as this stop's."""
+    from neox.checkpoint.atomic import write_atomic
+    from neox.checkpoint.compat import latest_state
+
+    ckpt = tmp_path / "ckpt"
+    saving = load_dict({"save": str(ckpt)})
+    term = LaunchResult(0, signal.SIGTERM)
+    ckpt.mkdir()
+    assert describe_stop(saving, term, latest_state(str(ckpt))) == (
+        "stopped by SIGTERM; no checkpoint was saved at this stop (the ranks' output above says "
+        f"why); no checkpoint in {ckpt} to resume from"
+    )
+    (ckpt / "global_step4").mkdir()
+    write_atomic(ckpt / "latest", "global_step4")  # saved during the run, before the signal
+    at_stop = latest_state(str(ckpt))
+    assert describe_stop(saving, term, at_stop) == (
+        "stopped by SIGTERM; no checkpoint was saved at this stop (the ranks' output above says "
+        f"why); the run can resume from the last checkpoint, {ckpt / 'global_step4'}, saved "
+        "before it"
+    )
+    write_atomic(ckpt / "latest", "global_step4")  # the stop saved the same step again
+    assert describe_stop(saving, term, at_stop) == (
+        f"stopped by SIGTERM; checkpoint saved in {ckpt / 'global_step4'}"
+    )

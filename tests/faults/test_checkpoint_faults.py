@@ -261,3 +261,41 @@ def test_the_room_check_asks_what_each_engine_writes(saved):
     measured, estimated, engine = measured_and_estimated(saved, "ds", "global_step3")
     assert engine == "deepspeed"
     assert measured <= estimated <= 1.1 * measured, (measured, estimated)
+
+
+def test_a_stop_during_nonfinite_steps_claims_no_checkpoint(saved):
+    """Issue 33 (6): SIGTERM during a run of non-finite steps saves nothing; deepy printed
+    `checkpoint saved in <save>/None`, or an older step as this stop's. It now says no
+    checkpoint was saved at this stop and names the one to resume from."""
+    import os
+    import shutil
+    import signal
+
+    from tests.training.lifecycle_helpers import BackgroundRun
+
+    cfg, ckpt = copy_run(
+        saved,
+        "nanstop",
+        train_iters=1000,
+        checkpoint_factor=1,
+        eval_interval=1000,
+        no_load_optim=True,
+        optimizer={"type": "Adam", "params": {"lr": 1.0e30}},
+        max_nonfinite_steps=1000,
+    )
+    (ckpt / "latest").write_text("global_step3")
+    shutil.rmtree(ckpt / "global_step6")
+    run = BackgroundRun(cfg, saved / "nanstop.out")
+    try:
+        run.wait_for("not saving at iteration 5")
+        os.kill(run.proc.pid, signal.SIGTERM)
+        assert run.wait() == 0, run.text()[-3000:]
+    finally:
+        run.kill_all()
+    out = run.text()
+    assert "checkpoint saved in" not in out, out[-3000:]
+    assert (
+        "deepy: stopped by SIGTERM; no checkpoint was saved at this stop (the ranks' output above "
+        f"says why); the run can resume from the last checkpoint, {ckpt / 'global_step4'}, "
+        "saved before it"
+    ) in out, out[-3000:]
