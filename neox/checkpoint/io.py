@@ -144,15 +144,14 @@ def save_problem(save_dir: Path, staging: Path) -> Optional[str]:
     """Rank 0, before a save: why it cannot be made, or None. The directory must still be the
     one this run locked (never re-created: a second run may own the new one), writable (the
     staging directory is made here), and have room for a checkpoint as large as the last."""
-    try:
-        acquire(save_dir)  # held since the start (load_checkpoint): checks it is still ours
-    except CheckpointError as e:
-        return str(e)
     tag = staging.name.removesuffix(STAGING_SUFFIX)
     try:
+        acquire(save_dir)  # held since the start (load_checkpoint): checks it is still ours
         shutil.rmtree(staging, ignore_errors=True)  # left by a save that was killed
         staging.mkdir()
         free = shutil.disk_usage(save_dir).free
+    except CheckpointError as e:
+        return str(e)
     except OSError as e:
         return (
             f"saving checkpoint {tag} to {save_dir} failed: {e.strerror} ({e.filename}); "

@@ -105,7 +105,7 @@ def load_inside(path: Any, root: Optional[Path], trust: bool, map_location: Any 
                 "checkpoint's files must lie inside its directory; not loaded. Copy the files "
                 "into it (no symbolic links)"
             )
-    return load_file(path, trust, map_location=map_location or "cpu")
+    return load_file(path, trust, map_location=map_location)
 
 
 @contextlib.contextmanager
