@@ -299,3 +299,27 @@ def test_a_stop_during_nonfinite_steps_claims_no_checkpoint(saved):
         f"says why); the run can resume from the last checkpoint, {ckpt / 'global_step4'}, "
         "saved before it"
     ) in out, out[-3000:]
+
+
+def test_a_save_dir_deleted_mid_run_stops_the_run_at_its_next_save(saved):
+    """Issue 33 (3): `save` deleted mid-run was re-created without a lock file at the next save,
+    and a second run shared it. Now the next save stops every rank with one line, and the
+    directory is not re-created."""
+    import shutil
+
+    from tests.training.lifecycle_helpers import BackgroundRun
+
+    # Resumed at step 6, the next save is at step 200: the folder is gone long before it.
+    cfg, ckpt = copy_run(saved, "deleted", train_iters=400, checkpoint_factor=200)
+    run = BackgroundRun(cfg, saved / "deleted.out")
+    try:
+        run.wait_for("resumed from")
+        shutil.rmtree(ckpt)
+        code = run.wait()
+    finally:
+        run.kill_all()
+    out = run.text()
+    assert code != 0, out[-3000:]
+    assert f"train.py: save={str(ckpt)!r} was deleted while this run held it" in out, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    assert not ckpt.exists()
