@@ -14,7 +14,7 @@ from pathlib import Path
 
 import yaml
 
-from neox.checkpoint.compat import check_resume, describe_stop
+from neox.checkpoint.compat import check_resume, describe_stop, latest_state
 from neox.config import ConfigError, build_ds_config, derive, encode, load_config
 from neox.launcher import LaunchError, build_launch, launch
 from neox.launcher.port import check_master_port
@@ -238,9 +238,11 @@ def main(argv: list[str]) -> int:
         return 0
     if not plan.cpu:
         warn_if_too_big(cfg, derived)
-    result = launch(plan)
+    # What `latest` was when a stop signal came: only a save completed after it is claimed.
+    at_stop: list = []
+    result = launch(plan, on_stop=lambda: at_stop.append(latest_state(cfg.checkpoint.save)))
     if result.signal is not None:
-        print(f"deepy: {describe_stop(cfg, result)}")
+        print(f"deepy: {describe_stop(cfg, result, at_stop[0] if at_stop else None)}")
     return result.code
 
 

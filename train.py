@@ -9,7 +9,7 @@ import sys
 
 from neox.checkpoint.consolidate import CheckpointError
 from neox.config import ConfigError
-from neox.entry import leave_together, rank_config
+from neox.entry import leave_together, peer_ended, rank_config
 from neox.training import run_training
 
 
@@ -27,6 +27,12 @@ def main(argv: list[str]) -> int:
     except (CheckpointError, NonFiniteSteps) as e:
         # Every rank meets the same problem; one line each, no traceback.
         print(f"train.py: {e}", file=sys.stderr)
+        return 1
+    except RuntimeError as e:
+        if not peer_ended(e):
+            raise
+        # Another rank stopped first (a full disk while it saved, say) and said why.
+        print("train.py: stopped: another rank ended first (its output says why)", file=sys.stderr)
         return 1
     ignore_further_stops()  # the run is over: a late stop signal must not fail the exit
     leave_together()

@@ -22,3 +22,19 @@ def leave_together() -> None:
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+# What gloo says in a collective whose peer process has ended.
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer")
+
+
+def peer_ended(error: BaseException) -> bool:
+    """A collective failed because another rank ended: that rank reports why (one line for a
+    user's mistake), so this one adds no traceback of its own."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, RuntimeError) and any(s in str(error) for s in PEER_GONE):
+            return True
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return False

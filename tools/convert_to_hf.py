@@ -69,6 +69,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "trust: by default only tensors and neox's and DeepSpeed's own classes are read",
     )
     p.add_argument(
+        "--allow-unverified",
+        action="store_true",
+        help="read a checkpoint neox wrote whose manifest.json is gone, its files unchecked "
+        "against their checksums (by default it is refused)",
+    )
+    p.add_argument(
         "--verify",
         action="store_true",
         help="then load the output with transformers and check that its logits (fp32, within "
@@ -86,7 +92,9 @@ def check_tokenizer(args: argparse.Namespace) -> None:
     from neox.checkpoint.consolidate import resolve_checkpoint
     from neox.config import ConfigError, read_saved_config
 
-    tag_dir = resolve_checkpoint(args.input_dir, args.iteration)
+    tag_dir = resolve_checkpoint(
+        args.input_dir, args.iteration, allow_unverified=args.allow_unverified
+    )
     if not (tag_dir / "config.yml").is_file():
         return
     try:
@@ -115,6 +123,7 @@ def main(argv: list[str] | None = None) -> None:
             trust=args.trust_checkpoint,
             max_shard_size=args.max_shard_size,
             lora_format=args.lora_format,
+            allow_unverified=args.allow_unverified,
         )
     print(f"wrote {args.output_dir}")
     if note:
@@ -124,7 +133,11 @@ def main(argv: list[str] | None = None) -> None:
 
         with exit_on("convert_to_hf", VerifyError, what="verification failed"):
             agreement = verify_export(
-                args.output_dir, args.input_dir, args.iteration, trust=args.trust_checkpoint
+                args.output_dir,
+                args.input_dir,
+                args.iteration,
+                trust=args.trust_checkpoint,
+                allow_unverified=args.allow_unverified,
             )
         print(agreement.describe())
 

@@ -29,6 +29,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="unpickle the checkpoint files fully (runs any code they hold); only for files you "
         "trust: by default only tensors and neox's and DeepSpeed's own classes are read",
     )
+    p.add_argument(
+        "--allow-unverified",
+        action="store_true",
+        help="read a checkpoint neox wrote whose manifest.json is gone, its files unchecked "
+        "against their checksums (by default it is refused)",
+    )
     return p.parse_args(argv)
 
 
@@ -43,6 +49,7 @@ def main(argv: list[str] | None = None) -> None:
             iteration=args.iteration,
             overwrite=args.overwrite,
             trust=args.trust_checkpoint,
+            allow_unverified=args.allow_unverified,
         )
     print(f"wrote {tag_dir} at tp={args.tp} pp={args.pp}: weights only, no optimizer state;")
     print(f"start a run from it with `finetune: true` and `load: {args.output_dir}`")

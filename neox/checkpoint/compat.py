@@ -244,7 +244,7 @@ def check_resume(cfg: NeoXConfig, derived: Derived) -> str:
     c = cfg.checkpoint
     if c.load is None:
         return "no `load` directory: training starts from scratch"
-    resume = find_checkpoint(c.load)
+    resume = find_checkpoint(c.load, c.allow_unverified_checkpoint)
     skipped = "".join(f"\nwarning: {line}" for line in resume.report())
     if resume.tag is None:
         if resume.skipped:
@@ -292,9 +292,24 @@ def check_resume(cfg: NeoXConfig, derived: Derived) -> str:
     return f"{what} {c.load} (checkpoint {resume.tag}){skipped}"
 
 
-def describe_stop(cfg: NeoXConfig, result) -> str:
+def latest_state(save: Optional[str]) -> Optional[tuple[str, int, int]]:
+    """(tag, inode, mtime) of `latest` in `save`, or None: each save replaces the file by
+    rename, so a save that completed changes it, even one that saves the same step again."""
+    tag = None if save is None else read_latest(Path(save))
+    if tag is None:
+        return None
+    try:
+        st = (Path(save) / "latest").stat()
+    except OSError:
+        return None
+    return tag, st.st_ino, st.st_mtime_ns
+
+
+def describe_stop(cfg: NeoXConfig, result, latest_at_stop: Optional[tuple] = None) -> str:
     """The line deepy.py prints after a stop signal (`result` is launch()'s LaunchResult):
-    where the run can resume from. A checkpoint is claimed only after a clean stop."""
+    where the run can resume from. A checkpoint is claimed only after a clean stop, and only
+    if a save completed after the signal: `latest` differs from `latest_at_stop` (its
+    latest_state when the signal came)."""
     name = signal.Signals(result.signal).name
     save = None if cfg.checkpoint.save is None else Path(cfg.checkpoint.save)
     if result.killed:
@@ -314,5 +329,15 @@ def describe_stop(cfg: NeoXConfig, result) -> str:
         return f"stopped by {name}; the ranks did not exit cleanly (exit status {result.code})"
     if save is None:
         return f"stopped by {name}; nothing saved (no `save` directory is configured)"
-    tag = read_latest(save)
-    return f"stopped by {name}; checkpoint saved in {save / str(tag)}"
+    now = latest_state(str(save))
+    if now is not None and now != latest_at_stop:
+        return f"stopped by {name}; checkpoint saved in {save / now[0]}"
+    where = (
+        f"no checkpoint in {save} to resume from"
+        if now is None
+        else f"the run can resume from the last checkpoint, {save / now[0]}, saved before it"
+    )
+    return (
+        f"stopped by {name}; no checkpoint was saved at this stop (the ranks' output above "
+        f"says why); {where}"
+    )

@@ -27,7 +27,7 @@ import torch
 from neox.checkpoint.adapter import base_problem, read_reference
 from neox.checkpoint.compat import read_checkpoint_config_file
 from neox.checkpoint.errors import CheckpointError
-from neox.checkpoint.find import latest_tag, step_tags, tag_for
+from neox.checkpoint.find import latest_tag, step_tags, tag_for, unverified_problem
 from neox.checkpoint.manifest import MANIFEST, manifest_problem
 from neox.checkpoint.trust import check_loadable, load_file
 from neox.config import ConfigError, NeoXConfig
@@ -61,10 +61,14 @@ def _is_tag_dir(path: Path) -> bool:
 
 
 def resolve_checkpoint(
-    path: str | Path, iteration: Optional[int] = None, require_config: bool = True
+    path: str | Path,
+    iteration: Optional[int] = None,
+    require_config: bool = True,
+    allow_unverified: bool = False,
 ) -> Path:
     """The `global_stepN` directory for `path`: a save directory (its `latest`, or
-    global_step{iteration}) or one global_stepN directory itself."""
+    global_step{iteration}) or one global_stepN directory itself. A checkpoint neox wrote
+    whose manifest is gone is refused unless `allow_unverified`."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(
@@ -121,6 +125,8 @@ def resolve_checkpoint(
             f"{tag_dir} has no config.yml, so the model it holds is unknown; pass a "
             "checkpoint written by neox's train.py (it saves config.yml in every global_stepN)"
         )
+    if not allow_unverified and (problem := unverified_problem(tag_dir)):
+        raise CheckpointError(problem)
     return tag_dir
 
 
@@ -422,12 +428,14 @@ def load_model_state(
     iteration: Optional[int] = None,
     config: Optional[NeoXConfig] = None,
     trust: bool = False,
+    allow_unverified: bool = False,
 ) -> tuple[NeoXConfig, StateDict]:
     """The checkpoint's saved config (or `config`) and its full plain-GPTNeoX state dict (padded
     vocabulary rows included), in the dtype training kept it (fp32 from ZeRO-3's partitions).
 
-    `trust`: unpickle the files fully (they may run code), not weights-only."""
-    tag_dir = resolve_checkpoint(path, iteration)
+    `trust`: unpickle the files fully (they may run code), not weights-only.
+    `allow_unverified`: read a neox checkpoint that lost its manifest (its files unchecked)."""
+    tag_dir = resolve_checkpoint(path, iteration, allow_unverified=allow_unverified)
     cfg = config if config is not None else read_checkpoint_config(tag_dir)
     if read_reference(tag_dir) is not None:
         base, adapters = read_lora_checkpoint(tag_dir, cfg, trust)
@@ -477,9 +485,10 @@ def load_model(
     device: torch.device | str = "cpu",
     dtype: Optional[torch.dtype] = None,
     trust: bool = False,
+    allow_unverified: bool = False,
 ) -> tuple[GPTNeoX, NeoXConfig]:
     """The checkpoint's plain GPTNeoX in eval mode on `device` (in `dtype`, default as saved)."""
-    cfg, sd = load_model_state(path, iteration, trust=trust)
+    cfg, sd = load_model_state(path, iteration, trust=trust, allow_unverified=allow_unverified)
     model = build_model(cfg.model, sd["embed_in.weight"].shape[0], device="meta")
     model.load_state_dict(sd, strict=True, assign=True)
     return model.to(device=device, dtype=dtype).eval(), cfg

@@ -194,6 +194,7 @@ def export_to_hf(
     trust: bool = False,
     max_shard_size: str | int = MAX_SHARD_SIZE,
     lora_format: str = "merged",
+    allow_unverified: bool = False,
 ) -> Optional[str]:
     """Write the checkpoint as an HF `architecture` model directory (None: the family it was
     imported from, else neox); returns a note when the tokenizer could not be exported (the
@@ -205,7 +206,7 @@ def export_to_hf(
     if lora_format not in LORA_FORMATS:
         raise ExportError(f"lora_format={lora_format!r} is not one of {', '.join(LORA_FORMATS)}")
     max_bytes = shard_bytes(max_shard_size)
-    tag_dir = resolve_checkpoint(input_dir, iteration)
+    tag_dir = resolve_checkpoint(input_dir, iteration, allow_unverified=allow_unverified)
     try:
         cfg = read_saved_config(config_file) if config_file else read_checkpoint_config(tag_dir)
         architecture = architecture or cfg.checkpoint.hf_architecture or "neox"
@@ -245,7 +246,9 @@ def export_to_hf(
     if peft:
         sd, adapters = read_lora_checkpoint(tag_dir, cfg, trust)
     elif lazy is None:
-        _, sd = load_model_state(tag_dir, config=cfg, trust=trust)
+        _, sd = load_model_state(
+            tag_dir, config=cfg, trust=trust, allow_unverified=allow_unverified
+        )
     else:
         sd, sources = lazy  # meta tensors: names and shapes only
     if carried is not None:

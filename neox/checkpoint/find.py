@@ -61,17 +61,40 @@ def step_tags(load_dir: Path) -> list[str]:
     return sorted(tags, key=step_of, reverse=True)
 
 
-def checkpoint_problem(step_dir: Path, verify: bool = False) -> Optional[str]:
+def written_by_neox(step_dir: Path) -> bool:
+    """neox writes config.yml into every checkpoint (train.py's saves and the conversion
+    tools'); gpt-neox and DeepSpeed do not."""
+    return (step_dir / "config.yml").is_file()
+
+
+def unverified_problem(step_dir: Path) -> Optional[str]:
+    """The refusal of a checkpoint neox wrote that has no manifest, or None: every neox save
+    ends with one, so its loss (or deletion) would hide corrupt files."""
+    if (step_dir / MANIFEST).is_file() or not written_by_neox(step_dir):
+        return None
+    return (
+        f"{step_dir} has lost its {MANIFEST} (neox writes one with every save), so its files "
+        "cannot be checked; restore it, or set allow_unverified_checkpoint: true (tools: "
+        "--allow-unverified) to load the files unchecked"
+    )
+
+
+def checkpoint_problem(
+    step_dir: Path, verify: bool = False, allow_unverified: bool = False
+) -> Optional[str]:
     """Why the checkpoint in step_dir cannot be loaded, or None if it looks complete.
 
     With a manifest (written by neox once every shard is on disk) each file must be present at
     its recorded size, and with `verify` match its recorded checksum (reads every byte);
     every torch file must also end in a readable zip directory, which a truncated write lacks.
-    Without `verify` it reads no tensors, so it is quick even for large checkpoints.
+    Without `verify` it reads no tensors, so it is quick even for large checkpoints. A
+    checkpoint neox wrote without its manifest is refused unless `allow_unverified`.
     """
     if not step_dir.is_dir():
         return f"{step_dir} does not exist"
     problem = manifest_problem(step_dir, verify=verify) or config_problem(step_dir)
+    if problem is None and not allow_unverified:
+        problem = unverified_problem(step_dir)
     if problem is not None:
         return problem
     shards = sorted(step_dir.glob("*.pt"))
@@ -119,8 +142,10 @@ class Resume:
         return self.notes + [f"skipping checkpoint {tag}: {reason}" for tag, reason in self.skipped]
 
 
-def find_checkpoint(load_dir: str) -> Resume:
-    """The checkpoint `latest` names if it is complete, else the newest complete one."""
+def find_checkpoint(load_dir: str, allow_unverified: bool = False) -> Resume:
+    """The checkpoint `latest` names if it is complete, else the newest complete one. One
+    without a manifest is used only if another tool wrote it (noted as unverified), or with
+    `allow_unverified`."""
     root = Path(load_dir)
     latest, garbage = latest_tag(root)
     resume = Resume(root, None)
@@ -130,9 +155,9 @@ def find_checkpoint(load_dir: str) -> Resume:
     order = ([latest] if latest else []) + [t for t in tags if t != latest]
     # Every save of neox ends with a manifest: where some checkpoints have one, a checkpoint
     # without it lost it (and maybe more). Checkpoints of other tools have none at all.
-    manifests = any((root / t / MANIFEST).is_file() for t in tags)
+    manifests = not allow_unverified and any((root / t / MANIFEST).is_file() for t in tags)
     for tag in order:
-        problem = checkpoint_problem(root / tag)
+        problem = checkpoint_problem(root / tag, allow_unverified=allow_unverified)
         if problem is None and manifests and not (root / tag / MANIFEST).is_file():
             problem = f"{root / tag} has lost its {MANIFEST} (neox writes one with every save)"
         if resume.tag is not None:
@@ -141,4 +166,10 @@ def find_checkpoint(load_dir: str) -> Resume:
             resume.skipped.append((tag, problem))
         else:
             resume.tag = tag
+    if resume.tag is not None and not (root / resume.tag / MANIFEST).is_file():
+        who = "written by neox" if written_by_neox(root / resume.tag) else "not written by neox"
+        resume.notes.append(
+            f"{root / resume.tag} has no {MANIFEST} ({who}): its files are loaded unverified, "
+            "their checksums unknown"
+        )
     return resume

@@ -4,6 +4,7 @@ import errno
 import logging
 import random
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Optional
 
@@ -107,11 +108,12 @@ def save_checkpoint(
     rank = torch.distributed.get_rank()
     tag = tag_for(iteration)
     staging = save_dir / (tag + STAGING_SUFFIX)
-    if rank == 0:
-        save_dir.mkdir(parents=True, exist_ok=True)
-        acquire(save_dir)  # held since the start (load_checkpoint); a no-op then
-        shutil.rmtree(staging, ignore_errors=True)  # left by a save that was killed
-    torch.distributed.barrier()
+    # Every rank stops on a problem found before anything is written; a failure while writing
+    # stops the rank that met it, whose peers then fail in their next collective.
+    problem = [save_problem(save_dir, staging) if rank == 0 else None]
+    torch.distributed.broadcast_object_list(problem, src=0)
+    if problem[0] is not None:
+        raise CheckpointError(problem[0])
     state = dict(client_state, iteration=iteration)
     if not c.no_save_rng:
         state["rng"] = rng_state()
@@ -138,46 +140,95 @@ def save_checkpoint(
     return save_dir / tag
 
 
+def save_problem(save_dir: Path, staging: Path) -> Optional[str]:
+    """Rank 0, before a save: why it cannot be made, or None. The directory must still be the
+    one this run locked (never re-created: a second run may own the new one), writable (the
+    staging directory is made here), and have room for a checkpoint as large as the last."""
+    tag = staging.name.removesuffix(STAGING_SUFFIX)
+    try:
+        acquire(save_dir)  # held since the start (load_checkpoint): checks it is still ours
+        shutil.rmtree(staging, ignore_errors=True)  # left by a save that was killed
+        staging.mkdir()
+        free = shutil.disk_usage(save_dir).free
+    except CheckpointError as e:
+        return str(e)
+    except OSError as e:
+        return (
+            f"saving checkpoint {tag} to {save_dir} failed: {e.strerror} ({e.filename}); "
+            "nothing was written and the checkpoints there are untouched. Make the directory "
+            "writable, or point `save` elsewhere, and resume"
+        )
+    latest = read_latest(save_dir)
+    need = checkpoint_size(save_dir / latest) if latest else 0
+    if free < need:
+        shutil.rmtree(staging, ignore_errors=True)
+        return no_space(tag, save_dir, free, need, "nothing was written")
+    return None
+
+
+def no_space(tag: str, save_dir: Path, free: Optional[int], need: int, done: str) -> str:
+    room = "" if free is None else f"{free / 1e6:.1f} MB free, "
+    room += f"about {need / 1e6:.1f} MB needed"
+    return (
+        f"saving checkpoint {tag} to {save_dir} failed: No space left on device ({room}); "
+        f"{done}. Free space (keep_last_n_checkpoints deletes old checkpoints) or point `save` "
+        "elsewhere"
+    )
+
+
 def checkpoint_size(step_dir: Path) -> int:
     """Bytes of a complete checkpoint, from its manifest (0 without one)."""
     manifest, _ = read_manifest(step_dir)
     return sum((manifest or {}).get("files", {}).values())
 
 
-def out_of_space(error: BaseException) -> bool:
-    """ENOSPC anywhere in the chain of causes, or its text in a C++ error that lost errno."""
+def causes(error: Optional[BaseException]) -> Iterator[BaseException]:
+    """error, then its cause (or context), and so on."""
     seen = set()
     while error is not None and id(error) not in seen:
-        if getattr(error, "errno", None) == errno.ENOSPC or "No space left" in str(error):
-            return True
+        yield error
         seen.add(id(error))
         error = error.__cause__ or error.__context__
-    return False
+
+
+def out_of_space(error: BaseException) -> bool:
+    """ENOSPC anywhere in the chain of causes, or its text in a C++ error that lost errno."""
+    return any(
+        getattr(e, "errno", None) == errno.ENOSPC or "No space left" in str(e)
+        for e in causes(error)
+    )
 
 
 def failed_save(error: Exception, save_dir: Path, staging: Path) -> None:
     """After a save failed with `error`: its partial directory is removed (it would fill the
-    disk further), and a full disk is raised as a CheckpointError naming the space needed.
+    disk further), and a full disk or any other file-system error (a read-only or deleted
+    directory) is raised as a one-line CheckpointError; other errors are left to the caller.
 
     torch.save reports a full disk as a C++ stream error ("basic_ios::clear") without errno;
     the save is taken as out of space too when, after removing the partial directory, the disk
     has less room than the last checkpoint took.
     """
-    staged = sum(f.stat().st_size for f in staging.rglob("*") if f.is_file())
+    try:
+        staged = sum(f.stat().st_size for f in staging.rglob("*") if f.is_file())
+    except OSError:  # another rank removed it first
+        staged = 0
     shutil.rmtree(staging, ignore_errors=True)
+    removed = "the partial save was removed" if not staging.exists() else f"{staging} is left"
     latest = read_latest(save_dir)
     need = max(staged, checkpoint_size(save_dir / latest) if latest else 0)
     try:
         free = shutil.disk_usage(save_dir).free
     except OSError:
         free = None
+    tag = staging.name.removesuffix(STAGING_SUFFIX)
     if out_of_space(error) or (free is not None and free < need):
-        room = "" if free is None else f"{free / 1e6:.1f} MB free, "
-        room += f"about {need / 1e6:.1f} MB needed"
+        raise CheckpointError(no_space(tag, save_dir, free, need, removed)) from error
+    oserror = next((e for e in causes(error) if isinstance(e, OSError) and e.strerror), None)
+    if oserror is not None:
         raise CheckpointError(
-            f"saving checkpoint {staging.name.removesuffix(STAGING_SUFFIX)} to {save_dir} "
-            f"failed: No space left on device ({room}); the partial save was removed. Free "
-            "space (keep_last_n_checkpoints deletes old checkpoints) or point `save` elsewhere"
+            f"saving checkpoint {tag} to {save_dir} failed: {oserror.strerror} "
+            f"({oserror.filename}); {removed}, the checkpoints before it are untouched. Make "
+            "the directory writable, or point `save` elsewhere, and resume"
         ) from error
 
 
@@ -257,9 +308,10 @@ def verify_checkpoint(step_dir: Path, trust: bool) -> Optional[str]:
     Reads every byte once; UntrustedCheckpointError for a file holding objects a weights-only
     load refuses (unless `trust`): a tampered checkpoint stops the run, it is not skipped.
     """
-    problem = checkpoint_problem(step_dir, verify=True)
+    problem = checkpoint_problem(step_dir, verify=True, allow_unverified=True)  # find decided
     if problem is not None:
         return problem
+    # Every .pt file, however named: checkpoint_problem refused symbolic links, so rglob sees all.
     for path in sorted(step_dir.rglob("*.pt")):
         try:
             check_loadable(path, trust)
@@ -321,7 +373,7 @@ def load_checkpoint(engine, cfg: NeoXConfig) -> Optional[dict[str, Any]]:
     lock_save_dir(cfg)
     if c.load is None:
         return None
-    resume = find_checkpoint(c.load)
+    resume = find_checkpoint(c.load, c.allow_unverified_checkpoint)
     if torch.distributed.get_rank() == 0:
         for line in resume.report():
             log.warning(line)

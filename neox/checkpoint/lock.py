@@ -6,6 +6,11 @@ backwards and mix their metrics. The lock is fcntl.flock, released by the kernel
 holder exits (a crash or kill -9 included); the file records host, pid and start time so the
 refusal names the run that holds it. A record left by a holder that died says that run did
 not end cleanly: the next holder warns, and removes the partial saves it left.
+
+The lock belongs to the directory, not to its name: the holder records the directory's and the
+lock file's identities (device, inode) and checks them again before each save. A save
+directory deleted or replaced while the run holds it (a second run could then lock the new
+one) stops the run instead of re-creating it and sharing it.
 """
 
 from __future__ import annotations
@@ -27,12 +32,49 @@ from neox.checkpoint.find import STAGING_SUFFIX, TAG_PREFIX
 log = logging.getLogger(__name__)
 
 LOCK_FILE = ".neox.lock"
-# Open lock files of this process, by resolved save directory: a second acquire is a no-op.
+# Open lock files of this process, by resolved save directory: a second acquire checks that the
+# directory is still the one locked.
 _held: dict[Path, int] = {}
+# The (device, inode) of each held directory when its lock was taken.
+_held_dirs: dict[Path, tuple[int, int]] = {}
 
 
 class SaveDirLocked(CheckpointError):
     """Another run holds the save directory."""
+
+
+class SaveDirLost(CheckpointError):
+    """The save directory this run locked was deleted or replaced."""
+
+
+def _identity(st: os.stat_result) -> tuple[int, int]:
+    return st.st_dev, st.st_ino
+
+
+def lost_problem(save_dir: Path) -> Optional[str]:
+    """Why the save directory this process locked is no longer the one it holds, or None."""
+    key = Path(save_dir).resolve()
+    fd = _held[key]
+    why = None
+    try:
+        if _identity(os.stat(save_dir)) != _held_dirs[key]:
+            why = "was replaced by another directory"
+    except FileNotFoundError:
+        why = "was deleted"
+    if why is None:
+        try:
+            lock_file = _identity(os.stat(Path(save_dir) / LOCK_FILE))
+        except FileNotFoundError:
+            lock_file = None
+        if lock_file != _identity(os.fstat(fd)):
+            why = f"lost its lock file {LOCK_FILE} (it was deleted or replaced)"
+    if why is None:
+        return None
+    return (
+        f"save={str(save_dir)!r} {why} while this run held it: another run may be writing there "
+        "now, so this run stops rather than share it; point `save` at a directory of its own "
+        "and resume from the last checkpoint you still have"
+    )
 
 
 def _holder(fd: int) -> dict:
@@ -95,6 +137,8 @@ def acquire(save_dir: Path) -> None:
     save_dir = Path(save_dir)
     key = save_dir.resolve()
     if key in _held:
+        if problem := lost_problem(save_dir):
+            raise SaveDirLost(problem)
         return
     save_dir.mkdir(parents=True, exist_ok=True)
     fd, holder = _try_lock(save_dir)
@@ -114,11 +158,13 @@ def acquire(save_dir: Path) -> None:
     os.pwrite(fd, json.dumps(record).encode(), 0)
     os.fsync(fd)
     _held[key] = fd
+    _held_dirs[key] = _identity(os.stat(save_dir))
     atexit.register(release, save_dir)
 
 
 def release(save_dir: Path) -> None:
     """Clear the record (this run ended cleanly) and drop the lock."""
+    _held_dirs.pop(Path(save_dir).resolve(), None)
     fd = _held.pop(Path(save_dir).resolve(), None)
     if fd is None:
         return

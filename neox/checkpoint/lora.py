@@ -21,7 +21,8 @@ log = logging.getLogger(__name__)
 def base_dir(cfg: NeoXConfig) -> Optional[Path]:
     """The global_stepN directory `lora_base` names (None without lora_base)."""
     base = cfg.lora.lora_base
-    return None if base is None else resolve_checkpoint(base)
+    allow = cfg.checkpoint.allow_unverified_checkpoint
+    return None if base is None else resolve_checkpoint(base, allow_unverified=allow)
 
 
 @torch.no_grad()
@@ -35,7 +36,10 @@ def load_lora_base(
     reference = base_reference(cfg, tag_dir, padded_vocab_size)
     if tag_dir is None:
         return reference
-    _, sd = load_model_state(tag_dir, trust=cfg.checkpoint.trust_checkpoint_code)
+    c = cfg.checkpoint
+    _, sd = load_model_state(
+        tag_dir, trust=c.trust_checkpoint_code, allow_unverified=c.allow_unverified_checkpoint
+    )
     sd = resize_vocab_rows(sd, padded_vocab_size)
     tp = groups.get_tensor_model_parallel_world_size()
     mine = shard_tensor_parallel(sd, tp)[groups.get_tensor_model_parallel_rank()]

@@ -85,14 +85,42 @@ def read_manifest(step_dir: Path) -> tuple[Optional[dict], Optional[str]]:
     return manifest, None
 
 
+def closure_problem(step_dir: Path, manifest: Optional[dict]) -> Optional[str]:
+    """Why step_dir is not a closed set of files, or None: every entry under it is a plain file
+    or directory (a symbolic link could lead any loader out of the checkpoint, and glob and
+    rglob do not descend into linked directories, so its files would go unchecked), and with a
+    manifest every file is listed in it (a file it does not list was never checksummed)."""
+    listed = set((manifest or {}).get("files", {})) | {MANIFEST}
+    for folder, dirs, files in os.walk(step_dir):
+        for name in dirs + files:
+            path = Path(folder) / name
+            if path.is_symlink():
+                return (
+                    f"{path} is a symbolic link (to {os.readlink(path)}): a checkpoint's files "
+                    "must lie inside its directory; replace the link by a copy of what it names"
+                )
+            rel = str(path.relative_to(step_dir))
+            if manifest is not None and name in files and rel not in listed:
+                return (
+                    f"{path} is not listed in {step_dir / MANIFEST}: it was added after the "
+                    "save and is unchecked; remove it"
+                )
+    return None
+
+
 def manifest_problem(
     step_dir: Path, verify: bool = False, only: Optional[list[str]] = None
 ) -> Optional[str]:
-    """Why step_dir's files do not match its manifest, or None. Sizes always; with `verify`
-    the checksums of the files in `only` (default all) too. No manifest: None."""
+    """Why step_dir's files do not match its manifest, or None. No symbolic links, no file the
+    manifest does not list, sizes always; with `verify` the checksums of the files in `only`
+    (default all) too. No manifest: only the links are checked."""
     manifest, problem = read_manifest(step_dir)
-    if manifest is None:
+    if problem is not None:
         return problem
+    if problem := closure_problem(step_dir, manifest):
+        return problem
+    if manifest is None:
+        return None
     for name, size in manifest["files"].items():
         path = step_dir / name
         if not path.is_file():

@@ -45,10 +45,11 @@ def reshape_checkpoint(
     iteration: Optional[int] = None,
     overwrite: bool = False,
     trust: bool = False,
+    allow_unverified: bool = False,
 ) -> Path:
     """Write the checkpoint's weights at tp/pp into output_dir (its iteration kept); returns
     the new global_stepN directory. The vocabulary rows follow the new tp's padding."""
-    tag_dir = resolve_checkpoint(input_dir, iteration)
+    tag_dir = resolve_checkpoint(input_dir, iteration, allow_unverified=allow_unverified)
     saved = read_checkpoint_config(tag_dir)
     check_layout(saved, tp, pp)
     try:
@@ -57,7 +58,7 @@ def reshape_checkpoint(
     except (ValueError, OSError) as e:
         raise CheckpointError(f"cannot re-lay out {tag_dir}: {e}") from None
     check_output_dir(Path(output_dir), overwrite, protected=[tag_dir])
-    _, sd = load_model_state(tag_dir, config=saved, trust=trust)
+    _, sd = load_model_state(tag_dir, config=saved, trust=trust, allow_unverified=allow_unverified)
     sd = resize_vocab_rows(sd, rows)
     step = int(tag_dir.name.removeprefix(TAG_PREFIX))
     with staged_directory(Path(output_dir), overwrite) as tmp:
@@ -89,7 +90,10 @@ def checkpoint_for_run(
             )
         yield load_dir
         return
-    tag_dir = resolve_checkpoint(Path(load_dir) / (tag or ""), require_config=False)
+    allow_unverified = cfg.checkpoint.allow_unverified_checkpoint
+    tag_dir = resolve_checkpoint(
+        Path(load_dir) / (tag or ""), require_config=False, allow_unverified=allow_unverified
+    )
     if not (tag_dir / "config.yml").is_file():
         yield load_dir  # not written by train.py: its layout is unknown, DeepSpeed loads it as is
         return
@@ -122,7 +126,9 @@ def checkpoint_for_run(
             shutil.rmtree(relaid, ignore_errors=True)
             rows = padded_vocab(cfg, build_run_tokenizer(cfg.tokenizer).vocab_size)
             trust = cfg.checkpoint.trust_checkpoint_code
-            _, sd = load_model_state(tag_dir, config=saved, trust=trust)
+            _, sd = load_model_state(
+                tag_dir, config=saved, trust=trust, allow_unverified=allow_unverified
+            )
             sd = resize_vocab_rows(sd, rows)
             write_checkpoint(sd, with_layout(saved, tp, pp), relaid, 0)
         except Exception as e:  # every rank raises it below, rather than waiting forever

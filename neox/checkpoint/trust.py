@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import pickle
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -49,12 +50,17 @@ def allowed_globals() -> list[Any]:
 
 
 def load_file(path: str | Path, trust: bool = False, map_location: Any = "cpu", **kw: Any) -> Any:
-    """torch.load of a checkpoint file: weights-only with the allow-list, unless `trust`."""
+    """torch.load of a checkpoint file: weights-only with the allow-list, unless `trust`.
+
+    torch.serialization.load is torch.load itself; named so, it stays the real one while
+    deepspeed_loads_safely routes `torch.load` here."""
     if trust:
-        return torch.load(path, map_location=map_location, weights_only=False, **kw)
+        return torch.serialization.load(path, map_location=map_location, weights_only=False, **kw)
     try:
         with torch.serialization.safe_globals(allowed_globals()):
-            return torch.load(path, map_location=map_location, weights_only=True, **kw)
+            return torch.serialization.load(
+                path, map_location=map_location, weights_only=True, **kw
+            )
     except pickle.UnpicklingError as e:
         reason = _unpickler_reason(str(e))
         raise UntrustedCheckpointError(
@@ -83,16 +89,46 @@ def check_loadable(path: Path, trust: bool = False) -> None:
         load_file(path)  # a legacy (non-zip) torch file cannot be memory-mapped
 
 
+def load_inside(path: Any, root: Optional[Path], trust: bool, map_location: Any = None) -> Any:
+    """load_file of a file that lies inside the checkpoint directory `root`, resolved: a symlink
+    or `..` that leads out of it is refused, never followed."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise CheckpointError(
+            f"a checkpoint file was to be read from {type(path).__name__}, not a path inside "
+            f"the checkpoint {root}; not loaded"
+        )
+    if root is not None:
+        real, base = Path(os.path.realpath(path)), Path(os.path.realpath(root))
+        if real != base and base not in real.parents:
+            raise CheckpointError(
+                f"{path} lies outside the checkpoint {root} (it resolves to {real}): a "
+                "checkpoint's files must lie inside its directory; not loaded. Copy the files "
+                "into it (no symbolic links)"
+            )
+    return load_file(path, trust, map_location=map_location)
+
+
 @contextlib.contextmanager
-def deepspeed_loads_safely(engine: Any, trust: bool = False) -> Iterator[None]:
-    """DeepSpeed's engine reads every checkpoint file through `engine.checkpoint_engine.load`,
-    with weights_only=False; within this block it reads them through `load_file`."""
+def deepspeed_loads_safely(
+    engine: Any, trust: bool = False, root: Optional[Path] = None
+) -> Iterator[None]:
+    """Every file DeepSpeed reads within this block goes through `load_inside(root)`.
+
+    DeepSpeed's engine reads most checkpoint files through `engine.checkpoint_engine.load`, but
+    other paths (universal checkpoints, ZeRO-3 and ZeRO optimizer state helpers) call
+    `torch.load(weights_only=False)` themselves: both are routed here for the block's length.
+    """
+
+    def load(f: Any, map_location: Any = None, *args: Any, **kw: Any) -> Any:
+        return load_inside(f, root, trust, map_location)
+
     ckpt_engine = getattr(engine, "checkpoint_engine", None)
-    if trust or ckpt_engine is None:
-        yield
-        return
-    ckpt_engine.load = lambda path, map_location=None: load_file(path, map_location=map_location)
+    if ckpt_engine is not None:
+        ckpt_engine.load = load
+    real_load, torch.load = torch.load, load
     try:
         yield
     finally:
-        del ckpt_engine.load  # the class's own method again
+        torch.load = real_load
+        if ckpt_engine is not None:
+            del ckpt_engine.load  # the class's own method again

@@ -56,6 +56,7 @@ def verify_export(
     new_tokens: int = 8,
     trust: bool = False,
     hf_dtype: Optional[torch.dtype] = None,
+    allow_unverified: bool = False,
 ) -> Agreement:
     """Compare neox's fp32 model with transformers' fp32 load of `hf_dir` on `text`.
 
@@ -67,7 +68,9 @@ def verify_export(
 
     from neox.tokenizer import build_tokenizer
 
-    model, cfg = load_model(checkpoint, iteration, "cpu", torch.float32, trust=trust)
+    model, cfg = load_model(
+        checkpoint, iteration, "cpu", torch.float32, trust=trust, allow_unverified=allow_unverified
+    )
     t = cfg.tokenizer
     hf = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=hf_dtype or torch.float32)
     hf = hf.float().eval()

@@ -71,6 +71,22 @@ class CheckpointConfig(ConfigGroup):
     needing more is refused. Set it only for a checkpoint you trust (e.g. written by other code
     with extra client state)."""
 
+    allow_unverified_checkpoint: Annotated[
+        bool,
+        Reads(
+            "neox/checkpoint/io.py",
+            "neox/checkpoint/compat.py",
+            "neox/inference/loading.py",
+            "neox/inference/evaluation.py",
+            "neox/checkpoint/lora.py",
+            "neox/checkpoint/relayout.py",
+        ),
+    ] = False
+    """Read a checkpoint neox wrote whose manifest.json is gone, its files unchecked against
+    their checksums (tools: --allow-unverified). Off: such a checkpoint is refused (resume
+    falls back to an older one), since a lost manifest also hides corrupt files. Checkpoints of
+    gpt-neox or DeepSpeed have no manifest; they load either way, with a warning."""
+
     checkpoint_validation_with_forward_pass: Annotated[
         bool,
         Refused(

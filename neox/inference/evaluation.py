@@ -36,11 +36,14 @@ def load_eval_model(
     device: torch.device,
     dtype: torch.dtype,
     trust: bool = False,
+    allow_unverified: bool = False,
 ) -> tuple[GPTNeoX, str]:
     """The whole model of checkpoint `iteration` (None: latest) in `load`, whatever layout
     trained it, and the checkpoint's tag (trust: trust_checkpoint_code)."""
-    tag_dir = resolve_checkpoint(load, iteration)
-    model, _ = load_model(tag_dir, device=device, dtype=dtype, trust=trust)
+    tag_dir = resolve_checkpoint(load, iteration, allow_unverified=allow_unverified)
+    model, _ = load_model(
+        tag_dir, device=device, dtype=dtype, trust=trust, allow_unverified=allow_unverified
+    )
     return model, tag_dir.name
 
 
@@ -176,6 +179,7 @@ def run_evaluation(cfg: NeoXConfig) -> Optional[tuple[Path, dict[str, Any]]]:
         device,
         generation_dtype(precision_of(cfg), device),
         trust=cfg.checkpoint.trust_checkpoint_code,
+        allow_unverified=cfg.checkpoint.allow_unverified_checkpoint,
     )
     t = cfg.tokenizer
     tokenizer = build_tokenizer(t.tokenizer_type, t.vocab_file, t.merge_file)

@@ -38,7 +38,12 @@ def load_state_dict(cfg: NeoXConfig) -> dict[str, torch.Tensor]:
         raise ConfigError("no trained weights: set `load` to the `save` directory of a run")
     try:
         c = cfg.checkpoint
-        _, state = load_model_state(c.load, cfg.training.iteration, trust=c.trust_checkpoint_code)
+        _, state = load_model_state(
+            c.load,
+            cfg.training.iteration,
+            trust=c.trust_checkpoint_code,
+            allow_unverified=c.allow_unverified_checkpoint,
+        )
     except CheckpointError as e:
         raise ConfigError(str(e)) from None
     return state

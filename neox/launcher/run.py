@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import IO, Optional
 
@@ -175,14 +176,14 @@ class _Node:
         return 0 if len(self.reports) == self.agents else self.code or 0
 
 
-def launch(plan: LaunchPlan) -> LaunchResult:
+def launch(plan: LaunchPlan, on_stop: Optional[Callable[[], None]] = None) -> LaunchResult:
     """Start the plan and wait until every node has ended.
 
     A failed rank is named (rank, host, pid, status, the end of its stderr when it was piped)
     and every other node is told to kill its ranks at once. A first SIGTERM/SIGINT is passed
     to every agent, whose ranks save and exit (killed after stop_grace_s); a second kills them,
     reported as `killed` and exit status KILLED_EXIT, so that no one takes it for a clean stop
-    that saved.
+    that saved. `on_stop` runs once, when the first stop signal is passed on.
     """
     log.info("launching %d rank(s) on %s: %s", plan.world_size, ", ".join(plan.hosts), plan.command)
     events: queue.Queue = queue.Queue()  # (node, exit status), or (node, None): a failure report
@@ -199,6 +200,8 @@ def launch(plan: LaunchPlan) -> LaunchResult:
             ).start()
 
     def forward() -> None:
+        if on_stop is not None:
+            on_stop()
         for node in nodes:
             node.send("stop")
 

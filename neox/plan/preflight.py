@@ -563,13 +563,26 @@ def git_hash() -> Optional[str]:
 
 
 def checkpoint_bytes(cfg, derived) -> int:
-    """One checkpoint's size, summed over every rank's files: the weights in their training
-    precision, the fp32 master copy (half precision only) and Adam's two fp32 moments."""
+    """One checkpoint's size, summed over every rank's files, as the run's engine writes it
+    (tests/faults/test_checkpoint_faults.py measures both): the weights in their training
+    precision; an fp32 master copy wherever one is saved (the flat engine always, fp32 runs
+    included; DeepSpeed in half precision and at ZeRO 1-3, where it clones its partition);
+    the optimizer's fp32 states (Adam two, Lion and SGD one); and what is not tensors, 32 KiB
+    for config.yml and the manifest and 32 KiB a rank for its pickled metadata (RNG states,
+    DeepSpeed's config: about 35 KB in all for one rank, as measured)."""
+    from neox.config.ds_config import zero_section
+    from neox.plan.engine_choice import engine_for
     from neox.plan.estimate import count_parameters
+    from neox.plan.memory import OPTIMIZER_STATES
 
     params = count_parameters(cfg.model, derived.padded_vocab_size or 0)
     half = derived.precision in ("fp16", "bf16")
-    return params * ((2 + 4) if half else 4) + params * 8
+    choice = engine_for(cfg, derived)
+    stage = int(zero_section(cfg, derived.data_parallel, None).get("stage", 0))
+    master = choice.engine == "flat" or half or stage > 0
+    states = OPTIMIZER_STATES.get(choice.optimizer.lower(), 1)
+    metadata = 32 * 1024 * (1 + derived.world_size)
+    return params * ((2 if half else 4) + (4 if master else 0) + 4 * states) + metadata
 
 
 def check_lora_base(loaded: LoadedConfig) -> None:

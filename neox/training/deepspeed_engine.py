@@ -34,6 +34,7 @@ import math
 import types
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -158,7 +159,9 @@ class DeepSpeedAdapter:
     ) -> tuple[Optional[str], Optional[dict[str, Any]]]:
         from neox.checkpoint.trust import deepspeed_loads_safely
 
-        with deepspeed_loads_safely(self.ds, trust):
+        # Nothing outside the checkpoint is read (a copy re-laid out for this run has no tag).
+        root = Path(load_dir) / tag if tag else Path(load_dir)
+        with deepspeed_loads_safely(self.ds, trust, root):
             return self.ds.load_checkpoint(
                 load_dir,
                 tag=tag,

@@ -8,6 +8,7 @@ import torch
 
 from neox.checkpoint.compat import check_resume, describe_stop, tokenizer_mismatch
 from neox.checkpoint.find import WEIGHTS_ONLY
+from neox.checkpoint.manifest import write_manifest
 from neox.config import ConfigError, derive, load_dict, write_config
 from neox.config.transport import read_saved_config
 from neox.launcher.run import KILLED_EXIT, LaunchResult
@@ -21,7 +22,8 @@ MODEL = {
 
 
 def save_step(root, step: int, vocab_text: str, **keys) -> None:
-    """A checkpoint as train.py leaves it: small real torch files, config.yml, the tokenizer."""
+    """A checkpoint as train.py leaves it: small real torch files, config.yml, the tokenizer,
+    the manifest."""
     d = root / "ckpt" / f"global_step{step}"
     (d / "tokenizer").mkdir(parents=True)
     torch.save({"w": torch.arange(10.0)}, d / "mp_rank_00_model_states.pt")
@@ -30,6 +32,7 @@ def save_step(root, step: int, vocab_text: str, **keys) -> None:
     (d / "tokenizer" / vocab.name).write_text(vocab_text)
     cfg = load_dict({**MODEL, "vocab_file": str(vocab), **keys})
     write_config(cfg, d / "config.yml")
+    write_manifest(d, step, None)
     (root / "ckpt" / "latest").write_text(f"global_step{step}")
     vocab.unlink()  # the training run's file is gone: the checkpoint's copy is what counts
 
@@ -88,6 +91,7 @@ def test_train_iters_below_the_checkpoint_step_is_refused_naming_both(tmp_path):
 def test_weights_only_checkpoint_needs_finetune(tmp_path):
     save_step(tmp_path, 0, '{"v": 1}')
     (tmp_path / "ckpt" / "global_step0" / WEIGHTS_ONLY).write_text("weights only\n")
+    write_manifest(tmp_path / "ckpt" / "global_step0", 0, None)
     with pytest.raises(ConfigError, match="holds weights only .* set `finetune: true`"):
         check(run_config(tmp_path))
     assert check(run_config(tmp_path, finetune=True)).startswith("finetuning from")
@@ -155,4 +159,32 @@ def test_describe_stop_claims_a_checkpoint_only_after_a_clean_stop(tmp_path):
     )
     assert describe_stop(saving, LaunchResult(1, term)) == (
         "stopped by SIGTERM; the ranks did not exit cleanly (exit status 1)"
+    )
+
+
+def test_describe_stop_claims_only_a_save_made_after_the_signal(tmp_path):
+    """Issue 33 (6): a stop during a run of non-finite steps saves nothing, yet deepy printed
+    `checkpoint saved in <save>/None`, or named an older step as this stop's."""
+    from neox.checkpoint.atomic import write_atomic
+    from neox.checkpoint.compat import latest_state
+
+    ckpt = tmp_path / "ckpt"
+    saving = load_dict({"save": str(ckpt)})
+    term = LaunchResult(0, signal.SIGTERM)
+    ckpt.mkdir()
+    assert describe_stop(saving, term, latest_state(str(ckpt))) == (
+        "stopped by SIGTERM; no checkpoint was saved at this stop (the ranks' output above says "
+        f"why); no checkpoint in {ckpt} to resume from"
+    )
+    (ckpt / "global_step4").mkdir()
+    write_atomic(ckpt / "latest", "global_step4")  # saved during the run, before the signal
+    at_stop = latest_state(str(ckpt))
+    assert describe_stop(saving, term, at_stop) == (
+        "stopped by SIGTERM; no checkpoint was saved at this stop (the ranks' output above says "
+        f"why); the run can resume from the last checkpoint, {ckpt / 'global_step4'}, saved "
+        "before it"
+    )
+    write_atomic(ckpt / "latest", "global_step4")  # the stop saved the same step again
+    assert describe_stop(saving, term, at_stop) == (
+        f"stopped by SIGTERM; checkpoint saved in {ckpt / 'global_step4'}"
     )

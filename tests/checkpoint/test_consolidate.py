@@ -13,6 +13,7 @@ from neox.checkpoint.consolidate import (
     load_model_state,
     resolve_checkpoint,
 )
+from neox.checkpoint.manifest import write_manifest
 from neox.model import build_model
 from tests.layouts import LAYOUTS
 
@@ -66,7 +67,7 @@ def test_incomplete_or_edited_checkpoint_is_refused(trained, tmp_path):
         load_model_state(copy)  # the manifest names it
     (copy / "global_step3" / "manifest.json").unlink()
     with pytest.raises(CheckpointError, match=r"lacks .* tensor-parallel rank\(s\) \[1\]"):
-        load_model_state(copy)
+        load_model_state(copy, allow_unverified=True)
 
     shutil.rmtree(copy)
     shutil.copytree(trained["dense"], copy)
@@ -77,7 +78,7 @@ def test_incomplete_or_edited_checkpoint_is_refused(trained, tmp_path):
         load_model_state(copy)  # the manifest's size or checksum
     (copy / "global_step3" / "manifest.json").unlink()
     with pytest.raises(CheckpointError, match="do not fit the model its config.yml describes"):
-        load_model_state(copy)
+        load_model_state(copy, allow_unverified=True)
 
 
 def fake_tag(directory, with_config=True):
@@ -85,6 +86,7 @@ def fake_tag(directory, with_config=True):
     (directory / "mp_rank_00_model_states.pt").touch()
     if with_config:
         (directory / "config.yml").write_text("{}\n")
+        write_manifest(directory, 0, None)
     return directory
 
 

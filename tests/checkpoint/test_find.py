@@ -12,13 +12,14 @@ from neox.config import ConfigError, Derived, derive, load_dict, write_config
 
 
 def save_step(root, step: int, with_manifest: bool = True) -> None:
-    """A checkpoint directory as neox writes it, with small real torch files."""
+    """A checkpoint directory as neox writes it, with small real torch files; without the
+    manifest, as another tool (gpt-neox, DeepSpeed) writes it: no config.yml either."""
     d = root / f"global_step{step}"
     d.mkdir(parents=True)
     torch.save({"w": torch.arange(100.0)}, d / "mp_rank_00_model_states.pt")
     torch.save({"m": torch.ones(50)}, d / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
-    write_config(load_dict({"hidden_size": 64, "num_attention_heads": 4}), d / "config.yml")
     if with_manifest:
+        write_config(load_dict({"hidden_size": 64, "num_attention_heads": 4}), d / "config.yml")
         files = {p.name: p.stat().st_size for p in d.iterdir()}
         (d / "manifest.json").write_text(json.dumps({"padded_vocab_size": 50304, "files": files}))
     (root / "latest").write_text(f"global_step{step}")

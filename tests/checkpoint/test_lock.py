@@ -74,3 +74,35 @@ def test_a_clean_exit_leaves_no_record(tmp_path):
     acquire(save)
     release(save)
     assert time.monotonic() - start < 5
+
+
+@pytest.mark.parametrize("how", ["deleted", "replaced", "lock_file_deleted"])
+def test_a_save_dir_deleted_or_replaced_under_the_run_stops_its_next_save(tmp_path, how):
+    """Issue 33 (3): `save` deleted mid-run was re-created without a lock file; a second run was
+    accepted and both wrote into it. The lock belongs to the directory: the check before each
+    save finds it gone, and nothing is re-created."""
+    import shutil
+
+    from neox.checkpoint.errors import CheckpointError
+    from neox.checkpoint.io import save_problem
+
+    save = tmp_path / "ckpt"
+    acquire(save)
+    try:
+        if how == "deleted":
+            shutil.rmtree(save)
+        elif how == "replaced":
+            save.rename(tmp_path / "moved")
+            save.mkdir()
+        else:
+            (save / LOCK_FILE).unlink()
+        why = {"deleted": "was deleted", "replaced": "was replaced", "lock_file_deleted": "lost"}
+        with pytest.raises(CheckpointError, match=f"{why[how]}.* while this run held it"):
+            acquire(save)
+        problem = save_problem(save, save / "global_step4.partial")
+        assert problem is not None and "while this run held it" in problem
+        assert "\n" not in problem
+        assert save.exists() == (how != "deleted")  # never re-created
+        assert not (save / "global_step4.partial").exists()
+    finally:
+        release(save)

@@ -126,7 +126,7 @@ def test_a_garbled_config_is_a_clear_error(checkpoint):
         load_model_state(checkpoint)
     (tag_dir / MANIFEST).unlink()  # no manifest to catch it: the config is still not trusted
     with pytest.raises(CheckpointError, match=r"config.yml is not a readable neox config"):
-        load_model_state(checkpoint)
+        load_model_state(checkpoint, allow_unverified=True)
     assert "config.yml is garbled" in checkpoint_problem(tag_dir)
 
 
@@ -162,3 +162,93 @@ def test_a_checkpoint_that_lost_its_manifest_is_fallen_back_from(checkpoint):
     assert r.tag == "global_step3"
     [(tag, reason)] = r.skipped
     assert tag == "global_step6" and "lost its manifest.json" in reason
+
+
+def test_a_symbolic_link_out_of_the_checkpoint_is_refused(checkpoint, tmp_path):
+    """Issue 33 (1): a `zero` folder linked to a folder outside the checkpoint held a payload
+    that DeepSpeed's universal loader unpickled: rglob does not descend into a linked folder,
+    and the manifest did not list it. A checkpoint is a closed set of files."""
+    from neox.checkpoint.io import verify_checkpoint
+
+    marker = tmp_path / "MARKER"
+    outside = tmp_path / "outside" / "embed_in.weight"
+    outside.mkdir(parents=True)
+    torch.save({"param": Payload(marker)}, outside / "fp32.pt")
+    step = checkpoint / "global_step3"
+    (step / "zero").symlink_to(tmp_path / "outside")
+    problem = verify_checkpoint(step, trust=False)
+    assert problem is not None and f"{step / 'zero'} is a symbolic link" in problem
+    r = find_checkpoint(str(checkpoint))
+    assert r.tag is None and "is a symbolic link" in r.skipped[0][1]
+    with pytest.raises(CheckpointError, match="is a symbolic link"):
+        load_model_state(checkpoint)
+    # A file the manifest does not list (added after the save) is refused the same way.
+    (step / "zero").unlink()
+    torch.save({"param": Payload(marker)}, step / "extra.pt")
+    assert f"{step / 'extra.pt'} is not listed in" in (verify_checkpoint(step, trust=False) or "")
+    assert not marker.exists()
+
+
+def test_deepspeeds_own_torch_loads_go_through_the_safe_loader(checkpoint, tmp_path):
+    """Issue 33 (1): DeepSpeed's universal-checkpoint loader calls torch.load(weights_only=False)
+    itself, past its checkpoint engine. Within a DeepSpeed load every torch.load is weights-only
+    and confined to the checkpoint directory."""
+    from types import SimpleNamespace
+
+    from deepspeed.checkpoint.universal_checkpoint import load_hp_checkpoint_state
+
+    from neox.checkpoint.trust import deepspeed_loads_safely
+
+    marker = tmp_path / "MARKER"
+    step = checkpoint / "global_step3"
+    inside = step / "zero" / "embed_in.weight"
+    inside.mkdir(parents=True)
+    torch.save({"param": Payload(marker)}, inside / "fp32.pt")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    torch.save({"param": torch.zeros(2)}, outside / "fp32.pt")
+    (step / "zero" / "linked").symlink_to(outside)
+    param = SimpleNamespace(_hp_mapping=SimpleNamespace())  # what DeepSpeed binds it to
+    with deepspeed_loads_safely(SimpleNamespace(), trust=False, root=step):
+        with pytest.raises(UntrustedCheckpointError, match="GLOBAL posix.system"):
+            load_hp_checkpoint_state(param, str(inside), 0, 1)
+        for folder in (outside, step / "zero" / "linked", step / "zero" / ".." / ".." / ".."):
+            with pytest.raises(CheckpointError, match="lies outside the checkpoint"):
+                torch.load(folder / "fp32.pt", weights_only=False)
+    assert torch.load is torch.serialization.load  # put back after the block
+    assert not marker.exists()
+
+
+def test_a_neox_checkpoint_that_lost_its_manifest_is_refused_unless_allowed(checkpoint, tmp_path):
+    """Issue 33 (4): deleting every manifest turned integrity checking off; resume trained on
+    corrupt values and convert_to_hf exported them. Now refused, naming the opt-in."""
+    from tools import convert_to_hf
+
+    step = checkpoint / "global_step3"
+    (step / MANIFEST).unlink()
+    flip_byte(step / "mp_rank_00_model_states.pt")
+    r = find_checkpoint(str(checkpoint))
+    assert r.tag is None
+    [(tag, reason)] = r.skipped
+    assert "lost its manifest.json" in reason and "allow_unverified_checkpoint: true" in reason
+    with pytest.raises(CheckpointError, match="lost its manifest.json.*--allow-unverified"):
+        load_model_state(checkpoint)
+    out = tmp_path / "hf"
+    with pytest.raises(SystemExit, match="allow_unverified_checkpoint"):
+        convert_to_hf.main(["--input_dir", str(checkpoint), "--output_dir", str(out)])
+    assert not out.exists()
+    allowed = find_checkpoint(str(checkpoint), allow_unverified=True)
+    assert allowed.tag == "global_step3"
+    [note] = allowed.report()
+    assert "written by neox" in note and "loaded unverified" in note
+
+
+def test_a_foreign_checkpoint_without_a_manifest_loads_with_a_warning(checkpoint):
+    """A checkpoint of gpt-neox or DeepSpeed (no config.yml, no manifest) is used, unverified."""
+    step = checkpoint / "global_step3"
+    (step / MANIFEST).unlink()
+    (step / "config.yml").unlink()
+    r = find_checkpoint(str(checkpoint))
+    assert r.tag == "global_step3"
+    [note] = r.report()
+    assert "not written by neox" in note and "loaded unverified" in note

@@ -303,6 +303,7 @@ def test_resume_mistakes_stop_a_real_launch(fault, keys, message, tmp_path):
     import torch
 
     from neox.checkpoint.find import WEIGHTS_ONLY
+    from neox.checkpoint.manifest import write_manifest
     from neox.config import load_config, write_config
 
     make_dataset(tmp_path / "chars")
@@ -315,6 +316,7 @@ def test_resume_mistakes_stop_a_real_launch(fault, keys, message, tmp_path):
     (tmp_path / "ckpt" / "latest").write_text("global_step30")
     if fault == "weights_only_without_finetune":
         (step / WEIGHTS_ONLY).write_text("weights only\n")
+    write_manifest(step, 30, None)
     before = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
     bad = tmp_path / "bad.yml"
     bad.write_text(yaml.safe_dump(keys))

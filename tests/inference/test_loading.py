@@ -4,6 +4,7 @@ import pytest
 import torch
 import yaml
 
+from neox.checkpoint.manifest import write_manifest
 from neox.config import ConfigError, load_dict
 from neox.config.model import ModelConfig
 from neox.inference.loading import build_generation_model
@@ -83,6 +84,7 @@ def char_checkpoint(tmp_path):
     from neox.config import write_config
 
     write_config(load_dict({"tokenizer_type": "CharLevelTokenizer"}), step / "config.yml")
+    write_manifest(step, 2, None)
     (tmp_path / "ckpt" / "latest").write_text("global_step2")
 
 
