@@ -144,6 +144,17 @@ FAULTS = [
         "gives the train split no documents",
     ),
     Fault(
+        "yaml_alias_bomb",
+        "a ~600-byte YAML alias bomb (1e9 values) is one line and exit 2 in a dry run, not "
+        "gigabytes and a MemoryError (issue 33, defect 7)",
+        {
+            "bad.yml": "l0: &l0 [x, x, x, x, x, x, x, x, x, x]\n"
+            + "".join(f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 10)}]\n" for i in range(1, 9))
+        },
+        "bad.yml: its YAML aliases expand to more than 100,000 values",
+        dry_run=True,
+    ),
+    Fault(
         "export_env_unset",
         "launcher.export_env naming a variable this shell lacks is named (it was a traceback)",
         {"bad.yml": "export_env: [NEOX_NOT_SET_ANYWHERE]\n"},
