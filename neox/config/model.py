@@ -1,5 +1,6 @@
 """Model architecture settings: the GPT-NeoX family (Pythia, GPT-NeoX-20B, Llama/Mistral-style)."""
 
+import math
 from typing import Annotated, Any, Literal, Optional
 
 from pydantic import Field, PrivateAttr, model_validator
@@ -341,4 +342,43 @@ class ModelConfig(ConfigGroup):
     @model_validator(mode="after")
     def _check_shape(self) -> "ModelConfig":
         self._shape = check_model(self)
+        refuse_degenerate_shape(self, self._shape)
         return self
+
+
+def refuse_degenerate_shape(m: ModelConfig, shape: ModelShape) -> None:
+    """Sizes that round to nothing trained silently: rotary on 0 dimensions (no positions at
+    all), an MLP 0 wide. Raises ValueError naming the smallest value that works."""
+    if m.pos_emb == "rotary" and shape.rotary_dims == 0:
+        if shape.head_dim < 2:
+            raise ValueError(
+                f"pos_emb=rotary: head_dim={shape.head_dim} has no pair of dimensions to rotate; "
+                f"use at most half as many num_attention_heads={m.num_attention_heads} as "
+                f"hidden_size={m.hidden_size}, set head_dim >= 2, or use another pos_emb"
+            )
+        raise ValueError(
+            f"rotary_pct={m.rotary_pct} rotates 0 of the {shape.head_dim} head dimensions (no "
+            f"positions at all); the smallest is rotary_pct: {_at_least(2, shape.head_dim)}"
+        )
+    if shape.ffn_size == 0:
+        # A gated MLP splits 2/3 of the width into two branches: it needs 3 to keep one unit.
+        width = 3 if shape.gated_mlp else 1
+        if m.intermediate_size is not None:
+            fix = f"intermediate_size: {width}"
+        else:
+            fix = f"expansion_factor: {_at_least(width, m.hidden_size)}"
+        given = (
+            f"intermediate_size={m.intermediate_size}"
+            if m.intermediate_size is not None
+            else f"expansion_factor={m.expansion_factor} x hidden_size={m.hidden_size}"
+        )
+        raise ValueError(f"{given} gives an MLP 0 units wide; the smallest is {fix}")
+
+
+def _at_least(units: int, per_one: int) -> float:
+    """The smallest x of three significant digits with int(x * per_one) >= units."""
+    step = 10.0 ** (math.floor(math.log10(units / per_one)) - 2)
+    k = math.ceil(units / per_one / step)
+    while int(float(f"{k * step:.3g}") * per_one) < units:
+        k += 1
+    return float(f"{k * step:.3g}")
