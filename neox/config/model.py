@@ -343,7 +343,18 @@ class ModelConfig(ConfigGroup):
     def _check_shape(self) -> "ModelConfig":
         self._shape = check_model(self)
         refuse_degenerate_shape(self, self._shape)
+        refuse_local_without_window(self, self._shape)
         return self
+
+
+def refuse_local_without_window(m: ModelConfig, shape: ModelShape) -> None:
+    """`local` layers attend within sliding_window_width; without one the model cannot be built
+    (the dry run and tools/estimate.py printed a traceback)."""
+    if "local" in shape.layer_types and m.sliding_window_width is None:
+        raise ValueError(
+            "attention_config has `local` layers but sliding_window_width is unset; set "
+            "sliding_window_width (e.g. 4096) or use `global`/`flash` layers"
+        )
 
 
 def refuse_degenerate_shape(m: ModelConfig, shape: ModelShape) -> None:

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from neox.config import ConfigError, derive, load_config
 from neox.config.base import Refused, status_of
 from neox.config.schema import GROUPS, KEY_OWNER
+from neox.plan.preflight import OUTPUT_DIRS, check_save_dir, optimizer_problems, output_dir_problems
 
 FIELDS = {key: f for cls in GROUPS.values() for key, f in cls.model_fields.items()}
 
@@ -52,6 +53,7 @@ CONTEXT = {
 }
 
 HUGE_INT = 10**15
+FILE = "/neox-bad-values/a-file"  # rewritten to a file under the test's tmp_path
 TRIED: dict[str, int] = {"values": 0, "refused": 0, "accepted": 0}
 
 
@@ -146,6 +148,9 @@ def bad_values(key: str) -> st.SearchStrategy:
         # Positive but tiny: a size derived from it may round to 0 (issue 33).
         outside.append(st.floats(1e-12, 1e-3))
     wrong = st.sampled_from([7, [1], {"x": 1}] if kind == "str" else ["many", [1], {"x": 1}])
+    if key in (*OUTPUT_DIRS, "save"):
+        # A directory the ranks write named as a file (FILE is made by the test) or inside one.
+        wrong = st.sampled_from([7, [1], {"x": 1}, FILE, FILE + "/inside"])
     if kind in ("list", "dict", "section"):
         wrong = st.sampled_from(["many", {"x": 1}] if kind == "list" else ["many", [1]])
     kinds = [
@@ -197,11 +202,16 @@ def expected_acceptance(key: str, kind: str, value) -> bool:
 
 
 def run_dry(tmp: Path, flat: dict):
-    """What deepy.py --dry-run does with a config file: load and validate it, then derive."""
+    """What deepy.py --dry-run does with a config file: load and validate it, derive, then the
+    checks of the directories the ranks write and of the optimizer they build (on CPU ranks)."""
     path = tmp / "bad.yml"
     path.write_text(yaml.safe_dump(flat))
     loaded = load_config([str(path)])
-    derive(loaded.config, world_size=1)
+    derived = derive(loaded.config, world_size=1)
+    problems = output_dir_problems(loaded) + optimizer_problems(loaded, derived, cpu_ranks=True)
+    check_save_dir(loaded, derived, create=False)
+    if problems:
+        raise ConfigError(problems[0])
     return path
 
 
@@ -217,6 +227,9 @@ def run_dry(tmp: Path, flat: dict):
 def test_every_key_refuses_bad_values_by_name(tmp_path, data):
     key = data.draw(st.sampled_from(sorted(KEY_OWNER)), label="key")
     kind, value = data.draw(bad_values(key), label="value")
+    if isinstance(value, str) and value.startswith(FILE):
+        (tmp_path / "a-file").write_text("not a directory")
+        value = value.replace(FILE, str(tmp_path / "a-file"))
     flat = {**CONTEXT.get(key, {}), key: value}
     TRIED["values"] += 1
     try:

@@ -155,6 +155,34 @@ FAULTS = [
         dry_run=True,
     ),
     Fault(
+        "log_dir_unwritable",
+        "a log_dir the ranks cannot create (sysfs refuses even root) is named before launch, not "
+        "a traceback on every rank (issue 33, defect 8)",
+        {"data.yml": "{data}", "bad.yml": "log_dir: /sys/neox_no_logs_here/logs\n"},
+        "log_dir='/sys/neox_no_logs_here/logs' cannot be written",
+    ),
+    Fault(
+        "tensorboard_dir_is_a_file",
+        "a tensorboard_dir naming a file is named before launch (issue 33, defect 8)",
+        {"data.yml": "{data}", "bad.yml": "tensorboard_dir: {tmp}/merges.txt\n"},
+        "merges.txt' is a file, not a directory; point tensorboard_dir at a directory",
+    ),
+    Fault(
+        "lion_on_cpu_ranks",
+        "Lion on CPU ranks (DeepSpeed's FusedLion has no CPU kernel) is named before launch "
+        "(issue 33, defect 8)",
+        {"bad.yml": "{data}optimizer: {type: Lion, params: {lr: 0.001}}\n"},
+        "optimizer type lion steps with DeepSpeed's FusedLion, which has no CPU implementation",
+    ),
+    Fault(
+        "local_attention_without_window",
+        "`local` layers without sliding_window_width: one line and exit 2 in a dry run (it was a "
+        "traceback there and in tools/estimate.py; issue 33, defect 8)",
+        {"bad.yml": 'attention_config: [[["local"], 2]]\n'},
+        "attention_config has `local` layers but sliding_window_width is unset",
+        dry_run=True,
+    ),
+    Fault(
         "export_env_unset",
         "launcher.export_env naming a variable this shell lacks is named (it was a traceback)",
         {"bad.yml": "export_env: [NEOX_NOT_SET_ANYWHERE]\n"},
