@@ -233,7 +233,7 @@ def _launcher_argv(
     if cfg.num_gpus is not None and not cpu:
         argv += ["--gpus-per-node", str(cfg.num_gpus)]
     argv += _slurm_args(cfg)
-    return argv + ["--export=" + ",".join(["ALL", *exports])]
+    return argv + ["--export=" + ",".join(["ALL", *exports]), "--"]
 
 
 def _check_same_slots(hosts: dict[str, list[int]]) -> None:

@@ -115,7 +115,7 @@ def test_include_and_slurm_account(hostfile):
     srun, args = launched(plan)
     assert srun[0] == "srun" and srun[srun.index("--nodelist") + 1] == "node-b"
     assert args.devices == "1,3" and args.node_rank_env == "SLURM_NODEID"
-    assert srun[-5:-1] == ["--comment", "a b", "--account", "proj"]
+    assert srun[-6:-2] == ["--comment", "a b", "--account", "proj"]
     assert args.script_args == ["x y"]  # srun takes an argv, no shell: no extra quoting
     assert args.master_port == 29500
 
@@ -187,7 +187,7 @@ def test_mpirun_and_srun_start_one_agent_per_node_and_name_the_exports(tmp_path)
         "--ntasks-per-node=1",
         "--kill-on-bad-exit=1",
     ]
-    assert srun[-1].startswith("--export=ALL,") and "MY_VAR" in srun[-1].split(",")
+    assert srun[-2].startswith("--export=ALL,") and "MY_VAR" in srun[-2].split(",")
     assert args.devices == "0,1/0,1" and "--gpus-per-node" not in srun  # CPU ranks
     srun, _ = launched(build_launch(slurm, "t.py", [], cpu=False, environ=environ))
     assert srun[srun.index("--gpus-per-node") + 1] == "2"
@@ -283,13 +283,14 @@ def test_a_host_is_never_an_ssh_option(host, tmp_path):
 
 
 def test_every_launcher_argv_ends_its_options_before_the_command(hostfile):
-    """ssh and mpirun take `--` before their operands (srun and hydra's mpirun start an absolute
-    interpreter path, never an option); master_addr is never an option either."""
+    """ssh, Open MPI's mpirun and srun take `--` before their operands (hydra's mpirun starts an
+    absolute interpreter path, never an option); master_addr is never an option either."""
     plan = build_launch(LauncherConfig(hostfile=hostfile), "t.py", [], cpu=True, environ=ENV)
     assert all(argv[-3] == "--" for argv in plan.argvs)
-    cfg = LauncherConfig(hostfile=hostfile, launcher="openmpi")
-    mpirun, _ = launched(build_launch(cfg, "t.py", [], cpu=True, environ=ENV))
-    assert mpirun[-1] == "--"
+    for launcher in ("openmpi", "slurm"):
+        cfg = LauncherConfig(hostfile=hostfile, launcher=launcher, num_gpus=None)
+        started, _ = launched(build_launch(cfg, "t.py", [], cpu=True, environ=ENV))
+        assert started[-1] == "--", started
     assert sys.executable.startswith("/")
     with pytest.raises(HostfileError, match="master_addr='-oX' is not a plain host name"):
         build_launch(LauncherConfig(hostfile=hostfile, master_addr="-oX"), "t.py", [], environ=ENV)
