@@ -475,8 +475,8 @@ def preflight(loaded: LoadedConfig, script: str) -> tuple[Optional[int], list[st
     return vocab_size, problems
 
 
-# Directories the ranks write besides `save` (check_save_dir): config key of each.
-OUTPUT_DIRS = ("log_dir", "tensorboard_dir", "data_cache_dir")
+# Directories the ranks write: config key of each (check_save_dir adds the room for `save`).
+OUTPUT_DIRS = ("save", "log_dir", "tensorboard_dir", "data_cache_dir")
 
 
 def output_dir_problems(loaded: LoadedConfig, keys: tuple[str, ...] = OUTPUT_DIRS) -> list[str]:
@@ -487,6 +487,7 @@ def output_dir_problems(loaded: LoadedConfig, keys: tuple[str, ...] = OUTPUT_DIR
 
     cfg = loaded.config
     values = {
+        "save": cfg.checkpoint.save,
         "log_dir": cfg.logging.log_dir,
         "tensorboard_dir": cfg.logging.tensorboard_dir,
         "data_cache_dir": cfg.data.data_cache_dir,

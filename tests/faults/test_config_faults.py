@@ -100,7 +100,7 @@ FAULTS = [
         "save_dir_is_a_file",
         "a `save` path that cannot be a directory is named before launch",
         {"data.yml": "{data}", "bad.yml": "save: {tmp}/merges.txt/ckpt\n"},
-        "the checkpoint directory cannot be written",
+        "merges.txt/ckpt' is inside ",
     ),
     Fault(
         "save_empty",

@@ -235,6 +235,9 @@ def test_directories_the_ranks_write_are_checked_without_leaving_anything(tmp_pa
         f"data_cache_dir='{tmp_path}/afile/cache' is inside {tmp_path}/afile, a file"
         in (problems[2])
     )
+    save = output_dir_problems(loaded(tmp_path, f"save: {tmp_path}/afile\n"))
+    assert save == [f"{tmp_path}/run.yml: save='{tmp_path}/afile' is a file, not a directory; "
+                    "point save at a directory"]  # fmt: skip
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "run.yml"]  # nothing made
 
 
