@@ -515,9 +515,10 @@ def output_dir_problems(loaded: LoadedConfig, keys: tuple[str, ...] = OUTPUT_DIR
         try:
             Path(tempfile.mkdtemp(prefix=".neox_write_probe_", dir=existing)).rmdir()
         except OSError as e:
+            what = "the checkpoint directory" if key == "save" else "the directory"
             problems.append(
-                f"{where} cannot be written ({e.strerror} in {existing}); make it writable or "
-                f"point {key} elsewhere"
+                f"{where}: {what} cannot be written ({e.strerror}); make it "
+                f"writable or point {key} elsewhere"
             )
     return problems
 

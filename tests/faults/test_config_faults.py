@@ -159,7 +159,7 @@ FAULTS = [
         "a log_dir the ranks cannot create (sysfs refuses even root) is named before launch, not "
         "a traceback on every rank (issue 33, defect 8)",
         {"data.yml": "{data}", "bad.yml": "log_dir: /sys/neox_no_logs_here/logs\n"},
-        "log_dir='/sys/neox_no_logs_here/logs' cannot be written",
+        "log_dir='/sys/neox_no_logs_here/logs': the directory cannot be written",
     ),
     Fault(
         "tensorboard_dir_is_a_file",

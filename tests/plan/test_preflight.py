@@ -229,7 +229,10 @@ def test_directories_the_ranks_write_are_checked_without_leaving_anything(tmp_pa
     )
     problems = output_dir_problems(loaded(tmp_path, bad))
     assert len(problems) == 3, problems
-    assert "run.yml: log_dir='/sys/neox_cannot_write_here/logs' cannot be written" in problems[0]
+    assert (
+        "run.yml: log_dir='/sys/neox_cannot_write_here/logs': the directory cannot be written"
+        in problems[0]
+    )
     assert f"tensorboard_dir='{tmp_path}/afile' is a file, not a directory" in problems[1]
     assert (
         f"data_cache_dir='{tmp_path}/afile/cache' is inside {tmp_path}/afile, a file"
