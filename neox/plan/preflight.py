@@ -570,10 +570,8 @@ def packing_problems(loaded: LoadedConfig) -> list[str]:
         return []
     problems = []
     for key, prefix in text_prefixes(cfg):
-        if not (
-            key == "data_path" or key in ("train_data_paths", "valid_data_paths", "test_data_paths")
-        ):
-            continue
+        if key not in ("data_path", "train_data_paths", "valid_data_paths", "test_data_paths"):
+            continue  # preference pairs are drawn by neox/data/pairs.py
         try:
             dataset = IndexedDataset(prefix)
         except (IndexedDatasetError, OSError):
