@@ -21,8 +21,61 @@ log = logging.getLogger(__name__)
 FIELDS = {k: f for cls in GROUPS.values() for k, f in cls.model_fields.items()}
 
 
+# A config is a few hundred nodes; aliases past these bounds are a "billion laughs" document,
+# refused before anything expands it (PyYAML shares aliased nodes, repr and merging do not).
+MAX_ALIASES = 1000
+MAX_EXPANDED_NODES = 100_000
+
+
 class _Loader(yaml.SafeLoader):
-    """SafeLoader that also reads `1e-5` as a float (YAML 1.1 wants `1.0e-5`)."""
+    """SafeLoader that also reads `1e-5` as a float (YAML 1.1 wants `1.0e-5`), and refuses
+    aliases past MAX_ALIASES or expanding past MAX_EXPANDED_NODES."""
+
+    aliases = 0
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            self.aliases += 1
+            if self.aliases > MAX_ALIASES:
+                raise ConfigError(
+                    f"more than {MAX_ALIASES} YAML aliases (*name); write the values out"
+                )
+        return super().compose_node(parent, index)
+
+    def get_single_data(self):
+        node = self.get_single_node()
+        if node is None:
+            return None
+        _check_expanded_size(node)
+        return self.construct_document(node)
+
+
+def _check_expanded_size(root: yaml.Node) -> None:
+    """Count the nodes the document becomes once every alias is expanded, each shared node
+    counted once per use (memoised, so the count itself stays cheap)."""
+    sizes: dict[int, int] = {}
+
+    def size(node: yaml.Node) -> int:
+        if id(node) in sizes:
+            return sizes[id(node)]
+        sizes[id(node)] = MAX_EXPANDED_NODES + 1  # a cycle (an alias inside its anchor)
+        if isinstance(node, yaml.MappingNode):
+            children = [n for pair in node.value for n in pair]
+        elif isinstance(node, yaml.SequenceNode):
+            children = node.value
+        else:
+            children = []
+        total = 1
+        for child in children:
+            total = min(total + size(child), MAX_EXPANDED_NODES + 1)
+        sizes[id(node)] = total
+        return total
+
+    if size(root) > MAX_EXPANDED_NODES:
+        raise ConfigError(
+            f"its YAML aliases expand to more than {MAX_EXPANDED_NODES:,} values; a config is "
+            "a few hundred: write the values out instead of nesting aliases"
+        )
 
 
 _Loader.add_implicit_resolver(
@@ -130,6 +183,8 @@ def read_config_file(path: Path) -> dict[str, Any]:
             data = yaml.load(text, Loader=_Loader)
     except (yaml.YAMLError, json.JSONDecodeError) as e:
         raise ConfigError(f"{path}: not valid YAML/JSON: {e}") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: nested too deeply to be a config; flatten it") from None
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}") from None
     if data is None:

@@ -22,6 +22,8 @@ from neox.config.shape import (
     ModelShape,
     ffn_size,
     layer_types,
+    refuse_degenerate_shape,
+    refuse_local_without_window,
     rope_scaling,
 )
 
@@ -356,6 +358,16 @@ class ModelConfig(ConfigGroup):
     @model_validator(mode="after")
     def _check_shape(self) -> "ModelConfig":
         self._shape = check_model(self)
+        refuse_degenerate_shape(
+            self._shape,
+            pos_emb=self.pos_emb,
+            rotary_pct=self.rotary_pct,
+            heads=self.num_attention_heads,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            expansion_factor=self.expansion_factor,
+        )
+        refuse_local_without_window(self._shape, self.sliding_window_width)
         return self
 
     def check_run(self, tp: int, pp: int) -> None:

@@ -9,6 +9,33 @@ from neox.config.base import MAX_COUNT, MAX_LR, ConfigGroup, Reads, Refused
 from neox.config.errors import ConfigError
 
 OPTIMIZER_TYPES = ("adam", "adamw", "cpu_adam", "cpu_torch_adam", "sgd", "lion")
+# The keyword arguments of the class neox/training/optim.py builds for each type (torch's AdamW
+# and SGD, DeepSpeed's CPU Adam and FusedLion; tests/config/test_bad_values.py holds this to
+# their signatures), less SET_BY_NEOX, which neox chooses itself (AdamW's fused kernel on GPU).
+SET_BY_NEOX = {"fused"}
+_ADAMW = {"lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "foreach", "capturable"}
+_CPU_ADAM = {"lr", "bias_correction", "betas", "eps", "weight_decay", "amsgrad", "adamw_mode"}
+OPTIMIZER_PARAMS = {
+    "adam": _ADAMW | {"differentiable"},
+    "adamw": _ADAMW | {"differentiable"},
+    "cpu_adam": _CPU_ADAM | {"fp32_optimizer_states"},
+    "cpu_torch_adam": _CPU_ADAM | {"fp32_optimizer_states"},
+    "sgd": {"lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize", "foreach"}
+    | {"differentiable"},
+    "lion": {"lr", "betas", "weight_decay", "set_grad_none"},
+}
+
+
+def unknown_params(kind: str, params: dict[str, Any], shown: str) -> Optional[str]:
+    """Why `params` cannot be passed to optimizer `kind` (shown as `shown`), or None: a name its
+    class does not take would be a TypeError on every rank."""
+    extra = sorted(set(params) - OPTIMIZER_PARAMS[kind])
+    if not extra:
+        return None
+    return (
+        f"optimizer.params.{extra[0]} is not a parameter of {shown}; it takes "
+        f"{', '.join(sorted(OPTIMIZER_PARAMS[kind]))}"
+    )
 
 
 class OptimizerSpec(ConfigGroup):
@@ -66,12 +93,28 @@ class OptimizerSpec(ConfigGroup):
             isinstance(betas, (list, tuple)) and len(betas) == 2 and all(0 <= b < 1 for b in betas)
         ):
             raise ValueError(f"optimizer.params.betas={betas!r} must be two numbers in [0, 1)")
+        momentum = v.get("momentum", 0)
+        if (
+            isinstance(momentum, bool)
+            or not isinstance(momentum, (int, float))
+            or not (0 <= momentum < 1)
+        ):
+            raise ValueError(
+                f"optimizer.params.momentum={momentum!r} must be in [0, 1) (0.9 is usual): at 1 "
+                "or above the step grows without bound"
+            )
         if v.get("eps", 1) <= 0 or v.get("weight_decay", 0) < 0:
             raise ValueError(
                 f"optimizer.params eps={v.get('eps')} must be > 0 and weight_decay="
                 f"{v.get('weight_decay')} >= 0"
             )
         return v
+
+    @model_validator(mode="after")
+    def _params_of_type(self) -> "OptimizerSpec":
+        if (problem := unknown_params(self.type.lower(), self.params, self.type)) is not None:
+            raise ValueError(problem)
+        return self
 
     @property
     def lr(self) -> float:

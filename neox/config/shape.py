@@ -267,3 +267,57 @@ def layer_types(attention_config: Optional[list[Any]], num_layers: int) -> tuple
             f"make the repeats add up to {num_layers}"
         )
     return tuple(types)
+
+
+def refuse_local_without_window(shape: ModelShape, sliding_window_width: Optional[int]) -> None:
+    """`local` layers attend within sliding_window_width; without one the model cannot be built
+    (the dry run and tools/estimate.py printed a traceback)."""
+    if "local" in shape.layer_types and sliding_window_width is None:
+        raise ValueError(
+            "attention_config has `local` layers but sliding_window_width is unset; set "
+            "sliding_window_width (e.g. 4096) or use `global`/`flash` layers"
+        )
+
+
+def refuse_degenerate_shape(
+    shape: ModelShape,
+    *,
+    pos_emb: str,
+    rotary_pct: float,
+    heads: int,
+    hidden_size: int,
+    intermediate_size: Optional[int],
+    expansion_factor: float,
+) -> None:
+    """Sizes that round to nothing trained silently: rotary on 0 dimensions (no positions at
+    all), an MLP 0 wide. Raises ValueError naming the smallest value that works."""
+    if pos_emb == "rotary" and shape.rotary_dims == 0:
+        if shape.head_dim < 2:
+            raise ValueError(
+                f"pos_emb=rotary: head_dim={shape.head_dim} has no pair of dimensions to rotate; "
+                f"use at most half as many num_attention_heads={heads} as "
+                f"hidden_size={hidden_size}, set head_dim >= 2, or use another pos_emb"
+            )
+        raise ValueError(
+            f"rotary_pct={rotary_pct} rotates 0 of the {shape.head_dim} head dimensions (no "
+            f"positions at all); the smallest is rotary_pct: {_at_least(2, shape.head_dim)}"
+        )
+    if shape.ffn_size == 0:
+        # A gated MLP splits 2/3 of the width into two branches: it needs 3 to keep one unit.
+        width = 3 if shape.gated_mlp else 1
+        if intermediate_size is not None:
+            fix = f"intermediate_size: {width}"
+            given = f"intermediate_size={intermediate_size}"
+        else:
+            fix = f"expansion_factor: {_at_least(width, hidden_size)}"
+            given = f"expansion_factor={expansion_factor} x hidden_size={hidden_size}"
+        raise ValueError(f"{given} gives an MLP 0 units wide; the smallest is {fix}")
+
+
+def _at_least(units: int, per_one: int) -> float:
+    """The smallest x of three significant digits with int(x * per_one) >= units."""
+    step = 10.0 ** (math.floor(math.log10(units / per_one)) - 2)
+    k = math.ceil(units / per_one / step)
+    while int(float(f"{k * step:.3g}") * per_one) < units:
+        k += 1
+    return float(f"{k * step:.3g}")

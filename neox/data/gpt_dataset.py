@@ -184,6 +184,7 @@ class GPTDataset(torch.utils.data.Dataset):
         label: IndexedDataset | None = None,
         pack_impl: str = "packed",
         allow_chopped: bool = True,
+        vocab_size: int | None = None,
     ):
         documents = np.asarray(documents)
         if pack_impl not in PACK_IMPLS:
@@ -206,6 +207,8 @@ class GPTDataset(torch.utils.data.Dataset):
         self.label = label
         self.seq_length = seq_length
         self.pack_impl = pack_impl
+        # The model's embedding rows: a larger id would fail inside it, naming no file.
+        self.vocab_size = vocab_size
         packing, build = None, None
         if pack_impl != "packed":
             packing = {"pack_impl": pack_impl, "allow_chopped": bool(allow_chopped)}
@@ -284,7 +287,7 @@ class GPTDataset(torch.utils.data.Dataset):
             raise IndexError(f"sample {idx} out of range for {self.name} with {len(self)} samples")
         sample = int(self.shuffle_idx[idx])
         if self.pack_impl != "packed":
-            return self._padded(sample)
+            return self._check_ids(self._padded(sample), idx)
         text = self.tokens(sample).astype(np.int64)
         # Holds by construction of sample_idx; a mismatch means a stale or foreign index file.
         if len(text) != self.seq_length + 1:
@@ -293,8 +296,23 @@ class GPTDataset(torch.utils.data.Dataset):
                 f"the index {self.paths['sample_idx']} does not match the data, delete it to rebuild"
             )
         if self.label is None:
-            return {"text": text}
-        return {"text": text, "label": self.tokens(sample, self.label).astype(np.int64)}
+            return self._check_ids({"text": text}, idx)
+        label = self.tokens(sample, self.label).astype(np.int64)
+        return self._check_ids({"text": text, "label": label}, idx)
+
+    def _check_ids(self, sample: dict[str, np.ndarray], idx: int) -> dict[str, np.ndarray]:
+        text = sample["text"]
+        if (
+            self.vocab_size is not None
+            and text.size
+            and (top := int(text.max())) >= self.vocab_size
+        ):
+            raise ValueError(
+                f"{self.indexed.prefix}.bin: {self.name} sample {idx} holds token id {top}, but "
+                f"the model has {self.vocab_size} token embeddings; the data was tokenized with "
+                "another tokenizer: re-run tools/preprocess_data.py with this one"
+            )
+        return sample
 
     def _padded(self, sample: int) -> dict[str, np.ndarray]:
         text = self.whole_documents(sample, self.indexed).astype(np.int64)

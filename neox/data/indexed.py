@@ -294,6 +294,19 @@ class IndexedDataset:
         """Total tokens in the .bin file."""
         return self._bin_map.nbytes // self.dtype.itemsize
 
+    def largest_token(self, budget: int = 1 << 26, windows: int = 64) -> tuple[int, bool]:
+        """(largest token id, whether every token was read): the whole .bin when it holds at
+        most `budget` tokens, else `windows` evenly spaced windows of budget / windows tokens
+        (data of another tokenizer has large ids throughout, so a window finds one)."""
+        tokens = np.frombuffer(self._bin_map, dtype=self.dtype)
+        if tokens.size == 0:
+            return -1, True
+        if tokens.size <= budget:
+            return int(tokens.max()), True
+        width = budget // windows
+        starts = np.linspace(0, tokens.size - width, windows, dtype=np.int64)
+        return max(int(tokens[a : a + width].max()) for a in starts), False
+
     def get(self, idx: int, offset: int = 0, length: int | None = None) -> np.ndarray:
         """Tokens of sequence `idx` from `offset`, `length` of them (default: to the end)."""
         n = len(self.sizes)

@@ -63,6 +63,7 @@ def build_split_datasets(
     label_path: str | None = None,
     pack_impl: str = "packed",
     allow_chopped: bool = True,
+    vocab_size: int | None = None,
 ) -> list[GPTDataset | None]:
     """Train, valid and test datasets over document ranges of one indexed dataset (and of its
     label dataset at `label_path`, cut the same way)."""
@@ -79,6 +80,7 @@ def build_split_datasets(
     for name, docs in zip(SPLIT_NAMES, ranges):
         logger.info("%s split: %d documents of %s", name, docs.size, data_path)
     packing = dict(label=label, pack_impl=pack_impl, allow_chopped=allow_chopped)
+    packing["vocab_size"] = vocab_size
     return [
         GPTDataset(name, indexed, docs, n, seq_length, seed, cache_dir, use_shared_fs, **packing)
         if n > 0
@@ -101,6 +103,7 @@ def build_blended_dataset(
     label_paths: Sequence[str] | None = None,
     pack_impl: str = "packed",
     allow_chopped: bool = True,
+    vocab_size: int | None = None,
 ) -> torch.utils.data.Dataset:
     """One split's dataset: whole indexed datasets at `paths` (with the label datasets at
     `label_paths`, one per path), blended by `weights`."""
@@ -111,7 +114,7 @@ def build_blended_dataset(
         )
     indexed = [IndexedDataset(p) for p in paths]
     labels = [IndexedDataset(p) for p in label_paths] if label_paths else [None] * len(paths)
-    packing = dict(pack_impl=pack_impl, allow_chopped=allow_chopped)
+    packing = dict(pack_impl=pack_impl, allow_chopped=allow_chopped, vocab_size=vocab_size)
     if weight_by_num_documents:
         if weights is not None:
             logger.warning(
@@ -223,6 +226,7 @@ def build_train_valid_test_loaders(
     test_label_data_paths: Sequence[str] | None = None,
     pack_impl: str = "packed",
     allow_chopped: bool = True,
+    vocab_size: int | None = None,
 ) -> DataLoaders:
     """Datasets and endless micro-batch iterators for train, valid and test.
 
@@ -237,6 +241,8 @@ def build_train_valid_test_loaders(
         label_data_path: the label dataset of data_path (split with it); the
             *_label_data_paths: one label dataset per path of that split.
         pack_impl: "packed", "pack_until_overflow" or "unpacked" (neox.data.gpt_dataset).
+        vocab_size: the model's token embeddings; a sample with a larger id is an error naming
+            its file (None: not checked).
     """
     split_paths = {"train": train_data_paths, "valid": valid_data_paths, "test": test_data_paths}
     _check_sources(
@@ -259,6 +265,7 @@ def build_train_valid_test_loaders(
             label_data_path,
             pack_impl,
             allow_chopped,
+            vocab_size,
         )
     else:
         label_paths = {
@@ -286,6 +293,7 @@ def build_train_valid_test_loaders(
                 label_paths[name],
                 pack_impl,
                 allow_chopped,
+                vocab_size,
             )
             if n > 0
             else None

@@ -7,8 +7,10 @@ from typing import Optional
 HOSTFILE_FORM = "`<host> slots=<N>` (N >= 1), optionally followed by `# comment`"
 
 _LINE = re.compile(r"^(?P<host>\S+)\s+slots=(?P<slots>\d+)\s*(#.*)?$")
-# Hosts end up in pdsh's -w list and in remote shell commands, so only plain host names pass.
+# Hosts end up in ssh's, mpirun's and srun's argv and in remote shell commands, so only plain
+# host names pass (an optional user@); a leading '-' would make the name an option.
 _HOST = re.compile(r"^[A-Za-z0-9_.@-]+$")
+_OPTION_LIKE = re.compile(r"(^|@)-")
 
 
 class LaunchError(ValueError):
@@ -36,6 +38,11 @@ def parse_hostfile(text: str, source: str = "<hostfile>") -> dict[str, int]:
             raise HostfileError(
                 f"{where}: host {host!r} has characters other than letters, digits, '.', '-', "
                 "'_' and '@'; write the plain host name or IP address"
+            )
+        if _OPTION_LIKE.search(host):
+            raise HostfileError(
+                f"{where}: host {host!r} starts with '-', which ssh and mpirun would read as an "
+                "option; write the plain host name or IP address"
             )
         if slots < 1:
             raise HostfileError(f"{where}: {host} has slots={slots}; expected {HOSTFILE_FORM}")

@@ -35,8 +35,8 @@ NODE_RANK_ENV = {
     "slurm": "SLURM_NODEID",
 }
 NEOX_ROOT = str(Path(__file__).resolve().parents[2])
-# A host name or address that means the same to a shell quoted or not.
-_PLAIN = re.compile(r"^[\w@%+=:,./-]*$")
+# A host name or address that means the same to a shell quoted or not, and is no option.
+_PLAIN = re.compile(r"^(?!-)[\w@%+=:,./-]*$")
 
 
 @dataclass
@@ -115,7 +115,7 @@ def build_launch(
     launch_id = uuid.uuid4().hex
     env = dict(environ)
     env[LAUNCH_ID_ENV] = launch_id
-    env["PYTHONPATH"] = _pythonpath(cwd, environ.get("PYTHONPATH", ""))
+    env["PYTHONPATH"] = _pythonpath(environ.get("PYTHONPATH", ""))
     if cpu:
         env["DS_ACCELERATOR"] = "cpu"
     env.pop("DS_ENV_FILE", None)  # read here (user_env_file_exports); no rank needs it
@@ -221,7 +221,7 @@ def _launcher_argv(
         # The hosts in plan order, one process each; no core binding: the ranks inherit it.
         argv = ["mpirun", "-n", nodes, "--host", ",".join(hosts), "--map-by", "ppr:1:node"]
         argv += ["--bind-to", "none"]
-        return argv + [arg for name in exports for arg in ("-x", name)]
+        return argv + [arg for name in exports for arg in ("-x", name)] + ["--"]
     if launcher == "mvapich":
         argv = ["mpirun", "-np", nodes, "-ppn", "1", "-hosts", ",".join(hosts)]
         return argv + ["-genvlist", ",".join(exports)]
@@ -233,7 +233,7 @@ def _launcher_argv(
     if cfg.num_gpus is not None and not cpu:
         argv += ["--gpus-per-node", str(cfg.num_gpus)]
     argv += _slurm_args(cfg)
-    return argv + ["--export=" + ",".join(["ALL", *exports])]
+    return argv + ["--export=" + ",".join(["ALL", *exports]), "--"]
 
 
 def _check_same_slots(hosts: dict[str, list[int]]) -> None:
@@ -372,8 +372,11 @@ def _local_resources(
     return select_resources(pool, cfg.include, cfg.exclude, source="this machine")
 
 
-def _pythonpath(cwd: str, existing: str) -> str:
-    parts = [cwd, NEOX_ROOT] + [p for p in existing.split(os.pathsep) if p]
+def _pythonpath(existing: str) -> str:
+    # neox's own checkout, so that the agent and the ranks import the neox that planned them.
+    # Never the working directory (DeepSpeed's runner adds it): a sitecustomize.py there would
+    # run in every process; the entry script's own folder is Python's sys.path[0] anyway.
+    parts = [NEOX_ROOT] + [p for p in existing.split(os.pathsep) if p]
     return os.pathsep.join(dict.fromkeys(parts))
 
 

@@ -8,11 +8,12 @@ CONNECT_TIMEOUT_S = 10
 
 
 def ssh_argv(host: str, port: Optional[int], env: Mapping[str, str]) -> list[str]:
-    """`ssh ... host` with the options the launch uses (PDSH_SSH_ARGS_APPEND adds some)."""
+    """`ssh ... -- host` with the options the launch uses (PDSH_SSH_ARGS_APPEND adds some); the
+    host after `--`, so that no name is ever read as an option."""
     cmd = ["ssh", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={CONNECT_TIMEOUT_S}", "-x"]
     if port is not None:
         cmd += ["-p", str(port)]
-    return cmd + shlex.split(env.get("PDSH_SSH_ARGS_APPEND", "")) + [host]
+    return cmd + shlex.split(env.get("PDSH_SSH_ARGS_APPEND", "")) + ["--", host]
 
 
 def remote_command(cwd: str, exports: Mapping[str, str], argv: list[str]) -> str:

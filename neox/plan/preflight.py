@@ -481,7 +481,125 @@ def preflight(loaded: LoadedConfig, script: str) -> tuple[Optional[int], list[st
             check(loaded)
         except ConfigError as e:
             problems.append(str(e))
+    problems += output_dir_problems(loaded, OUTPUT_DIRS if name in NEEDS_DATA else ("log_dir",))
+    if name in NEEDS_DATA:
+        problems += packing_problems(loaded)
+        if vocab_size is not None:
+            problems += token_id_problems(loaded, vocab_size)
     return vocab_size, problems
+
+
+# Directories the ranks write: config key of each (check_save_dir adds the room for `save`).
+OUTPUT_DIRS = ("save", "log_dir", "tensorboard_dir", "data_cache_dir")
+
+
+def output_dir_problems(loaded: LoadedConfig, keys: tuple[str, ...] = OUTPUT_DIRS) -> list[str]:
+    """Each directory the ranks will write that cannot be: a file, inside a file, or not
+    writable (probed with a temporary directory in the nearest existing folder, removed at
+    once, since permission bits do not bind root: a read-only mount or sysfs still refuse)."""
+    import tempfile
+
+    cfg = loaded.config
+    values = {
+        "save": cfg.checkpoint.save,
+        "log_dir": cfg.logging.log_dir,
+        "tensorboard_dir": cfg.logging.tensorboard_dir,
+        "data_cache_dir": cfg.data.data_cache_dir,
+    }
+    problems = []
+    for key in keys:
+        value = values[key]
+        if not value:
+            continue
+        where = f"{loaded.source_of(key)}: {key}={value!r}"
+        path = Path(value)
+        try:
+            existing = next(p for p in (path, *path.parents) if p.exists())
+        except OSError as e:  # a folder on the way that cannot be searched
+            problems.append(f"{where} cannot be reached ({e.strerror}); point {key} elsewhere")
+            continue
+        if existing == path and not path.is_dir():
+            problems.append(f"{where} is a file, not a directory; point {key} at a directory")
+            continue
+        if not existing.is_dir():
+            problems.append(
+                f"{where} is inside {existing}, a file; point {key} at a directory elsewhere"
+            )
+            continue
+        try:
+            Path(tempfile.mkdtemp(prefix=".neox_write_probe_", dir=existing)).rmdir()
+        except OSError as e:
+            what = "the checkpoint directory" if key == "save" else "the directory"
+            problems.append(
+                f"{where}: {what} cannot be written ({e.strerror}); make it "
+                f"writable or point {key} elsewhere"
+            )
+    return problems
+
+
+def text_prefixes(cfg) -> list[tuple[str, str]]:
+    """(config key, prefix) of the token datasets (not labels or rewards), each prefix once."""
+    seen: dict[str, str] = {}
+    for key, prefix in data_prefixes(cfg):
+        if "label" not in key and "reward" not in key:
+            seen.setdefault(prefix, key)
+    return [(key, prefix) for prefix, key in seen.items()]
+
+
+def token_id_problems(loaded: LoadedConfig, vocab_size: int) -> list[str]:
+    """Datasets holding a token id the tokenizer does not have (tokenized with another one):
+    the whole .bin when small, evenly spaced windows of a large one (IndexedDataset.
+    largest_token), so this costs well under a second."""
+    from neox.data.indexed import IndexedDataset, IndexedDatasetError
+
+    problems = []
+    t = loaded.config.tokenizer.tokenizer_type
+    for key, prefix in text_prefixes(loaded.config):
+        try:
+            dataset = IndexedDataset(prefix)
+        except (IndexedDatasetError, OSError):
+            continue  # check_data names the file
+        try:
+            largest, _ = dataset.largest_token()
+        finally:
+            dataset.close()
+        if largest >= vocab_size:
+            problems.append(
+                f"{loaded.source_of(key)}: {key}={prefix!r}: {prefix}.bin holds token id "
+                f"{largest}, but tokenizer_type={t} has {vocab_size} tokens (ids 0.."
+                f"{vocab_size - 1}): it was tokenized with another tokenizer; re-run "
+                "tools/preprocess_data.py with this one, or set the tokenizer it was made with"
+            )
+    return problems
+
+
+def packing_problems(loaded: LoadedConfig) -> list[str]:
+    """pack_impl unpacked / pack_until_overflow with allow_chopped false draws only documents
+    that fit seq_length + 1 tokens: a dataset with none could draw no sample (reads .idx)."""
+    from neox.data.indexed import IndexedDataset, IndexedDatasetError
+
+    cfg = loaded.config
+    d, limit = cfg.data, cfg.model.seq_length + 1
+    if d.pack_impl == "packed" or d.allow_chopped:
+        return []
+    problems = []
+    for key, prefix in text_prefixes(cfg):
+        if key not in ("data_path", "train_data_paths", "valid_data_paths", "test_data_paths"):
+            continue  # preference pairs are drawn by neox/data/pairs.py
+        try:
+            dataset = IndexedDataset(prefix)
+        except (IndexedDatasetError, OSError):
+            continue  # check_data names the file
+        sizes = dataset.sizes
+        dataset.close()
+        if len(sizes) and int(sizes.min()) > limit:
+            problems.append(
+                f"{loaded.source_of(key)}: {key}={prefix!r}: none of its {len(sizes)} documents "
+                f"fits seq_length + 1 = {limit} tokens (the shortest has {int(sizes.min())}), so "
+                f"pack_impl={d.pack_impl} with allow_chopped: false can draw no sample; set "
+                "allow_chopped: true, raise seq_length, or use pack_impl: packed"
+            )
+    return problems
 
 
 # DeepSpeed config sections with a pydantic model of DeepSpeed's own: section -> (module, class).
@@ -527,6 +645,43 @@ def deepspeed_section_problems(loaded: LoadedConfig, ds_config: dict) -> list[st
     return problems
 
 
+# DeepSpeed ops an optimizer type steps with (neox/training/optim.py), by op builder name.
+OPTIMIZER_OPS = {"lion": ("FusedLionBuilder", "DeepSpeed's FusedLion")}
+
+
+def optimizer_problems(loaded: LoadedConfig, derived, cpu_ranks: bool) -> list[str]:
+    """The optimizer the ranks would build (neox.plan.engine_choice) against what it takes and
+    where it runs: optimizer.params against DeepSpeed's CPU Adam when ZeRO-Offload swaps it in,
+    and an optimizer whose DeepSpeed op has no CPU implementation on CPU ranks."""
+    from neox.config.optimizer import unknown_params
+    from neox.plan.engine_choice import engine_for
+
+    cfg = loaded.config
+    where = loaded.source_of("optimizer")
+    try:
+        choice = engine_for(cfg, derived)
+    except ConfigError:
+        return []  # the engine's own refusal is reported where the estimate meets it
+    problems = []
+    if choice.optimizer != derived.optimizer_type:
+        shown = "DeepSpeed's CPU Adam (zero_optimization.offload_optimizer)"
+        problem = unknown_params(choice.optimizer, cfg.optimizer.optimizer.params, shown)
+        if problem:
+            problems.append(f"{where}: {problem}")
+    op = OPTIMIZER_OPS.get(choice.optimizer)
+    if cpu_ranks and op is not None:
+        from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+        builder, name = op
+        if CPU_Accelerator().get_op_builder(builder).__name__ == "NotImplementedBuilder":
+            problems.append(
+                f"{where}: optimizer type {derived.optimizer_type} steps with {name}, "
+                "which has no CPU implementation, and these ranks run on CPU; use Adam, AdamW "
+                "or SGD, or run on GPUs"
+            )
+    return problems
+
+
 def derived_problems(loaded: LoadedConfig, derived, script: str, cpu_ranks: bool) -> list[str]:
     """The checks that need the derived values: precision on CPU ranks, empty paths, the save
     directory (looked at only: it is created once the launch is accepted), empty splits."""
@@ -545,6 +700,7 @@ def derived_problems(loaded: LoadedConfig, derived, script: str, cpu_ranks: bool
         problems.append(str(e))
     if Path(script).name in NEEDS_DATA:
         problems += split_problems(loaded, drawn_splits(derived.samples))
+        problems += optimizer_problems(loaded, derived, cpu_ranks)
     return problems
 
 

@@ -246,6 +246,7 @@ def build_data(
         test_label_data_paths=data.test_label_data_paths,
         pack_impl=data.pack_impl,
         allow_chopped=data.allow_chopped,
+        vocab_size=d.padded_vocab_size,
     )
 
 

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from neox.config import ConfigError, derive, load_config
 from neox.config.base import Refused, status_of
 from neox.config.schema import GROUPS, KEY_OWNER
+from neox.plan.preflight import OUTPUT_DIRS, check_save_dir, optimizer_problems, output_dir_problems
 
 FIELDS = {key: f for cls in GROUPS.values() for key, f in cls.model_fields.items()}
 
@@ -30,7 +31,8 @@ ACCEPTED = {
     ("clip_grad", "zero"): "0 turns clipping off, as documented (DeepSpeed's meaning)",
     ("temperature", "huge"): "logits divided by it are ~0: sampling is uniform, and runs",
     ("temperature", "zero"): "0 is greedy decoding, as documented (gpt-neox's meaning)",
-    ("optimizer", "zero"): "lr 0 leaves the weights unchanged; the loop runs (a smoke test)",
+    ("optimizer", "zero"): "lr 0 leaves the weights unchanged; the loop runs (a smoke test); "
+    "SGD's momentum 0 is plain SGD",
     ("optimizer", "huge"): "an lr up to 1e30 runs into the non-finite-step guard, which stops "
     "the run and names the last good checkpoint (tests/faults/test_checkpoint_faults.py)",
     ("fp8", "zero"): "skip_first_layers 0 converts the first block too, as documented",
@@ -46,9 +48,12 @@ CONTEXT = {
     "profile_step_stop": {"profile": True},
     # min_lr is a floor under the peak lr: a huge floor only means something under a huge peak.
     "min_lr": {"lr": 1e30},
+    # rotary_pct means something under rotary positions only (the default is learned).
+    "rotary_pct": {"pos_emb": "rotary"},
 }
 
 HUGE_INT = 10**15
+FILE = "/neox-bad-values/a-file"  # rewritten to a file under the test's tmp_path
 TRIED: dict[str, int] = {"values": 0, "refused": 0, "accepted": 0}
 
 
@@ -108,6 +113,10 @@ def _optimizer_with(v):
     return {"type": "Adam", "params": {"lr": v}}
 
 
+def _sgd_momentum_with(v):
+    return {"type": "SGD", "params": {"momentum": v}}
+
+
 # A section key's bad values: the number placed in the section (the optimizer's lr otherwise).
 SECTION_WITH = {"fp8": lambda v: {"enabled": True, "skip_first_layers": v}}
 
@@ -135,7 +144,13 @@ def bad_values(key: str) -> st.SearchStrategy:
         outside.append(st.just(b["lt"]))
     if "gt" in b:
         outside.append(st.just(b["gt"]))
+    if b.get("gt") == 0 and number is float:
+        # Positive but tiny: a size derived from it may round to 0 (issue 33).
+        outside.append(st.floats(1e-12, 1e-3))
     wrong = st.sampled_from([7, [1], {"x": 1}] if kind == "str" else ["many", [1], {"x": 1}])
+    if key in (*OUTPUT_DIRS, "save"):
+        # A directory the ranks write named as a file (FILE is made by the test) or inside one.
+        wrong = st.sampled_from([7, [1], {"x": 1}, FILE, FILE + "/inside"])
     if kind in ("list", "dict", "section"):
         wrong = st.sampled_from(["many", {"x": 1}] if kind == "list" else ["many", [1]])
     kinds = [
@@ -155,7 +170,10 @@ def bad_values(key: str) -> st.SearchStrategy:
             if name != "nonfinite":
                 continue  # other numbers in a passed-through section are DeepSpeed's to judge
         elif kind == "section" and name != "wrong type":
-            values = values.map(SECTION_WITH.get(key, _optimizer_with))
+            if key == "optimizer":
+                values = st.one_of(values.map(_optimizer_with), values.map(_sgd_momentum_with))
+            else:
+                values = values.map(SECTION_WITH.get(key, _optimizer_with))
         strategies.append(values.map(lambda v, name=name: (name, v)))
     return st.one_of(strategies)
 
@@ -184,11 +202,16 @@ def expected_acceptance(key: str, kind: str, value) -> bool:
 
 
 def run_dry(tmp: Path, flat: dict):
-    """What deepy.py --dry-run does with a config file: load and validate it, then derive."""
+    """What deepy.py --dry-run does with a config file: load and validate it, derive, then the
+    checks of the directories the ranks write and of the optimizer they build (on CPU ranks)."""
     path = tmp / "bad.yml"
     path.write_text(yaml.safe_dump(flat))
     loaded = load_config([str(path)])
-    derive(loaded.config, world_size=1)
+    derived = derive(loaded.config, world_size=1)
+    problems = output_dir_problems(loaded) + optimizer_problems(loaded, derived, cpu_ranks=True)
+    check_save_dir(loaded, derived, create=False)
+    if problems:
+        raise ConfigError(problems[0])
     return path
 
 
@@ -204,6 +227,9 @@ def run_dry(tmp: Path, flat: dict):
 def test_every_key_refuses_bad_values_by_name(tmp_path, data):
     key = data.draw(st.sampled_from(sorted(KEY_OWNER)), label="key")
     kind, value = data.draw(bad_values(key), label="value")
+    if isinstance(value, str) and value.startswith(FILE):
+        (tmp_path / "a-file").write_text("not a directory")
+        value = value.replace(FILE, str(tmp_path / "a-file"))
     flat = {**CONTEXT.get(key, {}), key: value}
     TRIED["values"] += 1
     try:
@@ -220,6 +246,10 @@ def test_every_key_refuses_bad_values_by_name(tmp_path, data):
         )
         return
     TRIED["accepted"] += 1
+    model = load_config([str(path)]).config.model
+    assert model.shape.ffn_size >= 1 and (model.pos_emb != "rotary" or model.shape.rotary_dims), (
+        f"{key}={value!r} passes a dry run with a degenerate model shape {model.shape}"
+    )
     assert expected_acceptance(key, kind, value), (
         f"{key}: {kind} value {value!r} passes a dry run ({path}); refuse it at the field, or "
         "add it to ACCEPTED with the reason it runs"
@@ -255,3 +285,73 @@ def test_the_issue_examples_fail_the_dry_run(tmp_path, flat, named):
     with pytest.raises(ConfigError) as e:
         run_dry(tmp_path, flat)
     assert named in str(e.value) and str(tmp_path / "bad.yml") in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "flat,named",
+    [
+        # Rotary dimensions that round to 0: the model trained with no positions at all.
+        ({"pos_emb": "rotary", "head_dim": 2, "rotary_pct": 0.01}, "smallest is rotary_pct: 1"),
+        (
+            {"pos_emb": "rotary", "num_attention_heads": 64, "rotary_pct": 0.25},
+            "head_dim=1 has no pair of dimensions to rotate",
+        ),
+        (
+            {
+                "pos_emb": "rotary",
+                "hidden_size": 512,
+                "num_attention_heads": 4,
+                "rotary_pct": 0.001,
+            },
+            "smallest is rotary_pct: 0.0157",
+        ),
+        # An MLP of width 0.
+        ({"expansion_factor": 0.001}, "smallest is expansion_factor: 0.0157"),
+        ({"intermediate_size": 2, "activation": "swiglu"}, "smallest is intermediate_size: 3"),
+        # SGD's momentum outside [0, 1) diverges (torch refuses only a negative one, on the ranks).
+        (
+            {"optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 5.0}}},
+            "optimizer.params.momentum=5.0 must be in [0, 1)",
+        ),
+        # A keyword the optimizer does not take: a TypeError on every rank.
+        (
+            {"optimizer": {"type": "Adam", "params": {"lr": 0.001, "bogus": 1}}},
+            "optimizer.params.bogus is not a parameter of Adam",
+        ),
+        (
+            {"optimizer": {"type": "SGD", "params": {"lr": 0.1, "betas": [0.9, 0.95]}}},
+            "optimizer.params.betas is not a parameter of SGD",
+        ),
+    ],
+)
+def test_degenerate_values_are_refused_naming_the_smallest_valid_one(tmp_path, flat, named):
+    """Issue 33 (defect 9, and defect 8's unknown optimizer keyword): each passed the dry run and
+    trained silently degenerate, or crashed every rank."""
+    with pytest.raises(ConfigError) as e:
+        run_dry(tmp_path, flat)
+    message = str(e.value)
+    assert named in message and str(tmp_path / "bad.yml") in message, message
+    assert "\n" not in message, message
+
+
+def test_optimizer_parameters_match_the_real_signatures():
+    """The accepted optimizer.params names are the keyword arguments of the class
+    neox/training/optim.py builds for each type, less those neox passes itself."""
+    import inspect
+
+    import torch
+
+    from neox.config.optimizer import OPTIMIZER_PARAMS, SET_BY_NEOX
+
+    def named(cls) -> set[str]:
+        return set(list(inspect.signature(cls).parameters)[1:]) - SET_BY_NEOX
+
+    classes = {"adam": torch.optim.AdamW, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
+    for kind, cls in classes.items():
+        assert OPTIMIZER_PARAMS[kind] == named(cls), kind
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+    from deepspeed.ops.lion import FusedLion
+
+    assert OPTIMIZER_PARAMS["cpu_adam"] == OPTIMIZER_PARAMS["cpu_torch_adam"]
+    assert OPTIMIZER_PARAMS["cpu_adam"] == named(DeepSpeedCPUAdam)
+    assert OPTIMIZER_PARAMS["lion"] == named(FusedLion)

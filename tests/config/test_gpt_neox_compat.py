@@ -97,7 +97,13 @@ def test_feature_keys_off_their_default_are_refused_by_feature(key, value, featu
 
 
 def test_attention_config_all_repeats_over_every_layer():
-    cfg = load_dict({"num_layers": 4, "attention_config": [[["global", "local"], "all"]]})
+    cfg = load_dict(
+        {
+            "num_layers": 4,
+            "attention_config": [[["global", "local"], "all"]],
+            "sliding_window_width": 8,
+        }
+    )
     assert cfg.model.shape.layer_types == ("global", "local") * 2
 
 

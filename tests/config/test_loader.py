@@ -144,3 +144,34 @@ def test_duplicate_key_in_one_file(tmp_path):
 def test_runtime_keys_of_gpt_neox_are_ignored():
     cfg = load_dict({"local_rank": 3, "world_size": 8, "hidden_size": 64})
     assert cfg.model.hidden_size == 64
+
+
+def _alias_bomb(levels: int, width: int = 10) -> str:
+    """A few hundred bytes of YAML whose aliases expand to width**levels strings."""
+    lines = [f"l0: &l0 [{', '.join(['x'] * width)}]"]
+    lines += [f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * width)}]" for i in range(1, levels)]
+    return "\n".join(lines) + "\n"
+
+
+def test_a_yaml_alias_bomb_is_one_line_before_it_expands(tmp_path):
+    """Issue 33 (defect 7): 9 levels of 10 aliases (1e9 strings in ~600 bytes) drove --dry-run
+    to gigabytes and a MemoryError; now the expanded size is counted on the parsed nodes first."""
+    path = write(tmp_path, "bomb.yml", _alias_bomb(9))
+    with pytest.raises(ConfigError) as e:
+        load_config([str(path)])
+    message = str(e.value)
+    assert "\n" not in message and str(path) in message, message
+    assert "aliases expand to more than" in message, message
+
+
+def test_a_few_yaml_aliases_still_load(tmp_path):
+    """Anchors and merge keys of an ordinary config stay accepted."""
+    path = write(
+        tmp_path,
+        "anchors.yml",
+        "optimizer: &opt {type: Adam, params: {lr: 0.001}}\n"
+        "zero_optimization: {stage: 1}\n"
+        "attention_config: &layers [[[global], 2]]\n",
+    )
+    cfg = load_config([str(path)]).config
+    assert cfg.optimizer.optimizer.params["lr"] == 0.001

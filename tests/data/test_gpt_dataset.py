@@ -241,3 +241,20 @@ def test_allow_chopped_false_leaves_long_documents_out(tmp_path):
     n = int((item["label"] >= 0).sum())
     np.testing.assert_array_equal(item["label"][:n], item["text"][:n])
     assert n == 5
+
+
+@pytest.mark.parametrize("pack_impl", ["packed", "unpacked"])
+def test_a_token_beyond_the_vocabulary_is_named_with_its_file(tmp_path, pack_impl):
+    """Issue 33 (defect 8): one id at or above the model's vocabulary (a sparse one in a large
+    file can pass preflight's sampled scan) crashed mid-run naming neither file nor id."""
+    docs = [[1, 2, 3, 4, 5, 0]] * 9 + [[1, 2, 60000, 4, 5, 0]]
+    indexed = write_dataset(tmp_path / "corpus", docs)
+    ds = GPTDataset("train", indexed, np.arange(10), 20, 4, seed=0, vocab_size=512,
+                    pack_impl=pack_impl)  # fmt: skip
+    with pytest.raises(ValueError) as e:
+        for i in range(len(ds)):
+            ds[i]
+    assert f"{tmp_path / 'corpus'}.bin" in str(e.value) and "token id 60000" in str(e.value)
+    assert "512" in str(e.value)
+    fine = GPTDataset("valid", indexed, np.arange(9), 20, 4, seed=0, vocab_size=512)
+    assert all(fine[i]["text"].max() < 512 for i in range(len(fine)))

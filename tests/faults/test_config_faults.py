@@ -100,7 +100,7 @@ FAULTS = [
         "save_dir_is_a_file",
         "a `save` path that cannot be a directory is named before launch",
         {"data.yml": "{data}", "bad.yml": "save: {tmp}/merges.txt/ckpt\n"},
-        "the checkpoint directory cannot be written",
+        "merges.txt/ckpt' is inside ",
     ),
     Fault(
         "save_empty",
@@ -142,6 +142,45 @@ FAULTS = [
         "a split that gives train no documents is refused before launch",
         {"bad.yml": "{data}split: '0,1,0'\n"},
         "gives the train split no documents",
+    ),
+    Fault(
+        "yaml_alias_bomb",
+        "a ~600-byte YAML alias bomb (1e9 values) is one line and exit 2 in a dry run, not "
+        "gigabytes and a MemoryError (issue 33, defect 7)",
+        {
+            "bad.yml": "l0: &l0 [x, x, x, x, x, x, x, x, x, x]\n"
+            + "".join(f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 10)}]\n" for i in range(1, 9))
+        },
+        "bad.yml: its YAML aliases expand to more than 100,000 values",
+        dry_run=True,
+    ),
+    Fault(
+        "log_dir_unwritable",
+        "a log_dir the ranks cannot create (sysfs refuses even root) is named before launch, not "
+        "a traceback on every rank (issue 33, defect 8)",
+        {"data.yml": "{data}", "bad.yml": "log_dir: /sys/neox_no_logs_here/logs\n"},
+        "log_dir='/sys/neox_no_logs_here/logs': the directory cannot be written",
+    ),
+    Fault(
+        "tensorboard_dir_is_a_file",
+        "a tensorboard_dir naming a file is named before launch (issue 33, defect 8)",
+        {"data.yml": "{data}", "bad.yml": "tensorboard_dir: {tmp}/merges.txt\n"},
+        "merges.txt' is a file, not a directory; point tensorboard_dir at a directory",
+    ),
+    Fault(
+        "lion_on_cpu_ranks",
+        "Lion on CPU ranks (DeepSpeed's FusedLion has no CPU kernel) is named before launch "
+        "(issue 33, defect 8)",
+        {"bad.yml": "{data}optimizer: {type: Lion, params: {lr: 0.001}}\n"},
+        "optimizer type lion steps with DeepSpeed's FusedLion, which has no CPU implementation",
+    ),
+    Fault(
+        "local_attention_without_window",
+        "`local` layers without sliding_window_width: one line and exit 2 in a dry run (it was a "
+        "traceback there and in tools/estimate.py; issue 33, defect 8)",
+        {"bad.yml": 'attention_config: [[["local"], 2]]\n'},
+        "attention_config has `local` layers but sliding_window_width is unset",
+        dry_run=True,
     ),
     Fault(
         "export_env_unset",

@@ -24,6 +24,11 @@ def test_parse_keeps_order_and_skips_comments_and_blanks():
         ("worker-0 slots=2 extra", "cannot read"),
         ("worker-0 slots=0", "slots=0"),
         ("wor;ker slots=2", "characters other than"),
+        # Issue 33 (defect 2): ssh read these as options (-F: a config file, -G: print it).
+        ("-Fx slots=2", "starts with '-'"),
+        ("-G slots=1", "starts with '-'"),
+        ("-Gq slots=1", "starts with '-'"),
+        ("user@-G slots=1", "starts with '-'"),
     ],
 )
 def test_bad_line_names_file_line_and_form(line, expected):

@@ -155,3 +155,20 @@ def test_kill_9_of_a_nodes_ssh_session_ends_the_launch_on_every_node(two_nodes, 
     while launch_pids(plan.launch_id) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert launch_pids(plan.launch_id) == []
+
+
+def test_the_working_directory_is_not_put_on_the_ranks_python_path(tmp_path):
+    """Issue 33 (defect 10): deepy put its working directory first on every rank's PYTHONPATH,
+    so a sitecustomize.py there ran in the agent and every rank. Only neox's own checkout is
+    added now (the entry script's folder is Python's own sys.path[0])."""
+    work, job = tmp_path / "work", tmp_path / "job"
+    work.mkdir()
+    job.mkdir()
+    marker = tmp_path / "sitecustomize_ran"
+    (work / "sitecustomize.py").write_text(f"open({str(marker)!r}, 'a').write('x')\n")
+    (job / "entry.py").write_text("import neox.launcher\n")  # neox still imports on the ranks
+    cfg = LauncherConfig(num_gpus=2, master_port=free_port())
+    plan = build_launch(cfg, str(job / "entry.py"), [], cpu=True, cwd=str(work))
+    assert str(work) not in plan.env["PYTHONPATH"].split(os.pathsep)
+    assert launch(plan).code == 0
+    assert not marker.exists()

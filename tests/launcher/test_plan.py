@@ -7,6 +7,7 @@ import pytest
 from neox.config.launcher import LauncherConfig
 from neox.launcher import HostfileError, build_launch
 from neox.launcher.agent import parse_args
+from neox.launcher.plan import NEOX_ROOT
 
 NASTY = [
     "two words",
@@ -54,7 +55,7 @@ def test_cpu_without_hostfile_is_local_ranks():
     assert plan.launcher == "local" and not plan.multi_node
     assert plan.hosts == {"localhost": [0, 1, 2]} and plan.world_size == 3
     assert plan.env["DS_ACCELERATOR"] == "cpu"
-    assert plan.env["PYTHONPATH"].split(":")[0] == plan.cwd
+    assert plan.env["PYTHONPATH"].split(":")[0] == NEOX_ROOT  # never the cwd: issue 33
     assert plan.command.startswith(f"{sys.executable} -u -m neox.launcher.agent")
     assert build_launch(LauncherConfig(), "t.py", [], cpu=True, environ=ENV).world_size == 1
 
@@ -114,7 +115,7 @@ def test_include_and_slurm_account(hostfile):
     srun, args = launched(plan)
     assert srun[0] == "srun" and srun[srun.index("--nodelist") + 1] == "node-b"
     assert args.devices == "1,3" and args.node_rank_env == "SLURM_NODEID"
-    assert srun[-5:-1] == ["--comment", "a b", "--account", "proj"]
+    assert srun[-6:-2] == ["--comment", "a b", "--account", "proj"]
     assert args.script_args == ["x y"]  # srun takes an argv, no shell: no extra quoting
     assert args.master_port == 29500
 
@@ -186,7 +187,7 @@ def test_mpirun_and_srun_start_one_agent_per_node_and_name_the_exports(tmp_path)
         "--ntasks-per-node=1",
         "--kill-on-bad-exit=1",
     ]
-    assert srun[-1].startswith("--export=ALL,") and "MY_VAR" in srun[-1].split(",")
+    assert srun[-2].startswith("--export=ALL,") and "MY_VAR" in srun[-2].split(",")
     assert args.devices == "0,1/0,1" and "--gpus-per-node" not in srun  # CPU ranks
     srun, _ = launched(build_launch(slurm, "t.py", [], cpu=False, environ=environ))
     assert srun[srun.index("--gpus-per-node") + 1] == "2"
@@ -265,3 +266,31 @@ def test_users_deepspeed_env_is_exported_and_not_overwritten(hostfile, tmp_path)
     home_file.write_text("BAD;NAME=1\n")
     with pytest.raises(ValueError, match="mine.env:1: 'BAD;NAME' is not an environment variable"):
         build_launch(LauncherConfig(hostfile=hostfile), "t.py", [], cpu=True, environ=environ)
+
+
+@pytest.mark.parametrize("host", ["-G", "-Gq", "-Fx"])
+def test_a_host_is_never_an_ssh_option(host, tmp_path):
+    """Issue 33 (defect 2): `ssh -G` printed its config and exited 0, so the pre-launch probe
+    called a host `-G` reachable without contacting it, and `-Fx` read ./x as ssh's config.
+    After `--`, the real ssh takes the name as a host and refuses it."""
+    from neox.launcher.ssh import ssh_argv
+
+    argv = ssh_argv(host, None, ENV)
+    assert argv[-2:] == ["--", host]
+    (tmp_path / "x").write_text("Host *\n  ProxyCommand touch proxied\n")
+    r = subprocess.run(argv + ["true"], capture_output=True, text=True, timeout=30, cwd=tmp_path)
+    assert r.returncode != 0 and not (tmp_path / "proxied").exists(), r.stdout + r.stderr
+
+
+def test_every_launcher_argv_ends_its_options_before_the_command(hostfile):
+    """ssh, Open MPI's mpirun and srun take `--` before their operands (hydra's mpirun starts an
+    absolute interpreter path, never an option); master_addr is never an option either."""
+    plan = build_launch(LauncherConfig(hostfile=hostfile), "t.py", [], cpu=True, environ=ENV)
+    assert all(argv[-3] == "--" for argv in plan.argvs)
+    for launcher in ("openmpi", "slurm"):
+        cfg = LauncherConfig(hostfile=hostfile, launcher=launcher, num_gpus=None)
+        started, _ = launched(build_launch(cfg, "t.py", [], cpu=True, environ=ENV))
+        assert started[-1] == "--", started
+    assert sys.executable.startswith("/")
+    with pytest.raises(HostfileError, match="master_addr='-oX' is not a plain host name"):
+        build_launch(LauncherConfig(hostfile=hostfile, master_addr="-oX"), "t.py", [], environ=ENV)

@@ -218,3 +218,123 @@ def test_preference_data_is_pointed_at_the_chat_template_tool(tmp_path):
     assert "tools/preprocess_data.py" not in message
     assert "--reward-key <its field>" in message
     assert message.count("tools/preprocess_data_with_chat_template.py") == 3, message
+
+
+def make_ids_dataset(prefix, docs):
+    """A .bin/.idx pair of the given documents (lists of token ids), uint16."""
+    import numpy as np
+
+    from neox.data.indexed import IndexedDatasetBuilder
+
+    builder = IndexedDatasetBuilder(str(prefix) + ".bin", np.uint16)
+    for doc in docs:
+        builder.add_item(np.asarray(doc))
+        builder.end_document()
+    builder.finalize(str(prefix) + ".idx")
+
+
+def test_directories_the_ranks_write_are_checked_without_leaving_anything(tmp_path):
+    """Issue 33 (defect 8): an unwritable log_dir or data_cache_dir, or a tensorboard_dir naming
+    a file, passed preflight and crashed every rank with a traceback."""
+    from neox.plan.preflight import output_dir_problems
+
+    (tmp_path / "afile").write_text("x")
+    ok = f"log_dir: {tmp_path}/logs\ntensorboard_dir: {tmp_path}/tb\n"
+    assert output_dir_problems(loaded(tmp_path, ok)) == []
+    bad = (
+        "log_dir: /sys/neox_cannot_write_here/logs\n"  # sysfs refuses mkdir, even to root
+        f"tensorboard_dir: {tmp_path}/afile\n"
+        f"data_cache_dir: {tmp_path}/afile/cache\n"
+    )
+    problems = output_dir_problems(loaded(tmp_path, bad))
+    assert len(problems) == 3, problems
+    assert (
+        "run.yml: log_dir='/sys/neox_cannot_write_here/logs': the directory cannot be written"
+        in problems[0]
+    )
+    assert f"tensorboard_dir='{tmp_path}/afile' is a file, not a directory" in problems[1]
+    assert (
+        f"data_cache_dir='{tmp_path}/afile/cache' is inside {tmp_path}/afile, a file"
+        in (problems[2])
+    )
+    save = output_dir_problems(loaded(tmp_path, f"save: {tmp_path}/afile\n"))
+    assert save == [f"{tmp_path}/run.yml: save='{tmp_path}/afile' is a file, not a directory; "
+                    "point save at a directory"]  # fmt: skip
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "run.yml"]  # nothing made
+
+
+def test_token_ids_beyond_the_tokenizer_are_named_with_the_file(tmp_path):
+    """Issue 33 (defect 8): data tokenized with a larger vocabulary than CharLevelTokenizer's
+    512 passed preflight and crashed mid-run naming neither file nor id."""
+    from neox.plan.preflight import token_id_problems
+
+    make_ids_dataset(tmp_path / "big", [[1, 2, 3, 0], [5, 40000, 7, 0]])
+    cfg = loaded(tmp_path, f"tokenizer_type: CharLevelTokenizer\ndata_path: {tmp_path}/big\n")
+    [problem] = token_id_problems(cfg, vocab_size=512)
+    assert f"run.yml: data_path='{tmp_path}/big': {tmp_path}/big.bin holds token id 40000" in (
+        problem
+    )
+    assert "ids 0..511" in problem and "tools/preprocess_data.py" in problem
+    make_dataset(tmp_path / "chars")
+    fine = loaded(tmp_path, f"tokenizer_type: CharLevelTokenizer\ndata_path: {tmp_path}/chars\n")
+    assert token_id_problems(fine, vocab_size=512) == []
+
+
+def test_a_large_bin_is_sampled_and_still_finds_a_dense_foreign_vocabulary(tmp_path):
+    """Past the whole-file budget only windows are read; data of another tokenizer has large ids
+    everywhere, so a window finds one."""
+    import numpy as np
+
+    from neox.data.indexed import IndexedDataset
+
+    rng = np.random.default_rng(0)
+    make_ids_dataset(tmp_path / "wide", [rng.integers(0, 50000, 1000) for _ in range(200)])
+    dataset = IndexedDataset(str(tmp_path / "wide"))
+    largest, whole = dataset.largest_token(budget=10_000)
+    assert not whole and 512 <= largest < 50000
+    assert dataset.largest_token() == (int(np.max(dataset._bin_map.view(np.uint16))), True)
+    dataset.close()
+
+
+def test_unpacked_data_with_every_document_too_long_is_refused(tmp_path):
+    """Issue 33 (defect 8): pack_impl unpacked with allow_chopped false and no document that
+    fits seq_length + 1 crashed every rank building its index."""
+    from neox.plan.preflight import packing_problems
+
+    make_ids_dataset(tmp_path / "long", [[1] * 40 + [0] for _ in range(10)])
+    base = f"tokenizer_type: CharLevelTokenizer\ndata_path: {tmp_path}/long\nseq_length: 16\n"
+    cfg = loaded(tmp_path, base + "pack_impl: unpacked\nallow_chopped: false\n")
+    [problem] = packing_problems(cfg)
+    assert "data_path=" in problem and "none of its 10 documents fits seq_length + 1 = 17" in (
+        problem
+    )
+    assert "allow_chopped: true" in problem
+    assert packing_problems(loaded(tmp_path, base + "pack_impl: unpacked\n")) == []
+    assert packing_problems(loaded(tmp_path, base.replace("16", "64") + "pack_impl: unpacked\n"
+                                      "allow_chopped: false\n")) == []  # fmt: skip
+
+
+def test_an_optimizer_the_ranks_cannot_build_is_named(tmp_path):
+    """Issue 33 (defect 8): Lion on CPU ranks (DeepSpeed's FusedLion has no CPU kernel) crashed
+    every rank; so did Adam's `maximize` once ZeRO-Offload swaps in DeepSpeed's CPU Adam."""
+    from neox.config import derive
+    from neox.plan.preflight import optimizer_problems
+
+    lion = loaded(tmp_path, "optimizer: {type: Lion, params: {lr: 0.0001}}\n")
+    derived = derive(lion.config, world_size=1)
+    [problem] = optimizer_problems(lion, derived, cpu_ranks=True)
+    assert "optimizer type lion" in problem and "no CPU implementation" in problem
+    assert optimizer_problems(lion, derived, cpu_ranks=False) == []
+    offload = loaded(
+        tmp_path,
+        "optimizer: {type: Adam, params: {lr: 0.001, maximize: true}}\n"
+        "zero_optimization: {stage: 1, offload_optimizer: {device: cpu}}\n",
+    )
+    [problem] = optimizer_problems(offload, derive(offload.config, world_size=1), cpu_ranks=False)
+    assert "optimizer.params.maximize is not a parameter of DeepSpeed's CPU Adam" in problem
+
+
+def test_local_attention_without_a_window_is_a_config_error(tmp_path):
+    """Issue 33 (defect 8): --dry-run and tools/estimate.py printed a traceback for it."""
+    with pytest.raises(ConfigError, match="`local` layers but sliding_window_width is unset"):
+        loaded(tmp_path, 'attention_config: [[["local"], 2]]\n')
