@@ -17,7 +17,8 @@ from tests.procs import alive
 ROOT = Path(__file__).resolve().parents[2]
 
 # A rank stand-in. "stuck": notes SIGTERM and stays (as one blocked in a collective would), after
-# creating a DeepSpeed-like shm buffer; "race": rank 1 is SIGKILLed, rank 0 fails on it 1 s later.
+# creating a DeepSpeed-like shm buffer; "race": rank 1 is SIGKILLed, rank 0 fails on it once
+# the agent has reaped rank 1 (its /proc entry gone), never a guessed time later.
 RANK = """
 import os, signal, sys, time
 from pathlib import Path
@@ -29,9 +30,11 @@ if mode == "stuck":
     (out / f"pid{rank}").write_text(str(os.getpid()))
     time.sleep(120)
 if rank == 1:
-    time.sleep(0.5)
+    (out / "pid1.tmp").write_text(str(os.getpid()))
+    (out / "pid1.tmp").rename(out / "pid1")
     os.kill(os.getpid(), signal.SIGKILL)
-time.sleep(1.5)
+while not (out / "pid1").exists() or Path(f"/proc/{(out / 'pid1').read_text()}").exists():
+    time.sleep(0.01)
 print("rank 0 sees its peer gone", file=sys.stderr)
 sys.exit(1)
 """
