@@ -13,6 +13,7 @@ dataset is replaced only by a complete one (and only with `overwrite=True`). A w
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import itertools
 import logging
@@ -20,9 +21,10 @@ import multiprocessing
 import os
 import re
 import signal
+import threading
 import time
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -210,9 +212,34 @@ def _init_worker() -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)  # blocked across the fork
 
 
-# Blocked while a worker forks: one arriving before the worker has set its own handlers would
-# otherwise run the parent's in the worker (a KeyboardInterrupt traceback on Ctrl-C).
 _STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+
+
+@contextlib.contextmanager
+def _stop_signals_held() -> Iterator[None]:
+    """SIGINT and SIGTERM wait until the block ends, then reach the handler set by then.
+
+    Recorded, not blocked: a thread's signal mask holds nothing back from a process with other
+    threads (a tokenizer's), and any thread's signal runs Python's handlers in the main thread.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield  # no handler interrupts this thread
+        return
+    arrived: list[int] = []
+
+    def record(signum, frame) -> None:
+        arrived.append(signum)
+
+    previous = {sig: signal.signal(sig, record) for sig in _STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            # Unless the block set its own (`finished`); None: a handler not set from Python.
+            if signal.getsignal(sig) is record and handler is not None:
+                signal.signal(sig, handler)
+        for sig in arrived:
+            signal.raise_signal(sig)
 
 
 class _ShardedWriter:
@@ -267,12 +294,16 @@ class _ShardedWriter:
         self._builder = None
         self.done.append(final)
 
-    def commit(self) -> list[str]:
-        """Finish the last shard and move every shard to its final name (.bin, then .idx)."""
+    def finish(self) -> None:
+        """Write the last shard's index, still under its temp name."""
         if self._builder is None and not self.done:
             self._open()  # no documents: still write an empty, valid dataset
         if self._builder is not None:
             self._finish_shard()
+
+    def commit(self) -> list[str]:
+        """Move every finished shard to its final name (.bin, then .idx)."""
+        self.finish()
         for final in self.done:
             if os.path.exists(index_path(final)):
                 os.remove(index_path(final))  # never pair a new .bin with an old .idx
@@ -335,12 +366,21 @@ def _validate(config: PreprocessConfig) -> None:
         import ftfy  # noqa: F401  (fail now, not inside a worker)
 
 
-def preprocess(config: PreprocessConfig, encoder: Encoder | None = None) -> PreprocessReport:
+def preprocess(
+    config: PreprocessConfig,
+    encoder: Encoder | None = None,
+    finished: Callable[[], None] | None = None,
+) -> PreprocessReport:
     """Tokenize `config.inputs` into indexed datasets; returns the report.
+
+    A stop signal (SIGINT, SIGTERM) while the datasets are renamed into place waits until they
+    are: the run is aborted whole or finished whole.
 
     Args:
         encoder: what turns input into datasets (neox.prep.chat, neox.prep.masking); default:
             one dataset per jsonl key with `config`'s tokenizer.
+        finished: called once the datasets are in place, before a held stop signal is let
+            through (the tools ignore stop signals from then on).
     """
     _validate(config)
     files = expand_inputs(config.inputs)
@@ -378,11 +418,17 @@ def preprocess(config: PreprocessConfig, encoder: Encoder | None = None) -> Prep
             results = pool.ordered(batches)
         _consume(results, writers, report, config, files, start)
         _check_not_empty(writers, report, config.jsonl_keys)
-        for key, w in writers.items():
-            report.outputs[key] = w.commit()
-    except BaseException:
         for w in writers.values():
-            w.abort()
+            w.finish()
+        with _stop_signals_held():
+            for key, w in writers.items():
+                report.outputs[key] = w.commit()
+            if finished is not None:
+                finished()
+    except BaseException:
+        with _stop_signals_held():  # a second signal must not cut the cleanup short
+            for w in writers.values():
+                w.abort()
         raise
     finally:
         if pool is not None:
@@ -461,6 +507,9 @@ class _WorkerPool:
             proc = ctx.Process(
                 target=_worker_main, args=(theirs, parent_ends), name=f"tokenize-{i}", daemon=True
             )
+            # Blocked while a worker forks (it inherits this thread's mask): one arriving before
+            # the worker has set its own handlers would run the parent's there (a
+            # KeyboardInterrupt traceback on Ctrl-C).
             blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
             try:
                 proc.start()

@@ -100,6 +100,13 @@ def _exit_on_sigterm(signum, frame) -> None:
     raise SystemExit(128 + signum)
 
 
+def _ignore_stop_signals() -> None:
+    # The datasets are in place: the run has succeeded, whatever stop signal comes now (during
+    # the report, or at exit, where Python restores the default handlers: SIG_IGN it keeps).
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def run_preprocess(
     logger: logging.Logger,
     config: Callable[[], PreprocessConfig],
@@ -107,12 +114,16 @@ def run_preprocess(
     errors: tuple[type[BaseException], ...] = (),
 ) -> int:
     """Run one tool: exit status 0, or 1 with the error in one line (input and setup errors
-    already say what to fix; a traceback would bury that). Nothing is written on an error."""
+    already say what to fix; a traceback would bury that). Nothing is written on an error.
+    SIGTERM stops the run with 143, SIGINT with 130, until the datasets are in place; from then
+    on the process ignores both (it is exiting with 0)."""
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     try:
         cfg = config()
-        report: PreprocessReport = preprocess(cfg, encoder(cfg) if encoder else None)
+        report: PreprocessReport = preprocess(
+            cfg, encoder(cfg) if encoder else None, finished=_ignore_stop_signals
+        )
     except (ValueError, OSError, *errors) as e:
         logger.error("%s: %s", type(e).__name__, e)
         logger.error("nothing was written (existing datasets are untouched)")

@@ -1,7 +1,10 @@
 """tools/preprocess_data.py under bad input and sudden death: an error and no dataset rather than
 an empty one; no temp files that outlive the run that can clean them; a rerun always succeeds."""
 
+import fcntl
+import io
 import json
+import logging
 import os
 import random
 import signal
@@ -17,6 +20,7 @@ import pytest
 from neox.data.indexed import IndexedDataset
 from neox.prep.preprocess import PreprocessConfig, TextEncoder, WorkerDiedError
 from neox.prep.preprocess import preprocess as run_preprocess
+from neox.prep.tool import run_preprocess as run_tool
 from tests.procs import alive
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,14 +44,13 @@ def preprocess(inp: Path, prefix: Path, *extra: str, **popen) -> subprocess.Pope
         *extra,
     ]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.Popen(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen
-    )
+    popen = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, **popen}
+    return subprocess.Popen(cmd, env=env, text=True, **popen)
 
 
 def finish(proc: subprocess.Popen) -> tuple[int, str]:
     out, err = proc.communicate(timeout=300)
-    return proc.returncode, out + err
+    return proc.returncode, out + (err or "")
 
 
 def outputs(folder: Path) -> list[str]:
@@ -94,16 +97,100 @@ def corpus(tmp_path_factory) -> tuple[Path, bytes, bytes]:
     return inp, prefix.with_suffix(".bin").read_bytes(), prefix.with_suffix(".idx").read_bytes()
 
 
-def test_sigterm_leaves_no_temp_files(corpus, tmp_path):
+class HeldRun:
+    """preprocess_data.py held mid-run by its own log: a line per input file (--log-interval 1),
+    more than its stderr pipe (one page) and our read buffer hold, so it cannot end while we do
+    not read. Started, it has logged its first progress line; `finish` lets it go on."""
+
+    def __init__(self, tmp_path: Path, *extra: str, **popen):
+        read_end, write_end = os.pipe()
+        fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, 1)  # rounded up to the smallest pipe, a page
+        held = fcntl.fcntl(read_end, fcntl.F_GETPIPE_SZ) + io.DEFAULT_BUFFER_SIZE
+        shortest = "2026-11-28 01:00:00,000 INFO processed 2 documents (0 docs/s, 0.00 MB/s)\n"
+        folder = tmp_path / "corpus"
+        folder.mkdir()
+        write_jsonl(folder / "0.jsonl", 2)
+        for i in range(1, 2 * held // len(shortest)):
+            (folder / f"{i}.jsonl").write_bytes((folder / "0.jsonl").read_bytes())
+        args = (folder, tmp_path / "out", "--log-interval", "1", *extra)
+        self.proc = preprocess(*args, stderr=write_end, **popen)
+        os.close(write_end)
+        self._stderr = open(read_end)
+        self.lines = [self._stderr.readline()]
+        while "processed" not in self.lines[-1]:
+            assert self.lines[-1], "".join(self.lines)  # it ended before its first progress line
+            self.lines.append(self._stderr.readline())
+
+    def finish(self, timeout: float = 300) -> tuple[int, str]:
+        """Read its log to the end; its exit status and whole log (stdout, then stderr)."""
+        reader = threading.Thread(target=lambda: self.lines.append(self._stderr.read()))
+        reader.start()
+        out, _ = self.proc.communicate(timeout=timeout)
+        reader.join()
+        self._stderr.close()
+        return self.proc.returncode, out + "".join(self.lines)
+
+
+def test_sigterm_leaves_no_temp_files(tmp_path):
     """Fault: SIGTERM mid-run. Promise: the run deletes its temp files and exits 143."""
-    inp, _, _ = corpus
-    proc = preprocess(inp, tmp_path / "out")
-    time.sleep(1.5)
-    proc.send_signal(signal.SIGTERM)
-    code, log = finish(proc)
-    assert code in (0, 143), log  # 0 only if it finished first
-    if code == 143:
-        assert outputs(tmp_path) == [], log
+    run = HeldRun(tmp_path)
+    run.proc.send_signal(signal.SIGTERM)
+    code, log = run.finish()
+    assert code == 143, log
+    assert outputs(tmp_path) == ["corpus"], log
+
+
+@pytest.fixture
+def own_stop_handlers():
+    """The tool sets SIGTERM's and SIGINT's handlers: this test process gets its own back."""
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    yield
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=lambda sig: sig.name)
+@pytest.mark.parametrize("moment", ["rename", "done"])
+def test_a_stop_signal_once_the_dataset_is_written_finishes_the_run(
+    tmp_path, monkeypatch, own_stop_handlers, sig, moment
+):
+    """Fault: SIGTERM or Ctrl-C while the dataset is renamed into place, or after "done" (CI
+    saw one kill the tool at its exit: Python restores the default handlers there). Promise:
+    the run finishes, 0 with the whole dataset; cut short, a rename would leave a .bin without
+    its .idx. (The tool runs in process: the signal comes at a known point.)"""
+    inp = tmp_path / "docs.jsonl"
+    write_jsonl(inp, 200)
+    if moment == "rename":
+        rename = os.replace
+
+        def replace_after_a_signal(src, dst):
+            if str(dst).endswith(".bin"):
+                os.kill(os.getpid(), sig)
+            rename(src, dst)
+
+        monkeypatch.setattr(os, "replace", replace_after_a_signal)
+    log = logging.getLogger("test_preprocess_faults")
+
+    class SignalOnDone(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if moment == "done" and record.getMessage().startswith("done"):
+                os.kill(os.getpid(), sig)
+
+    log.addHandler(SignalOnDone())
+    config = PreprocessConfig(
+        inputs=str(inp),
+        output_prefix=str(tmp_path / "out"),
+        tokenizer_type="CharLevelTokenizer",
+        workers=0,
+        progress=False,
+    )
+    assert run_tool(log, lambda: config) == 0
+    assert signal.getsignal(sig) == signal.SIG_IGN  # Python leaves SIG_IGN in place at exit
+    ds = IndexedDataset(str(tmp_path / "out_text_document"))
+    ds.validate()
+    assert len(ds) == 200
+    ds.close()
+    assert outputs(tmp_path) == ["out_text_document.bin", "out_text_document.idx"]
 
 
 def test_ctrl_c_stops_the_run_and_its_workers_in_one_line(tmp_path):
@@ -113,13 +200,13 @@ def test_ctrl_c_stops_the_run_and_its_workers_in_one_line(tmp_path):
     def terminal_like() -> None:  # a shell's background job would ignore SIGINT
         signal.signal(signal.SIGINT, signal.SIG_DFL)
 
-    proc, workers = start_two_workers(tmp_path, start_new_session=True, preexec_fn=terminal_like)
-    os.killpg(proc.pid, signal.SIGINT)
-    code, log = finish(proc)
+    run, workers = start_two_workers(tmp_path, start_new_session=True, preexec_fn=terminal_like)
+    os.killpg(run.proc.pid, signal.SIGINT)
+    code, log = run.finish()
     assert code == 130, log
     assert "interrupted" in log and "nothing was written" in log, log
     assert "Traceback" not in log, log
-    assert outputs(tmp_path) == [], log
+    assert outputs(tmp_path) == ["corpus"], log
     assert not any(alive(pid) for pid in workers), "a worker outlived the run"
 
 
@@ -158,49 +245,43 @@ def children(pid: int) -> list[int]:
     return found
 
 
-def start_two_workers(tmp_path: Path, **popen) -> tuple[subprocess.Popen, list[int]]:
-    """preprocess_data.py on 2 workers over a corpus of a few seconds, once both workers run."""
-    inp = tmp_path / "corpus.jsonl"
-    write_jsonl(inp, 80_000)
-    proc = preprocess(inp, tmp_path / "out", "--workers", "2", **popen)
-    workers: list[int] = []
-    deadline = time.monotonic() + 60
-    while len(workers) < 2 and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-        workers = children(proc.pid)
+def start_two_workers(tmp_path: Path, **popen) -> tuple[HeldRun, list[int]]:
+    """preprocess_data.py on 2 workers, held mid-run; its workers."""
+    run = HeldRun(tmp_path, "--workers", "2", **popen)
+    workers = children(run.proc.pid)  # started before the first batch
     assert len(workers) == 2, f"workers not seen: {workers}"
-    return proc, workers
+    return run, workers
 
 
 def test_worker_killed_by_oom_killer_aborts_the_run(tmp_path):
     """Fault: SIGKILL of one tokenizing worker mid-run (what the OOM killer does). Promise: the
     run stops within seconds, exits 1 naming the dead worker and the fix, and leaves no files."""
-    proc, workers = start_two_workers(tmp_path)
-    time.sleep(0.1)  # mid-run: the whole run takes ~1 s here
+    run, workers = start_two_workers(tmp_path)
     os.kill(workers[0], signal.SIGKILL)
     try:
-        out, err = proc.communicate(timeout=30)
+        code, log = run.finish(timeout=30)
     except subprocess.TimeoutExpired:
-        for pid in [proc.pid, *children(proc.pid)]:
+        for pid in [run.proc.pid, *children(run.proc.pid)]:
             os.kill(pid, signal.SIGKILL)
-        proc.communicate()
+        run.finish()
         pytest.fail("preprocess_data.py hung after a worker was killed")
-    log = out + err
-    assert proc.returncode == 1, log
+    assert code == 1, log
     assert f"worker pid {workers[0]} (killed by SIGKILL) died mid-run" in log, log
     assert "fewer --workers or more memory" in log, log
     assert "Traceback" not in log, log
-    assert outputs(tmp_path) == [], log
+    assert outputs(tmp_path) == ["corpus"], log
 
 
 class _SecondBatchDiesWhileSending:
-    """Encoder whose first batch is slow and whose second batch's worker is SIGKILLed while it
-    writes a result far larger than a pipe holds: the parent is still waiting on the first
-    batch, so that write cannot have finished. (ProcessPoolExecutor hung forever on this.)"""
+    """Encoder whose second batch's worker is SIGKILLed while it writes a result far larger
+    than a pipe holds, and whose first batch ends only once that worker is dead: the parent
+    waits on the first batch meanwhile, so that write cannot have finished.
+    (ProcessPoolExecutor hung forever on this.)"""
 
-    def __init__(self, config):
+    def __init__(self, config, pid_file: Path):
         self.inner = TextEncoder(config, np.dtype(np.int32))
         self.outputs = self.inner.outputs
+        self.pid_file = pid_file
 
     def describe(self) -> str:
         return "a test encoder"
@@ -208,8 +289,12 @@ class _SecondBatchDiesWhileSending:
     def encode(self, batch):
         enc = self.inner.encode(batch)
         if batch.first_line == 1:
-            time.sleep(1.5)
+            while not self.pid_file.exists() or alive(int(self.pid_file.read_text())):
+                time.sleep(0.01)
         else:
+            written = self.pid_file.with_suffix(".tmp")
+            written.write_text(str(os.getpid()))
+            written.rename(self.pid_file)  # whole, never an empty file
             threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGKILL)).start()
             key = next(iter(enc.tokens))
             enc.tokens[key] = (np.zeros(16 << 20, np.int32), np.array([16 << 20]))
@@ -232,17 +317,17 @@ def test_worker_killed_while_sending_its_result_aborts_the_run(tmp_path):
     )
     before = set(children(os.getpid()))
     with pytest.raises(WorkerDiedError, match=r"pid \d+ \(killed by SIGKILL\) died mid-run"):
-        run_preprocess(cfg, _SecondBatchDiesWhileSending(cfg))
+        run_preprocess(cfg, _SecondBatchDiesWhileSending(cfg, tmp_path / "pid"))
     assert set(children(os.getpid())) <= before
-    assert outputs(tmp_path) == []
+    assert outputs(tmp_path) == ["pid"]
 
 
 def test_workers_end_with_a_killed_parent(tmp_path):
     """Fault: kill -9 of preprocess_data.py itself. Promise: its workers end too (each sees its
     pipe close) instead of tokenizing on as orphans."""
-    proc, workers = start_two_workers(tmp_path)
-    proc.kill()
-    proc.communicate()
+    run, workers = start_two_workers(tmp_path)
+    run.proc.kill()
+    run.finish()
     deadline = time.monotonic() + 30
     while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -17,21 +17,26 @@ from tests.procs import alive
 ROOT = Path(__file__).resolve().parents[2]
 
 # A rank stand-in. "stuck": notes SIGTERM and stays (as one blocked in a collective would), after
-# creating a DeepSpeed-like shm buffer; "race": rank 1 is SIGKILLed, rank 0 fails on it 1 s later.
+# creating a DeepSpeed-like shm buffer; "race": rank 1 is SIGKILLed, rank 0 fails on it once
+# the agent has reaped rank 1 (its /proc entry gone), never a guessed time later.
 RANK = """
 import os, signal, sys, time
 from pathlib import Path
 rank, mode, out = int(os.environ["RANK"]), sys.argv[-2], Path(sys.argv[-1])
+def note(name, text):  # whole or absent: the test reads a file as soon as it exists
+    (out / f"{name}.tmp").write_text(text)
+    (out / f"{name}.tmp").rename(out / name)
 if mode == "stuck":
     port = os.environ["MASTER_PORT"]
     Path(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{port}_{rank}").write_text("x")
     signal.signal(signal.SIGTERM, lambda *_: (out / f"term{rank}").write_text(str(os.getpid())))
-    (out / f"pid{rank}").write_text(str(os.getpid()))
+    note(f"pid{rank}", str(os.getpid()))
     time.sleep(120)
 if rank == 1:
-    time.sleep(0.5)
+    note("pid1", str(os.getpid()))
     os.kill(os.getpid(), signal.SIGKILL)
-time.sleep(1.5)
+while not (out / "pid1").exists() or Path(f"/proc/{(out / 'pid1').read_text()}").exists():
+    time.sleep(0.01)
 print("rank 0 sees its peer gone", file=sys.stderr)
 sys.exit(1)
 """
@@ -182,7 +187,8 @@ from pathlib import Path
 out, rank = Path(sys.argv[-1]), os.environ["RANK"]
 signal.signal(signal.SIGTERM, lambda *_: (out / f"term{rank}").write_text("x"))
 keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "CROSS_RANK", "SLURM_PROCID", "CUDA_VISIBLE_DEVICES")
-(out / f"env{rank}").write_text(json.dumps({k: os.environ.get(k) for k in keys}))
+(out / f"env{rank}.tmp").write_text(json.dumps({k: os.environ.get(k) for k in keys}))
+(out / f"env{rank}.tmp").rename(out / f"env{rank}")  # whole or absent: read once it exists
 time.sleep(120)
 """
 

@@ -12,6 +12,7 @@ import pytest
 from neox.config.launcher import LauncherConfig
 from neox.launcher import build_launch, launch
 from tests.ports import free_port
+from tests.procs import wait_until_none
 from tests.training.lifecycle_helpers import pids_with_env
 
 PROBE = str(Path(__file__).with_name("probe.py"))
@@ -80,8 +81,7 @@ def test_kill_9_of_the_agent_ends_the_launch_naming_it(tmp_path, caplog):
     killer.join()
     assert code == 128 + 9
     assert "the agent on localhost ended with status 137 and no report" in caplog.text
-    time.sleep(1)
-    assert launch_pids(plan.launch_id) == []  # its ranks died with it
+    assert wait_until_none(lambda: launch_pids(plan.launch_id)) == []  # its ranks died with it
 
 
 @pytest.fixture

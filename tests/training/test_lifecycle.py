@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.procs import wait_until_none
 from tests.train_helpers import (
     ROOT,
     losses,
@@ -372,8 +373,7 @@ def test_second_signal_stops_at_once_and_claims_no_checkpoint(runs, sig):
             time.sleep(0.005)
         os.kill(run.proc.pid, sig)
         assert run.wait(timeout=30) == KILLED_EXIT == 137, run.text()[-3000:]
-        time.sleep(1)
-        assert run.pids() == []
+        assert wait_until_none(run.pids) == []
     finally:
         run.kill_all()
     out = run.text()
