@@ -406,7 +406,7 @@ def test_kill_9_of_deepy_saves_the_last_step_and_leaves_no_process(runs):
     run = BackgroundRun(cfg, tmp / "orphan.out")
     try:
         run.wait_for("iter 2/1000")
-        assert shm_buffers(run.text())  # DeepSpeed's CPU all-reduce made them
+        assert shm_buffers(run.text()) == []  # DeepSpeed's shared-memory op is never built
         # The agent, deepy.py's child, sees it gone (PR_SET_PDEATHSIG, and its control channel
         # closing) and sends SIGTERM to the ranks: they finish the step, save and exit.
         gone = run.kill_9_deepy()
@@ -416,7 +416,7 @@ def test_kill_9_of_deepy_saves_the_last_step_and_leaves_no_process(runs):
     out = run.text()
     assert "neox agent: deepy.py is gone" in out and "SIGTERM to 2 rank(s)" in out, out[-3000:]
     assert "Traceback" not in out
-    assert shm_buffers(out) == []  # the agent removed them
+    assert shm_buffers(out) == []
     [last] = [ln for ln in out.splitlines() if "stopped by SIGTERM at iteration" in ln]
     step = int(last.rsplit(" ", 1)[1])
     ckpt = tmp / "orphan" / "ckpt"
