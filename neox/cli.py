@@ -11,6 +11,8 @@ import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from neox.console import quiet_libraries
+
 CHECKPOINT_INPUT = "checkpoint directory (uses its `latest`) or one global_stepN directory"
 
 
@@ -33,8 +35,10 @@ def add_iteration(p: argparse.ArgumentParser, verb: str) -> None:
 
 @contextmanager
 def exit_on(tool: str, *errors: type[Exception], what: str = "error") -> Iterator[None]:
-    """Log at INFO to stderr; any of `errors` ends the tool with `tool: what: message`."""
+    """Log at INFO to stderr, library notes that ask nothing dropped (neox/console.py); any of
+    `errors` ends the tool with `tool: what: message`."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    quiet_libraries()
     try:
         yield
     except errors as err:

@@ -5,8 +5,10 @@ generate, export to Hugging Face and verify the export with transformers."""
 import json
 import math
 import os
+import re
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -37,6 +39,21 @@ def no_compiler(tmp_path: Path) -> dict[str, str]:
     )
 
 
+def said_once(r: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    """Asserts that a 2-rank launch says each thing once: no line twice (timestamps aside; JSON's
+    bare braces say nothing), nothing from rank 1 (a healthy rank speaks only of its problems),
+    and a short launch line (the config it hands over is not printed)."""
+    lines = [
+        re.sub(r"^\d{4}-\d\d-\d\d [\d:,]+ ", "", x) for x in (r.stdout + r.stderr).splitlines()
+    ]
+    twice = [x for x, n in Counter(x for x in lines if re.search(r"\w", x)).items() if n > 1]
+    assert not twice, twice
+    assert not [x for x in lines if x.startswith("rank 1 ")], lines
+    (launch,) = [x for x in lines if x.startswith("deepy: launching 2 rank(s)")]
+    assert len(launch) < 200 and "--neox_config" not in launch, launch
+    return r
+
+
 def test_demo_stages_train_evaluate_generate_and_export(tmp_path, bpe_tokenizer):
     make_dataset(tmp_path / "data" / "demo", docs=200)
     paths = dict(
@@ -53,16 +70,17 @@ def test_demo_stages_train_evaluate_generate_and_export(tmp_path, bpe_tokenizer)
     here.write_text(yaml.safe_dump(paths))
 
     env = no_compiler(tmp_path)  # the launches compile nothing: DeepSpeed's shm op is never built
-    run_deepy("train.py", *DEMO, here, **env)
+    r = said_once(run_deepy("train.py", *DEMO, here, **env))
+    assert f"full config: {tmp_path / 'logs' / 'config.yml'}" in r.stderr
     assert (tmp_path / "ckpt" / "latest").read_text() == "global_step4"
 
-    r = run_deepy("eval.py", *DEMO, "configs/demo/eval.yml", here, **env)
+    r = said_once(run_deepy("eval.py", *DEMO, "configs/demo/eval.yml", here, **env))
     (results,) = (tmp_path / "logs").glob("demo_eval_results_*.json")
     test = json.loads(results.read_text())["results"]["test"]
     assert math.isfinite(test["perplexity"]) and 0 < test["bits_per_byte"] < 100
     assert '"bits_per_byte"' in r.stdout
 
-    run_deepy("generate.py", *DEMO, "configs/demo/generate.yml", here, **env)
+    said_once(run_deepy("generate.py", *DEMO, "configs/demo/generate.yml", here, **env))
     prompts = [p for p in (ROOT / "configs/demo/prompts.txt").read_text().splitlines() if p]
     rows = [json.loads(x) for x in (tmp_path / "samples.jsonl").read_text().splitlines()]
     assert [x["context"] for x in rows] == prompts

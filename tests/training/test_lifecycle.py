@@ -387,11 +387,11 @@ def test_second_signal_stops_at_once_and_claims_no_checkpoint(runs, sig):
 
 
 def shm_buffers(out: str) -> list[Path]:
-    """DeepSpeed's /dev/shm buffers of the rendezvous port named in deepy.py's output."""
+    """DeepSpeed's /dev/shm buffers of the rendezvous port named in deepy.py's launch line."""
     ports = {
-        ln.split("--master_port=")[1].split()[0]
+        ln.split("(master port ")[1].split(")")[0]
         for ln in out.splitlines()
-        if "--master_port=" in ln
+        if "(master port " in ln
     }
     [port] = ports
     return list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
