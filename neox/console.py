@@ -8,6 +8,7 @@ logger and message. `log_level: debug` (deepy.py --verbose) brings everything ba
 from __future__ import annotations
 
 import logging
+import warnings
 
 # (logger, text in the message): notes a user can do nothing about.
 LIBRARY_NOISE = (
@@ -17,6 +18,12 @@ LIBRARY_NOISE = (
     ("torch.utils._pytree", "is an Enum subclass and is now natively supported"),
     # DeepSpeed finding no GPU, which a tool on a CPU machine knows.
     ("DeepSpeed", "Setting accelerator to CPU"),
+)
+# (module, start of the message) of Python warnings: deprecations inside libraries, of calls
+# that one library makes to another.
+LIBRARY_WARNINGS = (
+    # peft asks transformers 5 by the old name, when an adapter is loaded.
+    ("transformers.modeling_utils", "`is_gradient_checkpointing` is deprecated"),
 )
 
 
@@ -30,7 +37,10 @@ class _DropText(logging.Filter):
 
 
 def quiet_libraries() -> None:
-    """Drop LIBRARY_NOISE's messages (a logger's filters apply whichever handler prints)."""
+    """Drop LIBRARY_NOISE's messages (a logger's filters apply whichever handler prints) and
+    LIBRARY_WARNINGS."""
+    for module, message in LIBRARY_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, module=module)
     for name, text in LIBRARY_NOISE:
         logger = logging.getLogger(name)
         if not any(isinstance(f, _DropText) and f.text == text for f in logger.filters):

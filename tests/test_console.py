@@ -68,3 +68,18 @@ def rank_lines(rank: int, level: str) -> list[str]:
 )
 def test_each_rank_says_what_its_level_allows(rank, level, expected):
     assert rank_lines(rank, level) == expected
+
+
+def test_library_deprecation_warnings_are_dropped_by_module_and_message():
+    code = """
+import warnings
+from neox.console import quiet_libraries
+quiet_libraries()
+for module in ("transformers.modeling_utils", "mine"):
+    warnings.warn_explicit(
+        "`is_gradient_checkpointing` is deprecated", FutureWarning, f"{module}.py", 1, module
+    )
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.strip() == "mine.py:1: FutureWarning: `is_gradient_checkpointing` is deprecated"
