@@ -50,9 +50,9 @@ TEST_WORKERS ?= 2
 test: install
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
-# A newcomer's first check, a few minutes: the in-process tests of the configs, planning,
-# tokenizers and model, and the demo's stages through deepy.py (tests/test_demo.py).
-QUICK_TESTS = tests/config tests/plan tests/tokenizer tests/model tests/test_console.py tests/test_demo.py
+# A newcomer's first check, about 2 minutes: the in-process tests of the configs and tokenizers,
+# and the demo's stages through deepy.py (tests/test_demo.py).
+QUICK_TESTS = tests/config tests/tokenizer tests/test_console.py tests/test_demo.py
 test-quick: install
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder $(QUICK_TESTS)
 
