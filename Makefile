@@ -1,4 +1,5 @@
-# Two commands for a newcomer:  `make demo` (the main job on the embedded default) and `make test`.
+# Two commands for a newcomer:  `make demo` (the main job on the embedded default) and `make test`
+# (or `make test-quick` first).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -7,7 +8,7 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 DEMO := data/pystdlib
 
-.PHONY: install demo test lint clean-demo
+.PHONY: install demo test test-quick lint clean-demo
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -48,6 +49,12 @@ demo: install $(DEMO)/pystdlib_text_document.idx
 TEST_WORKERS ?= 2
 test: install
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
+
+# A newcomer's first check, about 2 minutes: the in-process tests of the configs and tokenizers,
+# and the demo's stages through deepy.py (tests/test_demo.py).
+QUICK_TESTS = tests/config tests/tokenizer tests/test_console.py tests/test_demo.py
+test-quick: install
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder $(QUICK_TESTS)
 
 lint: install
 	$(BIN)/ruff check .

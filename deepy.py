@@ -69,6 +69,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("-i", "--sample_input_file", help="prompts for generate.py")
     p.add_argument("-o", "--sample_output_file", help="where generate.py writes samples")
     p.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="print everything: the launch command, every rank's lines, library notes "
+        "(sets log_level: debug)",
+    )
+    p.add_argument(
         "--dry-run",
         action="store_true",
         help="validate, print the merged config, DeepSpeed config and launch command; launch "
@@ -78,8 +85,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def flag_overrides(args: argparse.Namespace) -> dict:
-    """Config keys set on the command line, plus the code's commit when no config names one."""
-    return {key: getattr(args, flag) for flag, key in KEY_FLAGS.items() if getattr(args, flag)}
+    """Config keys set on the command line."""
+    keys = {key: getattr(args, flag) for flag, key in KEY_FLAGS.items() if getattr(args, flag)}
+    if args.verbose:
+        keys["log_level"] = "debug"
+    return keys
 
 
 def plan_smallest_layout(cfg, plan, script: str):
@@ -166,6 +176,8 @@ def main(argv: list[str]) -> int:
         if loaded.config.logging.git_hash is None and (commit := git_hash()):
             loaded.config.logging.git_hash = commit
         cfg = loaded.config
+        if cfg.logging.log_level == "debug":
+            logging.getLogger("neox").setLevel(logging.DEBUG)
         for override in loaded.overrides:
             print(f"override  {override}")
         if Path(args.script).name in NEEDS_CHECKPOINT and (
@@ -238,9 +250,14 @@ def main(argv: list[str]) -> int:
         return 0
     if not plan.cpu:
         warn_if_too_big(cfg, derived)
+    written = Path(args.script).name == "train.py" and cfg.logging.log_dir
     # What `latest` was when a stop signal came: only a save completed after it is claimed.
     at_stop: list = []
-    result = launch(plan, on_stop=lambda: at_stop.append(latest_state(cfg.checkpoint.save)))
+    result = launch(
+        plan,
+        f"{cfg.logging.log_dir}/config.yml" if written else None,
+        on_stop=lambda: at_stop.append(latest_state(cfg.checkpoint.save)),
+    )
     if result.signal is not None:
         print(f"deepy: {describe_stop(cfg, result, at_stop[0] if at_stop else None)}")
     return result.code

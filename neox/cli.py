@@ -12,6 +12,8 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from neox.console import quiet_libraries
+
 CHECKPOINT_INPUT = "checkpoint directory (uses its `latest`) or one global_stepN directory"
 
 
@@ -36,9 +38,10 @@ def add_iteration(p: argparse.ArgumentParser, verb: str) -> None:
 def exit_on(
     tool: str, *errors: type[Exception], what: str = "error", status: int = 1
 ) -> Iterator[None]:
-    """Log at INFO to stderr; any of `errors` ends the tool with `tool: what: message` on
-    stderr and exit status `status`."""
+    """Log at INFO to stderr, library notes that ask nothing dropped (neox/console.py); any of
+    `errors` ends the tool with `tool: what: message` on stderr and exit status `status`."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    quiet_libraries()
     try:
         yield
     except errors as err:

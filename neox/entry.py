@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
-import logging
+import os
 
 from neox.config import NeoXConfig, config_from_argv, load_config
+from neox.console import configure_rank_logging
+from neox.launcher.rank_env import rank_env_from_launcher
 
 
 def rank_config(argv: list[str]) -> NeoXConfig:
     """The config deepy.py handed over (--neox_config), or config files named on the command
-    line for a one-process run; ConfigError on a bad one."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    return config_from_argv(argv) or load_config(a for a in argv if not a.startswith("-")).config
+    line for a one-process run; ConfigError on a bad one. Logging is set up for this rank."""
+    cfg = config_from_argv(argv) or load_config(a for a in argv if not a.startswith("-")).config
+    env = {**os.environ, **rank_env_from_launcher(cfg.launcher, os.environ)}
+    configure_rank_logging(int(env.get("RANK", 0)), cfg.logging.log_level)
+    return cfg
 
 
 def leave_together() -> None:

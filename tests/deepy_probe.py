@@ -22,10 +22,11 @@ def main() -> None:
         if rank == cfg.training.exit_interval:
             raise SystemExit(f"rank {rank} fails on purpose")
         time.sleep(300)
-    import deepspeed
     import torch
 
-    deepspeed.init_distributed(dist_backend="gloo")
+    from neox.training.setup import start_deepspeed_comm
+
+    start_deepspeed_comm("gloo")
     total = torch.tensor([float(rank + 1)])
     torch.distributed.all_reduce(total)
     out = Path(cfg.logging.log_dir) / f"rank{rank}.json"

@@ -15,12 +15,12 @@ def count_rank_parameters(rank: int, world: int, models: dict, out: str) -> None
     """For each model: this rank's parameter count under tp=2 (plain model, apply_tensor_parallel)
     and under tp=2 x pp=2 (to_pipeline), and the bytes the tp=2 blocks save in a forward;
     rank 0 writes every rank's."""
-    import deepspeed
 
     from neox.config.model import ModelConfig
     from neox.parallel import ProcessGroups, Topology, parallelize
+    from neox.training.setup import start_deepspeed_comm
 
-    deepspeed.init_distributed(dist_backend="gloo")  # PipelineModule asks DeepSpeed's comm
+    start_deepspeed_comm("gloo")  # PipelineModule asks DeepSpeed's comm
     tp_only = ProcessGroups(Topology(tp=2, pp=1, dp=world // 2))
     tp_pp = ProcessGroups(Topology(tp=2, pp=2, dp=world // 4))
     counts = {}

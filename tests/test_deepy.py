@@ -41,6 +41,12 @@ def test_dry_run_of_20b_with_local_setup():
     assert "tokens/s" in estimate
 
 
+def test_verbose_sets_log_level_debug():
+    r = deepy("train.py", "configs/tiny.yml", "--verbose", "--dry-run")
+    assert r.returncode == 0, r.stderr
+    assert "log_level: debug" in r.stdout.split("# merged config", 1)[1]
+
+
 def test_dry_run_plans_a_bigger_layout_from_num_gpus(tmp_path):
     cfg = tmp_path / "layout.yml"
     cfg.write_text("num_gpus: 16\nmodel_parallel_size: 2\ntrain_micro_batch_size_per_gpu: 4\n")

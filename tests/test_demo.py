@@ -4,17 +4,54 @@ generate, export to Hugging Face and verify the export with transformers."""
 
 import json
 import math
+import os
+import re
 import subprocess
 import sys
+from collections import Counter
+from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.train_helpers import ROOT, make_dataset, run_deepy
+from tests.train_helpers import ROOT, deepy_env, make_dataset, run_deepy
 
 pytestmark = pytest.mark.slow
 
 DEMO = ["configs/tiny.yml", "configs/cpu.yml"]
+COMPILERS = ("cc", "c++", "gcc", "g++", "clang", "clang++", "ninja")
+
+
+def no_compiler(tmp_path: Path) -> dict[str, str]:
+    """An environment in which every C/C++ compiler (and ninja) found on PATH fails and notes
+    its call in tmp_path/compiler-calls, and torch's extension cache is an empty directory."""
+    shims = tmp_path / "no-compiler"
+    shims.mkdir()
+    for name in COMPILERS:
+        (shims / name).write_text(f'#!/bin/sh\necho "$0 $*" >> {tmp_path}/compiler-calls\nexit 1\n')
+        (shims / name).chmod(0o755)
+    (tmp_path / "torch-extensions").mkdir()
+    return dict(
+        PATH=f"{shims}{os.pathsep}{os.environ['PATH']}",
+        CC=str(shims / "cc"),
+        CXX=str(shims / "c++"),
+        TORCH_EXTENSIONS_DIR=str(tmp_path / "torch-extensions"),
+    )
+
+
+def said_once(r: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    """Asserts that a 2-rank launch says each thing once: no line twice (timestamps aside; JSON's
+    bare braces say nothing), nothing from rank 1 (a healthy rank speaks only of its problems),
+    and a short launch line (the config it hands over is not printed)."""
+    lines = [
+        re.sub(r"^\d{4}-\d\d-\d\d [\d:,]+ ", "", x) for x in (r.stdout + r.stderr).splitlines()
+    ]
+    twice = [x for x, n in Counter(x for x in lines if re.search(r"\w", x)).items() if n > 1]
+    assert not twice, twice
+    assert not [x for x in lines if x.startswith("rank 1 ")], lines
+    (launch,) = [x for x in lines if x.startswith("deepy: launching 2 rank(s)")]
+    assert len(launch) < 200 and "--neox_config" not in launch, launch
+    return r
 
 
 def test_demo_stages_train_evaluate_generate_and_export(tmp_path, bpe_tokenizer):
@@ -32,16 +69,18 @@ def test_demo_stages_train_evaluate_generate_and_export(tmp_path, bpe_tokenizer)
     here = tmp_path / "here.yml"  # layered last, as the paths of a checkout
     here.write_text(yaml.safe_dump(paths))
 
-    run_deepy("train.py", *DEMO, here)
+    env = no_compiler(tmp_path)  # the launches compile nothing: DeepSpeed's shm op is never built
+    r = said_once(run_deepy("train.py", *DEMO, here, **env))
+    assert f"full config: {tmp_path / 'logs' / 'config.yml'}" in r.stderr
     assert (tmp_path / "ckpt" / "latest").read_text() == "global_step4"
 
-    r = run_deepy("eval.py", *DEMO, "configs/demo/eval.yml", here)
+    r = said_once(run_deepy("eval.py", *DEMO, "configs/demo/eval.yml", here, **env))
     (results,) = (tmp_path / "logs").glob("demo_eval_results_*.json")
     test = json.loads(results.read_text())["results"]["test"]
     assert math.isfinite(test["perplexity"]) and 0 < test["bits_per_byte"] < 100
     assert '"bits_per_byte"' in r.stdout
 
-    run_deepy("generate.py", *DEMO, "configs/demo/generate.yml", here)
+    said_once(run_deepy("generate.py", *DEMO, "configs/demo/generate.yml", here, **env))
     prompts = [p for p in (ROOT / "configs/demo/prompts.txt").read_text().splitlines() if p]
     rows = [json.loads(x) for x in (tmp_path / "samples.jsonl").read_text().splitlines()]
     assert [x["context"] for x in rows] == prompts
@@ -54,6 +93,9 @@ def test_demo_stages_train_evaluate_generate_and_export(tmp_path, bpe_tokenizer)
         capture_output=True,
         text=True,
         cwd=ROOT,
+        env=deepy_env(**env),
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert (hf / "model.safetensors").is_file() and (hf / "tokenizer.json").is_file()
+    assert not (tmp_path / "compiler-calls").exists(), (tmp_path / "compiler-calls").read_text()
+    assert list((tmp_path / "torch-extensions").iterdir()) == []

@@ -186,9 +186,15 @@ def _rank(
 
 
 def run_deepy(
-    script: str, *configs: Path, cpu: bool = True, stdin: str | None = None, check: bool = True
+    script: str,
+    *configs: Path,
+    cpu: bool = True,
+    stdin: str | None = None,
+    check: bool = True,
+    **env: str,
 ) -> subprocess.CompletedProcess:
-    """`python deepy.py <script> <configs>`; asserts success unless check=False."""
+    """`python deepy.py <script> <configs>` with extra environment variables; asserts success
+    unless check=False."""
     r = subprocess.run(
         [sys.executable, str(ROOT / "deepy.py"), script, *map(str, configs)],
         input=stdin,
@@ -196,7 +202,7 @@ def run_deepy(
         text=True,
         timeout=400,
         cwd=ROOT,
-        env=deepy_env(cpu=cpu),
+        env=deepy_env(cpu=cpu, **env),
     )
     if check:
         assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]

@@ -383,7 +383,8 @@ def load_checkpoint(engine, cfg: NeoXConfig) -> Optional[dict[str, Any]]:
                 f"no checkpoint in load={c.load} can be loaded ({'; '.join(resume.report())}); "
                 "point `load` at another directory, or remove it to start from scratch"
             )
-        log.info("load=%s holds no checkpoint yet: starting from scratch", c.load)
+        # deepy.py said so before the launch.
+        log.debug("load=%s holds no checkpoint yet: starting from scratch", c.load)
         return None
     finetune = cfg.training.finetune
     from neox.checkpoint.relayout import checkpoint_for_run

@@ -1,6 +1,6 @@
 """Logging, metrics and profiling."""
 
-from typing import Annotated, Optional
+from typing import Annotated, Literal, Optional
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
@@ -16,13 +16,21 @@ class LoggingConfig(ConfigGroup):
     tensorboard_dir: Annotated[Optional[str], Reads("neox/training/loop.py")] = None
     """Directory for tensorboard event files (None: no tensorboard)."""
 
+    log_level: Annotated[Literal["info", "debug"], Reads("neox/entry.py")] = "info"
+    """What the ranks print. info: rank 0 speaks for the job, the other ranks give only their
+    own warnings and errors, and library notes that ask nothing of the user are dropped. debug
+    (what `deepy.py --verbose` sets, also printing the launch command): every rank at info,
+    neox's own debug lines (the flat engine's `step=, lr=` line, eval's partial results),
+    nothing dropped."""
+
     log_interval: Annotated[int, Reads("neox/training/loop.py")] = Field(10, ge=1, le=MAX_COUNT)
     """Log training metrics every N iterations (>= 1)."""
 
     steps_per_print: Annotated[int, Reads("neox/config/ds_config.py")] = Field(
         10, ge=1, le=MAX_COUNT
     )
-    """DeepSpeed's own progress print interval."""
+    """DeepSpeed's own progress print interval (on the flat engine its `step=, lr=` line shows at
+    log_level debug: the log_interval line gives both)."""
 
     wall_clock_breakdown: Annotated[bool, Reads("neox/config/ds_config.py")] = False
     """DeepSpeed timing of forward/backward/step."""

@@ -142,8 +142,8 @@ def evaluate_parts(
         mine = take_shard(docs, e.eval_limit, rank, world)
         sums = score_texts(model, mine, eod=tokenizer.eod, stride=stride, **common)
         results[name] = text_metrics(TextSums.from_list(all_reduce_sums(sums.as_list(), device)))
-        if rank == 0:  # every rank holds the same reduced sums
-            log.info("%s: %s", name, results[name])
+        if rank == 0:  # every rank holds the same reduced sums; eval.py prints them all at the end
+            log.debug("%s: %s", name, results[name])
     if e.eval_lambada_file:
         texts = take_shard(
             file_texts(e.eval_lambada_file, e.eval_text_key), e.eval_limit, rank, world
@@ -158,7 +158,7 @@ def evaluate_parts(
             LambadaSums.from_list(all_reduce_sums(sums.as_list(), device))
         )
         if rank == 0:
-            log.info("lambada: %s", results["lambada"])
+            log.debug("lambada: %s", results["lambada"])
     if e.eval_tasks:
         from neox.inference.lm_eval_adapter import run_lm_eval_tasks
 
@@ -201,6 +201,4 @@ def run_evaluation(cfg: NeoXConfig) -> Optional[tuple[Path, dict[str, Any]]]:
         "eval_limit": e.eval_limit,
         "results": results,
     }
-    path = write_results(results_path(cfg), record)
-    log.info("eval results written to %s", path)
-    return path, results
+    return write_results(results_path(cfg), record), results  # eval.py prints both

@@ -176,16 +176,29 @@ class _Node:
         return 0 if len(self.reports) == self.agents else self.code or 0
 
 
-def launch(plan: LaunchPlan, on_stop: Optional[Callable[[], None]] = None) -> LaunchResult:
+def launch(
+    plan: LaunchPlan,
+    config_at: str | None = None,
+    on_stop: Optional[Callable[[], None]] = None,
+) -> LaunchResult:
     """Start the plan and wait until every node has ended.
 
     A failed rank is named (rank, host, pid, status, the end of its stderr when it was piped)
     and every other node is told to kill its ranks at once. A first SIGTERM/SIGINT is passed
     to every agent, whose ranks save and exit (killed after stop_grace_s); a second kills them,
     reported as `killed` and exit status KILLED_EXIT, so that no one takes it for a clean stop
-    that saved. `on_stop` runs once, when the first stop signal is passed on.
+    that saved. `config_at`: where the ranks write the full config, for the launch line.
+    `on_stop` runs once, when the first stop signal is passed on.
     """
-    log.info("launching %d rank(s) on %s: %s", plan.world_size, ", ".join(plan.hosts), plan.command)
+    log.info(
+        "launching %d rank(s) on %s, run %s (master port %d); full config: %s",
+        plan.world_size,
+        ", ".join(plan.hosts),
+        plan.launch_id[:8],
+        plan.master_port,
+        config_at or "deepy.py --dry-run prints it",
+    )
+    log.debug("launch command: %s", plan.command)  # the config in it is one base64 argument
     events: queue.Queue = queue.Queue()  # (node, exit status), or (node, None): a failure report
     nodes: list[_Node] = []
 

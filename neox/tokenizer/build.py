@@ -23,7 +23,7 @@ def build_tokenizer(
         raise ValueError(
             f"unknown tokenizer_type={tokenizer_type!r}; use one of: {', '.join(TOKENIZER_TYPES)}"
         )
-    logger.info("building %s tokenizer", kind)
+    logger.debug("building %s tokenizer", kind)  # deepy.py and every rank build it: no news
     if kind == "GPT2BPETokenizer":
         from neox.tokenizer.gpt2 import GPT2BPETokenizer
 

@@ -126,7 +126,7 @@ def _build_fast(tok, vocab_file: str, required: bool):
                 f"HFTokenizer backend='tiktoken': {vocab_file!r} cannot be encoded exactly by "
                 f"tiktoken ({reason}); use backend='tokenizers'"
             )
-        logger.info("HFTokenizer encodes %s with tokenizers: %s", vocab_file, reason)
+        logger.debug("HFTokenizer encodes %s with tokenizers: %s", vocab_file, reason)
     return fast
 
 

@@ -21,7 +21,7 @@ engine resumes DeepSpeed's, and it resumes its own at another data-parallel size
 DeepSpeed keys it honours as DeepSpeed's engine does (the rest send a run to DeepSpeed's, see
 neox.plan.engine_choice.FLAT_KEYS): gradient_clipping; fp32_allreduce and
 communication_data_type (the dtype gradients are reduced in); data_types.grad_accum_dtype when
-it is the training precision; steps_per_print (a `step=, lr=` line) and wall_clock_breakdown
+it is the training precision; steps_per_print (a `step=, lr=` debug line) and wall_clock_breakdown
 (fwd/bwd/step times, DeepSpeed's timers, read at those steps only). ZeRO's bucket sizes,
 overlap_comm, contiguous_gradients and reduce_scatter change nothing here: each group's
 gradients are one buffer, reduced by one collective.
@@ -274,7 +274,7 @@ class FlatEngine:
             self.timers.reset()
             return
         lr = [g["lr"] for g in self.optimizer.param_groups]
-        log.info("step=%d, lr=%s", self.global_steps, lr)
+        log.debug("step=%d, lr=%s", self.global_steps, lr)  # the loop's progress line has both
         self.timers.log()
 
     @torch.no_grad()

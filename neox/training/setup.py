@@ -64,7 +64,6 @@ class Run:
 
 def init_distributed(cfg: NeoXConfig) -> torch.device:
     """torch.distributed through DeepSpeed: gloo on CPU ranks, the configured backend on GPUs."""
-    import deepspeed
     from deepspeed.accelerator import get_accelerator
 
     accel = get_accelerator()
@@ -76,12 +75,29 @@ def init_distributed(cfg: NeoXConfig) -> torch.device:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(cfg.launcher.master_port or free_port()))
-    deepspeed.init_distributed(dist_backend=backend)
+    start_deepspeed_comm(backend)
     if on_cpu:
         return torch.device("cpu")
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     accel.set_device(local_rank)
     return torch.device(accel.device_name(), local_rank)
+
+
+def start_deepspeed_comm(backend: str) -> None:
+    """deepspeed.init_distributed, compiling nothing.
+
+    DeepSpeed's torch backend JIT-compiles a shared-memory all-reduce (a C++ op: a compiler
+    needed, minutes on a first CPU launch, again whenever the extension cache is not shared)
+    as it starts, for its `inference_all_reduce` alone, which neox never calls. Marked
+    unbuildable in DeepSpeed's table of compatible ops, it is never built and every collective
+    is torch's (gloo on CPU ranks). The table is the only one of DeepSpeed's that runtime code
+    reads, for that op alone; left unset until then, its first read would probe every op,
+    test-compiling C files."""
+    import deepspeed
+    import deepspeed.ops
+
+    vars(deepspeed.ops).setdefault("__compatible_ops__", {})["deepspeed_shm_comm"] = False
+    deepspeed.init_distributed(dist_backend=backend)
 
 
 def build_run(cfg: NeoXConfig) -> Run:

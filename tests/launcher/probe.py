@@ -34,7 +34,9 @@ def main() -> None:
     import deepspeed
     import torch
 
-    deepspeed.init_distributed(dist_backend="gloo")
+    from neox.training.setup import start_deepspeed_comm
+
+    start_deepspeed_comm("gloo")
     if args.die_rank is not None:
         if dying:
             raise RuntimeError(f"probe rank {rank} fails on purpose after init")

@@ -67,9 +67,10 @@ def check_pipeline(name: str) -> None:
 
 
 def run(rank: int, world: int, names: list[str]) -> None:
-    import deepspeed
 
-    deepspeed.init_distributed(dist_backend="gloo")
+    from neox.training.setup import start_deepspeed_comm
+
+    start_deepspeed_comm("gloo")
     for name in names:
         check_tensor_parallel(name)
         check_pipeline(name)

@@ -130,7 +130,7 @@ def test_other_json_shapes_fall_back_to_tokenizers(path_20b, tmp_path, caplog, c
     change(spec)
     path = tmp_path / "other.json"
     path.write_text(json.dumps(spec), encoding="utf-8")
-    with caplog.at_level(logging.INFO, logger="neox.tokenizer.hf"):
+    with caplog.at_level(logging.DEBUG, logger="neox.tokenizer.hf"):
         tok = HFTokenizer(str(path))
     assert tok.backend == "tokenizers"
     assert reason in caplog.text

@@ -129,9 +129,10 @@ def _run_case(case: dict, poisoned: bool) -> dict:
 
 def run_cases(rank: int, world: int, names: list[str], out_dir: str) -> None:
     """Every rank runs every named case, clean and poisoned; rank 0 writes <out_dir>/<name>.json."""
-    import deepspeed
 
-    deepspeed.init_distributed(dist_backend="gloo")
+    from neox.training.setup import start_deepspeed_comm
+
+    start_deepspeed_comm("gloo")
     for name in names:
         case = CASES[name]
         assert case["tp"] * case["pp"] * case["dp"] == world, name

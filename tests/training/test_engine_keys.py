@@ -189,7 +189,7 @@ def test_which_engine_runs_each_deepspeed_key(key, case, tmp_path, caplog, capfd
     assert (choice.reason is None) == (expected == "flat")
     if derived.precision == "fp16" and not fp16_here():
         pytest.skip("DeepSpeed refuses fp16 on this CPU (no mkldnn fp16): decided, not built")
-    caplog.set_level(logging.INFO, logger="neox")
+    caplog.set_level(logging.DEBUG, logger="neox")
     model = build_model(cfg.model, VOCAB, seed=0)
     engine = make_engine(cfg, derived, build_ds_config(cfg, derived), model, None)
     assert isinstance(engine, FlatEngine if expected == "flat" else DeepSpeedAdapter)
