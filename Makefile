@@ -48,7 +48,7 @@ demo: install $(DEMO)/pystdlib_text_document.idx
 # Two pytest-xdist workers (2-core CI); tests/conftest.py groups the tests that share a fixture.
 TEST_WORKERS ?= 2
 test: install
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder --durations=25
 
 # A newcomer's first check, about 2 minutes: the in-process tests of the configs and tokenizers,
 # and the demo's stages through deepy.py (tests/test_demo.py).
