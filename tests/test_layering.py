@@ -19,7 +19,7 @@ Layers, lowest first:
     launcher           deepy.py's side: hostfiles, the runner, rank bookkeeping
     training           the loop and its engines
     inference          generation and evaluation (reuses training's setup)
-    entry cli          the scripts' shared entry points
+    entry cli console  the scripts' shared entry points, and what they print
 
 `plan` sits below `model` because it must import without torch: it may never read the model,
 while the model may read the plan's decisions.
@@ -44,7 +44,7 @@ LAYERS = [
     {"launcher"},
     {"training"},
     {"inference"},
-    {"entry", "cli", ""},
+    {"entry", "cli", "console", ""},
 ]
 LAYER = {package: i for i, packages in enumerate(LAYERS) for package in packages}
 TORCH_FREE = ("config", "plan", *(key for key in LAYER if key.startswith("checkpoint.")))
