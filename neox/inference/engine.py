@@ -60,6 +60,9 @@ class DecodeStats:
     """The prompts' forward pass."""
     steps: int
     """Tokens chosen per row, including those past a row's end before the stop check saw it."""
+    setup_seconds: float = 0.0
+    """Before the prefill: the cache, and on a new batch shape the decode step's capture (and
+    the fused step's tuning or the compiled step's compilation)."""
 
 
 def left_pad(
@@ -243,6 +246,7 @@ class Generator:
         else:
             state, prefill, step = self._recomputed(ids, mask, max_new_tokens, params, generator)
         clock = _Clock(self.device)
+        setup = clock.t0 - t0
         logits = prefill()
         clock.mark()
         self._choose(state, logits, params, generator)
@@ -267,7 +271,7 @@ class Generator:
             ended = max(len(c.tokens) for c in out) + 1 if all(c.finished for c in out) else n
             if ended < n:
                 generator.set_state(states[ended])
-        self.last_stats = DecodeStats(time.perf_counter() - t0, clock.seconds(), n)
+        self.last_stats = DecodeStats(time.perf_counter() - t0, clock.seconds(), n, setup)
         return out
 
     def _choose(

@@ -13,7 +13,8 @@ from typing import Any, Optional
 import torch
 
 from neox.config import ConfigError, NeoXConfig, derive
-from neox.inference.engine import Completion, Generator
+from neox.inference.decode_path import choose_decode_path, decode_steps
+from neox.inference.engine import Completion, DecodeStats, Generator
 from neox.inference.loading import build_generation_model, generation_dtype
 from neox.inference.sampling import SamplingParams
 from neox.parallel.topology import ProcessGroups
@@ -54,6 +55,7 @@ class TextGenerator:
             t0 = time.perf_counter()
             prompts = [self._encode(text) for text in batch]
             new = self._budget(max(len(p) for p in prompts))
+            called = time.time()
             done = self.generator.generate(
                 prompts, new, self.params, self.rng, self.cfg.generation.return_logits
             )
@@ -68,6 +70,8 @@ class TextGenerator:
                 speed["tokens_per_second"],
                 speed["prefill_seconds"] * 1e3,
             )
+            if index == 1:
+                log_first_token(called, self.generator.last_stats)
             for text, completion in zip(batch, done):
                 yield self._row(text, completion, speed)
 
@@ -162,6 +166,46 @@ def interactive(text_gen: TextGenerator, is_writer: bool) -> None:
                 print(f"Generated Text: {row['text']}", flush=True)
 
 
+def log_first_token(called: float, stats: Optional[DecodeStats]) -> None:
+    """How long after this process started its first token was chosen (the time a user waits
+    before anything is generated), and the first batch's setup within it."""
+    import psutil
+
+    if stats is None:
+        return
+    setup = stats.setup_seconds
+    seconds = called - psutil.Process().create_time() + setup + stats.prefill_seconds
+    log.info(
+        "first token %.2f s after this process started (set-up of the first batch %.2f s, "
+        "prefill %.1f ms)",
+        seconds,
+        setup,
+        stats.prefill_seconds * 1e3,
+    )
+
+
+def fused_problem(cfg: NeoXConfig, padded_vocab: int) -> Optional[str]:
+    """What of this model the fused decode step lacks (None: it takes it), read off the model's
+    skeleton on the meta device before any weight is loaded."""
+    from neox.inference.fused_step import FusedStep
+    from neox.model import build_model
+
+    try:
+        return FusedStep.unsupported(build_model(cfg.model, padded_vocab, device="meta"))
+    except ImportError as e:  # no Triton
+        return f"this install ({e})"
+
+
+def job_prompts(cfg: NeoXConfig) -> Optional[list[str]]:
+    """The job's prompts (unconditional: empty contexts), None in interactive mode."""
+    g = cfg.generation
+    if g.text_gen_type == "interactive":
+        return None
+    if g.text_gen_type == "unconditional":
+        return [""] * g.num_samples
+    return read_prompts(g.sample_input_file, g.prompt_end)
+
+
 def run_generation(cfg: NeoXConfig) -> None:
     """generate.py on one rank: load the trained model, then generate per text_gen_type."""
     import torch.distributed as dist
@@ -181,14 +225,26 @@ def run_generation(cfg: NeoXConfig) -> None:
     # Pipeline stages run as one model here; data-parallel replicas split the prompts.
     groups = ProcessGroups(Topology(tp, 1, world // tp))
     dtype = generation_dtype(derived.precision, device)
+    contexts = job_prompts(cfg)
+    steps = None
+    if contexts is not None:
+        steps = decode_steps(len(contexts), world // tp, derived.micro_batch, g.maximum_tokens)
+    path = choose_decode_path(
+        device_type=device.type,
+        tensor_parallel=tp,
+        recompute=g.recompute,
+        fused_decode=g.fused_decode,
+        fused_problem=(
+            fused_problem(cfg, derived.padded_vocab_size) if device.type == "cuda" else None
+        ),
+        torch_compile=cfg.training.torch_compile,
+        batch=derived.micro_batch,
+        steps=steps,
+    )
+    log.info(path.line)  # generate.py's first line: the step the job decodes through
     model, gather = build_generation_model(cfg, derived.padded_vocab_size, groups, device, dtype)
-    # The whole decode step compiled (then captured) on GPUs only when torch_compile is true:
-    # 1.9x the captured eager step's tokens/s at Pythia-410M and exact on a trained model in
-    # bf16 (docs/benchmarks.md, tests/inference/test_generate_gpu.py), but each new batch shape
-    # and cache bucket compiles once (30-40 s on an H100), more than a few prompts take.
-    compile_step = cfg.training.torch_compile is True and gather is None and device.type == "cuda"
-    # Batches of up to 4 rows through three Triton kernels a layer: no compilation, and
-    # faster than the compiled step at batch 1 (docs/benchmarks.md, "The fused decode step").
+    # Batches of 1, 2 or 4 rows (a job's last, short batch too) take the fused step where the
+    # model allows it; other batches the compiled step when path says so, else the eager one.
     fused_step = g.fused_decode and gather is None and device.type == "cuda"
     try:
         generator = Generator(
@@ -197,7 +253,7 @@ def run_generation(cfg: NeoXConfig) -> None:
             tokenizer.eod,
             not g.recompute,
             gather_logits=gather,
-            compile_step=compile_step,
+            compile_step=path.compiled,
             fused_step=fused_step,
         )
     except ValueError as e:  # a model the KV cache cannot run
@@ -206,24 +262,16 @@ def run_generation(cfg: NeoXConfig) -> None:
     text_gen = TextGenerator(cfg, generator, tokenizer, derived.micro_batch, replica)
     is_writer = dist.get_rank() == 0
     log.info(
-        "generating (%s) on %s in %s, tp=%d, %s%s%s",
+        "generating (%s) on %s in %s, tp=%d, %s",
         g.text_gen_type,
         device,
         str(dtype).removeprefix("torch."),
         tp,
         "recompute" if g.recompute else "KV cache",
-        ", compiled decode step" if compile_step and not g.recompute else "",
-        ", fused decode step for batches of 1, 2 or 4"
-        if generator.fused_for(1) and not g.recompute
-        else "",
     )
-    if g.text_gen_type == "interactive":
+    if contexts is None:
         interactive(text_gen, is_writer)
         return
-    if g.text_gen_type == "unconditional":
-        contexts = [""] * g.num_samples
-    else:
-        contexts = read_prompts(g.sample_input_file, g.prompt_end)
     rows = generate_shared(text_gen, contexts, groups)
     if is_writer:
         n = write_rows(rows, g.sample_output_file)

@@ -249,6 +249,7 @@ def _norm_linear_part(
     configs=_configs(),
     key=["K", "NA", "NB", "ROWS"],
     prune_configs_by={"early_config_prune": _prune},
+    cache_results=True,  # tuned once per machine and shape: a new process reuses it
 )
 @triton.jit
 def _norm_linear_kernel(
@@ -397,6 +398,7 @@ def _weights(w_ptr, K, n, nm, ONE_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
     configs=_configs(),
     key=["K1", "K2", "N", "ROWS"],
     prune_configs_by={"early_config_prune": _prune},
+    cache_results=True,  # tuned once per machine and shape: a new process reuses it
 )
 @triton.jit
 def _linear_residual_kernel(

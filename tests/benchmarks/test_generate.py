@@ -47,3 +47,31 @@ def test_tiny_cpu_run_prints_generate_py_speed_and_matching_tokens(tmp_path):
         assert row["same tokens"] == "100%", r.stdout
     # The generated prompts and rows are generate.py's own input and output.
     assert (tmp_path / "410M" / "rows3.jsonl").read_text().count("\n") == 2 * 3
+
+
+def test_first_token_benchmark_reports_each_cache_state_and_the_decode_path(tmp_path):
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "generate_first_token.py"),
+            "--tiny",
+            "--device=cpu",
+            "--batch-sizes=2",
+            "--prompt-tokens=8",
+            "--new-tokens=4",
+            "--repeats=1",
+            f"--workdir={tmp_path}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+        env=deepy_env(cpu=True),
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = [line.split("|")[1:-1] for line in r.stdout.splitlines() if line.startswith("| 410M")]
+    assert [c[2].strip() for c in rows] == ["cold", "warm"]  # nothing tuned on CPU: no "untuned"
+    for cells in rows:
+        assert cells[4].strip() == "the eager step with a KV cache on cpu"
+        # generate.py's own first-token line was found and read: a time after its start.
+        assert 0 < float(cells[5]) < float(cells[8])

@@ -125,3 +125,7 @@ def test_interactive_reads_rank0_stdin_through_a_pipe(trained):
     ]
     assert len(texts) == 2 and all(0 < len(t) <= 5 for t in texts)
     assert r.stdout.count("Context prompt >>> ") == 3  # two prompts, then end of input
+    # generate.py's first line names the decode step; the first token's wait is logged.
+    said = [line for line in (r.stdout + r.stderr).splitlines() if " neox." in line]
+    assert "decode path: the eager step with a KV cache on cpu" in said[0], said[:3]
+    assert any("first token" in line and "after this process started" in line for line in said)
