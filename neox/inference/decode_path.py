@@ -17,11 +17,11 @@ from dataclasses import dataclass
 from typing import Optional
 
 # Decode steps (tokens per row, summed over a rank's batches) after which compiling the step
-# pays for itself at a batch the fused step does not take: the compilation's cost (cold
-# inductor cache) over the time it saves a step, measured at Pythia-410M, batch 16, on an H100
-# (docs/benchmarks.md, "Generation: the default decode path"). Larger models save more a step,
-# so for them this errs toward the eager step.
-COMPILE_PAYS_AFTER_STEPS = 30_000
+# pays for itself at a batch the fused step does not take: the compilation's cost with a cold
+# inductor cache (31.5 s) over the time it saves a step (2.46 -> 1.11 ms), measured at
+# Pythia-410M, batch 16, on an H200 (docs/benchmarks.md, "Generation: the first token and the
+# default decode path"). Larger models save more a step, so for them this errs toward eager.
+COMPILE_PAYS_AFTER_STEPS = 23_000
 
 
 @dataclass(frozen=True)

@@ -64,3 +64,18 @@ def test_cpu_tensor_parallel_and_recompute_take_the_eager_paths():
     tp = choose(tensor_parallel=2, batch=16, steps=10**9, torch_compile=True)
     assert not tp.fused and not tp.compiled and "tp=2" in tp.line
     assert "recompute" in choose(recompute=True).line
+
+
+def test_a_generate_process_imports_no_compiler_before_it_compiles():
+    """torch._dynamo takes seconds to import; a generate.py that decodes through the fused or
+    eager step (nothing compiled) never needs it, and its first token waits for every import."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys, neox.entry, neox.inference.modes, neox.inference.loading, neox.model; "
+        "print(sorted(m for m in ('torch._dynamo', 'torch._inductor', 'deepspeed', "
+        "'transformers') if m in sys.modules))"
+    )
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert r.stdout.strip() == "[]", r.stdout
