@@ -156,3 +156,32 @@ def test_train_losses_equal_one_rank(tmp_path, device, cp, packed):
     assert len(one) == SHORT_RUN["train_iters"]
     assert split == pytest.approx(one, abs=1e-4, rel=0)
     assert one[5] < one[1]  # it trains
+
+
+def test_estimate_counts_one_chunk_of_activations_per_rank():
+    """Activations of cp=2 are half of cp=1's on the same per-rank batch
+    (a chunk of tokens; the whole sequence for half the heads in attention); ZeRO partitions
+    over data x context."""
+    from neox.plan.memory import estimate_memory, training_shape
+
+    def estimate(cp: int):
+        cfg = _config(context_parallel_size=cp, num_kv_heads=2, zero_optimization={"stage": 1})
+        shape = training_shape(cfg, derive(cfg, cp, 256), 256)
+        return shape, estimate_memory(cfg.model, shape)
+
+    (one_shape, one), (two_shape, two) = estimate(1), estimate(2)
+    assert (one_shape.dp, two_shape.dp, two_shape.cp) == (1, 2, 2)
+    assert two.activations * 2 == one.activations
+    assert two.logits < one.logits  # the chunk's logits (the head weight's gradient stays)
+    assert two.optimizer_states < one.optimizer_states  # ZeRO-1 over the two ranks
+
+
+def test_dry_run_names_each_layers_collective():
+    from neox.plan.attention_path import describe_attention_paths
+
+    cfg = _config(num_kv_heads=2).model
+    (plain,) = describe_attention_paths(cfg)
+    (line,) = describe_attention_paths(cfg, tp=2, cp=2)
+    assert "context parallel" not in plain
+    assert "context parallel over 2 ranks: Ulysses all-to-all" in line
+    assert "2 query heads and 2 kv heads (the 1 kv heads replicated" in line
