@@ -57,11 +57,15 @@ class _SeqAllToAll(torch.autograd.Function):
         return _all_to_all(grad, ctx.group, ctx.gather, ctx.scatter), None, None, None
 
 
+# Compiled blocks (torch_compile) break their graph around the exchange: dynamo would otherwise
+# trace a process-group collective inside an autograd.Function.
+@torch.compiler.disable
 def heads_to_sequence(x: torch.Tensor, group: Any) -> torch.Tensor:
     """(B, H, T/cp, hs) on each rank -> (B, H/cp, T, hs): the whole sequence, a share of heads."""
     return _SeqAllToAll.apply(x, group, 1, 2)
 
 
+@torch.compiler.disable
 def sequence_to_heads(x: torch.Tensor, group: Any) -> torch.Tensor:
     """(B, H/cp, T, hs) -> (B, H, T/cp, hs): this rank's chunk of the tokens, every head."""
     return _SeqAllToAll.apply(x, group, 2, 1)

@@ -118,26 +118,31 @@ PACKED = {
         sliding_window_width=8,
         flat_engine=False,
     ),
-    # Plain causal sequences; neox's flat engine.
+    # Plain causal sequences; neox's flat engine (ZeRO-1).
     False: {},
+}
+# Beside cp alone, on 4 ranks: data parallelism (plain) or tensor parallelism (packed, where
+# each tensor-parallel rank's one kv head is replicated over the context-parallel ranks).
+COMPOSED = {
+    False: ("cp2_dp2", {"num_gpus": 4, "gradient_accumulation_steps": 1}),
+    True: ("tp2_cp2", {"num_gpus": 4, "model_parallel_size": 2}),
 }
 
 
-def _losses(tmp: Path, name: str, device: str, gpus: int, keys: dict) -> dict[int, float]:
-    cfg = write_config(
-        tmp,
-        name,
-        **SHORT_RUN,
-        num_gpus=gpus,
-        context_parallel_size=gpus,
+def _losses(tmp: Path, name: str, device: str, keys: dict) -> dict[int, float]:
+    run = dict(
+        SHORT_RUN,
+        num_gpus=keys.get("context_parallel_size", 1),
         seq_length=64,
         max_position_embeddings=64,
         train_micro_batch_size_per_gpu=2,
         gradient_accumulation_steps=2,
         attention_dropout=0.0,
         hidden_dropout=0.0,
-        **keys,
+        make_vocab_size_divisible_by=256,  # one padded vocabulary at tp 1 and 2
+        torch_compile=False,  # on GPUs too: layouts are compared, not kernels
     )
+    cfg = write_config(tmp, name, **{**run, **keys})
     if device == "cpu":
         run_here("train.py", cfg)
     else:
@@ -148,14 +153,20 @@ def _losses(tmp: Path, name: str, device: str, gpus: int, keys: dict) -> dict[in
 @pytest.mark.parametrize("packed", [False, True], ids=["plain", "packed"])
 @pytest.mark.parametrize("device, cp", DEVICES)
 def test_train_losses_equal_one_rank(tmp_path, device, cp, packed):
-    """Per-step losses at context_parallel_size cp equal one rank's within 1e-4 (fp32)."""
+    """Per-step losses at context_parallel_size cp (and, on 2 CPU ranks or 4 GPUs, cp 2 beside
+    dp 2 or tp 2) equal one rank's within 1e-4 (fp32)."""
     make_dataset(tmp_path / "data" / "chars", docs=120)
     keys = PACKED[packed]
-    one = _losses(tmp_path, "one", device, 1, keys)
-    split = _losses(tmp_path, f"cp{cp}", device, cp, keys)
+    one = _losses(tmp_path, "one", device, keys)
     assert len(one) == SHORT_RUN["train_iters"]
-    assert split == pytest.approx(one, abs=1e-4, rel=0)
     assert one[5] < one[1]  # it trains
+    runs = {f"cp{cp}": {"context_parallel_size": cp}}
+    if device == "cpu" or cp == 4:
+        name, layout = COMPOSED[packed]
+        runs[name] = {"context_parallel_size": 2, **layout}
+    for name, layout in runs.items():
+        split = _losses(tmp_path, name, device, {**keys, **layout})
+        assert split == pytest.approx(one, abs=1e-4, rel=0), name
 
 
 def test_estimate_counts_one_chunk_of_activations_per_rank():
