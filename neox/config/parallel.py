@@ -25,9 +25,9 @@ class ParallelConfig(ConfigGroup):
     pipe_partition_method: Annotated[str, Reads("neox/training/setup.py")] = "type:Block"
     """How layers are spread over stages: `type:Block`, `parameters` or `uniform` (DeepSpeed)."""
 
-    context_parallel_size: Annotated[int, Reads("neox/parallel/context.py")] = Field(
-        1, ge=1, le=MAX_RANKS
-    )
+    context_parallel_size: Annotated[
+        int, Reads("neox/config/derived.py", "neox/parallel/context.py")
+    ] = Field(1, ge=1, le=MAX_RANKS)
     """Context-parallel degree (Megatron's name): each sample's sequence is split over this many
     ranks, which attend over the whole sequence through an all-to-all of heads (Ulysses,
     neox/parallel/context.py). Data parallelism gets world / (tp x pp x cp) ranks. Needs
