@@ -50,7 +50,9 @@ def case_batch(name: str, seed: int = 0):
     keys = dict(batch_keys)
     if keys.pop("label_mask", False):
         label = text.clone()
-        label[:, : BASE["seq_length"] // 3] = -100  # a prompt that is not trained
+        # A prompt that is not trained, longer than the first rank's chunk: that rank trains
+        # no token of its own and still passes gradients to the other's through attention.
+        label[:, : BASE["seq_length"] * 5 // 8] = -100
     return build_batch(text, EOD, label=label, **keys)
 
 
