@@ -197,7 +197,11 @@ def main(argv: list[str]) -> int:
         problems += deepspeed_section_problems(loaded, ds_config)
         try:
             attention = describe_attention_paths(
-                cfg.model, cpu_ranks=plan.cpu, packed=cfg.data.reset_attention_mask
+                cfg.model,
+                cpu_ranks=plan.cpu,
+                packed=cfg.data.reset_attention_mask,
+                tp=derived.tensor_parallel,
+                cp=derived.context_parallel,
             )
         except ValueError as e:  # e.g. `local` layers without a window: the model would refuse
             problems.append(str(e))

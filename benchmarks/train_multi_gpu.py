@@ -8,6 +8,7 @@ python benchmarks/train_multi_gpu.py --models 410M --runs 1gpu 1gpu_seed2 1gpu_f
     --data-prefix data/shakespeare_text_document --seq-length 512 --iters 300   # loss curves
 python benchmarks/train_multi_gpu.py --plan 4gpu     # issue 34's 4-GPU speed table (4 GPUs)
 python benchmarks/train_multi_gpu.py --plan 8gpu     # issue 10's 8-GPU targets (8 GPUs)
+python benchmarks/train_multi_gpu.py --plan long-context   # issue 38's targets (4 GPUs)
 
 Runs (configs/pythia/<M>.yml with bf16, no activation checkpointing, the micro batch below,
 random tokens): one GPU with ZeRO-1; DP=2 with ZeRO-1 (and its ratio to one GPU: issue 11's
@@ -20,8 +21,12 @@ allocated (ranks of one layout hold near-equal shares).
 batches), TP2 x DP2, TP4, DP=4 with activation checkpointing (ZeRO-1) and DP=4 ZeRO-3, FP8 beside
 bf16 at TP2 x DP2; configs/20B.yml cut to 12 layers at TP2 x PP2. --plan 8gpu (issue 10):
 Pythia-6.9B at TP2 x PP2 x DP2, and configs/20B.yml unchanged (its own TP2 x PP4, fp16 and
-activation checkpointing; only data, tokenizer and schedule set). Their overlays are dry-run in
-tests/benchmarks/test_train_multi_gpu.py, so a GPU call only has to run them.
+activation checkpointing; only data, tokenizer and schedule set). --plan long-context (issue
+38, context parallelism): Pythia-1.4B at seq 32k on one GPU and at CP=4 (micro batch 1 both;
+per-GPU tokens/s target >= 0.9x one GPU's), at 128k tokens per sequence on CP=4 (MFU counting
+causal attention, i.e. half of the 12 L h s term, >= 45%), and a Llama-3-8B shape at 32k at
+TP2 x CP2 and at CP4. Their overlays are dry-run in tests/benchmarks/test_train_multi_gpu.py,
+so a GPU call only has to run them.
 """
 
 from __future__ import annotations
@@ -48,10 +53,37 @@ from neox.data.indexed import IndexedDatasetBuilder  # noqa: E402
 
 # Model -> micro batch per GPU (issue 11's one-GPU shapes; fits an 80 GB H100).
 MICRO_BATCH = {"410M": 8, "1-4B": 4, "2-8B": 4, "6-9B": 4, "20B-12L": 2, "20B": 4}
+# Long context (issue 38): one sequence a micro batch.
+MICRO_BATCH |= {"1-4B-32k": 1, "1-4B-128k": 1, "llama3-8B-32k": 1}
+
+
+def long_context(seq: int, **keys: Any) -> dict[str, Any]:
+    """Keys for training at `seq` tokens: the loss a chunk of logits at a time (a 32k x 50k
+    fp32 logit tensor alone is 6.5 GB)."""
+    return {"seq_length": seq, "max_position_embeddings": seq, "lm_loss_chunk_size": 4096, **keys}
+
+
 # Model -> (config file, keys over it): the Pythia files, and configs/20B.yml whole or cut.
 MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     m: (f"configs/pythia/{m}.yml", {}) for m in ("410M", "1-4B", "2-8B", "6-9B")
 } | {"20B-12L": ("configs/20B.yml", {"num_layers": 12}), "20B": ("configs/20B.yml", {})}
+MODELS |= {
+    # One H200 trains 1.4B at 32k with these (README, "Long context"); CP=4 gets the same keys.
+    "1-4B-32k": ("configs/pythia/1-4B.yml", long_context(32768, activation_memory_budget=0.75)),
+    # 32k tokens a rank at CP=4: the one-GPU 32k run's activations, attention over 128k.
+    "1-4B-128k": ("configs/pythia/1-4B.yml", long_context(131072, activation_memory_budget=0.75)),
+    # 8B's weights, gradients and Adam states (ZeRO-1 over the context-parallel ranks) leave no
+    # room for 8k-16k tokens of activations a rank without recomputation.
+    "llama3-8B-32k": (
+        "configs/llama3/8B.yml",
+        long_context(
+            32768,
+            max_position_embeddings=131072,
+            checkpoint_activations=True,
+            zero_optimization={"stage": 1},
+        ),
+    ),
+}
 
 DP_ONLY = {"model_parallel_size": 1, "pipe_parallel_size": 1}
 FP8_ALL = {
@@ -137,6 +169,15 @@ RUNS: dict[str, dict[str, Any]] = {
         "fp8": FP8_ALL,
     },
     "dp4_ckpt_fp8": {"num_gpus": 4, **DP_ONLY, "checkpoint_activations": True, "fp8": FP8_ALL},
+    # Context parallelism (issue 38): each sequence over 4 ranks, or 2 beside TP=2.
+    "cp4": {"num_gpus": 4, **DP_ONLY, "context_parallel_size": 4},
+    "tp2_cp2": {
+        "num_gpus": 4,
+        "model_parallel_size": 2,
+        "pipe_parallel_size": 1,
+        "context_parallel_size": 2,
+        "lm_loss_chunk_size": 0,  # TP's vocab-parallel loss takes its place
+    },
     # Eight GPUs (issue 10).
     "tp2_pp2_dp2": {
         "num_gpus": 8,
@@ -181,8 +222,17 @@ PLANS = {
         ("20B-12L", "tp2_pp2"),
     ],
     "8gpu": [("6-9B", "tp2_pp2_dp2"), ("20B", "stock8")],
+    "long-context": [
+        ("1-4B-32k", "1gpu"),
+        ("1-4B-32k", "cp4"),
+        ("1-4B-128k", "cp4"),
+        ("llama3-8B-32k", "tp2_cp2"),
+        ("llama3-8B-32k", "cp4"),
+    ],
 }
-FOUR_GPU_EXTRA = tuple(r for r in RUNS if r.startswith(("dp4", "tp2_pp2", "tp2_dp2", "tp4")))
+FOUR_GPU_EXTRA = tuple(
+    r for r in RUNS if r.startswith(("dp4", "tp2_pp2", "tp2_dp2", "tp4", "cp4", "tp2_cp2"))
+)
 # Keys of OVERLAY that change the model or its training, which "stock" runs leave to the file.
 MODEL_KEYS = (*common.OVERLAY, "synchronize_each_layer", "wall_clock_breakdown")
 STOCK = ("stock8",)
@@ -415,7 +465,38 @@ def targets(by: dict[tuple[str, str], dict[str, Any]]) -> list[str]:
     if ("6-9B", "tp2_pp2_dp2") in by and by[("6-9B", "tp2_pp2_dp2")]["mfu"]:
         mfu8 = by[("6-9B", "tp2_pp2_dp2")]["mfu"]
         out.append(f"6-9B: TP2 x PP2 x DP2 on 8 GPUs at {mfu8:.1%} MFU (target >= 45%)")
+    return out + long_context_targets(by)
+
+
+def long_context_targets(by: dict[tuple[str, str], dict[str, Any]]) -> list[str]:
+    """Issue 38's targets, for the runs present: per-GPU tokens/s of CP=4 against one GPU at
+    32k, and MFU counting causal attention (metrics' `mfu` counts every key: 12 L h s)."""
+    out = []
+    one, cp4 = by.get(("1-4B-32k", "1gpu")), by.get(("1-4B-32k", "cp4"))
+    if one and cp4:
+        ratio = cp4["tokens_per_s"] / 4 / one["tokens_per_s"]
+        out.append(f"1-4B at 32k: CP=4 per-GPU tokens/s / one GPU = {ratio:.2f}x (target >= 0.9x)")
+    for model, run in by:
+        if model in ("1-4B-128k", "llama3-8B-32k") and by[(model, run)]["mfu"]:
+            mfu = by[(model, run)]["mfu"] * causal_share(model)
+            goal = " (target >= 45%)" if model == "1-4B-128k" else ""
+            out.append(f"{model} {run}: MFU counting causal attention {mfu:.1%}{goal}")
     return out
+
+
+def causal_share(model: str) -> float:
+    """(6N + 6 L h s) / (6N + 12 L h s) of `model`: the share of logged MFU that remains when
+    attention counts only the keys a causal query sees (half of them, on average)."""
+    from neox.config import load_config
+    from neox.plan.estimate import flops_parameters, train_flops_per_token
+
+    path, keys = MODELS[model]
+    cfg = load_config([str(ROOT / path)]).config.model
+    cfg = cfg.model_copy(update={k: keys[k] for k in ("seq_length", "max_position_embeddings")})
+    vocab = 50304  # within a fraction of a percent of any padded vocabulary here
+    full = train_flops_per_token(cfg, vocab)
+    dense = 6 * flops_parameters(cfg, vocab)
+    return (dense + (full - dense) / 2) / full
 
 
 def main(argv: list[str] | None = None) -> int:

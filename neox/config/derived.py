@@ -42,6 +42,7 @@ class Derived:
     samples: tuple[int, int, int]  # train, valid, test samples the whole run draws
     zero_stage: int
     model: ModelShape
+    context_parallel: int = 1  # ranks that share each sequence (a chunk each)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -199,8 +200,10 @@ def schedule_iters(cfg: NeoXConfig) -> tuple[int, int]:
 
 def derive(cfg: NeoXConfig, world_size: int, vocab_size: Optional[int] = None) -> Derived:
     """Compute layout, batch, precision, schedule and padded vocab; raise ConfigError when off."""
-    dp = data_parallel_size(world_size, cfg.parallel.model_parallel_size, cfg.parallel.pp)
-    check_model_split(cfg.model, cfg.parallel.model_parallel_size, cfg.parallel.pp)
+    par = cfg.parallel
+    cp = par.context_parallel_size
+    dp = data_parallel_size(world_size, par.model_parallel_size, par.pp, cp)
+    check_model_split(cfg.model, par.model_parallel_size, par.pp, cp=cp)
     micro, gas, glob = batch_triple(cfg, dp)
     decay, warmup = schedule_iters(cfg)
     padded = padded_vocab(cfg, vocab_size)
@@ -223,19 +226,25 @@ def derive(cfg: NeoXConfig, world_size: int, vocab_size: Optional[int] = None) -
         samples=samples,
         zero_stage=cfg.deepspeed.stage,
         model=cfg.model.shape,
+        context_parallel=cp,
     )
 
 
-def data_parallel_size(world_size: int, tp: int = 1, pp: int = 1) -> int:
-    """world_size / (tp * pp); raises ConfigError when the ranks do not divide evenly."""
+def data_parallel_size(world_size: int, tp: int = 1, pp: int = 1, cp: int = 1) -> int:
+    """world_size / (tp * pp * cp); raises ConfigError when the ranks do not divide evenly."""
     pp = max(1, pp)  # gpt-neox reads pipe_parallel_size=0 as "no pipeline"
     if tp < 1:
         raise ConfigError(f"model_parallel_size={tp} must be >= 1")
-    if world_size < 1 or world_size % (tp * pp):
+    split = tp * pp * cp
+    if world_size < 1 or world_size % split:
+        names = "model_parallel_size x pipe_parallel_size"
+        values = f"model_parallel_size={tp} x pipe_parallel_size={pp}"
+        if cp > 1:
+            names += " x context_parallel_size"
+            values += f" x context_parallel_size={cp}"
         raise ConfigError(
-            f"world size {world_size} is not divisible by model_parallel_size={tp} x "
-            f"pipe_parallel_size={pp} = {tp * pp}; use a world size that is a multiple of "
-            f"{tp * pp}, or choose model_parallel_size x pipe_parallel_size among the divisors "
+            f"world size {world_size} is not divisible by {values} = {split}; use a world size "
+            f"that is a multiple of {split}, or choose {names} among the divisors "
             f"of {world_size} ({divisors(world_size)})"
         )
-    return world_size // (tp * pp)
+    return world_size // split

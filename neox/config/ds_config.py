@@ -91,13 +91,15 @@ def build_ds_config(cfg: NeoXConfig, d: Derived) -> dict[str, Any]:
     t, ds, lg = cfg.training, cfg.deepspeed, cfg.logging
     clip = t.clip_grad if t.clip_grad is not None else t.gradient_clipping
     out: dict[str, Any] = {
-        "train_batch_size": d.global_batch,
+        # DeepSpeed counts a context-parallel rank as a data-parallel one (it reduces gradients
+        # over both): to it each sample is cp samples of a chunk each.
+        "train_batch_size": d.global_batch * d.context_parallel,
         "train_micro_batch_size_per_gpu": d.micro_batch,
         "gradient_accumulation_steps": d.grad_accum,
         "gradient_clipping": clip,
         "steps_per_print": lg.steps_per_print,
         "wall_clock_breakdown": lg.wall_clock_breakdown,
-        "zero_optimization": zero_section(cfg, d.data_parallel),
+        "zero_optimization": zero_section(cfg, d.data_parallel * d.context_parallel),
         # neox hands DeepSpeed its own optimizer object, which ZeRO must accept.
         "zero_allow_untested_optimizer": True,
         "prescale_gradients": ds.prescale_gradients,

@@ -1,4 +1,4 @@
-"""Parallel layout: tensor (model), pipeline and data parallelism."""
+"""Parallel layout: tensor (model), pipeline, context and data parallelism."""
 
 from typing import Annotated, Literal
 
@@ -24,6 +24,16 @@ class ParallelConfig(ConfigGroup):
 
     pipe_partition_method: Annotated[str, Reads("neox/training/setup.py")] = "type:Block"
     """How layers are spread over stages: `type:Block`, `parameters` or `uniform` (DeepSpeed)."""
+
+    context_parallel_size: Annotated[
+        int, Reads("neox/config/derived.py", "neox/parallel/context.py")
+    ] = Field(1, ge=1, le=MAX_RANKS)
+    """Context-parallel degree (Megatron's name): each sample's sequence is split over this many
+    ranks, which attend over the whole sequence through an all-to-all of heads (Ulysses,
+    neox/parallel/context.py). Data parallelism gets world / (tp x pp x cp) ranks. Needs
+    (num_attention_heads / model_parallel_size) and seq_length divisible by it; key/value heads
+    that do not divide are replicated. Not with pipe_parallel_size > 1 or train_impl other than
+    normal (refused by name)."""
 
     sequence_parallel: Annotated[
         bool,
@@ -52,15 +62,25 @@ class ParallelConfig(ConfigGroup):
             )
         return v
 
+    def check_with(self, train_impl: str) -> None:
+        """context_parallel_size against the objective (run when a NeoXConfig is validated)."""
+        cp = self.context_parallel_size
+        if cp > 1 and train_impl != "normal":
+            raise ValueError(
+                f"context_parallel_size={cp} with train_impl={train_impl!r} is not supported: its "
+                "loss reads whole sequences' log-probabilities on one rank; use "
+                "context_parallel_size 1"
+            )
+
     @property
     def pp(self) -> int:
         """Pipeline stages, with gpt-neox's 0 read as 1."""
         return max(1, self.pipe_parallel_size)
 
 
-def check_model_split(m: ModelConfig, tp: int, pp: int, source: str = "") -> None:
+def check_model_split(m: ModelConfig, tp: int, pp: int, source: str = "", cp: int = 1) -> None:
     """Raise ConfigError, naming the key and the fix, when the model cannot be cut into `tp`
-    tensor-parallel shards and `pp` pipeline stages.
+    tensor-parallel shards, `pp` pipeline stages and `cp` sequence chunks.
 
     Args:
         source: where the values came from (a config path), quoted in the messages.
@@ -90,6 +110,32 @@ def check_model_split(m: ModelConfig, tp: int, pp: int, source: str = "") -> Non
         raise ConfigError(
             f"num_layers={m.num_layers} is smaller than pipe_parallel_size={pp}{where}; "
             f"every stage needs a block: use pipe_parallel_size <= {m.num_layers}"
+        )
+    if cp > 1:
+        check_context_split(m, tp, pp, cp, where)
+
+
+def check_context_split(m: ModelConfig, tp: int, pp: int, cp: int, where: str) -> None:
+    """context_parallel_size's rules: whole heads and whole sequence chunks per rank (Ulysses
+    scatters the heads of each tensor-parallel rank over the context-parallel ranks)."""
+    heads = m.num_attention_heads // tp
+    if heads % cp:
+        raise ConfigError(
+            f"num_attention_heads / model_parallel_size = {heads} is not divisible by "
+            f"context_parallel_size={cp}{where}; context parallelism gives each rank whole "
+            f"heads of the full sequence: use context_parallel_size {divisors(heads)}"
+        )
+    if m.seq_length % cp:
+        raise ConfigError(
+            f"seq_length={m.seq_length} is not divisible by context_parallel_size={cp}{where}; "
+            f"each rank takes an equal chunk of every sequence: use context_parallel_size "
+            f"{divisors(m.seq_length)} or a seq_length that is a multiple of {cp}"
+        )
+    if pp > 1:
+        raise ConfigError(
+            f"context_parallel_size={cp} with pipe_parallel_size={pp}{where} is not supported "
+            "yet (the pipeline's stages pass tokens only, not the positions and documents of a "
+            "chunk); use pipe_parallel_size 1, or context_parallel_size 1"
         )
 
 

@@ -95,6 +95,9 @@ class Attention(nn.Module):
         self.alibi_slopes = (
             alibi_slopes(cfg.num_attention_heads) if cfg.pos_emb == "alibi" else None
         )
+        # Context parallelism sets it (neox/parallel/context.py): the exchange that gives the
+        # kernel the whole sequence for a share of the heads, and back.
+        self.context_parallel = None
 
     def forward(
         self,
@@ -121,10 +124,13 @@ class Attention(nn.Module):
         if kv_cache is not None:
             k, v = kv_cache.update(k, v)  # (B, nkv, S, hs)
             slots = kv_cache.query_slots()  # where the queries sit among the S keys
-        if nkv != nh:
+        if self.context_parallel is not None:
+            q, k, v = self.context_parallel.scatter_heads(q, k, v)  # (B, nh/cp, T*cp, hs)
+        group = q.shape[1] // k.shape[1]
+        if group > 1:
             # Query head h reads kv head h // (nh / nkv): the grouping of the fused layout.
-            k = k.repeat_interleave(nh // nkv, dim=1)  # (B, nh, T, hs)
-            v = v.repeat_interleave(nh // nkv, dim=1)
+            k = k.repeat_interleave(group, dim=1)  # (B, nh, T, hs)
+            v = v.repeat_interleave(group, dim=1)
         impl = self.kernel(x.device, attention_mask)
         if kv_cache is not None:
             impl = "flash"  # queries are not the last T keys: only SDPA's explicit mask fits
@@ -142,6 +148,8 @@ class Attention(nn.Module):
                 y = self._attend_sdpa(q, k, v, attention_mask, slots)
             else:
                 y = self._attend_scores(q, k, v, attention_mask, fused=impl == "triton")
+        if self.context_parallel is not None:
+            y = self.context_parallel.gather_heads(y)  # (B, nh, T, hs): this rank's chunk
         y = y.transpose(1, 2).reshape(B, T, nh * hs)  # (B, T, nh*hs)
         return self.dense(y)
 
@@ -272,6 +280,8 @@ def attention_inputs(
     ):
         return attention_mask
     device = input_ids.device
+    # Under context parallelism attention runs over the whole sequence, not this rank's chunk.
+    seq_len = input_ids.shape[1] * model.context_parallel_size
     windows = {
         a.window
         for a in model.modules()
@@ -279,7 +289,7 @@ def attention_inputs(
     }
     if not windows:
         return attention_mask
-    mask = attention_mask if attention_mask is not None else DocumentMask(None, input_ids.shape[1])
+    mask = attention_mask if attention_mask is not None else DocumentMask(None, seq_len)
     return mask.prepare(windows, device)
 
 

@@ -27,6 +27,9 @@ class GPTNeoX(nn.Module):
     # Unset, F.linear is looked up at each call, so DeepSpeed's ZeRO-3 linear (which it swaps
     # into torch.nn.functional to release gathered weights after forward) is the one that runs.
     head_linear: Optional[Callable[..., torch.Tensor]] = None
+    # Ranks that share each sequence, a chunk each (neox/parallel/context.py sets it): attention
+    # masks are built for the whole sequence.
+    context_parallel_size: int = 1
 
     def __init__(self, cfg: ModelConfig, vocab_size: int) -> None:
         super().__init__()

@@ -14,6 +14,7 @@ from neox.model import GPTNeoX, build_model, lm_loss
 from neox.model.block import Block
 from neox.model.rotary import RotaryEmbedding
 from neox.parallel.checkpointing import checkpoint_blocks, configure_checkpointing
+from neox.parallel.context import apply_context_parallel
 from neox.parallel.float8 import apply_float8
 from neox.parallel.pipeline import to_pipeline
 from neox.parallel.tensor import (
@@ -72,6 +73,7 @@ def parallelize(
     model = build_model(model_cfg, vocab_size, seed, device="meta")
     apply_tensor_parallel(model, groups, model_cfg, copy_weights=False)
     init_tensor_parallel(model, model_cfg, seed, groups, device=device)
+    apply_context_parallel(model, groups)
     if groups.get_tensor_model_parallel_world_size() > 1:
         use_tensor_parallel_rng(model)
     apply_float8(model, float8, model_cfg.num_layers, device)

@@ -1,8 +1,11 @@
-"""The tp x pp x dp layout of ranks: validated before launch, process groups after.
+"""The tp x cp x pp x dp layout of ranks: validated before launch, process groups after.
 
 Ranks are laid out as DeepSpeed's `PipeModelDataParallelTopology` lays them out, axes
 (pipe, data, model) row-major, so tensor-parallel peers are adjacent ranks (same node) and
-pipeline stages are furthest apart:  rank = (pipe * dp + data) * tp + model.
+pipeline stages are furthest apart:  rank = (pipe * dp + data) * tp + model. Context-parallel
+peers (cp > 1) sit between data and model, next after tensor-parallel ones as in Megatron (their
+all-to-all in every layer wants the fast links):  rank = ((pipe * dp + data) * cp + context) *
+tp + model.
 
 `Topology` is plain arithmetic (only ProcessGroups uses torch.distributed); the rules a layout must
 meet (world divisible by tp x pp, heads and MLP width by tp, layers by pp) are config checks in
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from itertools import product
 from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
 from neox.config.derived import data_parallel_size
@@ -27,36 +31,40 @@ logger = logging.getLogger(__name__)
 
 
 class Coord(NamedTuple):
-    """Where one rank sits: pipeline stage, data-parallel replica, tensor-parallel shard."""
+    """Where one rank sits: pipeline stage, data-parallel replica, tensor-parallel shard,
+    sequence chunk."""
 
     pipe: int
     data: int
     model: int
+    context: int = 0
 
 
 @dataclass(frozen=True)
 class Topology:
-    """tp (model_parallel_size) x pp (pipe_parallel_size) x dp ranks; world = tp * pp * dp."""
+    """tp (model_parallel_size) x pp (pipe_parallel_size) x dp x cp (context_parallel_size)
+    ranks; world = tp * pp * dp * cp."""
 
     tp: int = 1
     pp: int = 1
     dp: int = 1
+    cp: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "dp"):
+        for name in ("tp", "pp", "dp", "cp"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"Topology {name}={value!r} must be a positive integer")
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.dp * self.cp
 
     @classmethod
-    def from_world(cls, world_size: int, tp: int = 1, pp: int = 1) -> Topology:
-        """dp = world_size / (tp * pp); raises (ConfigError, a ValueError) when the ranks do not
-        divide evenly (the rule lives with the config's other cross-field checks)."""
-        return cls(tp=tp, pp=max(1, pp), dp=data_parallel_size(world_size, tp, pp))
+    def from_world(cls, world_size: int, tp: int = 1, pp: int = 1, cp: int = 1) -> Topology:
+        """dp = world_size / (tp * pp * cp); raises (ConfigError, a ValueError) when the ranks
+        do not divide evenly (the rule lives with the config's other cross-field checks)."""
+        return cls(tp=tp, pp=max(1, pp), dp=data_parallel_size(world_size, tp, pp, cp), cp=cp)
 
     @classmethod
     def validate(
@@ -78,53 +86,62 @@ class Topology:
 
     def check_model(self, model: ModelConfig, source: str = "") -> None:
         """Raise ValueError, naming the key and the fix, when the model cannot be split this way."""
-        check_model_split(model, self.tp, self.pp, source)
+        check_model_split(model, self.tp, self.pp, source, self.cp)
 
     # ---- rank arithmetic (same layout as DeepSpeed's PipeModelDataParallelTopology) ----
 
     def coord(self, rank: int) -> Coord:
-        """(pipe, data, model) of a global rank."""
+        """(pipe, data, model, context) of a global rank."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} outside world size {self.world_size} of {self}")
         model = rank % self.tp
-        data = (rank // self.tp) % self.dp
-        pipe = rank // (self.tp * self.dp)
-        return Coord(pipe, data, model)
+        context = (rank // self.tp) % self.cp
+        data = (rank // (self.tp * self.cp)) % self.dp
+        pipe = rank // (self.tp * self.cp * self.dp)
+        return Coord(pipe, data, model, context)
 
-    def rank(self, pipe: int, data: int, model: int) -> int:
-        """Global rank at (pipe, data, model)."""
-        return (pipe * self.dp + data) * self.tp + model
+    def rank(self, pipe: int, data: int, model: int, context: int = 0) -> int:
+        """Global rank at (pipe, data, model, context)."""
+        return ((pipe * self.dp + data) * self.cp + context) * self.tp + model
+
+    def _groups(self, vary: str) -> list[list[int]]:
+        """The rank lists that differ only along the axes in `vary` (p, d, m, c), the other
+        axes fixed, in row-major order of the fixed ones."""
+        sizes = {"p": self.pp, "d": self.dp, "c": self.cp, "m": self.tp}
+        fixed = [a for a in "pdcm" if a not in vary]
+        out = []
+        for f in product(*(range(sizes[a]) for a in fixed)):
+            at = dict(zip(fixed, f))
+            members = []
+            for v in product(*(range(sizes[a]) for a in vary)):
+                at.update(zip(vary, v))
+                members.append(self.rank(at["p"], at["d"], at["m"], at["c"]))
+            out.append(members)
+        return out
 
     def tensor_group_ranks(self) -> list[list[int]]:
-        """Ranks that share one layer's shards (same stage, same replica)."""
-        return [
-            [self.rank(p, d, m) for m in range(self.tp)]
-            for p in range(self.pp)
-            for d in range(self.dp)
-        ]
+        """Ranks that share one layer's shards (same stage, replica and chunk)."""
+        return self._groups("m")
 
     def data_group_ranks(self) -> list[list[int]]:
-        """Ranks that hold the same weights and all-reduce gradients."""
-        return [
-            [self.rank(p, d, m) for d in range(self.dp)]
-            for p in range(self.pp)
-            for m in range(self.tp)
-        ]
+        """Ranks that hold the same weights and read different samples."""
+        return self._groups("d")
+
+    def context_group_ranks(self) -> list[list[int]]:
+        """Ranks that share one sample, a chunk of its sequence each."""
+        return self._groups("c")
+
+    def gradient_group_ranks(self) -> list[list[int]]:
+        """Ranks that hold the same weights and all-reduce gradients: data x context."""
+        return self._groups("dc")
 
     def pipe_group_ranks(self) -> list[list[int]]:
         """Ranks that form one pipeline, stage 0 first."""
-        return [
-            [self.rank(p, d, m) for p in range(self.pp)]
-            for d in range(self.dp)
-            for m in range(self.tp)
-        ]
+        return self._groups("p")
 
     def model_group_ranks(self) -> list[list[int]]:
         """Ranks that together hold one replica (pipe x tensor), DeepSpeed's 'model parallel'."""
-        return [
-            [self.rank(p, d, m) for p in range(self.pp) for m in range(self.tp)]
-            for d in range(self.dp)
-        ]
+        return self._groups("pm")
 
     def ds_topology(self) -> Any:
         """The equivalent deepspeed.runtime.pipe.topology.PipeModelDataParallelTopology."""
@@ -138,7 +155,13 @@ class Topology:
 
 
 class ProcessGroups:
-    """One rank's tensor, data, pipeline and model process groups; DeepSpeed's `mpu` interface.
+    """One rank's tensor, data, context, pipeline and model process groups; DeepSpeed's `mpu`
+    interface.
+
+    Its `get_data_parallel_*` answer for the gradient group, data x context: context-parallel
+    ranks hold the same weights, each with the gradients of its chunk of the tokens, so to an
+    engine they are data-parallel ranks (DeepSpeed's Ulysses does the same with its
+    sequence-data-parallel group). Which samples a rank reads is `coord.data` of `topo.dp`.
 
     'model parallel' follows DeepSpeed's meaning (all ranks of one replica, pipe x tensor), which
     is what its engine reduces gradient norms and overflow flags over; Megatron's meaning is the
@@ -157,7 +180,8 @@ class ProcessGroups:
         if world != topo.world_size:
             raise ValueError(
                 f"world size {world} != model_parallel_size={topo.tp} x pipe_parallel_size="
-                f"{topo.pp} x data_parallel_size={topo.dp} = {topo.world_size}"
+                f"{topo.pp} x context_parallel_size={topo.cp} x data_parallel_size={topo.dp} "
+                f"= {topo.world_size}"
             )
         self.topo = topo
         self.global_rank = dist.get_rank() if rank is None else rank
@@ -177,6 +201,12 @@ class ProcessGroups:
         self.data, self.data_ranks = make(topo.data_group_ranks())
         self.pipe, self.pipe_ranks = make(topo.pipe_group_ranks())
         self.model, self.model_ranks = make(topo.model_group_ranks())
+        # Without context parallelism both are the data group: no more groups to build.
+        self.context, self.context_ranks = None, [self.global_rank]
+        self.gradient, self.gradient_ranks = self.data, self.data_ranks
+        if topo.cp > 1:
+            self.context, self.context_ranks = make(topo.context_group_ranks())
+            self.gradient, self.gradient_ranks = make(topo.gradient_group_ranks())
         logger.debug("rank %d: %s, groups built", self.global_rank, self.coord)
 
     def __repr__(self) -> str:
@@ -209,18 +239,28 @@ class ProcessGroups:
     def get_model_parallel_group(self) -> Any:
         return self.model
 
-    # Data parallel.
+    # Data parallel, as engines see it: the gradient group (data x context).
     def get_data_parallel_rank(self) -> int:
-        return self.coord.data
+        return self.gradient_ranks.index(self.global_rank)
 
     def get_data_parallel_world_size(self) -> int:
-        return self.topo.dp
+        return self.topo.dp * self.topo.cp
 
     def get_data_parallel_group(self) -> Any:
-        return self.data
+        return self.gradient
 
     def get_data_parallel_group_ranks(self) -> list[int]:
-        return list(self.data_ranks)
+        return list(self.gradient_ranks)
+
+    # Context parallel.
+    def get_context_parallel_rank(self) -> int:
+        return self.coord.context
+
+    def get_context_parallel_world_size(self) -> int:
+        return self.topo.cp
+
+    def get_context_parallel_group(self) -> Any:
+        return self.context
 
     # Pipeline parallel.
     def get_pipe_parallel_rank(self) -> int:

@@ -122,7 +122,8 @@ class TrainingShape:
     vocab_size: int  # padded
     tp: int = 1
     pp: int = 1
-    dp: int = 1
+    dp: int = 1  # ranks ZeRO partitions over: data x context parallel
+    cp: int = 1  # context_parallel_size: ranks that share each sequence, a chunk each
     micro_batch: int = 1
     grad_accum: int = 1
     precision: str = "bf16"
@@ -228,7 +229,8 @@ def training_shape(
     """The TrainingShape of a validated config run on `device` ("cuda" or "cpu": torch_compile's
     default and the flat engine's AdamW kernel depend on it); zero_stage overrides the
     configured stage."""
-    zero = zero_section(cfg, derived.data_parallel, zero_stage)
+    cp = derived.context_parallel
+    zero = zero_section(cfg, derived.data_parallel * cp, zero_stage)
     t, spec = cfg.training, cfg.optimizer.optimizer
     tp, pp = derived.tensor_parallel, derived.pipe_parallel
     compiled = torch_compile_enabled(t.torch_compile, device)
@@ -240,7 +242,8 @@ def training_shape(
         vocab_size=vocab_size,
         tp=tp,
         pp=pp,
-        dp=derived.data_parallel,
+        dp=derived.data_parallel * cp,
+        cp=cp,
         micro_batch=derived.micro_batch * rows,
         grad_accum=derived.grad_accum,
         precision=derived.precision,
@@ -281,19 +284,28 @@ def norm_activation_bytes(cfg: ModelConfig, k: int, dim: int) -> tuple[int, int]
 
 
 def block_activation_bytes(
-    cfg: ModelConfig, layer_type: str, seq: int, micro_batch: int, k: int, tp: int = 1
+    cfg: ModelConfig,
+    layer_type: str,
+    seq: int,
+    micro_batch: int,
+    k: int,
+    tp: int = 1,
+    cp: int = 1,
 ) -> int:
     """Bytes autograd saves in one block's forward for backward, as neox's Block runs it.
 
     Counted per token (b x s of them): norm inputs and linear inputs of width h (replicated
     over tp), then per tp shard the attention's q, k, v, output and the dense layer's input, and
     the MLP's inner activations; plus whole-sequence terms for materialised scores and masks.
+    Under context parallelism (cp) a rank holds s / cp tokens, and its attention kernel the
+    whole sequence for heads / cp (the same bytes per q, k, v, output; scores of s x s for
+    heads / cp).
     """
     shape = cfg.shape
     h, hs = cfg.hidden_size, shape.head_dim
     nh, nkv = cfg.num_attention_heads // tp, shape.kv_heads // tp
     hq, hkv, ffn = nh * hs, nkv * hs, shape.ffn_size // tp
-    tokens = seq * micro_batch
+    tokens = seq * micro_batch // cp
     kernel = select_attention_path(cfg, layer_type, "cuda").impl
 
     # Norms and the inputs of qkv and of the MLP (width h, whole on every tp rank).
@@ -338,10 +350,11 @@ def block_activation_bytes(
     if cfg.hidden_dropout > 0:
         per_token += 2 * h  # bool masks of the two residual branches
     total = per_token * tokens
-    # Whole-sequence terms.
+    # Whole-sequence terms (Ulysses: the whole sequence for heads / cp).
+    nh //= cp
     scores = micro_batch * nh * seq * seq
     if kernel in ("flash", "flex"):
-        total += 4 * nh * tokens  # logsumexp
+        total += 4 * nh * seq * micro_batch  # logsumexp
         if kernel == "flash" and (cfg.pos_emb == "alibi" or cfg.sliding_window_width is not None):
             total += k * nh * seq * seq  # the explicit additive mask SDPA then saves
     else:
@@ -361,7 +374,8 @@ def activation_bytes(cfg: ModelConfig, shape: TrainingShape, stage: int = 0) -> 
     counts = blocks_per_stage(cfg.num_layers, pp)
     first = sum(counts[:stage])
     types = cfg.shape.layer_types[first : first + counts[stage]]
-    per_block = [block_activation_bytes(cfg, t, s, b, k, tp) for t in types]
+    per_block = [block_activation_bytes(cfg, t, s, b, k, tp, shape.cp) for t in types]
+    s //= shape.cp  # the tokens of this rank's chunk, from here on
     if shape.checkpoint_activations:
         # Only each chunk's input survives forward; backward recomputes one chunk at a time.
         chunk = max(1, shape.checkpoint_num_layers)
@@ -386,7 +400,8 @@ def logits_bytes(cfg: ModelConfig, shape: TrainingShape) -> int:
     """The loss's peak on the last stage, beyond the activations (which count the final norm's
     and the output layer's inputs): at the start of backward, or within a chunk."""
     k, h = BYTES[shape.precision], cfg.hidden_size
-    tokens, vocab = cfg.seq_length * shape.micro_batch, shape.vocab_size // shape.tp
+    tokens = cfg.seq_length // shape.cp * shape.micro_batch
+    vocab = shape.vocab_size // shape.tp
     if shape.loss == "compiled":
         # At the end of its backward: the logits' gradient in their buffer, beside the head
         # weight's and the hidden states' gradients.

@@ -118,8 +118,10 @@ def estimate_report(
     flops = train_flops_per_token(m, vocab_size)
     configured = training_shape(cfg, derived, vocab_size).zero_stage
     ckpt = cfg.training.checkpoint_activations
+    cp = f"cp {d.context_parallel} (a chunk of {m.seq_length // d.context_parallel} tokens each) x "
     lines = [
         f"layout: {d.world_size} GPU(s) = tp {d.tensor_parallel} x pp {d.pipe_parallel} x "
+        f"{cp if d.context_parallel > 1 else ''}"
         f"dp {d.data_parallel}; micro batch {d.micro_batch} x seq {m.seq_length}, "
         f"accumulation {d.grad_accum}, {d.precision}; padded vocab {vocab_size}",
         f"parameters: {total:,} total, {total - embedding_parameters(m, vocab_size):,} "

@@ -13,6 +13,7 @@ from neox.checkpoint.io import last_saved, load_checkpoint, poisoned, save_check
 from neox.config import write_config
 from neox.config.derived import consumed_samples
 from neox.data.batch import Batch, build_batch
+from neox.parallel.context import context_chunk
 from neox.training.metrics import (
     DeviceScalars,
     MetricsWriter,
@@ -37,7 +38,7 @@ def next_batch(run: Run, stream: Iterator) -> Batch:
     data = next(stream)
     text = data["text"].to(run.device, non_blocking=True)
     label = data.get("label")
-    return build_batch(
+    batch = build_batch(
         text,
         run.tokenizer.eod,
         d.eod_mask_loss,
@@ -45,6 +46,9 @@ def next_batch(run: Run, stream: Iterator) -> Batch:
         d.reset_attention_mask,
         None if label is None else label.to(run.device, non_blocking=True),
     )
+    # Positions and documents come from the whole sequence; then this rank's chunk of it.
+    g = run.groups
+    return context_chunk(batch, g.coord.context, g.topo.cp)
 
 
 def micro_batches(run: Run, stream: Iterator) -> Iterator[Batch]:

@@ -110,7 +110,12 @@ def build_run(cfg: NeoXConfig) -> Run:
     tokenizer = build_tokenizer(t.tokenizer_type, t.vocab_file, t.merge_file)
     derived = derive(cfg, world, tokenizer.vocab_size)
     groups = ProcessGroups(
-        Topology(derived.tensor_parallel, derived.pipe_parallel, derived.data_parallel)
+        Topology(
+            derived.tensor_parallel,
+            derived.pipe_parallel,
+            derived.data_parallel,
+            derived.context_parallel,
+        )
     )
     tr = cfg.training
     ds_config = build_ds_config(cfg, derived)
@@ -155,7 +160,7 @@ def build_run(cfg: NeoXConfig) -> Run:
         schedule=schedule,
         device=device,
         rank=torch.distributed.get_rank(),
-        dp_rank=groups.get_data_parallel_rank(),
+        dp_rank=groups.coord.data,  # the samples it reads (context-parallel peers share them)
         groups=groups,
         objective=objective,
     )

@@ -44,7 +44,7 @@ def bench_module():
 
 
 BENCH = bench_module()
-PLANNED = [(m, r) for plan in ("4gpu", "8gpu") for m, r in BENCH.PLANS[plan]]
+PLANNED = [(m, r) for plan in ("4gpu", "8gpu", "long-context") for m, r in BENCH.PLANS[plan]]
 H100_GIB = 79.6  # what torch reports of an 80 GB H100
 
 
@@ -73,8 +73,10 @@ def test_four_and_eight_gpu_runs_dry_run_and_fit_an_h100(model, run, tmp_path, c
     tp, pp = keys.get("model_parallel_size", 1), keys.get("pipe_parallel_size", 1)
     if run == "stock8":  # configs/20B.yml's own layout
         tp, pp = 2, 4
-    gpus = keys["num_gpus"]
-    assert f"layout: {gpus} GPU(s) = tp {tp} x pp {pp} x dp {gpus // tp // pp};" in out
+    gpus, cp = keys["num_gpus"], keys.get("context_parallel_size", 1)
+    chunk = f"cp {cp} (a chunk of {32768 * (4 if '128k' in model else 1) // cp} tokens each) x "
+    layout = f"tp {tp} x pp {pp} x {chunk if cp > 1 else ''}dp {gpus // tp // pp // cp};"
+    assert f"layout: {gpus} GPU(s) = {layout}" in out
     header = next(line for line in out.splitlines() if "ZeRO-0" in line).split()
     total = next(line for line in out.splitlines() if line.startswith("total incl. CUDA"))
     column = next(i for i, name in enumerate(header) if name.endswith("*"))

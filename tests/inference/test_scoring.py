@@ -167,3 +167,15 @@ def test_bits_per_byte_counts_utf8_bytes():
     assert m["perplexity"] == pytest.approx(math.exp(9 * math.log(2)))
     with pytest.raises(ValueError, match="no tokens"):
         text_metrics(TextSums())
+
+
+def test_long_windows_score_a_slice_of_rows_at_a_time(model):
+    """The log-softmax over 3 scored positions at a time (as at 128k context, SCORE_ROWS)
+    gives the whole window's score."""
+    seq = [0, *torch.randint(1, 256, (30,), generator=torch.Generator().manual_seed(3)).tolist()]
+    windows = rolling_windows(seq, MAX_LEN, 5)
+    whole = score_windows(model, windows, 4, "cpu")
+    sliced = score_windows(model, windows, 4, "cpu", rows=3)
+    for a, b in zip(whole, sliced):
+        assert a.logprob == pytest.approx(b.logprob, rel=1e-9)
+        assert a.greedy == b.greedy
