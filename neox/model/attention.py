@@ -12,6 +12,7 @@ from torch import nn
 
 from neox.config.model import ModelConfig
 from neox.kernels.flex_attention import DocumentMask, alibi_score_mod, flex_attention
+from neox.model.eager import eager_only
 from neox.model.norms import build_norm
 from neox.model.positional import alibi_bias, alibi_slopes
 from neox.model.rotary import RotaryEmbedding
@@ -252,19 +253,11 @@ def masked_softmax_torch(
     return torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
 
 
-def _late_block_mask_eager(mask: Optional[DocumentMask], seq_len: int, window, device) -> object:
+@eager_only
+def _late_block_mask(mask: Optional[DocumentMask], seq_len: int, window, device) -> object:
     """Build a missing block mask eagerly (a graph break, off the model's usual path)."""
     mask = mask if mask is not None else DocumentMask(None, seq_len)
     return mask.prepare({window}, device).block_masks[window]
-
-
-def _late_block_mask(mask: Optional[DocumentMask], seq_len: int, window, device) -> object:
-    """_late_block_mask_eager, never traced into a compiled graph. Disabled at the call, not
-    by a decorator: torch.compiler.disable imports torch._dynamo (2-4 s), which a process that
-    compiles nothing (generate.py's fused or eager decode) then never pays."""
-    if torch.compiler.is_compiling():
-        return torch.compiler.disable(_late_block_mask_eager)(mask, seq_len, window, device)
-    return _late_block_mask_eager(mask, seq_len, window, device)
 
 
 def attention_inputs(

@@ -32,6 +32,7 @@ from torch import nn
 
 from neox.data.batch import Batch
 from neox.model.attention import Attention
+from neox.model.eager import eager_only
 
 
 def _all_to_all(x: torch.Tensor, group: Any, scatter: int, gather: int) -> torch.Tensor:
@@ -59,13 +60,13 @@ class _SeqAllToAll(torch.autograd.Function):
 
 # Compiled blocks (torch_compile) break their graph around the exchange: dynamo would otherwise
 # trace a process-group collective inside an autograd.Function.
-@torch.compiler.disable
+@eager_only
 def heads_to_sequence(x: torch.Tensor, group: Any) -> torch.Tensor:
     """(B, H, T/cp, hs) on each rank -> (B, H/cp, T, hs): the whole sequence, a share of heads."""
     return _SeqAllToAll.apply(x, group, 1, 2)
 
 
-@torch.compiler.disable
+@eager_only
 def sequence_to_heads(x: torch.Tensor, group: Any) -> torch.Tensor:
     """(B, H/cp, T, hs) -> (B, H, T/cp, hs): this rank's chunk of the tokens, every head."""
     return _SeqAllToAll.apply(x, group, 2, 1)
