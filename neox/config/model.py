@@ -381,7 +381,7 @@ class ModelConfig(MoeFields):
                 f"lm_loss_chunk_size={chunk} needs model_parallel_size=1 and pipe_parallel_size=1 "
                 f"(got {tp} and {pp}); set lm_loss_chunk_size 0 for this layout"
             )
-        self.check_moe_run(pp)
+        self.check_moe_run(tp, pp)
 
 
 def check_model(m: ModelConfig) -> ModelShape:

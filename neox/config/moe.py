@@ -137,18 +137,16 @@ class MoeFields(ConfigGroup):
 
     enable_expert_tensor_parallelism: Annotated[
         bool,
-        Refused(
-            feature="expert tensor parallelism",
-            example=True,
-            message=(
-                "{key}={value}: expert tensor parallelism (experts split over tensor-parallel "
-                "ranks) is not implemented in neox: each such rank runs its experts whole; remove "
-                "the key"
-            ),
+        Reads("neox/config/moe.py"),
+        Restricted(
+            "True needs model_parallel_size 1.",
+            example={"moe_num_experts": 4, "enable_expert_tensor_parallelism": True},
+            broken_by=({"model_parallel_size": 2},),
         ),
     ] = False
-    """gpt-neox key splitting each expert over tensor-parallel ranks; refused: experts are
-    replicated over tensor-parallel ranks, which see the same tokens."""
+    """gpt-neox key splitting each expert over the tensor-parallel ranks. neox never splits
+    experts (tensor-parallel ranks see the same tokens and run their experts whole), so true is
+    refused under tensor parallelism and changes nothing without it."""
 
     @model_validator(mode="after")
     def _check_moe(self) -> "MoeFields":
@@ -166,8 +164,14 @@ class MoeFields(ConfigGroup):
         """Whether layer i (from 0) has an MoE MLP."""
         return self.moe_num_experts > 1 and i % self.moe_expert_interval == 0
 
-    def check_moe_run(self, pp: int) -> None:
+    def check_moe_run(self, tp: int, pp: int) -> None:
         """MoE layers under the run's layout (run by `derive`)."""
+        if self.enable_expert_tensor_parallelism and tp > 1:
+            raise ConfigError(
+                f"enable_expert_tensor_parallelism=true with model_parallel_size={tp}: expert "
+                "tensor parallelism is not implemented in neox (experts stay whole on each "
+                "tensor-parallel rank); set enable_expert_tensor_parallelism: false"
+            )
         if self.moe_num_experts > 1 and pp > 1:
             raise ConfigError(
                 f"moe_num_experts={self.moe_num_experts} with pipe_parallel_size={pp}: MoE "

@@ -219,3 +219,21 @@ def moe_aux_loss(layers: Iterable[nn.Module]) -> torch.Tensor:
     """The weighted auxiliary losses of the MoE layers among `layers`, summed."""
     losses = [b.mlp.aux_loss() for b in layers if isinstance(getattr(b, "mlp", None), MoE)]
     return torch.stack(losses).sum()
+
+
+def router_metrics(model: nn.Module) -> tuple[list[str], list[torch.Tensor]]:
+    """Each MoE layer's last forward, as metric names and detached scalars: moe/{layer}/
+    balance_loss, z_loss, dropped (fraction of assignments past capacity) and load/{expert}
+    (fraction of assignments to that expert; 1 / E each when balanced)."""
+    names, values = [], []
+    for name, module in model.named_modules():
+        if not isinstance(module, MoE) or module.stats is None:
+            continue
+        layer = name.split(".")[-2] if name.endswith(".mlp") else name
+        s = module.stats
+        for metric in ("balance_loss", "z_loss", "dropped"):
+            names.append(f"moe/{layer}/{metric}")
+            values.append(getattr(s, metric).detach().float())
+        names += [f"moe/{layer}/load/{e}" for e in range(s.load.numel())]
+        values += list(s.load.float().unbind())
+    return names, values

@@ -167,7 +167,6 @@ def test_training_loss_adds_the_router_losses():
         ({"moe_num_experts": 4, "moe_token_dropping": True}, "needs moe_type: deepspeed"),
         ({"moe_use_residual": True}, "residual MoE"),
         ({"moe_expert_parallel_size": 2}, "expert parallelism"),
-        ({"enable_expert_tensor_parallelism": True}, "expert tensor parallelism"),
     ],
 )
 def test_moe_keys_refused_by_name(keys, message):
