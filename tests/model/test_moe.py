@@ -166,7 +166,6 @@ def test_training_loss_adds_the_router_losses():
         ({"moe_num_experts": 4, "moe_top_k": 5}, "moe_top_k=5 exceeds moe_num_experts=4"),
         ({"moe_num_experts": 4, "moe_token_dropping": True}, "needs moe_type: deepspeed"),
         ({"moe_use_residual": True}, "residual MoE"),
-        ({"moe_expert_parallel_size": 2}, "expert parallelism"),
     ],
 )
 def test_moe_keys_refused_by_name(keys, message):
