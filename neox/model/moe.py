@@ -101,7 +101,8 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor, first: int = 0) -> torch.Tensor:
         """x (M, C) sorted by expert, counts (n,) tokens for experts first..first+n-1 -> (M, C)."""
-        if grouped_mm_runs(x):
+        ffn = self.dense_h_to_4h.shape[1]
+        if grouped_mm_runs(x) and ffn % 8 == 0 and x.shape[-1] % 8 == 0:
             offsets = counts.cumsum(0).to(torch.int32)
             mm = _grouped_mm(offsets)
         else:
@@ -116,8 +117,9 @@ class GroupedExperts(nn.Module):
 
 
 def grouped_mm_runs(x: torch.Tensor) -> bool:
-    """torch's grouped GEMM runs forward and backward on CUDA in bf16; CPU ranks (and other
-    dtypes) take the padded batched matmul, the same math."""
+    """torch's grouped GEMM runs forward and backward on CUDA in bf16 (with widths that are
+    multiples of 8: its rows must be 16-byte aligned); CPU ranks (and other dtypes) take the
+    padded batched matmul, the same math."""
     return x.is_cuda and x.dtype == torch.bfloat16 and hasattr(F, "grouped_mm")
 
 
