@@ -71,14 +71,15 @@ def test_gpt_neox_moe_config_learns_on_two_ranks(tmp_path, name):
     assert dropped == 0 if name == "125M-dmoe" else 0 <= dropped < 0.5
 
 
-def test_moe_run_resumes_exactly(tmp_path):
-    """Stopped at step 8 and resumed, a top-1 run with token dropping logs the losses of an
-    uninterrupted one (experts, router and their optimizer states all restored)."""
+def test_moe_run_resumes_exactly_across_expert_parallel_sizes(tmp_path):
+    """Stopped at step 8 and resumed with its experts split over the 2 ranks, a top-1 run with
+    token dropping logs the losses of an uninterrupted one (experts, router and their optimizer
+    states all restored; the checkpoint does not depend on the expert-parallel size)."""
     text_dataset(tmp_path / "data" / "chars")
     files = gpt_neox_file("125M-moe")
     train(*files, tiny(tmp_path, "full"))
     train(*files, tiny(tmp_path, "part", exit_interval=8, checkpoint_factor=8))
-    r = train(*files, tiny(tmp_path, "part", checkpoint_factor=8))
+    r = train(*files, tiny(tmp_path, "part", checkpoint_factor=8, moe_expert_parallel_size=2))
     assert "resuming from" in r.stdout
     full, part = losses(tmp_path / "full" / "logs"), losses(tmp_path / "part" / "logs")
     assert sorted(part) == list(range(1, 17))
