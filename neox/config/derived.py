@@ -204,6 +204,7 @@ def derive(cfg: NeoXConfig, world_size: int, vocab_size: Optional[int] = None) -
     cp = par.context_parallel_size
     dp = data_parallel_size(world_size, par.model_parallel_size, par.pp, cp)
     check_model_split(cfg.model, par.model_parallel_size, par.pp, cp=cp)
+    cfg.model.check_expert_parallel(dp)
     micro, gas, glob = batch_triple(cfg, dp)
     decay, warmup = schedule_iters(cfg)
     padded = padded_vocab(cfg, vocab_size)

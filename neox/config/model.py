@@ -10,12 +10,12 @@ from neox.config.base import (
     MAX_MLP_WIDTH,
     MAX_POSITIONS,
     MAX_WIDTH,
-    ConfigGroup,
     Reads,
     Refused,
     Restricted,
 )
 from neox.config.errors import ConfigError
+from neox.config.moe import MoeFields
 from neox.config.shape import (
     GATED_ACTIVATIONS,
     ROPE_SCALING_KEYS,
@@ -40,8 +40,8 @@ InitMethod = Literal[
 ]
 
 
-class ModelConfig(ConfigGroup):
-    """Shape and options of the decoder."""
+class ModelConfig(MoeFields):
+    """Shape and options of the decoder (the MoE keys in neox/config/moe.py)."""
 
     num_layers: Annotated[int, Reads("neox/model/init.py", "neox/config/model.py")] = Field(
         2, ge=1, le=MAX_LAYERS
@@ -381,6 +381,7 @@ class ModelConfig(ConfigGroup):
                 f"lm_loss_chunk_size={chunk} needs model_parallel_size=1 and pipe_parallel_size=1 "
                 f"(got {tp} and {pp}); set lm_loss_chunk_size 0 for this layout"
             )
+        self.check_moe_run(tp, pp)
 
 
 def check_model(m: ModelConfig) -> ModelShape:

@@ -2,7 +2,6 @@
 
 # key or key prefix -> the feature it belongs to
 UNSUPPORTED_KEYS: dict[str, str] = {
-    "moe_": "Mixture-of-Experts (MoE)",
     "mamba_": "Mamba layers",
     "dim_att": "RWKV",
     "head_size": "RWKV",
@@ -67,10 +66,6 @@ FEATURE_OFF_DEFAULTS: dict[str, object] = {
     "mup_embedding_mult": 1.0,
     "mup_rp_embedding_mult": 1.0,
     "mup_width_scale": 2,
-    "moe_num_experts": 1,
-    "moe_expert_interval": 1,
-    "moe_top_k": 1,
-    "moe_router_type": "sinkhorn",
     "weight_server_port": 6000,
     "online_dataserver_ips": "localhost",
     "online_dataserver_ports": 10000,

@@ -10,6 +10,7 @@ from torch import nn
 from neox.config.model import ModelConfig
 from neox.model.attention import Attention
 from neox.model.mlp import MLP
+from neox.model.moe import MoE
 from neox.model.norms import build_norm
 
 if TYPE_CHECKING:
@@ -19,13 +20,13 @@ if TYPE_CHECKING:
 class Block(nn.Module):
     """Pre-norm transformer block; gpt_j_tied shares input_layernorm with the MLP branch."""
 
-    def __init__(self, cfg: ModelConfig, layer_type: str = "global") -> None:
+    def __init__(self, cfg: ModelConfig, layer_type: str = "global", moe: bool = False) -> None:
         super().__init__()
         self.parallel_residual = cfg.gpt_j_residual
         self.input_layernorm = build_norm(cfg)
         self.post_attention_layernorm = None if cfg.gpt_j_tied else build_norm(cfg)
         self.attention = Attention(cfg, layer_type)
-        self.mlp = MLP(cfg)
+        self.mlp = MoE(cfg) if moe else MLP(cfg)
         self.hidden_dropout = nn.Dropout(cfg.hidden_dropout)
 
     def forward(

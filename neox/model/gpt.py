@@ -14,6 +14,7 @@ from neox.model.attention import attention_inputs
 from neox.model.block import Block
 from neox.model.init import init_parameter
 from neox.model.loss import chunked_lm_loss, lm_loss
+from neox.model.moe import moe_aux_loss
 from neox.model.norms import build_norm
 
 if TYPE_CHECKING:
@@ -42,7 +43,9 @@ class GPTNeoX(nn.Module):
             # OPT shifts position ids by opt_pos_emb_offset, so the table is that much longer.
             self.embed_pos = nn.Embedding(shape.position_rows, hidden)
         self.emb_dropout = nn.Dropout(cfg.hidden_dropout)
-        self.layers = nn.ModuleList(Block(cfg, kind) for kind in shape.layer_types)
+        self.layers = nn.ModuleList(
+            Block(cfg, kind, moe=cfg.is_moe_layer(i)) for i, kind in enumerate(shape.layer_types)
+        )
         self.final_layer_norm = build_norm(cfg)
         # Tied (the gpt-neox default): logits use embed_in.weight, no second matrix.
         tied = not cfg.no_weight_tying
@@ -102,7 +105,10 @@ class GPTNeoX(nn.Module):
             x = block(x, position_ids, attention_mask, None if kv_cache is None else kv_cache[i])
         if labels is None:
             return self.head(x)
-        return self.loss(x, labels, loss_mask)
+        loss = self.loss(x, labels, loss_mask)
+        if self.training and self.cfg.moe_num_experts > 1:
+            loss = loss + moe_aux_loss(self.layers)  # the router losses train, never evaluate
+        return loss
 
     @torch.no_grad()
     def reset_parameters(self, seed: int = 1234) -> None:

@@ -17,7 +17,12 @@ import torch
 from neox.config.model import ModelConfig
 
 # Weights whose output is added to the residual stream (megatron's output_layer_init_method).
-OUTPUT_LAYER_SUFFIXES = ("attention.dense.weight", "mlp.dense_4h_to_h.weight")
+OUTPUT_LAYER_SUFFIXES = (
+    "attention.dense.weight",
+    "mlp.dense_4h_to_h.weight",
+    "mlp.experts.dense_4h_to_h",
+    "mlp.shared_experts.dense_4h_to_h.weight",
+)
 
 
 def parameter_seed(name: str, seed: int) -> int:
@@ -35,6 +40,18 @@ def init_parameter(name: str, shape: Sequence[int], cfg: ModelConfig, seed: int)
     method = cfg.init_method
     if name.endswith(OUTPUT_LAYER_SUFFIXES):
         method = cfg.output_layer_init_method
+    if len(shape) == 3:
+        # Stacked experts (E, out, in): each expert its own matrix and seed, so an expert-parallel
+        # rank can initialise its own slice alone.
+        return torch.stack(
+            [_matrix(f"{name}.{e}", shape[1:], method, cfg, seed) for e in range(shape[0])]
+        )
+    return _matrix(name, shape, method, cfg, seed)
+
+
+def _matrix(
+    name: str, shape: Sequence[int], method: str, cfg: ModelConfig, seed: int
+) -> torch.Tensor:
     generator = torch.Generator().manual_seed(parameter_seed(name, seed))
     return _fill(torch.empty(shape), method, cfg, generator)
 

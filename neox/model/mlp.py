@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -31,14 +32,20 @@ _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
+def activation_act(cfg: ModelConfig) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The function activation_name names."""
+    return _ACTIVATIONS[activation_name(cfg)]
+
+
 class MLP(nn.Module):
     """h -> act(dense_h_to_4h(x)) -> h, or for gated MLPs act(gate(x)) * dense_h_to_4h(x) -> h."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, ffn: Optional[int] = None) -> None:
+        """ffn: the inner width (default the config's; MoE shared experts pass theirs)."""
         super().__init__()
         bias, shape = cfg.use_bias_in_mlp, cfg.shape
-        h, ffn = cfg.hidden_size, shape.ffn_size
-        self.act = _ACTIVATIONS[activation_name(cfg)]
+        h, ffn = cfg.hidden_size, ffn or shape.ffn_size
+        self.act = activation_act(cfg)
         self.dense_h_to_4h = nn.Linear(h, ffn, bias=bias)
         self.gate = nn.Linear(h, ffn, bias=bias) if shape.gated_mlp else None
         self.dense_4h_to_h = nn.Linear(ffn, h, bias=bias)

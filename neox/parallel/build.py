@@ -15,6 +15,7 @@ from neox.model.block import Block
 from neox.model.rotary import RotaryEmbedding
 from neox.parallel.checkpointing import checkpoint_blocks, configure_checkpointing
 from neox.parallel.context import apply_context_parallel
+from neox.parallel.expert import apply_expert_parallel
 from neox.parallel.float8 import apply_float8
 from neox.parallel.pipeline import to_pipeline
 from neox.parallel.tensor import (
@@ -76,6 +77,8 @@ def parallelize(
     apply_context_parallel(model, groups)
     if groups.get_tensor_model_parallel_world_size() > 1:
         use_tensor_parallel_rng(model)
+    if model_cfg.moe_expert_parallel_size > 1:
+        apply_expert_parallel(model, groups, model_cfg.moe_expert_parallel_size)
     apply_float8(model, float8, model_cfg.num_layers, device)
     if torch_compile:
         # Before checkpointing, which then recomputes through the compiled forward.

@@ -27,11 +27,13 @@ def _norm_tensors(cfg: ModelConfig, dim: int) -> list[int]:
     return [norm_parameters(cfg, dim)]
 
 
-def block_tensor_sizes(cfg: ModelConfig, tp: int = 1) -> list[int]:
-    """Elements of each parameter tensor of one transformer block on one tensor-parallel rank.
+def block_tensor_sizes(cfg: ModelConfig, tp: int = 1, moe: bool = False) -> list[int]:
+    """Elements of each parameter tensor of one transformer block on one tensor-parallel rank
+    (an MoE block with `moe`).
 
     Column-parallel layers (qkv, MLP up/gate) split weight and bias; row-parallel ones (attention
-    dense, MLP down) split the weight and keep the bias whole; norms are replicated.
+    dense, MLP down) split the weight and keep the bias whole; norms, the router and the
+    experts are replicated.
     """
     shape = cfg.shape
     h, hs = cfg.hidden_size, shape.head_dim
@@ -39,11 +41,27 @@ def block_tensor_sizes(cfg: ModelConfig, tp: int = 1) -> list[int]:
     attn_in = cfg.num_attention_heads * hs // tp
     ffn = shape.ffn_size // tp
     branches = 2 if shape.gated_mlp else 1
-    matrices = [qkv_out * h, attn_in * h] + [ffn * h] * branches + [h * ffn]
-    return matrices + block_vector_sizes(cfg, tp)
+    mlp = moe_matrix_sizes(cfg) if moe else [ffn * h] * branches + [h * ffn]
+    return [qkv_out * h, attn_in * h] + mlp + block_vector_sizes(cfg, tp, moe)
 
 
-def block_vector_sizes(cfg: ModelConfig, tp: int = 1) -> list[int]:
+def moe_matrix_sizes(cfg: ModelConfig, experts: int | None = None) -> list[int]:
+    """The matrices of one MoE MLP (neox/model/moe.py): router, the stacked experts (all of
+    them, or `experts` of them), the shared experts' MLP."""
+    h, e = cfg.hidden_size, cfg.moe_num_experts if experts is None else experts
+    ffn = cfg.moe_ffn_hidden_size or cfg.shape.ffn_size
+    per_expert = [e * ffn * h] * (2 if cfg.shape.gated_mlp else 1) + [e * h * ffn]
+    shared = ffn * cfg.moe_num_shared_experts
+    shared_mlp = [shared * h] * (2 if cfg.shape.gated_mlp else 1) + [h * shared] if shared else []
+    return [cfg.moe_num_experts * h] + per_expert + shared_mlp
+
+
+def moe_layers(cfg: ModelConfig) -> list[bool]:
+    """Whether each layer is an MoE layer."""
+    return [cfg.is_moe_layer(i) for i in range(cfg.num_layers)]
+
+
+def block_vector_sizes(cfg: ModelConfig, tp: int = 1, moe: bool = False) -> list[int]:
     """Elements of each bias and norm gain (the 1-D tensors) of one block on one tensor-parallel
     rank; neox's optimizer puts them in the group without weight decay."""
     shape = cfg.shape
@@ -57,8 +75,11 @@ def block_vector_sizes(cfg: ModelConfig, tp: int = 1) -> list[int]:
         sizes.append(h)
     if cfg.use_qk_layernorm:
         sizes += 2 * _norm_tensors(cfg, hs)
-    if cfg.use_bias_in_mlp:
+    shared = (cfg.moe_ffn_hidden_size or shape.ffn_size) * cfg.moe_num_shared_experts
+    if cfg.use_bias_in_mlp and not moe:
         sizes += [ffn] * (2 if shape.gated_mlp else 1) + [h]
+    elif cfg.use_bias_in_mlp and shared:  # experts have no biases; shared experts may
+        sizes += [shared] * (2 if shape.gated_mlp else 1) + [h]
     for _ in range(1 if cfg.gpt_j_tied else 2):
         sizes += _norm_tensors(cfg, h)
     return sizes
@@ -89,12 +110,22 @@ def lora_block_parameters(cfg: ModelConfig, rank: int, targets: list[str], tp: i
 
 def vector_parameters(cfg: ModelConfig) -> int:
     """Elements of the whole model's biases and norm gains (tp = pp = 1)."""
-    return cfg.num_layers * sum(block_vector_sizes(cfg)) + sum(_norm_tensors(cfg, cfg.hidden_size))
+    blocks = sum(sum(block_vector_sizes(cfg, moe=moe)) for moe in moe_layers(cfg))
+    return blocks + sum(_norm_tensors(cfg, cfg.hidden_size))
 
 
 def layer_parameters(cfg: ModelConfig, tp: int = 1) -> int:
-    """Parameters of one transformer block (on one tensor-parallel rank)."""
-    return sum(block_tensor_sizes(cfg, tp))
+    """Parameters of the largest transformer block (on one tensor-parallel rank)."""
+    return max(sum(block_tensor_sizes(cfg, tp, moe)) for moe in set(moe_layers(cfg)))
+
+
+def active_layer_parameters(cfg: ModelConfig, moe: bool) -> int:
+    """Parameters of one block that a token passes through: with `moe`, the router, its top-k
+    experts and the shared experts."""
+    if not moe:
+        return sum(block_tensor_sizes(cfg))
+    everything = sum(block_tensor_sizes(cfg, moe=True))
+    return everything - sum(moe_matrix_sizes(cfg)) + sum(moe_matrix_sizes(cfg, cfg.moe_top_k))
 
 
 def blocks_per_stage(num_layers: int, pp: int) -> list[int]:
@@ -118,7 +149,10 @@ def stage_tensor_sizes(
         sizes.append(vocab_size // tp * h)
         if cfg.pos_emb == "learned":
             sizes.append(cfg.shape.position_rows * h)
-    sizes += block_tensor_sizes(cfg, tp) * blocks_per_stage(cfg.num_layers, pp)[stage]
+    counts = blocks_per_stage(cfg.num_layers, pp)
+    first_layer = sum(counts[:stage])
+    for moe in moe_layers(cfg)[first_layer : first_layer + counts[stage]]:
+        sizes += block_tensor_sizes(cfg, tp, moe)
     if last:
         sizes += _norm_tensors(cfg, h)
         if cfg.no_weight_tying or pp > 1:
@@ -145,9 +179,19 @@ def embedding_parameters(cfg: ModelConfig, vocab_size: int) -> int:
 
 def flops_parameters(cfg: ModelConfig, vocab_size: int) -> int:
     """N of the FLOPs formula: every matrix a token passes through, i.e. the non-embedding
-    parameters plus the output layer (counted whether or not it is tied to the embedding)."""
+    parameters plus the output layer (counted whether or not it is tied to the embedding); in
+    MoE layers the router, the top-k experts and the shared experts (FLOPs of active
+    parameters)."""
     h = cfg.hidden_size
-    return cfg.num_layers * layer_parameters(cfg) + norm_parameters(cfg, h) + vocab_size * h
+    blocks = sum(active_layer_parameters(cfg, moe) for moe in moe_layers(cfg))
+    return blocks + norm_parameters(cfg, h) + vocab_size * h
+
+
+def active_parameters(cfg: ModelConfig, vocab_size: int) -> int:
+    """Parameters a token's forward uses (count_parameters less the experts it is not routed
+    to); the total for a dense model."""
+    idle = sum(moe_matrix_sizes(cfg)) - sum(moe_matrix_sizes(cfg, cfg.moe_top_k))
+    return count_parameters(cfg, vocab_size) - idle * sum(moe_layers(cfg))
 
 
 def train_flops_per_token(cfg: ModelConfig, vocab_size: int) -> int:
@@ -162,3 +206,19 @@ def train_flops_per_token(cfg: ModelConfig, vocab_size: int) -> int:
         keys += cfg.seq_length if window is None else min(cfg.seq_length, window + 1)
     attention = 12 * width * keys
     return 6 * flops_parameters(cfg, vocab_size) + attention
+
+
+def expert_parameters(cfg: ModelConfig, ep: int = 1) -> int:
+    """Routed-expert parameters of the whole model, or those one rank of an expert-parallel
+    group of `ep` ranks computes (moe_num_experts / ep experts of every MoE layer; it holds
+    them all, neox/parallel/expert.py)."""
+    experts = sum(moe_matrix_sizes(cfg)[1:]) - sum(moe_matrix_sizes(cfg, 0)[1:])
+    return experts * sum(moe_layers(cfg)) // ep
+
+
+def all_to_all_bytes(cfg: ModelConfig, tokens: int, ep: int, element_bytes: int) -> int:
+    """Bytes one rank sends in all-to-alls per step: per MoE layer, each of its `tokens` x top_k
+    assignments goes out and back (dispatch and combine), forward and backward, except the
+    1 / ep that stay on the rank."""
+    per_layer = 4 * tokens * cfg.moe_top_k * cfg.hidden_size * element_bytes
+    return per_layer * sum(moe_layers(cfg)) * (ep - 1) // ep

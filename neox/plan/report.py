@@ -11,7 +11,14 @@ from typing import Optional
 from neox.config.derived import Derived, padded_vocab
 from neox.config.schema import NeoXConfig
 from neox.plan.engine_choice import engine_for, torch_compile_enabled
-from neox.plan.estimate import count_parameters, embedding_parameters, train_flops_per_token
+from neox.plan.estimate import (
+    active_parameters,
+    all_to_all_bytes,
+    count_parameters,
+    embedding_parameters,
+    expert_parameters,
+    train_flops_per_token,
+)
 from neox.plan.memory import (
     HOST_PROCESS_BYTES,
     GiB,
@@ -98,6 +105,27 @@ def tokens_per_second(
     return mfu * peak_tflops * 1e12 * gpus / train_flops_per_token(cfg.model, vocab_size)
 
 
+def moe_lines(cfg: NeoXConfig, d: Derived, vocab_size: int) -> list[str]:
+    """Active parameters, expert weights per rank and all-to-all traffic of an MoE model."""
+    m = cfg.model
+    if m.moe_num_experts == 1:
+        return []
+    ep = m.moe_expert_parallel_size
+    tokens = d.micro_batch * d.grad_accum * m.seq_length
+    k = 4 if d.precision == "fp32" else 2
+    experts = expert_parameters(m)  # every rank holds them all, whatever the EP size
+    layers = sum(m.is_moe_layer(i) for i in range(m.num_layers))
+    return [
+        f"MoE: {layers} of {m.num_layers} layers, {m.moe_num_experts} experts, top-"
+        f"{m.moe_top_k}; {active_parameters(m, vocab_size):,} active parameters per token "
+        f"(FLOPs and MFU count these)",
+        f"experts per rank: {experts:,} parameters, {experts * k / GiB:.2f} GiB of {d.precision} "
+        f"weights (all of them; expert parallel size {ep} splits their compute, "
+        f"{expert_parameters(m, ep):,} per rank); all-to-all per rank per step: "
+        f"{all_to_all_bytes(m, tokens, ep, k) / GiB:.2f} GiB",
+    ]
+
+
 def _gib(n: int) -> str:
     return f"{n / GiB:8.2f}"
 
@@ -126,6 +154,7 @@ def estimate_report(
         f"accumulation {d.grad_accum}, {d.precision}; padded vocab {vocab_size}",
         f"parameters: {total:,} total, {total - embedding_parameters(m, vocab_size):,} "
         f"non-embedding, {per_rank:,} on the largest tp/pp rank",
+        *moe_lines(cfg, derived, vocab_size),
         f"training FLOPs per token: {flops:.4g} (6N + 12 L h s)",
         "",
         f"memory per GPU, GiB (ZeRO stage configured: {configured}; activation checkpointing "

@@ -627,8 +627,10 @@ class _Timers:
         self.timers.log([FWD, BWD, STEP])
 
     def reset(self) -> None:
+        # elapsed(reset=True) keeps a running timer running (reset() would stop the step's own
+        # timer, which steps_per_print's report on ranks other than 0 runs inside of).
         for name in (FWD, BWD, STEP):
-            self.timers(name).reset()
+            self.timers(name).elapsed(reset=True)
 
 
 class _NoTimers:

@@ -13,6 +13,7 @@ from neox.checkpoint.io import last_saved, load_checkpoint, poisoned, save_check
 from neox.config import write_config
 from neox.config.derived import consumed_samples
 from neox.data.batch import Batch, build_batch
+from neox.model.moe import router_metrics
 from neox.parallel.context import context_chunk
 from neox.training.metrics import (
     DeviceScalars,
@@ -68,6 +69,7 @@ def train_step(run: Run, stream: Iterator, iteration: int) -> DeviceScalars:
     metrics["skipped"] = step.skipped
     metrics["loss_scale"] = step.loss_scale  # None (not written) outside fp16
     metrics["trained_tokens"] = step.trained_tokens  # the loss's denominator, global batch
+    metrics.update(moe_metrics(run))
     return DeviceScalars(metrics)
 
 
@@ -77,6 +79,15 @@ def data_parallel_mean(run: Run, loss: torch.Tensor) -> torch.Tensor:
     group = run.groups.get_data_parallel_group()
     torch.distributed.all_reduce(loss, group=group)
     return loss / torch.distributed.get_world_size(group=group)
+
+
+def moe_metrics(run: Run) -> dict[str, torch.Tensor]:
+    """The MoE layers' router losses and expert load of the step's last micro-batch, averaged
+    over the data-parallel ranks in one all-reduce (none for a dense model)."""
+    names, values = router_metrics(run.engine.module)
+    if not names:
+        return {}
+    return dict(zip(names, data_parallel_mean(run, torch.stack(values)).unbind()))
 
 
 def objective_metrics(run: Run) -> dict[str, torch.Tensor]:

@@ -83,7 +83,7 @@ def test_feature_keys_at_gpt_neox_defaults_are_accepted():
 @pytest.mark.parametrize(
     "key,value,feature",
     [
-        ("moe_num_experts", 8, "Mixture-of-Experts"),
+        ("moe_use_residual", True, "residual MoE"),
         ("mup_width_scale", 4, "muP"),
         ("dpo_beta", 0.5, "DPO"),
         ("kl_div_beta", 0.2, "REINFORCE"),

@@ -71,8 +71,8 @@ def test_unknown_key_suggests_the_right_one(tmp_path):
 
 
 def test_unimplemented_feature_is_named(tmp_path):
-    path = write(tmp_path, "moe.yml", "moe_num_experts: 8\n")
-    with pytest.raises(ConfigError, match=r"moe.yml: moe_num_experts=8 .*Mixture-of-Experts"):
+    path = write(tmp_path, "mup.yml", "use_mup: true\n")
+    with pytest.raises(ConfigError, match=r"mup.yml: use_mup=True .*muP"):
         load_config([path])
 
 

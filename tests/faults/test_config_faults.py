@@ -92,8 +92,8 @@ FAULTS = [
     Fault(
         "unknown_feature_value",
         "a gpt-neox feature neox lacks is refused by name (at its default it is accepted)",
-        {"bad.yml": "moe_num_experts: 4\n"},
-        "moe_num_experts=4 asks for Mixture-of-Experts (MoE), which is not implemented in neox",
+        {"bad.yml": "use_mup: true\n"},
+        "use_mup=True asks for muP, which is not implemented in neox",
         dry_run=True,
     ),
     Fault(

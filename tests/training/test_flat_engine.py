@@ -285,3 +285,14 @@ def test_train_batch_reports_a_non_finite_step_as_skipped(model, rank, kind, sta
     after = eng.module.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert not bool(eng.train_batch(stream).skipped)  # and the next finite step trains again
+
+
+def test_wall_clock_timers_reset_inside_a_running_step():
+    """steps_per_print's report on a rank other than 0 resets the timers from inside the
+    step's timer (wall_clock_breakdown: true), which must keep running."""
+    from neox.training.flat_engine import STEP, _timers
+
+    timers = _timers(True)
+    with timers(STEP):
+        timers.reset()
+    assert not timers.timers(STEP).started_

@@ -1,0 +1,251 @@
+"""Mixture-of-experts MLP: a top-k router, experts as one grouped GEMM, auxiliary losses.
+
+Parameter names (HF converters map these; the expert weights are stacked, nn.Linear's
+(out, in) layout per expert):
+  mlp.router.weight                       (E, C)
+  mlp.experts.dense_h_to_4h               (E, F, C)
+  mlp.experts.gate                        (E, F, C)  gated activations only
+  mlp.experts.dense_4h_to_h               (E, C, F)
+  mlp.shared_experts.{dense_h_to_4h,gate,dense_4h_to_h}.{weight,bias}   with shared experts
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from neox.config.model import ModelConfig
+from neox.model.mlp import MLP, activation_act
+
+
+@dataclass
+class RouterStats:
+    """One MoE layer's last forward: its auxiliary losses (with grad) and expert load."""
+
+    balance_loss: torch.Tensor  # E * sum_e f_e P_e: 1 when perfectly balanced
+    z_loss: torch.Tensor  # mean logsumexp(logits)^2
+    load: torch.Tensor  # (E,) fraction of assignments per expert, detached
+    dropped: torch.Tensor  # fraction of assignments dropped past capacity, detached
+
+
+def sinkhorn(logits: torch.Tensor, iters: int = 100, tol: float = 1e-4) -> torch.Tensor:
+    """exp(logits) (N, E) scaled by row and column factors until every expert column carries
+    the same total (Sinkhorn-Knopp); only its ranking per row is used."""
+    cost = torch.exp(logits - logits.max())
+    n, e = cost.shape
+    col = torch.ones(e, dtype=cost.dtype, device=cost.device)
+    for _ in range(iters):
+        row = 1.0 / (n * (cost @ col + 1e-8))
+        new_col = 1.0 / (e * (row @ cost + 1e-8))
+        done = (new_col - col).abs().mean() < tol
+        col = new_col
+        if done:
+            break
+    return cost * row[:, None] * col[None, :]
+
+
+class Router(nn.Module):
+    """Scores each token's experts; returns the top-k weights and expert ids."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_experts, self.top_k = cfg.moe_num_experts, cfg.moe_top_k
+        deepspeed = cfg.moe_type == "deepspeed"  # DeepSpeed-MoE's gate: softmax top-k
+        self.sinkhorn = cfg.moe_router_type == "sinkhorn" and not deepspeed
+        default_score = "sigmoid" if self.sinkhorn else "softmax"
+        self.score_func = cfg.moe_score_func or default_score
+        self.norm_topk = cfg.moe_norm_topk_prob
+        self.jitter = cfg.moe_jitter_eps
+        self.weight = nn.Parameter(torch.empty(self.num_experts, cfg.hidden_size))
+
+    def forward(
+        self, x: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (N, C) -> weights (N, k) in x's dtype, expert ids (N, k), scores and logits (N, E)
+        in float32."""
+        if self.training and self.jitter:
+            eps = self.jitter
+            x = x * torch.empty_like(x).uniform_(1.0 - eps, 1.0 + eps)
+        logits = F.linear(x, self.weight).float()
+        if self.score_func == "softmax":
+            scores = logits.softmax(dim=-1)
+        else:
+            scores = logits.sigmoid()
+        if self.training and self.sinkhorn:
+            with torch.no_grad():
+                experts = sinkhorn(logits).topk(self.top_k, dim=-1).indices
+            weights = scores.gather(-1, experts)
+        else:
+            weights, experts = scores.topk(self.top_k, dim=-1)
+        if self.norm_topk:
+            weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(1e-20)
+        return weights.to(x.dtype), experts, scores, logits
+
+
+class GroupedExperts(nn.Module):
+    """E MLPs as stacked weights, each applied to its contiguous run of sorted tokens."""
+
+    def __init__(self, cfg: ModelConfig, ffn: int) -> None:
+        super().__init__()
+        e, h = cfg.moe_num_experts, cfg.hidden_size
+        self.act = activation_act(cfg)
+        self.dense_h_to_4h = nn.Parameter(torch.empty(e, ffn, h))
+        self.gate = nn.Parameter(torch.empty(e, ffn, h)) if cfg.shape.gated_mlp else None
+        self.dense_4h_to_h = nn.Parameter(torch.empty(e, h, ffn))
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor, first: int = 0) -> torch.Tensor:
+        """x (M, C) sorted by expert, counts (n,) tokens for experts first..first+n-1 -> (M, C)."""
+        ffn = self.dense_h_to_4h.shape[1]
+        if grouped_mm_runs(x) and ffn % 8 == 0 and x.shape[-1] % 8 == 0:
+            offsets = counts.cumsum(0).to(torch.int32)
+            mm = _grouped_mm(offsets)
+        else:
+            mm = _padded_bmm(counts)
+        experts = slice(first, first + counts.numel())
+        up = mm(x, self.dense_h_to_4h[experts])
+        if self.gate is None:
+            h = self.act(up)
+        else:
+            h = self.act(mm(x, self.gate[experts])) * up
+        return mm(h, self.dense_4h_to_h[experts])
+
+
+def grouped_mm_runs(x: torch.Tensor) -> bool:
+    """torch's grouped GEMM runs forward and backward on CUDA in bf16 (with widths that are
+    multiples of 8: its rows must be 16-byte aligned); CPU ranks (and other dtypes) take the
+    padded batched matmul, the same math."""
+    return x.is_cuda and x.dtype == torch.bfloat16 and hasattr(F, "grouped_mm")
+
+
+def _grouped_mm(offsets: torch.Tensor):
+    def mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return F.grouped_mm(x, w.transpose(-2, -1), offs=offsets)  # (M, in) @ (E, in, out)
+
+    return mm
+
+
+def _padded_bmm(counts: torch.Tensor):
+    """Tokens scattered into an (E, max count, in) buffer, one bmm, gathered back: no loop."""
+    e = counts.numel()
+    starts = counts.cumsum(0) - counts
+    expert = torch.repeat_interleave(torch.arange(e, device=counts.device), counts)
+    slot = torch.arange(expert.numel(), device=counts.device) - starts[expert]
+    rows = int(counts.max()) if expert.numel() else 0
+
+    def mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        buf = x.new_zeros(e, rows, x.shape[-1])
+        buf[expert, slot] = x
+        return torch.bmm(buf, w.transpose(-2, -1))[expert, slot]
+
+    return mm
+
+
+class MoE(nn.Module):
+    """x -> shared_experts(x) + sum over the top-k experts e of weight_e * expert_e(x)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        ffn = cfg.moe_ffn_hidden_size or cfg.shape.ffn_size
+        self.num_experts, self.top_k = cfg.moe_num_experts, cfg.moe_top_k
+        self.router = Router(cfg)
+        self.experts = GroupedExperts(cfg, ffn)
+        shared = cfg.moe_num_shared_experts
+        self.shared_experts = MLP(cfg, ffn * shared) if shared else None
+        self.loss_coeff, self.z_loss_coeff = cfg.moe_loss_coeff, cfg.moe_z_loss_coeff
+        dropping = cfg.moe_token_dropping
+        self.capacity_factors = (
+            (cfg.moe_train_capacity_factor, cfg.moe_eval_capacity_factor) if dropping else None
+        )
+        self.min_capacity = cfg.moe_min_capacity
+        self.stats: Optional[RouterStats] = None
+        # experts(x, counts) -> outputs; expert parallelism (neox/parallel/expert.py) puts an
+        # all-to-all dispatch here that runs each expert on its rank.
+        self.dispatch: Optional[Callable[..., torch.Tensor]] = None
+
+    def capacity(self, tokens: int) -> Optional[int]:
+        """Assignments an expert takes (None: dropless)."""
+        if self.capacity_factors is None:
+            return None
+        factor = self.capacity_factors[0 if self.training else 1]
+        cap = math.ceil(factor * tokens * self.top_k / self.num_experts)
+        return max(cap, self.min_capacity)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (B, T, C) -> (B, T, C); the router's losses and load are left in self.stats."""
+        shape = x.shape
+        tokens = x.reshape(-1, shape[-1])  # (N, C)
+        n, e = tokens.shape[0], self.num_experts
+        weights, experts, scores, logits = self.router(tokens)  # (N, k) each
+        # Choice-major order (all first choices, then all second ones), stable by token, so
+        # capacity drops later choices and later tokens first (DeepSpeed-MoE's order).
+        flat = experts.t().reshape(-1)  # (k N,)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=e)  # (E,)
+        kept = counts
+        cap = self.capacity(n)
+        if cap is not None:
+            sorted_expert = flat[order]
+            slot = (
+                torch.arange(order.numel(), device=x.device)
+                - (counts.cumsum(0) - counts)[sorted_expert]
+            )
+            order = order[slot < cap]
+            kept = counts.clamp(max=cap)
+        token = order % n
+        if self.dispatch is None:
+            out = self.experts(tokens[token], kept)  # (M, C), grouped by expert
+        else:
+            out = self.dispatch(self.experts, tokens[token], kept)
+        w = weights.t().reshape(-1)[order]
+        y = torch.zeros_like(tokens).index_add_(0, token, out * w[:, None])
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(tokens)
+        self.stats = self._stats(scores, logits, counts, kept)
+        return y.view(shape)
+
+    def _stats(
+        self, scores: torch.Tensor, logits: torch.Tensor, counts: torch.Tensor, kept: torch.Tensor
+    ) -> RouterStats:
+        total = counts.sum()
+        load = counts.float() / total  # f_e
+        probs = scores / scores.sum(dim=-1, keepdim=True)  # sigmoid scores as a distribution
+        balance = self.num_experts * (load * probs.mean(dim=0)).sum()
+        z = torch.logsumexp(logits, dim=-1).square().mean()
+        dropped = 1.0 - kept.sum().float() / total
+        return RouterStats(balance, z, load.detach(), dropped.detach())
+
+    def aux_loss(self) -> torch.Tensor:
+        """This layer's weighted auxiliary loss from its last forward."""
+        s = self.stats
+        assert s is not None, "aux_loss before forward"
+        return self.loss_coeff * s.balance_loss + self.z_loss_coeff * s.z_loss
+
+
+def moe_aux_loss(layers: Iterable[nn.Module]) -> torch.Tensor:
+    """The weighted auxiliary losses of the MoE layers among `layers`, summed."""
+    losses = [b.mlp.aux_loss() for b in layers if isinstance(getattr(b, "mlp", None), MoE)]
+    return torch.stack(losses).sum()
+
+
+def router_metrics(model: nn.Module) -> tuple[list[str], list[torch.Tensor]]:
+    """Each MoE layer's last forward, as metric names and detached scalars: moe/{layer}/
+    balance_loss, z_loss, dropped (fraction of assignments past capacity) and load/{expert}
+    (fraction of assignments to that expert; 1 / E each when balanced)."""
+    names, values = [], []
+    for name, module in model.named_modules():
+        if not isinstance(module, MoE) or module.stats is None:
+            continue
+        layer = name.split(".")[-2] if name.endswith(".mlp") else name
+        s = module.stats
+        for metric in ("balance_loss", "z_loss", "dropped"):
+            names.append(f"moe/{layer}/{metric}")
+            values.append(getattr(s, metric).detach().float())
+        names += [f"moe/{layer}/load/{e}" for e in range(s.load.numel())]
+        values += list(s.load.float().unbind())
+    return names, values

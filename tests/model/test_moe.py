@@ -1,0 +1,213 @@
+"""The MoE MLP against a per-token, per-expert loop; router, capacity and auxiliary losses."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from neox.config import ConfigError, load_dict
+from neox.model import build_model
+from neox.model.moe import MoE, moe_aux_loss, sinkhorn
+
+BASE = {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "seq_length": 16}
+
+
+def moe_layer(seed: int = 0, **keys) -> MoE:
+    cfg = load_dict({**BASE, "moe_num_experts": 4, "moe_top_k": 2, **keys}).model
+    model = build_model(cfg, 64, seed=seed)
+    return model.layers[0].mlp
+
+
+def reference(moe: MoE, x: torch.Tensor, capacity=None) -> torch.Tensor:
+    """Each token through each chosen expert, one at a time (first choices before second ones
+    for capacity)."""
+    tokens = x.reshape(-1, x.shape[-1])
+    weights, experts, _, _ = moe.router(tokens)
+    ex, act = moe.experts, moe.experts.act
+    out = torch.zeros_like(tokens)
+    taken = [0] * moe.num_experts
+    for choice in range(experts.shape[1]):
+        for n in range(tokens.shape[0]):
+            e = int(experts[n, choice])
+            if capacity is not None and taken[e] >= capacity:
+                continue
+            taken[e] += 1
+            up = ex.dense_h_to_4h[e] @ tokens[n]
+            h = act(ex.gate[e] @ tokens[n]) * up if ex.gate is not None else act(up)
+            out[n] += weights[n, choice] * (ex.dense_4h_to_h[e] @ h)
+    if moe.shared_experts is not None:
+        out = out + moe.shared_experts(tokens)
+    return out.view(x.shape)
+
+
+@pytest.mark.parametrize(
+    "keys",
+    [
+        {"moe_router_type": "topk"},
+        {"moe_router_type": "topk", "activation": "swiglu", "moe_norm_topk_prob": True},
+        {"moe_router_type": "topk", "moe_score_func": "sigmoid", "moe_num_shared_experts": 2},
+        {"moe_router_type": "sinkhorn", "moe_ffn_hidden_size": 24},
+    ],
+    ids=["topk", "swiglu-norm", "sigmoid-shared", "sinkhorn"],
+)
+def test_moe_matches_per_expert_loop(keys):
+    moe = moe_layer(**keys).eval()
+    x = torch.randn(2, 8, 32, requires_grad=True)
+    y = moe(x)
+    want = reference(moe, x)
+    torch.testing.assert_close(y, want, atol=1e-5, rtol=1e-5)
+    # Gradients reach every expert weight the same way as through the loop.
+    grads = torch.autograd.grad(y.square().sum(), [x, *moe.parameters()])
+    want_grads = torch.autograd.grad(want.square().sum(), [x, *moe.parameters()])
+    for got, exp in zip(grads, want_grads):
+        torch.testing.assert_close(got, exp, atol=1e-4, rtol=1e-4)
+
+
+def test_parameter_names_and_layout():
+    """The names HF converters map: router, stacked (E, out, in) experts, shared experts; MoE
+    every moe_expert_interval layers from layer 0."""
+    cfg = load_dict(
+        {
+            **BASE,
+            "num_layers": 3,
+            "moe_num_experts": 4,
+            "moe_expert_interval": 2,
+            "moe_ffn_hidden_size": 24,
+            "moe_num_shared_experts": 1,
+            "activation": "swiglu",
+            "use_bias_in_mlp": False,
+        }
+    ).model
+    shapes = {n: tuple(p.shape) for n, p in build_model(cfg, 64).named_parameters()}
+    assert shapes["layers.0.mlp.router.weight"] == (4, 32)
+    assert shapes["layers.0.mlp.experts.dense_h_to_4h"] == (4, 24, 32)
+    assert shapes["layers.0.mlp.experts.gate"] == (4, 24, 32)
+    assert shapes["layers.0.mlp.experts.dense_4h_to_h"] == (4, 32, 24)
+    assert shapes["layers.0.mlp.shared_experts.dense_4h_to_h.weight"] == (32, 24)
+    assert "layers.1.mlp.dense_h_to_4h.weight" in shapes  # dense layer between MoE layers
+    assert "layers.2.mlp.router.weight" in shapes
+
+
+def test_experts_initialised_independently_of_each_other():
+    """Expert e's initial weights are a function of its name and index alone."""
+    a = moe_layer(seed=3).experts.dense_h_to_4h.detach()
+    assert not torch.equal(a[0], a[1])
+    b = moe_layer(seed=3, moe_num_experts=6).experts.dense_h_to_4h.detach()
+    torch.testing.assert_close(a, b[:4])
+
+
+def test_token_dropping_keeps_first_choices_up_to_capacity():
+    moe = moe_layer(
+        moe_type="deepspeed",
+        moe_token_dropping=True,
+        moe_eval_capacity_factor=0.5,
+        moe_min_capacity=1,
+    ).eval()
+    x = torch.randn(1, 16, 32)
+    cap = moe.capacity(16)
+    assert cap == 4  # ceil(0.5 * 16 tokens * 2 choices / 4 experts)
+    torch.testing.assert_close(moe(x), reference(moe, x, capacity=cap), atol=1e-5, rtol=1e-5)
+    assert moe.stats.dropped > 0
+    # The dropless layer with the same weights differs: something was dropped.
+    moe.capacity_factors = None
+    assert not torch.allclose(moe(x), reference(moe, x, capacity=cap))
+
+
+def test_sinkhorn_balances_the_experts():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 4, generator=g) * 2 + torch.tensor([5.0, 0.0, 0.0, 0.0])
+    plan = sinkhorn(logits)
+    # Columns carry equal mass and rows too (64 tokens, 4 experts).
+    torch.testing.assert_close(plan.sum(0), torch.full((4,), 1 / 4), atol=1e-3, rtol=0)
+    torch.testing.assert_close(plan.sum(1), torch.full((64,), 1 / 64), atol=1e-3, rtol=0)
+    # Top-1 of raw logits favours expert 0; the balanced plan spreads the tokens out.
+    assert logits.argmax(-1).bincount(minlength=4)[0] > 48
+    assert plan.argmax(-1).bincount(minlength=4).max() < 32
+
+
+def test_auxiliary_losses():
+    moe = moe_layer(moe_router_type="topk", moe_z_loss_coeff=0.01).train()
+    with torch.no_grad():
+        moe.router.weight.zero_()  # every expert scored alike: the balance loss is 1 at best
+    moe(torch.randn(2, 8, 32))
+    s = moe.stats
+    torch.testing.assert_close(s.load.sum(), torch.tensor(1.0))
+    # Uniform scores: P_e = 1/E, so E * sum_e f_e / E = 1 whatever the load; logits 0: z = ln(E)^2.
+    torch.testing.assert_close(s.balance_loss, torch.tensor(1.0))
+    torch.testing.assert_close(s.z_loss, torch.tensor(4.0).log().square())
+    torch.testing.assert_close(moe.aux_loss(), 0.1 * s.balance_loss + 0.01 * s.z_loss)
+    # An unbalanced router pays more: all tokens to expert 0 with P_0 high.
+    with torch.no_grad():
+        moe.router.weight.zero_()
+        moe.router.weight[0] = 1.0
+    moe(torch.ones(2, 8, 32))
+    assert moe.stats.balance_loss > 1.5
+    assert moe.stats.load[0] == 0.5  # top-2: half the assignments to expert 0
+
+
+def test_training_loss_adds_the_router_losses():
+    """In training the loss is the LM loss plus every MoE layer's weighted router losses; in
+    evaluation the LM loss alone."""
+    keys = {"moe_num_experts": 4, "moe_top_k": 2, "moe_router_type": "topk", "moe_z_loss_coeff": 1}
+    model = build_model(load_dict({**BASE, **keys}).model, 64)
+    ids = torch.randint(0, 64, (2, 17))
+    train_loss = model.train()(ids[:, :-1], labels=ids[:, 1:])
+    aux = moe_aux_loss(model.layers)
+    assert aux > 0.1 * 2  # two layers; the z-loss is positive
+    eval_loss = model.eval()(ids[:, :-1], labels=ids[:, 1:])
+    torch.testing.assert_close(
+        eval_loss, F.cross_entropy(model(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
+    )
+    torch.testing.assert_close(train_loss, eval_loss + aux)
+
+
+@pytest.mark.parametrize(
+    "keys,message",
+    [
+        ({"moe_num_experts": 4, "moe_top_k": 5}, "moe_top_k=5 exceeds moe_num_experts=4"),
+        ({"moe_num_experts": 4, "moe_token_dropping": True}, "needs moe_type: deepspeed"),
+        ({"moe_use_residual": True}, "residual MoE"),
+    ],
+)
+def test_moe_keys_refused_by_name(keys, message):
+    with pytest.raises(ConfigError, match=message):
+        load_dict({**BASE, **keys})
+
+
+@pytest.mark.skipif(not hasattr(F, "grouped_mm"), reason="torch without grouped_mm")
+def test_grouped_mm_and_padded_bmm_agree():
+    """CUDA's path (torch's grouped GEMM over a transposed slice of the stacked weights, offsets
+    as cumulative counts) and the padded bmm compute the same products; torch runs grouped_mm's
+    forward on CPU too (not its backward), which checks the layout convention here."""
+    from neox.model.moe import _grouped_mm, _padded_bmm
+
+    w = torch.randn(6, 32, 16)[1:5]  # a slice, as expert parallelism takes one
+    x = torch.randn(20, 16)
+    counts = torch.tensor([3, 0, 9, 8])
+    grouped = _grouped_mm(counts.cumsum(0).to(torch.int32))(x, w)
+    torch.testing.assert_close(grouped, _padded_bmm(counts)(x, w), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_experts_on_cuda_in_bf16_run_grouped_mm_like_the_float32_bmm():
+    """On a GPU in bf16 the experts run as torch's grouped GEMM, forward and backward, and
+    agree with the float32 padded bmm of the same weights (to bf16 rounding)."""
+    from neox.model.moe import grouped_mm_runs
+
+    experts = moe_layer(activation="swiglu").experts.cuda()
+    counts = torch.tensor([40, 0, 100, 60], device="cuda")
+    x = torch.randn(200, 32, device="cuda")
+    fast = copy.deepcopy(experts).bfloat16()
+    xb = x.bfloat16().requires_grad_()
+    x32 = x.clone().requires_grad_()
+    assert grouped_mm_runs(xb) and not grouped_mm_runs(x32)
+    y, want = fast(xb, counts), experts(x32, counts)
+    torch.testing.assert_close(y.float(), want, atol=2e-2, rtol=2e-2)
+    y.float().square().sum().backward()
+    want.square().sum().backward()
+    torch.testing.assert_close(xb.grad.float(), x32.grad, atol=5e-2, rtol=5e-2)
+    torch.testing.assert_close(
+        fast.dense_h_to_4h.grad.float(), experts.dense_h_to_4h.grad, atol=5e-2, rtol=5e-2
+    )
