@@ -99,7 +99,12 @@ def data_parallel_run(tmp_path_factory) -> dict[int, float]:
 @pytest.mark.parametrize(
     "layout",
     [
-        {"model_parallel_size": 2, "gradient_accumulation_steps": 4},
+        # gpt-neox's file asks for experts split over tp ranks, which neox refuses by name.
+        {
+            "model_parallel_size": 2,
+            "gradient_accumulation_steps": 4,
+            "enable_expert_tensor_parallelism": False,
+        },
         {"moe_expert_parallel_size": 2},
         {"zero_optimization": {"stage": 2}, "moe_expert_parallel_size": 2},
         {"zero_optimization": {"stage": 3}, "moe_expert_parallel_size": 2},
