@@ -4,6 +4,8 @@ ranks, one node and two nodes over pdsh (a real sshd)."""
 
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,7 @@ from tests.launcher.conftest import sshd  # noqa: F401  (the module's sshd fixtu
 from tests.launcher.test_deepy_multinode import two_node_training
 from tests.train_helpers import (
     ROOT,
+    deepy_env,
     losses,
     make_dataset,
     records,
@@ -19,6 +22,7 @@ from tests.train_helpers import (
     train,
     write_config,
 )
+from tests.training.lifecycle_helpers import BackgroundRun
 
 pytestmark = pytest.mark.slow
 
@@ -135,3 +139,39 @@ def test_a_rank_that_dies_at_start_every_time_is_restarted_n_times_then_named(tm
     assert "rank 1 on" in last and "was killed by SIGKILL" in last, last
     assert last.endswith("once it is fixed, the same command starts over: no checkpoint saved yet")
     assert "Traceback" not in out
+
+
+def test_a_stop_signal_saves_and_stops_without_a_restart(tmp_path):
+    make_dataset(tmp_path / "data" / "chars")
+    keys = {**RUN, "train_iters": 1000}
+    cfg = write_config(tmp_path, "stopped", max_restarts=1, hang_timeout_s=600, **keys)
+    run = BackgroundRun(cfg, tmp_path / "stopped.out")
+    try:
+        run.wait_for("iter 2/1000")
+        os.kill(run.proc.pid, signal.SIGTERM)
+        assert run.wait() == 0, run.text()[-3000:]
+    finally:
+        run.kill_all()
+    out = run.text()
+    assert out.count("launching 2 rank(s)") == 1 and "restart 1/1" not in out, out[-3000:]
+    assert "deepy: stopped by SIGTERM; checkpoint saved in" in out
+
+
+def test_an_error_a_relaunch_would_meet_again_is_not_restarted(tmp_path):
+    # A train.py whose rank 1 exits 2, as train.py does on a config, data or checkpoint error.
+    script = tmp_path / "train.py"
+    script.write_text("import os, sys\nsys.exit(2 if os.environ['RANK'] == '1' else 0)\n")
+    make_dataset(tmp_path / "data" / "chars")
+    cfg = write_config(tmp_path, "bad", max_restarts=2, **RUN)
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "deepy.py"), str(script), str(cfg)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env=deepy_env(),
+    )
+    out = r.stdout + r.stderr
+    assert r.returncode == 2, out[-3000:]
+    assert out.count("launching 2 rank(s)") == 1 and "restart 1/2" not in out, out[-3000:]
+    assert "rank 1 on" in out and "exited with status 2" in out

@@ -1,0 +1,45 @@
+"""What a relaunch under max_restarts resumes from, and when max_restarts cannot work."""
+
+import os
+import time
+
+from neox.config import load_dict
+from neox.launcher.liveness import heartbeat_path, stalest
+from neox.launcher.restart import restart_problem, resume_config
+
+
+def test_a_relaunch_resumes_its_own_newest_checkpoint_once_save_holds_one(tmp_path):
+    save, pretrained = tmp_path / "ckpt", tmp_path / "pretrained"
+    cfg = load_dict(
+        {"save": str(save), "load": str(pretrained), "finetune": True, "max_restarts": 2}
+    )
+    # Nothing saved yet: the relaunch starts as the first launch did (from the pretrained load).
+    assert resume_config(cfg) is cfg
+    save.mkdir()
+    (save / "latest").write_text("global_step4")
+    again = resume_config(cfg)
+    # Its own checkpoint, as its own run: not a finetune from it (that would restart at 0).
+    assert again.checkpoint.load == str(save) and not again.training.finetune
+    assert cfg.checkpoint.load == str(pretrained) and cfg.training.finetune  # left as it was
+
+
+def test_max_restarts_needs_save_for_train_py_only():
+    cfg = load_dict({"max_restarts": 1})
+    assert restart_problem(cfg, "train.py").startswith("max_restarts=1 needs `save`")
+    assert restart_problem(cfg, "generate.py") is None  # run once, never restarted
+    assert restart_problem(load_dict({}), "train.py") is None
+
+
+def test_the_stalest_rank_beyond_the_timeout_is_named_and_one_without_a_step_is_not_timed(
+    tmp_path,
+):
+    now = time.time()
+    for rank, idle in ((0, 2.0), (1, 9.0)):
+        path = heartbeat_path(str(tmp_path), rank)
+        open(path, "w").close()
+        os.utime(path, (now - idle, now - idle))
+    # Rank 2 has finished no step: no file, not timed however long it builds or loads.
+    rank, seconds = stalest(str(tmp_path), [0, 1, 2], timeout_s=5)
+    assert rank == 1 and 9 <= seconds < 60
+    assert stalest(str(tmp_path), [0, 1, 2], timeout_s=10) is None
+    assert stalest(str(tmp_path), [0, 2], timeout_s=5) is None
