@@ -256,13 +256,19 @@ def main(argv: list[str]) -> int:
     written = Path(args.script).name == "train.py" and cfg.logging.log_dir
     # What `latest` was when a stop signal came: only a save completed after it is claimed.
     at_stop: list = []
+
+    def relaunch_plan(relaunch, environ):
+        """The same command, its own launch id and environment, to nodes that still answer."""
+        again = build_launch(
+            relaunch.launcher, args.script, ["--neox_config", encode(relaunch)], environ=environ
+        )
+        check_nodes_reachable(again)
+        return again
+
     result = launch_with_restarts(
         cfg,
         args.script,
-        # A relaunch: the same command, its own launch id and environment.
-        lambda relaunch, environ: build_launch(
-            relaunch.launcher, args.script, ["--neox_config", encode(relaunch)], environ=environ
-        ),
+        relaunch_plan,
         plan,
         f"{cfg.logging.log_dir}/config.yml" if written else None,
         on_stop=lambda: at_stop.append(latest_state(cfg.checkpoint.save)),

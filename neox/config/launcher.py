@@ -79,8 +79,8 @@ class LauncherConfig(ConfigGroup):
     the OOM killer, a collective timing out), hangs (`hang_timeout_s`), or a node lost (its ssh
     session or agent gone). Every rank on every node is ended first; the relaunch resumes from
     the newest good checkpoint in `save` (which it needs). Never restarted: a stop signal (the
-    ranks save and exit), an error a relaunch would meet again (a config, data or checkpoint
-    error, non-finite steps: the ranks exit 2), and scripts other than train.py."""
+    ranks save and exit), an error a relaunch would meet again (a config or checkpoint error,
+    non-finite steps: the ranks exit 2), and scripts other than train.py."""
 
     hang_timeout_s: Annotated[Optional[float], Reads("neox/launcher/plan.py")] = Field(
         None, gt=0, le=604800

@@ -233,7 +233,10 @@ class Agent:
             if found is not None:
                 rank, idle = found
                 self.hung = next(p for p, r in self.ranks.items() if r == rank)
-                why = f"rank {rank} hung: no finished step for {idle:.0f} s, over hang_timeout_s={timeout:g}"
+                why = (
+                    f"rank {rank} hung: no finished step for {idle:.0f} s, over "
+                    f"hang_timeout_s={timeout:g}"
+                )
                 log.error("%s; killing the ranks on %s", why, self.host)
                 self.kill(why)
                 return

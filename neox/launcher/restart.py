@@ -17,6 +17,7 @@ from typing import Optional
 
 from neox.checkpoint.compat import latest_state
 from neox.config import NeoXConfig
+from neox.launcher.hostfile import LaunchError
 from neox.launcher.liveness import RESTART_ENV
 from neox.launcher.plan import LaunchPlan
 from neox.launcher.run import LaunchResult, launch
@@ -58,7 +59,8 @@ def launch_with_restarts(
     on_stop: Optional[Callable[[], None]] = None,
 ) -> LaunchResult:
     """Launch `first`; after a failure a relaunch may get past, relaunch up to max_restarts
-    times with plan_for(config, environment), each restart logged with its cause."""
+    times with plan_for(config, environment), each restart logged with its cause. A relaunch
+    plan_for refuses (LaunchError: a node that no longer answers ssh) ends the run there."""
     most = cfg.launcher.max_restarts if os.path.basename(script) == RESTARTED_SCRIPT else 0
     result = launch(first, config_at, on_stop)
     for k in range(1, most + 1):
@@ -68,7 +70,19 @@ def launch_with_restarts(
         where = _resumes_from(relaunch)
         log.warning("restart %d/%d after: %s; it %s", k, most, _first_line(result.failure), where)
         environ = {**os.environ, RESTART_ENV: f"{k}/{most}"}
-        result = launch(plan_for(relaunch, environ), config_at, on_stop)
+        try:
+            plan = plan_for(relaunch, environ)
+        except LaunchError as e:
+            log.error(
+                "restart %d/%d not launched: %s\nonce that is fixed (a node back, or out of the "
+                "hostfile), the same command %s",
+                k,
+                most,
+                e,
+                where,
+            )
+            return result
+        result = launch(plan, config_at, on_stop)
     if most and result.retry:
         log.error(
             "giving up: the run failed %d time(s), the limit max_restarts=%d reached; the last "

@@ -179,7 +179,7 @@ class _Node:
 
     def retryable(self) -> bool:
         """A failure a relaunch may get past: a rank that died or hung, a node lost without a
-        report; not a rank's exit 2 (config, data or checkpoint error: it would recur)."""
+        report; not a rank's exit 2 (a config or checkpoint error: it would recur)."""
         report = self._bad_report()
         return report is None or report["code"] != INPUT_ERROR_EXIT
 
