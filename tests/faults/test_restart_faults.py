@@ -2,10 +2,14 @@
 two checkpoints, a rank stopped (SIGSTOP) and a rank that dies at start every time, on real CPU
 ranks, one node and two nodes over pdsh (a real sshd)."""
 
+import atexit
+import functools
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -26,8 +30,14 @@ from tests.training.lifecycle_helpers import BackgroundRun
 
 pytestmark = pytest.mark.slow
 
-# 12 steps, checkpoints at 4, 8 and 12.
-RUN = dict(train_iters=12, checkpoint_factor=4, eval_interval=1000, do_test=False)
+# 12 steps, checkpoints at 4, 8 and 12; ZeRO 0 as on the two pdsh "nodes" (two_node_training).
+RUN = dict(
+    train_iters=12,
+    checkpoint_factor=4,
+    eval_interval=1000,
+    do_test=False,
+    zero_optimization={"stage": 0},
+)
 
 # A fault in rank RANK of the first launch, on the caller's PYTHONPATH (which the ranks keep, on
 # every node): at its second heartbeat (a finished step or save; hang_timeout_s makes the agent
@@ -62,12 +72,24 @@ def fault(tmp_path: Path, name: str, sig: int, rank: int = 1) -> str:
     return os.pathsep.join([str(folder), str(ROOT)])
 
 
+@functools.cache
+def reference_losses() -> dict[int, float]:
+    """The uninterrupted run's losses, its 2 ranks started from this process; once per test
+    process, since every launcher's run must give the same."""
+    folder = Path(tempfile.mkdtemp(prefix="neox-restart-reference-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    make_dataset(folder / "data" / "chars")
+    train(write_config(folder, "reference", **RUN))
+    return losses(folder / "reference" / "logs")
+
+
 def kill_9_between_checkpoints(tmp_path: Path, keys: dict, **env: str) -> str:
     """deepy.py with max_restarts: 1; rank 1 kills itself (SIGKILL) after step 5 or 6. The job
     ends with exit 0 and every step's loss equal to an uninterrupted run's; returns its output."""
     make_dataset(tmp_path / "data" / "chars")
-    reference = write_config(tmp_path, "reference", **{**RUN, **keys, "num_gpus": 2})
-    cfg = write_config(tmp_path, "restarted", max_restarts=1, hang_timeout_s=600, **RUN, **keys)
+    # The launcher's keys, and RUN's steps and checkpoints.
+    flat = {**keys, **RUN, "max_restarts": 1, "hang_timeout_s": 600}
+    cfg = write_config(tmp_path, "restarted", **flat)
     r = run_train(cfg, PYTHONPATH=fault(tmp_path, "restarted", signal.SIGKILL), **env)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-3000:]
@@ -78,8 +100,7 @@ def kill_9_between_checkpoints(tmp_path: Path, keys: dict, **env: str) -> str:
     steps = [r for r in records(tmp_path / "restarted" / "logs") if r["split"] == "train"]
     assert [r["step"] for r in steps] == list(range(1, 13))
     assert [r.get("restarts", 0) for r in steps] == [0] * 4 + [1] * 8
-    train(reference)  # the uninterrupted run, its ranks started from this process
-    assert losses(tmp_path / "restarted" / "logs") == losses(tmp_path / "reference" / "logs")
+    assert losses(tmp_path / "restarted" / "logs") == reference_losses()
     return out
 
 
@@ -91,8 +112,6 @@ def test_kill_9_of_a_rank_between_checkpoints_restarts_and_matches_an_uninterrup
 
 def test_kill_9_of_a_rank_on_a_pdsh_node_restarts_every_node(sshd, tmp_path):  # noqa: F811
     keys = two_node_training(sshd, tmp_path)
-    for key in ("checkpoint_factor", "eval_interval", "do_test"):
-        keys.pop(key)
     # One thread per rank on both nodes, as the reference's ranks have: the same sums.
     keys["export_env"] = ["OMP_NUM_THREADS"]
     out = kill_9_between_checkpoints(
