@@ -100,6 +100,8 @@ def kill_9_between_checkpoints(tmp_path: Path, keys: dict, **env: str) -> str:
     steps = [r for r in records(tmp_path / "restarted" / "logs") if r["split"] == "train"]
     assert [r["step"] for r in steps] == list(range(1, 13))
     assert [r.get("restarts", 0) for r in steps] == [0] * 4 + [1] * 8
+    [last] = [ln for ln in out.splitlines() if "iter 12/12" in ln]
+    assert " | restart 1 | " in last, last  # the log line says so too
     assert losses(tmp_path / "restarted" / "logs") == reference_losses()
     return out
 
