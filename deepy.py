@@ -16,9 +16,10 @@ import yaml
 
 from neox.checkpoint.compat import check_resume, describe_stop, latest_state
 from neox.config import ConfigError, build_ds_config, derive, encode, load_config
-from neox.launcher import LaunchError, build_launch, launch
+from neox.launcher import LaunchError, build_launch
 from neox.launcher.port import check_master_port
 from neox.launcher.reach import check_nodes_reachable
+from neox.launcher.restart import launch_with_restarts, restart_problem
 from neox.plan.attention_path import describe_attention_paths
 from neox.plan.memory import GiB
 from neox.plan.preflight import (
@@ -195,6 +196,8 @@ def main(argv: list[str]) -> int:
         ds_config = build_ds_config(cfg, derived)
         problems += derived_problems(loaded, derived, args.script, cpu_ranks=plan.cpu)
         problems += deepspeed_section_problems(loaded, ds_config)
+        if problem := restart_problem(cfg, args.script):
+            problems.append(problem)
         try:
             attention = describe_attention_paths(
                 cfg.model,
@@ -257,7 +260,19 @@ def main(argv: list[str]) -> int:
     written = Path(args.script).name == "train.py" and cfg.logging.log_dir
     # What `latest` was when a stop signal came: only a save completed after it is claimed.
     at_stop: list = []
-    result = launch(
+
+    def relaunch_plan(relaunch, environ):
+        """The same command, its own launch id and environment, to nodes that still answer."""
+        again = build_launch(
+            relaunch.launcher, args.script, ["--neox_config", encode(relaunch)], environ=environ
+        )
+        check_nodes_reachable(again)
+        return again
+
+    result = launch_with_restarts(
+        cfg,
+        args.script,
+        relaunch_plan,
         plan,
         f"{cfg.logging.log_dir}/config.yml" if written else None,
         on_stop=lambda: at_stop.append(latest_state(cfg.checkpoint.save)),

@@ -10,6 +10,7 @@ import sys
 from neox.checkpoint.consolidate import CheckpointError
 from neox.config import ConfigError
 from neox.entry import leave_together, peer_ended, rank_config
+from neox.launcher.process import INPUT_ERROR_EXIT
 from neox.training import run_training
 
 
@@ -18,16 +19,17 @@ def main(argv: list[str]) -> int:
         cfg = rank_config(argv)
     except ConfigError as e:
         print(f"train.py: config error:\n{e}", file=sys.stderr)
-        return 2
+        return INPUT_ERROR_EXIT
     from neox.training.loop import NonFiniteSteps
     from neox.training.stop import ignore_further_stops
 
     try:
         run_training(cfg)
     except (CheckpointError, NonFiniteSteps) as e:
-        # Every rank meets the same problem; one line each, no traceback.
+        # Every rank meets the same problem; one line each, no traceback. A relaunch would meet
+        # it again: deepy.py's max_restarts never restarts this status.
         print(f"train.py: {e}", file=sys.stderr)
-        return 1
+        return INPUT_ERROR_EXIT
     except RuntimeError as e:
         if not peer_ended(e):
             raise

@@ -74,6 +74,22 @@ class LauncherConfig(ConfigGroup):
     """Seconds the ranks get to save and exit after a stop (SIGTERM/SIGINT to deepy.py, or
     deepy.py gone) before the node's agent kills them; a large model's save takes minutes."""
 
+    max_restarts: Annotated[int, Reads("neox/launcher/restart.py")] = Field(0, ge=0, le=1000)
+    """Times deepy.py relaunches train.py after a failure (0: never): a rank that dies (a crash,
+    the OOM killer, a collective timing out), hangs (`hang_timeout_s`), or a node lost (its ssh
+    session or agent gone). Every rank on every node is ended first; the relaunch resumes from
+    the newest good checkpoint in `save` (which it needs). Never restarted: a stop signal (the
+    ranks save and exit), an error a relaunch would meet again (a config or checkpoint error,
+    non-finite steps: the ranks exit 2), and scripts other than train.py."""
+
+    hang_timeout_s: Annotated[Optional[float], Reads("neox/launcher/plan.py")] = Field(
+        None, gt=0, le=604800
+    )
+    """Seconds without a finished training step after which a node's agent takes a rank for
+    hung and kills the ranks (a failure: restarted under `max_restarts`). Timed from each rank's
+    first finished step, so building, compiling and loading a checkpoint are not; an evaluation
+    or a save is, so set it above the longest of those and of a step. None: off."""
+
     skip_memory_check: Annotated[bool, Reads("neox/plan/report.py")] = False
     """Launch even when the memory estimate (tools/estimate.py) is over twice what each rank has
     (GPU memory, or host memory per CPU rank); deepy.py refuses such a launch otherwise."""

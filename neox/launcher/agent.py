@@ -4,8 +4,8 @@ deepy.py starts one agent per node (directly on its own machine, over ssh on the
 through mpirun/srun, which start one per node):
 
 python -u -m neox.launcher.agent --node_rank=K --nodes=2,2 --devices=0,1 --master_addr=A
-    --master_port=P --stop_grace_s=600 [--control | --control_fd=N] [--report_fd=N] [--tee]
-    -- script.py ARGS...
+    --master_port=P --stop_grace_s=600 [--hang_timeout_s=S] [--control | --control_fd=N]
+    [--report_fd=N] [--tee] -- script.py ARGS...
 
 Under mpirun/srun every node gets the same command: `--node_rank_env=OMPI_COMM_WORLD_RANK` (or
 SLURM_NODEID, ...) names where the launcher put the node rank, and `--devices=0,1/0,1` lists
@@ -21,6 +21,8 @@ now); end of file means deepy.py is gone and acts as `stop`, as does the agent's
 (PR_SET_PDEATHSIG) or a SIGTERM/SIGINT to the agent itself (a second one kills the ranks);
 SIGUSR1 is always a stop, SIGUSR2 kills them at once.
 Each rank is started with PR_SET_PDEATHSIG=SIGKILL, so no rank outlives its agent.
+With --hang_timeout_s, a rank with no finished step for that long (its heartbeat file,
+neox/launcher/liveness.py) is taken for hung: the agent kills its ranks and reports that rank.
 """
 
 import argparse
@@ -28,13 +30,17 @@ import collections
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
+import time
 from typing import IO, Optional
 
+from neox.launcher.liveness import HEARTBEAT_ENV, heartbeat_path, stalest
 from neox.launcher.process import (
     LAUNCHER_RANK_ENV,
     READY_PREFIX,
@@ -87,6 +93,9 @@ class Agent:
         self.stopping = False
         self.termed: set[int] = set()  # ranks sent SIGTERM (a second one is not a stop)
         self.killed_why: Optional[str] = None  # why the agent itself killed its ranks
+        self.statuses: dict[int, int] = {}  # pid -> wait status, of the ranks reaped
+        self.hung: Optional[int] = None  # pid of the rank taken for hung
+        self.heartbeats: Optional[str] = None  # folder of the ranks' heartbeat files
         self.lock = threading.RLock()  # a signal handler may interrupt a holder
         self._timer: Optional[threading.Timer] = None
 
@@ -108,11 +117,15 @@ class Agent:
         )
         if env.get("DS_ACCELERATOR") != "cpu":
             env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
+        if a.hang_timeout_s:
+            self.heartbeats = tempfile.mkdtemp(prefix="neox-heartbeat-")
         out = sys.stdout.buffer if a.tee else None
         err = sys.stderr.buffer if a.tee else None
         for local in range(len(devices)):
             rank = first + local
             env.update(RANK=str(rank), LOCAL_RANK=str(local))
+            if self.heartbeats:
+                env[HEARTBEAT_ENV] = heartbeat_path(self.heartbeats, rank)
             # mpirun's or srun's names for this agent's place, made the rank's own (as if the
             # launcher had started it), for code that reads them.
             for names in LAUNCHER_RANK_ENV.values():
@@ -208,6 +221,26 @@ class Agent:
                 self.kill("deepy.py asked")
         self.stop("deepy.py is gone (the control channel closed)")
 
+    def watch_heartbeats(self) -> None:
+        """Kill the ranks once one has finished no step for hang_timeout_s (a thread)."""
+        timeout = self.args.hang_timeout_s
+        while self.first_failure is None:
+            time.sleep(min(1.0, timeout / 4))
+            if self.stopping or self.killed_why:
+                continue  # a stop's save may take long; its grace bounds it
+            live = [r for p, r in self.ranks.items() if self.procs[p].returncode is None]
+            found = stalest(self.heartbeats, live, timeout)
+            if found is not None:
+                rank, idle = found
+                self.hung = next(p for p, r in self.ranks.items() if r == rank)
+                why = (
+                    f"rank {rank} hung: no finished step for {idle:.0f} s, over "
+                    f"hang_timeout_s={timeout:g}"
+                )
+                log.error("%s; killing the ranks on %s", why, self.host)
+                self.kill(why)
+                return
+
     # --- waiting -------------------------------------------------------------------------------
     def wait(self) -> None:
         """Reap every rank; the first to fail is noted, and the others are killed at once: they
@@ -218,6 +251,7 @@ class Agent:
             if proc is None:
                 continue
             proc.returncode = os.waitstatus_to_exitcode(status)
+            self.statuses[pid] = status
             if status != 0 and self.first_failure is None:
                 for tee in self.tees.get(pid, []):
                     tee.thread.join(timeout=2)
@@ -231,6 +265,14 @@ class Agent:
         for tees in self.tees.values():
             for tee in tees:
                 tee.thread.join(timeout=5)  # a rank's own child may still hold the pipe
+        if self.hung is not None:  # name the hung rank, not whichever the kill reaped first
+            pid = self.hung
+            tail = list(self.tees[pid][1].tail) if pid in self.tees else []
+            status = self.statuses[pid]
+            self.first_failure = RankExit(self.ranks[pid], pid, self.host, status, tail)
+            self.first_failure.killed_by_agent = self.killed_why
+        if self.heartbeats:
+            shutil.rmtree(self.heartbeats, ignore_errors=True)
 
     def report(self) -> dict:
         failure = self.first_failure
@@ -246,6 +288,7 @@ class Agent:
                 "status": failure.status,
                 "tail": failure.tail,
                 "killed_by_agent": failure.killed_by_agent,
+                "hung": self.hung is not None,
             },
         }
 
@@ -332,6 +375,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--master_addr", required=True)
     p.add_argument("--master_port", type=int, required=True)
     p.add_argument("--stop_grace_s", type=float, required=True)
+    p.add_argument(
+        "--hang_timeout_s",
+        type=float,
+        default=None,
+        help="kill the ranks once one has finished no step for this long",
+    )
     p.add_argument("--report_fd", type=int, default=None, help="default: stdout")
     p.add_argument("--tee", action="store_true", help="relay the ranks' output, keep its tail")
     p.add_argument("--control", action="store_true", help="read stop/kill from stdin")
@@ -360,6 +409,8 @@ def main(argv: list[str]) -> int:
         args.node_rank = node_rank_from_launcher(args)
         warn_if_master_elsewhere(args)
     agent.start_ranks()
+    if args.hang_timeout_s:
+        threading.Thread(target=agent.watch_heartbeats, daemon=True).start()
     if args.control or args.control_fd is not None:
         threading.Thread(target=agent.read_control, daemon=True).start()
     if args.node_rank_env:

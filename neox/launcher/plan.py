@@ -14,6 +14,7 @@ from typing import Optional
 
 from neox.config.launcher import LauncherConfig
 from neox.launcher.hostfile import HostfileError, LaunchError, read_hostfile, select_resources
+from neox.launcher.liveness import RESTART_ENV
 from neox.launcher.port import DEFAULT_MASTER_PORT, free_port
 from neox.launcher.ssh import remote_command, ssh_argv
 
@@ -303,6 +304,7 @@ def _agent_argv(
         f"--master_addr={master_addr}",
         f"--master_port={port}",
         f"--stop_grace_s={cfg.stop_grace_s:g}",
+        *([f"--hang_timeout_s={cfg.hang_timeout_s:g}"] if cfg.hang_timeout_s else []),
         # Over ssh a stop comes on the agent's stdin; mpirun and srun pass on signals instead.
         *(["--control"] if node is not None else []),
         *(["--tee"] if remote else []),
@@ -388,7 +390,8 @@ def _export_names(cfg: LauncherConfig, env: Mapping[str, str]) -> list[str]:
             "set it in the shell that runs deepy.py, or remove it from export_env"
         )
     names = [k for k in env if k.startswith(EXPORT_PREFIXES) and k != "DS_ENV_FILE"]
-    return list(dict.fromkeys([*sorted(names), LAUNCH_ID_ENV, *cfg.export_env]))
+    restart = [RESTART_ENV] if RESTART_ENV in env else []  # a relaunch's count, for its ranks
+    return list(dict.fromkeys([*sorted(names), LAUNCH_ID_ENV, *restart, *cfg.export_env]))
 
 
 def _slurm_args(cfg: LauncherConfig) -> list[str]:

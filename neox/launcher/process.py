@@ -9,6 +9,9 @@ from pathlib import Path
 from typing import Optional
 
 REPORT_PREFIX = "neox-agent-report "
+# A rank's exit status for an error a relaunch would meet again (a config, data or checkpoint
+# error, non-finite steps); deepy.py's own for a config error before launch. Never restarted.
+INPUT_ERROR_EXIT = 2
 # An agent that mpirun or srun started says so once its ranks exist: a stop passed on before
 # then could end it before it can pass the stop on to its ranks.
 READY_PREFIX = "neox-agent-ready "

@@ -20,7 +20,13 @@ from dataclasses import dataclass
 from typing import IO, Optional
 
 from neox.launcher.plan import LaunchPlan
-from neox.launcher.process import READY_PREFIX, REPORT_PREFIX, RankExit, child_dies_with_me
+from neox.launcher.process import (
+    INPUT_ERROR_EXIT,
+    READY_PREFIX,
+    REPORT_PREFIX,
+    RankExit,
+    child_dies_with_me,
+)
 from neox.launcher.signals import AbortLaunch, StopRequest
 
 log = logging.getLogger(__name__)
@@ -39,6 +45,9 @@ class LaunchResult:
     # The ranks were killed before they could save (a second stop signal). Whatever `latest`
     # names was saved before the stop.
     killed: bool = False
+    # The first failure, as deepy.py named it, and whether a relaunch may get past it.
+    failure: Optional[str] = None
+    retry: bool = False
 
 
 class _Node:
@@ -168,6 +177,12 @@ class _Node:
         what = "ssh to " if self.kind == "ssh" else "the agent on "
         return f"{what}{self.host} ended with status {self.code} and no report from the agent"
 
+    def retryable(self) -> bool:
+        """A failure a relaunch may get past: a rank that died or hung, a node lost without a
+        report; not a rank's exit 2 (a config or checkpoint error: it would recur)."""
+        report = self._bad_report()
+        return report is None or report["code"] != INPUT_ERROR_EXIT
+
     @property
     def exit_code(self) -> int:
         report = self._bad_report()
@@ -219,12 +234,12 @@ def launch(
             node.send("stop")
 
     stop = StopRequest(forward)
-    code = 0
+    code, failure, retry = 0, None, False
     killed = False
     try:
         with stop:
             start()
-            code = _wait(nodes, events)
+            code, failure, retry = _wait(nodes, events)
     except AbortLaunch as e:
         log.error("%s", e)
         _kill(nodes)
@@ -235,12 +250,13 @@ def launch(
         raise
     if stop.signum is not None and code == 0:
         code = stop.exit_code
-    return LaunchResult(code, stop.signum, killed)
+    return LaunchResult(code, stop.signum, killed, failure, retry and stop.signum is None)
 
 
-def _wait(nodes: list[_Node], events: queue.Queue) -> int:
-    """Wait for every node; the first failure reported is named and every node told to kill."""
-    code = 0
+def _wait(nodes: list[_Node], events: queue.Queue) -> tuple[int, Optional[str], bool]:
+    """Wait for every node; the first failure reported is named and every node told to kill.
+    Returns the exit status, that failure and whether a relaunch may get past it."""
+    code, retry = 0, False
     first: Optional[str] = None
     left = len(nodes)
     while left:
@@ -255,12 +271,12 @@ def _wait(nodes: list[_Node], events: queue.Queue) -> int:
         failure = node.failure()
         if failure is not None and first is None:
             first = failure
-            code = node.exit_code or 1
+            code, retry = node.exit_code or 1, node.retryable()
             others = " and the other nodes" if len(nodes) > 1 or node.agents > 1 else ""
             log.error("%s; stopping the other ranks%s", failure, others)
             for other in nodes:
                 other.send("kill")
-    return code
+    return code, first, retry
 
 
 def _kill(nodes: list[_Node]) -> None:

@@ -13,6 +13,7 @@ from neox.checkpoint.io import last_saved, load_checkpoint, poisoned, save_check
 from neox.config import write_config
 from neox.config.derived import consumed_samples
 from neox.data.batch import Batch, build_batch
+from neox.launcher.liveness import beat, restart
 from neox.model.moe import router_metrics
 from neox.parallel.context import context_chunk
 from neox.training.metrics import (
@@ -156,6 +157,7 @@ class StepRecords:
 
     def restart_clock(self) -> None:
         """Evaluation and saving are timed apart from training."""
+        beat()  # one finished: the agent's hang_timeout_s counts from here
         self.began = time.perf_counter()
 
     def _record(
@@ -163,6 +165,7 @@ class StepRecords:
     ) -> None:
         run, t = self.run, self.run.cfg.training
         metrics = scalars.read()
+        beat()  # a finished step, for the agent's hang_timeout_s
         # A flushed step ends when its read returns: the read waited for the device.
         self.speed.add((time.perf_counter() if ended is None else ended) - began)
         self.last = metrics
@@ -261,6 +264,8 @@ def step_metrics(
     d, seq = run.derived, run.cfg.model.seq_length
     samples = iteration * d.global_batch
     out = {"consumed_samples": samples, "consumed_tokens": samples * seq, **run.counters}
+    if (relaunch := restart()) is not None:
+        out["restarts"] = relaunch[0]  # deepy.py's max_restarts relaunches so far
     out.update(speed.take(iteration, d.global_batch, seq, d.world_size))
     out.update(flops.metrics(out["tokens_per_s"]))  # TFLOPS per GPU and MFU
     out.update(memory_metrics(run.device))

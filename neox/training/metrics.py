@@ -227,6 +227,8 @@ def format_line(step: int, total: int, m: dict[str, float]) -> str:
             parts.append(f"{label} {m[key]:.3g}")
     if m.get("skipped_steps") or m.get("nonfinite_steps"):
         parts.append(f"skipped {m['skipped_steps']} nonfinite {m['nonfinite_steps']}")
+    if m.get("restarts"):  # a relaunch of deepy.py's max_restarts
+        parts.append(f"restart {m['restarts']}")
     if "step_time_s" in m:
         parts.append(
             f"{m['step_time_s'] * 1000:.0f} ms/step {_si(m['tokens_per_s'])} tok/s "

@@ -5,6 +5,7 @@ import os
 import sys
 
 from neox.config import NeoXConfig
+from neox.launcher.liveness import restart
 
 log = logging.getLogger(__name__)
 
@@ -21,7 +22,9 @@ class Progress:
             # A terminal that reports no size (a fresh `docker run -t`, some CI ptys) would get
             # no bar at all (tqdm reads 0 columns and -1 rows): give it a fixed size instead.
             sized = _columns(sys.stderr) > 0
+            relaunch = restart()
             self.bar = tqdm(
+                desc=None if relaunch is None else "restart {}/{}".format(*relaunch),
                 total=run.cfg.training.train_iters,
                 initial=start,
                 unit="step",

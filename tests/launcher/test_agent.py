@@ -239,3 +239,36 @@ def test_rank_0_placed_away_from_master_addr_is_warned_about(caplog):
         warn_if_master_elsewhere(args)
     [message] = caplog.messages
     assert "runs rank 0 (SLURM_NODEID=0), but master_addr=192.0.2.1 is not one of" in message
+
+
+# Rank stand-ins for hang_timeout_s: rank 0 finishes a "step" every 50 ms, rank 1 finishes one
+# and is then stuck (as one blocked in a collective, or stopped).
+HEARTBEATS = """
+import os, sys, time
+from pathlib import Path
+from neox.launcher.liveness import beat
+rank, out = os.environ["RANK"], Path(sys.argv[-1])
+(out / f"beat{rank}.tmp").write_text(os.environ["NEOX_HEARTBEAT"])
+(out / f"beat{rank}.tmp").rename(out / f"beat{rank}")
+beat()
+while rank == "0":
+    time.sleep(0.05)
+    beat()
+time.sleep(120)
+"""
+
+
+def test_a_rank_with_no_finished_step_for_hang_timeout_s_is_named_and_the_ranks_killed(tmp_path):
+    script = tmp_path / "beats.py"
+    script.write_text(HEARTBEATS)
+    argv = agent_argv(tmp_path, "", free_port(), control=False)[:-3]
+    argv = [*argv[:-1], "--hang_timeout_s=1", argv[-1], str(script), str(tmp_path)]
+    r = subprocess.run(argv, env=env(), capture_output=True, text=True, timeout=60)
+    report = json.loads(r.stdout.split(REPORT_PREFIX, 1)[1])
+    failure = report["failure"]
+    assert failure["rank"] == 1 and failure["hung"] and failure["status"] == signal.SIGKILL
+    assert failure["killed_by_agent"].startswith("rank 1 hung: no finished step for ")
+    assert failure["killed_by_agent"].endswith("s, over hang_timeout_s=1")
+    assert r.returncode == 128 + signal.SIGKILL
+    # The heartbeat files' folder goes with the ranks.
+    assert not Path((tmp_path / "beat1").read_text()).parent.exists()

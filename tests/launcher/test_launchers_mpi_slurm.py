@@ -299,3 +299,15 @@ def test_sigterm_while_the_agent_starts_still_reaches_the_ranks(launcher, tmp_pa
         run.kill_all()
     # The stop waited for the agent's ready line: it did not kill the agent before its ranks.
     assert "stop requested by deepy.py: SIGTERM to 2 rank(s)" in run.text(), run.text()[-3000:]
+
+
+def test_kill_9_of_a_rank_restarts_every_agent_from_the_checkpoint(launcher, tmp_path):
+    """max_restarts through mpirun/srun: rank 1 killed between two checkpoints, the job relaunched
+    (tests/faults/test_restart_faults.py: exit 0, the losses of an uninterrupted run)."""
+    from tests.faults.test_restart_faults import kill_9_between_checkpoints
+
+    name, host, env = launcher
+    # One thread per rank, as the reference's ranks have: the same sums.
+    node = dict(one_node(tmp_path, name, host), export_env=["OMP_NUM_THREADS"])
+    out = kill_9_between_checkpoints(tmp_path, node, OMP_NUM_THREADS="1", **env)
+    assert out.count("launching 2 rank(s)") == 2, out[-3000:]

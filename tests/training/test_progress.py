@@ -94,3 +94,23 @@ def test_a_terminal_that_reports_no_size_still_gets_a_bar(monkeypatch):
     text = out.decode(errors="replace")
     assert [m[2] for m in BAR.finditer(text)][-1:] == ["2"], repr(text)
     assert "iter 2/4 | loss 2.5000" in text
+
+
+def test_a_relaunched_runs_bar_says_which_restart_it_is(monkeypatch):
+    master, slave = open_terminal(columns=100)
+    run = SimpleNamespace(
+        is_logging_rank=True, cfg=SimpleNamespace(training=SimpleNamespace(train_iters=4))
+    )
+    monkeypatch.setenv("NEOX_RESTART", "1/3")  # what deepy.py's max_restarts sets for a relaunch
+    out = b""
+    with open(slave, "w", encoding="utf-8") as terminal:
+        monkeypatch.setattr(sys, "stderr", terminal)
+        progress = Progress(run, start=2)
+        progress.update({"loss": 2.5})
+        progress.close()
+        terminal.flush()
+        while select.select([master], [], [], 0.2)[0]:
+            out += os.read(master, 1 << 16)
+    os.close(master)
+    text = out.decode(errors="replace")
+    assert re.search(r"restart 1/3: +\d+%\|[^|]*\| 3/4", text), repr(text)
