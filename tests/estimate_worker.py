@@ -17,7 +17,8 @@ def count_rank_parameters(rank: int, world: int, models: dict, out: str) -> None
     rank 0 writes every rank's."""
 
     from neox.config.model import ModelConfig
-    from neox.parallel import ProcessGroups, Topology, parallelize
+    from neox.parallel.build import parallelize
+    from neox.parallel.topology import ProcessGroups, Topology
     from neox.training.setup import start_deepspeed_comm
 
     start_deepspeed_comm("gloo")  # PipelineModule asks DeepSpeed's comm

@@ -166,7 +166,7 @@ def run_generation(cfg: NeoXConfig) -> None:
     """generate.py on one rank: load the trained model, then generate per text_gen_type."""
     import torch.distributed as dist
 
-    from neox.parallel import Topology
+    from neox.parallel.topology import Topology
     from neox.training.setup import init_distributed
 
     g = cfg.generation

@@ -102,7 +102,8 @@ def start_deepspeed_comm(backend: str) -> None:
 
 def build_run(cfg: NeoXConfig) -> Run:
     """Tokenizer, derived values, the parallel model inside its engine, and the schedule."""
-    from neox.parallel import ProcessGroups, Topology, engine_mpu, parallelize
+    from neox.parallel.build import engine_mpu, parallelize
+    from neox.parallel.topology import ProcessGroups, Topology
 
     device = init_distributed(cfg)
     world = torch.distributed.get_world_size()

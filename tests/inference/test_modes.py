@@ -49,7 +49,7 @@ def read_rows(path: Path) -> list[dict]:
 def in_process(configs: list[Path], use_cache: bool) -> TextGenerator:
     """generate.py's TextGenerator built here, on one rank (the one_rank_group fixture), from
     the same configs."""
-    from neox.parallel import ProcessGroups
+    from neox.parallel.topology import ProcessGroups
 
     cfg = load_config([str(c) for c in configs]).config
     groups = ProcessGroups(Topology(1, 1, 1))

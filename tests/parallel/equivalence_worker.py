@@ -94,7 +94,8 @@ def _ds_config(case: dict) -> dict:
 def _run_case(case: dict) -> list[float]:
     import deepspeed
 
-    from neox.parallel import Topology, engine_mpu, parallelize, pipeline_batch
+    from neox.parallel.build import engine_mpu, parallelize, pipeline_batch
+    from neox.parallel.topology import Topology
 
     groups = Topology(case["tp"], case["pp"], case["dp"]).build_groups()
     cfg = ModelConfig(**MODELS[case["model"]])

@@ -211,7 +211,7 @@ def _reduce_in(index: int, world: int, port: int, out: str, overrides: dict) -> 
 
     import torch.distributed as dist
 
-    from neox.parallel import ProcessGroups, Topology
+    from neox.parallel.topology import ProcessGroups, Topology
     from neox.training.setup import make_engine
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
