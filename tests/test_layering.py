@@ -14,7 +14,9 @@ Layers, lowest first:
     plan               torch-free planning (attention path, engine choice, estimate, memory,
                        preflight): reads the config, opens data/tokenizer files to check them
     model              the plain GPT-NeoX (torch); reads the plan's attention path
-    parallel           tensor/pipeline parallelism applied to the model from outside
+    parallel model.transforms
+                       what is applied to the built model from outside: tensor/pipeline
+                       parallelism, and the transforms (LoRA, FP8) that wrap its parallel linears
     checkpoint         save/load, relayout, HF conversion
     launcher           deepy.py's side: hostfiles, the runner, rank bookkeeping
     training           the loop and its engines
@@ -39,7 +41,7 @@ LAYERS = [
     {f"checkpoint.{m}" for m in ("errors", "manifest", "find", "lock", "compat")},
     {"plan"},
     {"model"},
-    {"parallel"},
+    {"parallel", "model.transforms"},
     {"checkpoint"},
     {"launcher"},
     {"training"},

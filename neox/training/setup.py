@@ -14,7 +14,7 @@ from neox.data.loader import DataLoaders, build_train_valid_test_loaders
 from neox.data.pairs import build_preference_loaders
 from neox.launcher.port import free_port
 from neox.launcher.rank_env import rank_env_from_launcher
-from neox.parallel.lora import apply_lora, cast_lora_base
+from neox.model.transforms.lora import apply_lora, cast_lora_base
 from neox.plan.engine_choice import EngineChoice, engine_for, torch_compile_enabled
 from neox.tokenizer import Tokenizer, build_tokenizer
 from neox.training.deepspeed_engine import DeepSpeedAdapter
