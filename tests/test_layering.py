@@ -50,13 +50,6 @@ LAYERS = [
 ]
 LAYER = {package: i for i, packages in enumerate(LAYERS) for package in packages}
 TORCH_FREE = ("config", "plan", *(key for key in LAYER if key.startswith("checkpoint.")))
-# Upward imports that wait for a module move, each with the move that ends it. The model names
-# inference's KV cache in annotations only; issue 32 (part 3) moves KVCache beside the model.
-AWAITING_MOVE = {
-    ("neox.model.attention", "neox.inference.cache"),
-    ("neox.model.block", "neox.inference.cache"),
-    ("neox.model.gpt", "neox.inference.cache"),
-}
 
 
 def modules() -> dict[str, Path]:
@@ -156,9 +149,7 @@ def test_no_upward_imports():
         for t in targets
         if LAYER[package(t)] > LAYER[package(m)]
     }
-    moved = sorted(f"{m} -> {t}" for m, t in AWAITING_MOVE - found)
-    assert not moved, f"no longer imported: drop them from AWAITING_MOVE: {moved}"
-    upward = sorted(f"{m} imports {t}" for m, t in found - AWAITING_MOVE)
+    upward = sorted(f"{m} imports {t}" for m, t in found)
     assert not upward, "imports against the layer order (tests/test_layering.py):\n" + "\n".join(
         upward
     )

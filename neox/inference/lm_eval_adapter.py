@@ -13,7 +13,6 @@ import torch.distributed as dist
 from lm_eval.api.model import LM
 from torch import nn
 
-from neox.inference.cache import KVCache
 from neox.inference.engine import Generator
 from neox.inference.scoring import (
     continuation_window,
@@ -21,6 +20,7 @@ from neox.inference.scoring import (
     rolling_windows,
     score_windows,
 )
+from neox.model.kv_cache import KVCache
 from neox.tokenizer import Tokenizer
 
 
