@@ -18,8 +18,8 @@ def count_rank_parameters(rank: int, world: int, models: dict, out: str) -> None
 
     from neox.config.model import ModelConfig
     from neox.parallel.build import parallelize
+    from neox.parallel.distributed import start_deepspeed_comm
     from neox.parallel.topology import ProcessGroups, Topology
-    from neox.training.setup import start_deepspeed_comm
 
     start_deepspeed_comm("gloo")  # PipelineModule asks DeepSpeed's comm
     tp_only = ProcessGroups(Topology(tp=2, pp=1, dp=world // 2))

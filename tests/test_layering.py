@@ -13,12 +13,14 @@ Layers, lowest first:
                        `latest`, the manifest and its checksums, the save lock, resume checks
     plan               torch-free planning (attention path, engine choice, estimate, memory,
                        preflight): reads the config, opens data/tokenizer files to check them
+    launcher           deepy.py's side: hostfiles, the runner, rank bookkeeping, and
+                       what a rank reads to join the job (its environment, a free port)
     model              the plain GPT-NeoX (torch); reads the plan's attention path
     parallel model.transforms
                        what is applied to the built model from outside: tensor/pipeline
-                       parallelism, and the transforms (LoRA, FP8) that wrap its parallel linears
+                       parallelism (and joining torch.distributed), and the transforms (LoRA,
+                       FP8) that wrap its parallel linears
     checkpoint         save/load, relayout, HF conversion
-    launcher           deepy.py's side: hostfiles, the runner, rank bookkeeping
     training           the loop and its engines
     inference          generation and evaluation (reuses training's setup)
     entry cli console  the scripts' shared entry points, and what they print
@@ -40,10 +42,10 @@ LAYERS = [
     {"prep"},
     {f"checkpoint.{m}" for m in ("errors", "manifest", "find", "lock", "compat")},
     {"plan"},
+    {"launcher"},
     {"model"},
     {"parallel", "model.transforms"},
     {"checkpoint"},
-    {"launcher"},
     {"training"},
     {"inference"},
     {"entry", "cli", "console", ""},

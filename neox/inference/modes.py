@@ -166,8 +166,8 @@ def run_generation(cfg: NeoXConfig) -> None:
     """generate.py on one rank: load the trained model, then generate per text_gen_type."""
     import torch.distributed as dist
 
+    from neox.parallel.distributed import init_distributed
     from neox.parallel.topology import Topology
-    from neox.training.setup import init_distributed
 
     g = cfg.generation
     if g.text_gen_type == "input-file" and not g.sample_input_file:

@@ -34,7 +34,7 @@ def main() -> None:
     import deepspeed
     import torch
 
-    from neox.training.setup import start_deepspeed_comm
+    from neox.parallel.distributed import start_deepspeed_comm
 
     start_deepspeed_comm("gloo")
     if args.die_rank is not None:

@@ -69,7 +69,7 @@ def check_pipeline(name: str) -> None:
 
 def run(rank: int, world: int, names: list[str]) -> None:
 
-    from neox.training.setup import start_deepspeed_comm
+    from neox.parallel.distributed import start_deepspeed_comm
 
     start_deepspeed_comm("gloo")
     for name in names:

@@ -130,7 +130,7 @@ def _run_case(case: dict, poisoned: bool) -> dict:
 def run_cases(rank: int, world: int, names: list[str], out_dir: str) -> None:
     """Every rank runs every named case, clean and poisoned; rank 0 writes <out_dir>/<name>.json."""
 
-    from neox.training.setup import start_deepspeed_comm
+    from neox.parallel.distributed import start_deepspeed_comm
 
     start_deepspeed_comm("gloo")
     for name in names:
