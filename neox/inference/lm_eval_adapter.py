@@ -13,7 +13,7 @@ import torch.distributed as dist
 from lm_eval.api.model import LM
 from torch import nn
 
-from neox.inference.engine import Generator
+from neox.inference.generator import Generator
 from neox.inference.scoring import (
     continuation_window,
     encode_pair,

@@ -13,7 +13,7 @@ from typing import Any, Optional
 import torch
 
 from neox.config import ConfigError, NeoXConfig, derive
-from neox.inference.engine import Completion, Generator
+from neox.inference.generator import Completion, Generator
 from neox.inference.loading import build_generation_model, generation_dtype
 from neox.inference.sampling import SamplingParams
 from neox.parallel.topology import ProcessGroups

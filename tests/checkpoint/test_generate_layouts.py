@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from neox.checkpoint.consolidate import load_model
-from neox.inference.engine import Generator
+from neox.inference.generator import Generator
 from neox.tokenizer import build_tokenizer
 
 pytestmark = pytest.mark.slow

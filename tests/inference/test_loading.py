@@ -60,7 +60,7 @@ def test_one_tensor_parallel_rank_gets_no_gather_so_decode_can_use_cuda_graphs(
 ):
     """generate.py hands the Generator this gather; only None lets it replay decode steps as
     CUDA graphs (an identity function here kept generate.py off the graph path)."""
-    from neox.inference.engine import Generator
+    from neox.inference.generator import Generator
     from neox.parallel.topology import ProcessGroups, Topology
 
     shape = {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4}

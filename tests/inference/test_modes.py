@@ -9,7 +9,7 @@ import torch
 import yaml
 
 from neox.config import load_config
-from neox.inference.engine import Generator
+from neox.inference.generator import Generator
 from neox.inference.loading import build_generation_model
 from neox.inference.modes import TextGenerator
 from neox.parallel.topology import Topology

@@ -5,7 +5,7 @@ its base grows token by token, and cached keys keep the rotation they were store
 import pytest
 import torch
 
-from neox.inference.engine import Generator
+from neox.inference.generator import Generator
 from tests.hf_families import FAMILIES, PADDED, VOCAB, hf_greedy, neox_pair
 
 # Left-padded batch; the longest prompt alone is past the windows (5-7) and the original RoPE
