@@ -2,7 +2,7 @@
 
 from neox.config import derive, load_dict
 from neox.config.ds_config import build_ds_config
-from neox.parallel.checkpointing import configure_checkpointing
+from neox.parallel.activation_checkpointing import configure_checkpointing
 from tests.ports import free_port
 
 
