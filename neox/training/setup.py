@@ -9,7 +9,7 @@ from torch import nn
 
 from neox.checkpoint.lora import load_lora_base
 from neox.config import Derived, NeoXConfig, build_ds_config, derive
-from neox.data.loader import DataLoaders, build_train_valid_test_loaders
+from neox.data.loader import DataLoaders, ReadPlan, build_train_valid_test_loaders
 from neox.data.pairs import build_preference_loaders
 from neox.model.transforms.lora import apply_lora, cast_lora_base
 from neox.parallel.distributed import init_distributed
@@ -181,50 +181,19 @@ def build_data(
     run: Run, consumed_train_samples: int, consumed_valid_samples: int = 0
 ) -> DataLoaders:
     """Sample streams sized for the whole run, starting where a resumed run left off."""
-    cfg, d = run.cfg, run.derived
-    data = cfg.data
-    if run.objective is not None:
-        return build_preference_loaders(
-            cfg,
-            d.samples,
-            d.micro_batch,
-            data_parallel_rank=run.dp_rank,
-            data_parallel_size=d.data_parallel,
-            consumed_train_samples=consumed_train_samples,
-            consumed_valid_samples=consumed_valid_samples,
-            pin_memory=run.device.type == "cuda",
-        )
-    return build_train_valid_test_loaders(
-        seq_length=cfg.model.seq_length,
-        seed=cfg.training.seed,
+    d = run.derived
+    read = ReadPlan(
         num_samples=d.samples,
         micro_batch_size=d.micro_batch,
-        data_path=data.data_path,
-        split=data.split,
-        train_data_paths=data.train_data_paths,
-        valid_data_paths=data.valid_data_paths,
-        test_data_paths=data.test_data_paths,
-        train_data_weights=data.train_data_weights,
-        valid_data_weights=data.valid_data_weights,
-        test_data_weights=data.test_data_weights,
-        weight_by_num_documents=data.weight_by_num_documents,
-        weighted_sampler_alpha=data.weighted_sampler_alpha,
         data_parallel_rank=run.dp_rank,
         data_parallel_size=d.data_parallel,
         consumed_train_samples=consumed_train_samples,
         consumed_valid_samples=consumed_valid_samples,
-        num_workers=data.num_workers,
         pin_memory=run.device.type == "cuda",
-        cache_dir=data.data_cache_dir,
-        use_shared_fs=data.use_shared_fs,
-        label_data_path=data.label_data_paths[0] if data.label_data_paths else None,
-        train_label_data_paths=data.train_label_data_paths,
-        valid_label_data_paths=data.valid_label_data_paths,
-        test_label_data_paths=data.test_label_data_paths,
-        pack_impl=data.pack_impl,
-        allow_chopped=data.allow_chopped,
-        vocab_size=d.padded_vocab_size,
     )
+    if run.objective is not None:
+        return build_preference_loaders(run.cfg, read)
+    return build_train_valid_test_loaders(run.cfg, read, vocab_size=d.padded_vocab_size)
 
 
 def build_engine(
