@@ -1,7 +1,7 @@
 """Checkpoints trained at tp=2 and pp=2 generate the dense run's greedy text (the layouts
 reproduce the losses, so the weights, and with them the argmax tokens, agree).
 
-The checkpoints are the session's shared layout runs (tests/layouts.py).
+The checkpoints are the session's shared layout runs (tests/layout_helpers.py).
 """
 
 import pytest

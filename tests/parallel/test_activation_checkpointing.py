@@ -3,7 +3,7 @@
 from neox.config import derive, load_dict
 from neox.config.ds_config import build_ds_config
 from neox.parallel.activation_checkpointing import configure_checkpointing
-from tests.ports import free_port
+from tests.port_helpers import free_port
 
 
 def test_every_checkpointing_flag_reaches_deepspeed(monkeypatch):

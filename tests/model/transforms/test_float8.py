@@ -15,7 +15,7 @@ from neox.config import derive, load_dict  # noqa: E402
 from neox.config.errors import ConfigError  # noqa: E402
 from neox.model import build_model, lm_loss  # noqa: E402
 from neox.model.transforms.float8 import apply_float8, module_filter, torchao_config  # noqa: E402
-from tests.parallel.parallel_harness import run_ranks  # noqa: E402
+from tests.parallel.rank_helpers import run_ranks  # noqa: E402
 
 PYTHIA = dict(
     num_layers=4,
@@ -253,7 +253,7 @@ def test_tensor_parallel_linears_compute_in_float8(tmp_path):
     """At tp=2 the column/row-parallel linears keep their class and collectives and take the
     float8 matmul, as does the vocab-split output layer (fp8.output_layer); the loss is the
     tp=1 bf16 model's within float8's rounding (tensorwise scales are per shard)."""
-    from tests.model.transforms.float8_worker import tp_float8
+    from tests.model.transforms.float8_helpers import tp_float8
 
     fp8 = {"enabled": True, "output_layer": True}
     flat = {**PYTHIA, "fp8": fp8, "padded_vocab_size": 512}

@@ -13,7 +13,7 @@ import os
 import pytest
 
 if os.environ.get("TRITON_INTERPRET") != "1":
-    raise RuntimeError("decode_interpreter_cases.py needs TRITON_INTERPRET=1; see its runner")
+    raise RuntimeError("decode_interpreter_helpers.py needs TRITON_INTERPRET=1; see its runner")
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -27,7 +27,7 @@ from neox.kernels.decode import (  # noqa: E402
     linear_residual,
     norm_linear,
 )
-from tests.hf_families import FAMILIES, PADDED, VOCAB, neox_pair  # noqa: E402
+from tests.hf_family_helpers import FAMILIES, PADDED, VOCAB, neox_pair  # noqa: E402
 from tests.inference.test_generator import tiny_pair  # noqa: E402
 
 PROMPTS = [[(7 * i + 3) % VOCAB for i in range(20)], [8, 1, 50], [61, 2, 2, 70, 33], [4]]

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tests.memory_worker import saved_activation_bytes
+from tests.memory_helpers import saved_activation_bytes
 
 
 def count_rank_parameters(rank: int, world: int, models: dict, out: str) -> None:

@@ -1,6 +1,6 @@
 """A per-rank entry script for launch tests: joins the job, all-reduces its rank, writes what it saw.
 
-Usage: probe.py --out DIR [--neox_config B64] [--echo TEXT] [--die_rank R] [--after_init]
+Usage: probe_helpers.py --out DIR [--neox_config B64] [--echo TEXT] [--die_rank R] [--after_init]
 Each rank writes DIR/rank<R>.json. With --die_rank R, rank R raises at once (or, with
 --after_init, after joining) while every other rank sleeps until it is stopped.
 """

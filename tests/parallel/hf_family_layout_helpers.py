@@ -14,7 +14,7 @@ from neox.parallel.mappings import gather_from_tensor_parallel
 from neox.parallel.pipeline import to_pipeline
 from neox.parallel.tensor import apply_tensor_parallel
 from neox.parallel.topology import Topology
-from tests.hf_families import PADDED, VOCAB, neox_pair, token_ids
+from tests.hf_family_helpers import PADDED, VOCAB, neox_pair, token_ids
 
 ATOL = 1e-4
 
