@@ -1,7 +1,7 @@
 """Where a decode step's time goes: device time of one captured step, its kernels, the roofline.
 
 For a Pythia shape with random weights (bf16), the engine's captured greedy step
-(neox/inference/engine.py) is replayed from a fresh cache position and timed with CUDA events;
+(neox/inference/generator.py) is replayed from a fresh cache position and timed with CUDA events;
 torch.profiler counts the kernels of a few replays and lists the costliest. Variants (VARIANTS):
 the eager step captured as is (`generate.py`'s default), the step compiled by inductor before
 capture (`generate.py` with `torch_compile: true`), that step with its one-row products as
@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks import common  # noqa: E402
 from neox.config import load_config  # noqa: E402
 from neox.inference.decode_compile import StepKernels  # noqa: E402
-from neox.inference.engine import Generator  # noqa: E402
+from neox.inference.generator import Generator  # noqa: E402
 from neox.kernels import decode as decode_kernels  # noqa: E402
 from neox.model import build_model  # noqa: E402
 

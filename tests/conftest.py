@@ -90,14 +90,14 @@ def one_rank_group():
 
 @pytest.fixture(scope="session")
 def bpe_tokenizer(tmp_path_factory) -> Path:
-    from tests.layouts import bpe_tokenizer
+    from tests.layout_helpers import bpe_tokenizer
 
     return bpe_tokenizer(tmp_path_factory.mktemp("tokenizer"))
 
 
 @pytest.fixture(scope="session")
 def trained(tmp_path_factory, bpe_tokenizer):
-    """The parallel layouts of tests/layouts.py, each trained once per session on first use."""
-    from tests.layouts import TrainedRuns
+    """The parallel layouts of tests/layout_helpers.py, each trained once per session on first use."""
+    from tests.layout_helpers import TrainedRuns
 
     return TrainedRuns(tmp_path_factory.mktemp("layouts"), bpe_tokenizer)

@@ -93,7 +93,7 @@ def probe_config(tmp_path, **extra):
 def test_two_cpu_ranks_get_the_merged_config_and_all_reduce(tmp_path):
     override = tmp_path / "override.yml"
     override.write_text("seed: 4321\n")
-    r = deepy("tests/deepy_probe.py", probe_config(tmp_path), override, timeout=300)
+    r = deepy("tests/deepy_probe_helpers.py", probe_config(tmp_path), override, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     results = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(2)]
     assert sorted(x["rank"] for x in results) == [0, 1]
@@ -107,6 +107,8 @@ def test_two_cpu_ranks_get_the_merged_config_and_all_reduce(tmp_path):
 @pytest.mark.slow
 def test_a_dying_rank_makes_deepy_exit_nonzero_quickly(tmp_path):
     start = time.monotonic()
-    r = deepy("tests/deepy_probe.py", probe_config(tmp_path, exit_interval=1, master_port=29612))
+    r = deepy(
+        "tests/deepy_probe_helpers.py", probe_config(tmp_path, exit_interval=1, master_port=29612)
+    )
     assert r.returncode != 0
     assert time.monotonic() - start < 60

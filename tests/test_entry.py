@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from tests.ports import free_port
+from tests.port_helpers import free_port
 from tests.train_helpers import ROOT
 
 # Rank 0 leaves after the first barrier, as a rank does after its one-line error; rank 1 is in

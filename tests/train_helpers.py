@@ -16,8 +16,8 @@ import numpy as np
 import yaml
 
 from neox.data.indexed import IndexedDatasetBuilder
-from tests.parallel.parallel_harness import RANKS
-from tests.ports import free_port
+from tests.parallel.rank_helpers import RANKS
+from tests.port_helpers import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -93,7 +93,7 @@ def run_here(
     script: str, *configs: Path, check: bool = True, timeout: float = 400, **env: str
 ) -> subprocess.CompletedProcess:
     """`deepy.py SCRIPT CONFIGS` without deepy.py: the entry script's main() on the config's
-    num_gpus gloo ranks, forked from the server of parallel_harness.RANKS; extra environment
+    num_gpus gloo ranks, forked from the server of rank_helpers.RANKS; extra environment
     variables for the ranks.
 
     deepy.py's resume line (`resuming from ...`, checked by the same function) starts stdout;

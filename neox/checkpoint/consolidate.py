@@ -32,8 +32,8 @@ from neox.checkpoint.manifest import MANIFEST, manifest_problem
 from neox.checkpoint.trust import check_loadable, load_file
 from neox.config import ConfigError, NeoXConfig
 from neox.model import GPTNeoX, build_model
+from neox.model.transforms.lora import is_adapter, lora_partition_dim, merge_lora
 from neox.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-from neox.parallel.lora import is_adapter, lora_partition_dim, merge_lora
 from neox.parallel.tensor import TENSOR_PARALLEL_PLAN
 
 log = logging.getLogger(__name__)

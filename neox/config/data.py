@@ -57,56 +57,54 @@ class TokenizerConfig(ConfigGroup):
 class DataConfig(ConfigGroup):
     """Where the tokenized (.bin/.idx) data lives and how samples are drawn."""
 
-    data_path: Annotated[
-        Optional[str], Reads("neox/training/setup.py", "neox/plan/preflight.py")
-    ] = None
+    data_path: Annotated[Optional[str], Reads("neox/data/loader.py", "neox/plan/preflight.py")] = (
+        None
+    )
     """Prefix of one dataset (path without .bin/.idx), split by `split`."""
 
-    train_data_paths: Annotated[Optional[list[str]], Reads("neox/training/setup.py")] = None
+    train_data_paths: Annotated[Optional[list[str]], Reads("neox/data/loader.py")] = None
     """Prefixes of training datasets, blended by train_data_weights."""
 
-    valid_data_paths: Annotated[Optional[list[str]], Reads("neox/training/setup.py")] = None
+    valid_data_paths: Annotated[Optional[list[str]], Reads("neox/data/loader.py")] = None
     """Prefixes of validation datasets."""
 
-    test_data_paths: Annotated[Optional[list[str]], Reads("neox/training/setup.py")] = None
+    test_data_paths: Annotated[Optional[list[str]], Reads("neox/data/loader.py")] = None
     """Prefixes of test datasets."""
 
     label_data_paths: Annotated[
-        Optional[list[str]], Reads("neox/training/setup.py", "neox/plan/preflight.py")
+        Optional[list[str]], Reads("neox/data/loader.py", "neox/plan/preflight.py")
     ] = None
     """The label dataset of data_path (one prefix, written beside it by
     tools/preprocess_data_with_chat_template.py or _with_mask.py), split the same way: the
     token id where trained, -100 where not. With train_data_paths use train_label_data_paths."""
 
-    train_label_data_paths: Annotated[Optional[list[str]], Reads("neox/training/setup.py")] = None
+    train_label_data_paths: Annotated[Optional[list[str]], Reads("neox/data/loader.py")] = None
     """Label datasets of train_data_paths, one per path (gpt-neox key): the token id where
     trained, -100 where not (prompts, other roles); each must match its data path's document
     lengths."""
 
-    valid_label_data_paths: Annotated[Optional[list[str]], Reads("neox/training/setup.py")] = None
+    valid_label_data_paths: Annotated[Optional[list[str]], Reads("neox/data/loader.py")] = None
     """Label datasets of valid_data_paths, one per path (validation loss on trained tokens)."""
 
-    test_label_data_paths: Annotated[Optional[list[str]], Reads("neox/training/setup.py")] = None
+    test_label_data_paths: Annotated[Optional[list[str]], Reads("neox/data/loader.py")] = None
     """Label datasets of test_data_paths, one per path."""
 
-    train_data_weights: Annotated[Optional[list[Weight]], Reads("neox/training/setup.py")] = None
+    train_data_weights: Annotated[Optional[list[Weight]], Reads("neox/data/loader.py")] = None
     """Blending weights of train_data_paths (default: equal)."""
 
-    valid_data_weights: Annotated[Optional[list[Weight]], Reads("neox/training/setup.py")] = None
+    valid_data_weights: Annotated[Optional[list[Weight]], Reads("neox/data/loader.py")] = None
     """Blending weights of valid_data_paths."""
 
-    test_data_weights: Annotated[Optional[list[Weight]], Reads("neox/training/setup.py")] = None
+    test_data_weights: Annotated[Optional[list[Weight]], Reads("neox/data/loader.py")] = None
     """Blending weights of test_data_paths."""
 
-    weight_by_num_documents: Annotated[bool, Reads("neox/training/setup.py")] = False
+    weight_by_num_documents: Annotated[bool, Reads("neox/data/loader.py")] = False
     """Weight datasets by document count, flattened by weighted_sampler_alpha (overrides weights)."""
 
-    weighted_sampler_alpha: Annotated[float, Reads("neox/training/setup.py")] = Field(
-        1.0, ge=0, le=1
-    )
+    weighted_sampler_alpha: Annotated[float, Reads("neox/data/loader.py")] = Field(1.0, ge=0, le=1)
     """Exponent of the document-count weighting (1: proportional, 0: uniform)."""
 
-    split: Annotated[str, Reads("neox/training/setup.py")] = "969,30,1"
+    split: Annotated[str, Reads("neox/data/loader.py")] = "969,30,1"
     """Train/valid/test proportions of data_path's documents, e.g. "949,50,1"."""
 
     data_impl: Annotated[
@@ -140,7 +138,7 @@ class DataConfig(ConfigGroup):
     "pairwise" (chosen/rejected pairs, what train_impl dpo and rm read); "online" is refused."""
 
     pack_impl: Annotated[
-        Literal["packed", "pack_until_overflow", "unpacked"], Reads("neox/training/setup.py")
+        Literal["packed", "pack_until_overflow", "unpacked"], Reads("neox/data/loader.py")
     ] = "packed"
     """How documents fill samples (gpt-neox key): "packed" cuts the document stream into
     windows of seq_length + 1 tokens that run across documents; "pack_until_overflow" lays
@@ -149,7 +147,7 @@ class DataConfig(ConfigGroup):
     document, pad the rest of a sample and never train on the padding, and skip documents
     with no trained label."""
 
-    allow_chopped: Annotated[bool, Reads("neox/training/setup.py")] = True
+    allow_chopped: Annotated[bool, Reads("neox/data/loader.py")] = True
     """With pack_impl pack_until_overflow or unpacked: cut documents longer than seq_length + 1
     tokens to their start (true) or leave them out (false). Ignored by "packed"."""
 
@@ -162,16 +160,16 @@ class DataConfig(ConfigGroup):
     reset_attention_mask: Annotated[bool, Reads("neox/training/loop.py"), PIPELINE_INPUTS] = False
     """Stop attention across documents inside a sample."""
 
-    num_workers: Annotated[int, Reads("neox/training/setup.py")] = Field(2, ge=0, le=1024)
+    num_workers: Annotated[int, Reads("neox/data/loader.py")] = Field(2, ge=0, le=1024)
     """DataLoader worker processes per rank."""
 
-    data_cache_dir: Annotated[Optional[str], Reads("neox/training/setup.py")] = None
+    data_cache_dir: Annotated[Optional[str], Reads("neox/data/loader.py")] = None
     """Where sample indices are cached (default: beside the data)."""
 
     mmap_warmup: bool = False
     """No-op (gpt-neox key): gpt-neox ignores it too; pages are read on demand."""
 
-    use_shared_fs: Annotated[bool, Reads("neox/training/setup.py")] = True
+    use_shared_fs: Annotated[bool, Reads("neox/data/loader.py")] = True
     """All nodes see the same data directory (index files are then built once, by global rank 0)."""
 
     short_seq_prob: float = Field(0.0, ge=0, le=1)

@@ -213,7 +213,7 @@ class Float8Config(ConfigGroup):
         return self
 
     def check_run(self, precision: str, pp: int, lm_loss_chunk_size: int) -> None:
-        """FP8 (neox/parallel/float8.py) converts the plain model's linears: bf16 or fp32 master
+        """FP8 (neox/model/transforms/float8.py) converts the plain model's linears: bf16 or fp32 master
         precision, no pipeline (its stages are built apart, neox/parallel/pipeline.py), and the
         output layer only where the model's own head computes the logits (no chunked loss).
         Run by `derive`."""

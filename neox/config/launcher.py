@@ -30,7 +30,7 @@ class LauncherConfig(ConfigGroup):
     """Address of rank 0 (default: the first host of the hostfile, or localhost)."""
 
     master_port: Annotated[
-        Optional[int], Reads("neox/launcher/plan.py", "neox/training/setup.py")
+        Optional[int], Reads("neox/launcher/plan.py", "neox/parallel/distributed.py")
     ] = Field(None, ge=1, le=65535)
     """Port of rank 0's rendezvous (None: a free port on one node, 29500 across nodes)."""
 

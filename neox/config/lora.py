@@ -34,7 +34,7 @@ class LoraConfig(ConfigGroup):
 
     lora_rank: Annotated[
         int,
-        Reads("neox/training/setup.py", "neox/parallel/lora.py"),
+        Reads("neox/training/setup.py", "neox/model/transforms/lora.py"),
         Restricted(
             "Above 0, not with pipe_parallel_size > 1, ZeRO stage 3, finetune: true, preference "
             "training (train_impl other than normal) or fp8.enabled.",
@@ -58,12 +58,14 @@ class LoraConfig(ConfigGroup):
     only the adapters train and live in the optimizer; checkpoints hold the adapters alone and
     name the base (`lora_base`)."""
 
-    lora_alpha: Annotated[float, Reads("neox/parallel/lora.py")] = Field(16.0, gt=0, le=MAX_WIDTH)
+    lora_alpha: Annotated[float, Reads("neox/model/transforms/lora.py")] = Field(
+        16.0, gt=0, le=MAX_WIDTH
+    )
     """The adapter's output is scaled by lora_alpha / lora_rank (PEFT's lora_alpha)."""
 
     lora_dropout: Annotated[
         float,
-        Reads("neox/parallel/lora.py"),
+        Reads("neox/model/transforms/lora.py"),
         Restricted(
             "Above 0, not with attention_dropout above 0 at model_parallel_size > 1 (the "
             "replicated adapter input would be dropped differently on each tensor-parallel rank).",
@@ -75,7 +77,7 @@ class LoraConfig(ConfigGroup):
 
     lora_target_modules: Annotated[
         list[str],
-        Reads("neox/parallel/lora.py"),
+        Reads("neox/model/transforms/lora.py"),
         Restricted(
             "`gate` only with a gated activation (swiglu, geglu).",
             example={"lora_rank": 8, "lora_target_modules": ["gate"], "activation": "swiglu"},
@@ -97,7 +99,7 @@ class LoraConfig(ConfigGroup):
     the base is the model initialised from `seed` (tests and benchmarks)."""
 
     lora_base_dtype: Annotated[
-        Optional[Literal["fp32", "bf16", "fp16"]], Reads("neox/parallel/lora.py")
+        Optional[Literal["fp32", "bf16", "fp16"]], Reads("neox/model/transforms/lora.py")
     ] = None
     """dtype of the frozen weights of the target linears (most of the model); None: the
     training precision. bf16 under fp32 training halves their memory while the adapters,
@@ -131,7 +133,7 @@ class LoraConfig(ConfigGroup):
         preference: PreferenceConfig,
         float8: Float8Config,
     ) -> None:
-        """LoRA's layouts and options: what neox/parallel/lora.py implements, the rest refused
+        """LoRA's layouts and options: what neox/model/transforms/lora.py implements, the rest refused
         (run when a NeoXConfig is validated)."""
         if not self.lora_rank:
             return

@@ -78,7 +78,7 @@ class ModelConfig(MoeFields):
     )
     """MLP width as a multiple of hidden_size, used when intermediate_size is unset."""
 
-    seq_length: Annotated[int, Reads("neox/training/setup.py")] = Field(128, ge=1, le=MAX_POSITIONS)
+    seq_length: Annotated[int, Reads("neox/data/loader.py")] = Field(128, ge=1, le=MAX_POSITIONS)
     """Training sequence length in tokens."""
 
     max_position_embeddings: Annotated[Optional[int], Reads("neox/config/model.py")] = Field(

@@ -47,7 +47,7 @@ class ParallelConfig(ConfigGroup):
     """Megatron sequence parallelism (not implemented: must stay false)."""
 
     distributed_backend: Annotated[
-        Literal["nccl", "gloo", "mpi"], Reads("neox/training/setup.py")
+        Literal["nccl", "gloo", "mpi"], Reads("neox/parallel/distributed.py")
     ] = "nccl"
     """torch.distributed backend on GPUs; CPU ranks always use gloo."""
 

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from neox.config.data import split_ranges
+from neox.config.schema import NeoXConfig
 from neox.data.blendable import (
     BlendableDataset,
     normalize_weights,
@@ -45,6 +46,22 @@ class DataLoaders:
     train_dataset: torch.utils.data.Dataset | None
     valid_dataset: torch.utils.data.Dataset | None
     test_dataset: torch.utils.data.Dataset | None
+
+
+@dataclass(frozen=True)
+class ReadPlan:
+    """What one rank reads of each split: the run's values the config's data keys do not hold."""
+
+    num_samples: Sequence[int]
+    """Global samples needed per split (train, valid, test), e.g. train_iters x global batch;
+    0 skips a split."""
+    micro_batch_size: int
+    data_parallel_rank: int = 0
+    data_parallel_size: int = 1
+    consumed_train_samples: int = 0
+    """Global samples already trained on; the train stream resumes there."""
+    consumed_valid_samples: int = 0
+    pin_memory: bool = False
 
 
 def _iterate(loader: torch.utils.data.DataLoader) -> Iterator[dict[str, torch.Tensor]]:
@@ -164,22 +181,16 @@ def build_blended_dataset(
 
 
 def _check_sources(
-    data_path: str | None,
-    split_paths: dict[str, Sequence[str] | None],
-    num_samples: Sequence[int],
-    micro_batch_size: int,
-    data_parallel_rank: int,
-    data_parallel_size: int,
+    data_path: str | None, split_paths: dict[str, Sequence[str] | None], read: ReadPlan
 ) -> None:
     # Every mistake in the arguments is reported before any index is built.
+    num_samples, rank, size = read.num_samples, read.data_parallel_rank, read.data_parallel_size
     if len(num_samples) != 3 or any(n < 0 for n in num_samples):
         raise ValueError(f"num_samples must be three non-negative counts, got {num_samples}")
-    if micro_batch_size <= 0:
-        raise ValueError(f"micro_batch_size must be positive, got {micro_batch_size}")
-    if not 0 <= data_parallel_rank < data_parallel_size:
-        raise ValueError(
-            f"data_parallel_rank={data_parallel_rank} must lie in [0, {data_parallel_size})"
-        )
+    if read.micro_batch_size <= 0:
+        raise ValueError(f"micro_batch_size must be positive, got {read.micro_batch_size}")
+    if not 0 <= rank < size:
+        raise ValueError(f"data_parallel_rank={rank} must lie in [0, {size})")
     given = {name: p for name, p in split_paths.items() if p}
     if data_path and given:
         raise ValueError(
@@ -197,86 +208,51 @@ def _check_sources(
 
 
 def build_train_valid_test_loaders(
-    *,
-    seq_length: int,
-    seed: int,
-    num_samples: Sequence[int],
-    micro_batch_size: int,
-    data_path: str | None = None,
-    split: str = "969,30,1",
-    train_data_paths: Sequence[str] | None = None,
-    valid_data_paths: Sequence[str] | None = None,
-    test_data_paths: Sequence[str] | None = None,
-    train_data_weights: Sequence[float] | None = None,
-    valid_data_weights: Sequence[float] | None = None,
-    test_data_weights: Sequence[float] | None = None,
-    weight_by_num_documents: bool = False,
-    weighted_sampler_alpha: float = 1.0,
-    data_parallel_rank: int = 0,
-    data_parallel_size: int = 1,
-    consumed_train_samples: int = 0,
-    consumed_valid_samples: int = 0,
-    num_workers: int = 2,
-    pin_memory: bool = False,
-    cache_dir: str | None = None,
-    use_shared_fs: bool = True,
-    label_data_path: str | None = None,
-    train_label_data_paths: Sequence[str] | None = None,
-    valid_label_data_paths: Sequence[str] | None = None,
-    test_label_data_paths: Sequence[str] | None = None,
-    pack_impl: str = "packed",
-    allow_chopped: bool = True,
-    vocab_size: int | None = None,
+    cfg: NeoXConfig, read: ReadPlan, vocab_size: int | None = None
 ) -> DataLoaders:
-    """Datasets and endless micro-batch iterators for train, valid and test.
+    """Datasets and endless micro-batch iterators for train, valid and test, from cfg's data
+    keys (one `data_path` cut by `split`, or blended per-split paths, their labels, packing and
+    cache), its seq_length and seed.
 
     Args:
-        num_samples: global samples needed per split (train, valid, test), e.g.
-            train_iters * train_batch_size; 0 skips a split.
-        data_path: one indexed dataset prefix, cut into contiguous document ranges by `split`.
-        train_data_paths: per-split prefixes instead of data_path, blended by the *_weights
-            (equal when None), or by document counts when weight_by_num_documents.
-        consumed_train_samples: global samples already trained on; the train stream resumes there.
-        cache_dir: where sample index files go (default: beside each dataset).
-        label_data_path: the label dataset of data_path (split with it); the
-            *_label_data_paths: one label dataset per path of that split.
-        pack_impl: "packed", "pack_until_overflow" or "unpacked" (neox.data.gpt_dataset).
+        read: what this rank reads of each split (counts, batch, its data-parallel slot, where
+            a resumed run goes on).
         vocab_size: the model's token embeddings; a sample with a larger id is an error naming
             its file (None: not checked).
     """
-    split_paths = {"train": train_data_paths, "valid": valid_data_paths, "test": test_data_paths}
-    _check_sources(
-        data_path,
-        split_paths,
-        num_samples,
-        micro_batch_size,
-        data_parallel_rank,
-        data_parallel_size,
-    )
-    if data_path:
+    data, seq_length, seed = cfg.data, cfg.model.seq_length, cfg.training.seed
+    num_samples = read.num_samples
+    split_paths = {
+        "train": data.train_data_paths,
+        "valid": data.valid_data_paths,
+        "test": data.test_data_paths,
+    }
+    _check_sources(data.data_path, split_paths, read)
+    cache_dir = data.data_cache_dir
+    if data.data_path:
         datasets = build_split_datasets(
-            data_path,
-            split,
+            data.data_path,
+            data.split,
             num_samples,
             seq_length,
             seed,
             cache_dir,
-            use_shared_fs,
-            label_data_path,
-            pack_impl,
-            allow_chopped,
+            data.use_shared_fs,
+            data.label_data_paths[0] if data.label_data_paths else None,
+            data.pack_impl,
+            data.allow_chopped,
             vocab_size,
         )
     else:
         label_paths = {
-            "train": train_label_data_paths,
-            "valid": valid_label_data_paths,
-            "test": test_label_data_paths,
+            "train": data.train_label_data_paths,
+            "valid": data.valid_label_data_paths,
+            "test": data.test_label_data_paths,
         }
         weights = {
-            "train": train_data_weights,
-            "valid": valid_data_weights,
-            "test": test_data_weights,
+            "train": data.train_data_weights,
+            "valid": data.valid_data_weights,
+            "test": data.test_data_weights,
         }
         datasets = [
             build_blended_dataset(
@@ -286,42 +262,23 @@ def build_train_valid_test_loaders(
                 n,
                 seq_length,
                 seed,
-                weight_by_num_documents,
-                weighted_sampler_alpha,
+                data.weight_by_num_documents,
+                data.weighted_sampler_alpha,
                 cache_dir,
-                use_shared_fs,
+                data.use_shared_fs,
                 label_paths[name],
-                pack_impl,
-                allow_chopped,
+                data.pack_impl,
+                data.allow_chopped,
                 vocab_size,
             )
             if n > 0
             else None
             for name, n in zip(SPLIT_NAMES, num_samples)
         ]
-
-    return sampled_loaders(
-        datasets,
-        micro_batch_size,
-        data_parallel_rank,
-        data_parallel_size,
-        consumed_train_samples,
-        consumed_valid_samples,
-        num_workers,
-        pin_memory,
-    )
+    return sampled_loaders(datasets, read, data.num_workers)
 
 
-def sampled_loaders(
-    datasets: Sequence[Any],
-    micro_batch_size: int,
-    data_parallel_rank: int,
-    data_parallel_size: int,
-    consumed_train_samples: int,
-    consumed_valid_samples: int,
-    num_workers: int,
-    pin_memory: bool,
-) -> DataLoaders:
+def sampled_loaders(datasets: Sequence[Any], read: ReadPlan, num_workers: int) -> DataLoaders:
     """DataLoaders over (train, valid, test) datasets (None where a split is empty), each resumed
     after its consumed samples: the one sampler every kind of dataset (language model, preference
     pairs) goes through."""
@@ -330,17 +287,21 @@ def sampled_loaders(
         if dataset is None:
             return None
         sampler = PretrainingSampler(
-            len(dataset), consumed, micro_batch_size, data_parallel_rank, data_parallel_size
+            len(dataset),
+            consumed,
+            read.micro_batch_size,
+            read.data_parallel_rank,
+            read.data_parallel_size,
         )
         loader = torch.utils.data.DataLoader(
-            dataset, batch_sampler=sampler, num_workers=num_workers, pin_memory=pin_memory
+            dataset, batch_sampler=sampler, num_workers=num_workers, pin_memory=read.pin_memory
         )
         return _iterate(loader)
 
     train, valid, test = datasets
     return DataLoaders(
-        train=stream(train, consumed_train_samples),
-        valid=stream(valid, consumed_valid_samples),
+        train=stream(train, read.consumed_train_samples),
+        valid=stream(valid, read.consumed_valid_samples),
         test=stream(test, 0),
         train_dataset=train,
         valid_dataset=valid,

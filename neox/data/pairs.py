@@ -25,7 +25,9 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from neox.config.schema import NeoXConfig
 from neox.data.indexed import IndexedDataset
+from neox.data.loader import DataLoaders, ReadPlan, sampled_loaders
 
 log = logging.getLogger(__name__)
 
@@ -268,33 +270,11 @@ def build_preference_dataset(
     )
 
 
-def build_preference_loaders(
-    cfg: Any,
-    num_samples: Sequence[int],
-    micro_batch_size: int,
-    data_parallel_rank: int = 0,
-    data_parallel_size: int = 1,
-    consumed_train_samples: int = 0,
-    consumed_valid_samples: int = 0,
-    pin_memory: bool = False,
-) -> Any:
-    """neox.data.loader.DataLoaders of preference samples for cfg (a NeoXConfig), resumable at
-    the consumed counts exactly as the language-model streams are."""
-    from neox.data.loader import sampled_loaders
-
-    seed = cfg.training.seed
+def build_preference_loaders(cfg: NeoXConfig, read: ReadPlan) -> DataLoaders:
+    """DataLoaders of preference samples for cfg, resumable at the consumed counts exactly as the
+    language-model streams are."""
     datasets = [
-        build_preference_dataset(cfg, split, n, seed)
-        for split, n in zip(("train", "valid", "test"), num_samples)
+        build_preference_dataset(cfg, split, n, cfg.training.seed)
+        for split, n in zip(("train", "valid", "test"), read.num_samples)
     ]
-
-    return sampled_loaders(
-        datasets,
-        micro_batch_size,
-        data_parallel_rank,
-        data_parallel_size,
-        consumed_train_samples,
-        consumed_valid_samples,
-        cfg.data.num_workers,
-        pin_memory,
-    )
+    return sampled_loaders(datasets, read, cfg.data.num_workers)

@@ -169,7 +169,7 @@ def evaluate_parts(
 def run_evaluation(cfg: NeoXConfig) -> Optional[tuple[Path, dict[str, Any]]]:
     """The whole eval.py job on this rank; rank 0 writes the results file and returns it with
     the results (other ranks return None)."""
-    from neox.training.setup import init_distributed
+    from neox.parallel.distributed import init_distributed
 
     device = init_distributed(cfg)
     rank, world = dist.get_rank(), dist.get_world_size()

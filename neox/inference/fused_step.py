@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from neox.inference.cache import KVCache
+from neox.model.kv_cache import KVCache
 from neox.model.mlp import activation_name
 from neox.model.norms import LayerNorm, RMSNorm
 

@@ -13,14 +13,14 @@ import torch.distributed as dist
 from lm_eval.api.model import LM
 from torch import nn
 
-from neox.inference.cache import KVCache
-from neox.inference.engine import Generator
+from neox.inference.generator import Generator
 from neox.inference.scoring import (
     continuation_window,
     encode_pair,
     rolling_windows,
     score_windows,
 )
+from neox.model.kv_cache import KVCache
 from neox.tokenizer import Tokenizer
 
 

@@ -14,7 +14,7 @@ import torch
 
 from neox.config import ConfigError, NeoXConfig, derive
 from neox.inference.decode_path import choose_decode_path, decode_steps
-from neox.inference.engine import Completion, DecodeStats, Generator
+from neox.inference.generator import Completion, DecodeStats, Generator
 from neox.inference.loading import build_generation_model, generation_dtype
 from neox.inference.sampling import SamplingParams
 from neox.parallel.topology import ProcessGroups
@@ -210,8 +210,8 @@ def run_generation(cfg: NeoXConfig) -> None:
     """generate.py on one rank: load the trained model, then generate per text_gen_type."""
     import torch.distributed as dist
 
-    from neox.parallel import Topology
-    from neox.training.setup import init_distributed
+    from neox.parallel.distributed import init_distributed
+    from neox.parallel.topology import Topology
 
     g = cfg.generation
     if g.text_gen_type == "input-file" and not g.sample_input_file:

@@ -23,7 +23,7 @@ attention, so these kernels are written here:
 The arithmetic follows the eager bf16 step's rounding points: norms, each linear (fp32 sum, bias
 added before one rounding, as cuBLAS's epilogue), the activation, each rotary product and sum, and
 each residual add round to the model dtype where torch would, so greedy tokens track the eager
-path's (tests/kernels/decode_interpreter_cases.py, tests/inference/test_generate_gpu.py).
+path's (tests/kernels/decode_interpreter_helpers.py, tests/inference/test_generate_gpu.py).
 """
 
 from __future__ import annotations

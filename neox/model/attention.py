@@ -19,7 +19,7 @@ from neox.model.rotary import RotaryEmbedding
 from neox.plan.attention_path import layer_window, select_attention_path
 
 if TYPE_CHECKING:
-    from neox.inference.cache import LayerKVCache
+    from neox.model.kv_cache import LayerKVCache
 
 ATTENTION_IMPLS = ("flash", "flex", "triton", "torch")
 

@@ -14,7 +14,7 @@ from neox.model.moe import MoE
 from neox.model.norms import build_norm
 
 if TYPE_CHECKING:
-    from neox.inference.cache import LayerKVCache
+    from neox.model.kv_cache import LayerKVCache
 
 
 class Block(nn.Module):

@@ -18,7 +18,7 @@ from neox.model.moe import moe_aux_loss
 from neox.model.norms import build_norm
 
 if TYPE_CHECKING:
-    from neox.inference.cache import KVCache
+    from neox.model.kv_cache import KVCache
 
 
 class GPTNeoX(nn.Module):
@@ -96,7 +96,7 @@ class GPTNeoX(nn.Module):
         attention_mask (B, T) marks real tokens; a DocumentMask (neox.kernels.flex_attention)
         keeps packed documents apart. Computing the loss here, inside the module the
         engine runs, lets the loss be fused with the output layer (lm_loss_chunk_size).
-        Decoding passes a KVCache (neox.inference.cache), explicit position_ids and the
+        Decoding passes a KVCache (neox.model.kv_cache), explicit position_ids and the
         (B, 1, T, S) mask of cached keys each query may see.
         """
         x = self.embed(input_ids, position_ids)

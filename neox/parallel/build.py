@@ -13,10 +13,10 @@ from neox.config.model import ModelConfig
 from neox.model import GPTNeoX, build_model, lm_loss
 from neox.model.block import Block
 from neox.model.rotary import RotaryEmbedding
-from neox.parallel.checkpointing import checkpoint_blocks, configure_checkpointing
+from neox.model.transforms.float8 import apply_float8
+from neox.parallel.activation_checkpointing import checkpoint_blocks, configure_checkpointing
 from neox.parallel.context import apply_context_parallel
 from neox.parallel.expert import apply_expert_parallel
-from neox.parallel.float8 import apply_float8
 from neox.parallel.pipeline import to_pipeline
 from neox.parallel.tensor import (
     apply_tensor_parallel,

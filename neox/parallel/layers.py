@@ -64,7 +64,7 @@ class ColumnParallelLinear(nn.Module):
     """
 
     PARTITION_DIMS = {"weight": 0, "bias": 0}
-    # The local matmul; neox/parallel/float8.py sets a float8 one on chosen instances.
+    # The local matmul; neox/model/transforms/float8.py sets a float8 one on chosen instances.
     linear = staticmethod(F.linear)
 
     def __init__(

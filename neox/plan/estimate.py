@@ -87,7 +87,7 @@ def block_vector_sizes(cfg: ModelConfig, tp: int = 1, moe: bool = False) -> list
 
 def lora_block_parameters(cfg: ModelConfig, rank: int, targets: list[str], tp: int = 1) -> int:
     """LoRA adapter elements of one block on one tensor-parallel rank: r (in + out) per target
-    linear, the split side of each divided by tp (neox/parallel/lora.py: a column-parallel
+    linear, the split side of each divided by tp (neox/model/transforms/lora.py: a column-parallel
     base splits B, a row-parallel one A)."""
     shape = cfg.shape
     h, hs = cfg.hidden_size, shape.head_dim

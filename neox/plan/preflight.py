@@ -423,7 +423,7 @@ def precision_problem(loaded: LoadedConfig, precision: str, cpu_ranks: bool) -> 
 
 def fp8_problem(loaded: LoadedConfig, cpu_ranks: bool) -> Optional[str]:
     """Why the ranks cannot train with fp8.enabled, or None: float8 matmuls need compute
-    capability 8.9+ (neox/parallel/float8.py checks each rank's GPU again). Imports torch only
+    capability 8.9+ (neox/model/transforms/float8.py checks each rank's GPU again). Imports torch only
     when fp8 is on and the ranks use this machine's GPUs."""
     if not loaded.config.float8.fp8.enabled:
         return None

@@ -238,7 +238,7 @@ def clip_pipeline_fp32_gradients(engine: Any) -> None:
 
 def _pipeline_batches(batches: Iterable[Batch]) -> Iterator:
     """Micro-batches in the (inputs, labels) form DeepSpeed's pipeline engine consumes."""
-    from neox.parallel import pipeline_batch
+    from neox.parallel.build import pipeline_batch
 
     for b in batches:
         yield pipeline_batch(b.tokens, b.labels, b.loss_mask, b.loss_weight)

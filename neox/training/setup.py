@@ -1,7 +1,6 @@
 """Everything a rank builds before the first step: process groups, tokenizer, model, engine, data."""
 
 import logging
-import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -10,11 +9,10 @@ from torch import nn
 
 from neox.checkpoint.lora import load_lora_base
 from neox.config import Derived, NeoXConfig, build_ds_config, derive
-from neox.data.loader import DataLoaders, build_train_valid_test_loaders
+from neox.data.loader import DataLoaders, ReadPlan, build_train_valid_test_loaders
 from neox.data.pairs import build_preference_loaders
-from neox.launcher.port import free_port
-from neox.launcher.rank_env import rank_env_from_launcher
-from neox.parallel.lora import apply_lora, cast_lora_base
+from neox.model.transforms.lora import apply_lora, cast_lora_base
+from neox.parallel.distributed import init_distributed
 from neox.plan.engine_choice import EngineChoice, engine_for, torch_compile_enabled
 from neox.tokenizer import Tokenizer, build_tokenizer
 from neox.training.deepspeed_engine import DeepSpeedAdapter
@@ -62,47 +60,10 @@ class Run:
         return self.rank == 0
 
 
-def init_distributed(cfg: NeoXConfig) -> torch.device:
-    """torch.distributed through DeepSpeed: gloo on CPU ranks, the configured backend on GPUs."""
-    from deepspeed.accelerator import get_accelerator
-
-    accel = get_accelerator()
-    on_cpu = accel.device_name() == "cpu"
-    backend = "gloo" if on_cpu else cfg.parallel.distributed_backend
-    os.environ.update(rank_env_from_launcher(cfg.launcher, os.environ))
-    if "RANK" not in os.environ:
-        # A plain `python train.py cfg.yml` is a one-rank job.
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(cfg.launcher.master_port or free_port()))
-    start_deepspeed_comm(backend)
-    if on_cpu:
-        return torch.device("cpu")
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    accel.set_device(local_rank)
-    return torch.device(accel.device_name(), local_rank)
-
-
-def start_deepspeed_comm(backend: str) -> None:
-    """deepspeed.init_distributed, compiling nothing.
-
-    DeepSpeed's torch backend JIT-compiles a shared-memory all-reduce (a C++ op: a compiler
-    needed, minutes on a first CPU launch, again whenever the extension cache is not shared)
-    as it starts, for its `inference_all_reduce` alone, which neox never calls. Marked
-    unbuildable in DeepSpeed's table of compatible ops, it is never built and every collective
-    is torch's (gloo on CPU ranks). The table is the only one of DeepSpeed's that runtime code
-    reads, for that op alone; left unset until then, its first read would probe every op,
-    test-compiling C files."""
-    import deepspeed
-    import deepspeed.ops
-
-    vars(deepspeed.ops).setdefault("__compatible_ops__", {})["deepspeed_shm_comm"] = False
-    deepspeed.init_distributed(dist_backend=backend)
-
-
 def build_run(cfg: NeoXConfig) -> Run:
     """Tokenizer, derived values, the parallel model inside its engine, and the schedule."""
-    from neox.parallel import ProcessGroups, Topology, engine_mpu, parallelize
+    from neox.parallel.build import engine_mpu, parallelize
+    from neox.parallel.topology import ProcessGroups, Topology
 
     device = init_distributed(cfg)
     world = torch.distributed.get_world_size()
@@ -225,50 +186,19 @@ def build_data(
     run: Run, consumed_train_samples: int, consumed_valid_samples: int = 0
 ) -> DataLoaders:
     """Sample streams sized for the whole run, starting where a resumed run left off."""
-    cfg, d = run.cfg, run.derived
-    data = cfg.data
-    if run.objective is not None:
-        return build_preference_loaders(
-            cfg,
-            d.samples,
-            d.micro_batch,
-            data_parallel_rank=run.dp_rank,
-            data_parallel_size=d.data_parallel,
-            consumed_train_samples=consumed_train_samples,
-            consumed_valid_samples=consumed_valid_samples,
-            pin_memory=run.device.type == "cuda",
-        )
-    return build_train_valid_test_loaders(
-        seq_length=cfg.model.seq_length,
-        seed=cfg.training.seed,
+    d = run.derived
+    read = ReadPlan(
         num_samples=d.samples,
         micro_batch_size=d.micro_batch,
-        data_path=data.data_path,
-        split=data.split,
-        train_data_paths=data.train_data_paths,
-        valid_data_paths=data.valid_data_paths,
-        test_data_paths=data.test_data_paths,
-        train_data_weights=data.train_data_weights,
-        valid_data_weights=data.valid_data_weights,
-        test_data_weights=data.test_data_weights,
-        weight_by_num_documents=data.weight_by_num_documents,
-        weighted_sampler_alpha=data.weighted_sampler_alpha,
         data_parallel_rank=run.dp_rank,
         data_parallel_size=d.data_parallel,
         consumed_train_samples=consumed_train_samples,
         consumed_valid_samples=consumed_valid_samples,
-        num_workers=data.num_workers,
         pin_memory=run.device.type == "cuda",
-        cache_dir=data.data_cache_dir,
-        use_shared_fs=data.use_shared_fs,
-        label_data_path=data.label_data_paths[0] if data.label_data_paths else None,
-        train_label_data_paths=data.train_label_data_paths,
-        valid_label_data_paths=data.valid_label_data_paths,
-        test_label_data_paths=data.test_label_data_paths,
-        pack_impl=data.pack_impl,
-        allow_chopped=data.allow_chopped,
-        vocab_size=d.padded_vocab_size,
     )
+    if run.objective is not None:
+        return build_preference_loaders(run.cfg, read)
+    return build_train_valid_test_loaders(run.cfg, read, vocab_size=d.padded_vocab_size)
 
 
 def build_engine(

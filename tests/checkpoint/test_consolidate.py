@@ -15,7 +15,7 @@ from neox.checkpoint.consolidate import (
 )
 from neox.checkpoint.manifest import write_manifest
 from neox.model import build_model
-from tests.layouts import LAYOUTS
+from tests.layout_helpers import LAYOUTS
 
 
 def batch() -> torch.Tensor:

@@ -1,14 +1,14 @@
 """Checkpoints trained at tp=2 and pp=2 generate the dense run's greedy text (the layouts
 reproduce the losses, so the weights, and with them the argmax tokens, agree).
 
-The checkpoints are the session's shared layout runs (tests/layouts.py).
+The checkpoints are the session's shared layout runs (tests/layout_helpers.py).
 """
 
 import pytest
 import torch
 
 from neox.checkpoint.consolidate import load_model
-from neox.inference.engine import Generator
+from neox.inference.generator import Generator
 from neox.tokenizer import build_tokenizer
 
 pytestmark = pytest.mark.slow

@@ -18,7 +18,7 @@ from neox.checkpoint.hf_map import (
 from neox.config.derived import pad_vocab_size
 from neox.config.model import ModelConfig
 from neox.model import count_parameters
-from tests.hf_families import FAMILIES, PADDED, VOCAB, hf_model, neox_pair, token_ids
+from tests.hf_family_helpers import FAMILIES, PADDED, VOCAB, hf_model, neox_pair, token_ids
 
 
 def file_names(arch: str, sd: dict) -> dict:

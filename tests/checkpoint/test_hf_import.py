@@ -311,7 +311,7 @@ def test_shipped_config_is_what_importing_the_real_model_gives(model):
     assert sum(p.numel() for p in ours.parameters()) == real.num_parameters()
 
 
-# Every family of tests/hf_families.py through the files, each at a layout its heads allow.
+# Every family of tests/hf_family_helpers.py through the files, each at a layout its heads allow.
 FAMILY_LAYOUTS = {
     "gpt_neox_partial_dynamic_untied": (2, 2),
     "llama3_gqa": (2, 2),
@@ -331,7 +331,7 @@ def test_every_family_round_trips_through_sharded_files(name, tmp_path):
     logits past every window and original RoPE length."""
     from transformers import AutoModelForCausalLM
 
-    from tests.hf_families import FAMILIES, VOCAB, hf_model, token_ids
+    from tests.hf_family_helpers import FAMILIES, VOCAB, hf_model, token_ids
 
     assert set(FAMILY_LAYOUTS) == set(FAMILIES)
     tp, pp = FAMILY_LAYOUTS[name]
@@ -360,7 +360,7 @@ def test_untied_model_without_a_head_in_the_files_starts_from_the_embedding(tmp_
     from a whole state dict: a copy of the embedding when the files hold no head."""
     from safetensors.torch import save_file
 
-    from tests.hf_families import hf_model
+    from tests.hf_family_helpers import hf_model
 
     _, _, hf = hf_model("llama3_gqa")  # untied
     hf.save_pretrained(tmp_path / "hf")

@@ -112,7 +112,7 @@ def neox_lora_model(ckpt):
         resolve_checkpoint,
     )
     from neox.model import build_model
-    from neox.parallel.lora import apply_lora
+    from neox.model.transforms.lora import apply_lora
 
     tag_dir = resolve_checkpoint(ckpt)
     cfg = read_checkpoint_config(tag_dir)
@@ -225,7 +225,7 @@ def test_peft_adapter_for_llama_splits_the_fused_qkv(tmp_path):
     from neox.checkpoint.hf_map import hf_config_for, to_hf_state_dict, to_peft_state_dict
     from neox.config import NeoXConfig
     from neox.model import build_model
-    from neox.parallel.lora import apply_lora
+    from neox.model.transforms.lora import apply_lora
 
     flat = dict(
         num_layers=2,

@@ -13,7 +13,7 @@ from neox.checkpoint.relayout import reshape_checkpoint
 from neox.checkpoint.writer import WEIGHTS_ONLY
 from neox.model import lm_loss
 from tests.checkpoint.test_hf_import import write_constant_dataset
-from tests.layouts import MODEL
+from tests.layout_helpers import MODEL
 from tests.train_helpers import ROOT, losses, train, write_config
 
 pytestmark = pytest.mark.slow

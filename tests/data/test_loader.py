@@ -1,13 +1,15 @@
+import dataclasses
 import itertools
 
 import numpy as np
 import pytest
 import torch
 
+from neox.config import load_dict
 from neox.config.data import parse_split
 from neox.data.blendable import BlendableDataset, build_blend_index, weights_by_num_documents
 from neox.data.indexed import IndexedDatasetBuilder
-from neox.data.loader import build_train_valid_test_loaders, split_documents
+from neox.data.loader import ReadPlan, build_train_valid_test_loaders, split_documents
 
 
 def write_tagged(prefix, num_docs, tag=None, doc_len=6):
@@ -24,10 +26,16 @@ def take(iterator, n):
     return [b["text"] for b in itertools.islice(iterator, n)]
 
 
+READ_KEYS = {f.name for f in dataclasses.fields(ReadPlan)}
+
+
 def loaders(**kwargs):
-    args = dict(seq_length=8, seed=3, micro_batch_size=2, num_workers=0)
-    args.update(kwargs)
-    return build_train_valid_test_loaders(**args)
+    """Loaders of a config of seq_length 8, seed 3, no worker processes and micro batch 2, with
+    `kwargs`' config keys and ReadPlan fields."""
+    read = {"micro_batch_size": 2, **{k: v for k, v in kwargs.items() if k in READ_KEYS}}
+    keys = {k: v for k, v in kwargs.items() if k not in READ_KEYS}
+    cfg = load_dict({"seq_length": 8, "seed": 3, "num_workers": 0, **keys})
+    return build_train_valid_test_loaders(cfg, ReadPlan(**read))
 
 
 def test_split_weights_and_document_ranges():
@@ -133,7 +141,7 @@ def test_bad_sources_are_refused_before_any_work(tmp_path):
         loaders(num_samples=(4, 0, 0))
     with pytest.raises(ValueError, match="no valid_data_paths"):
         loaders(train_data_paths=[prefix], num_samples=(4, 2, 0))
-    with pytest.raises(ValueError, match="2 train_data_paths but 1 train_data_weights"):
+    with pytest.raises(ValueError, match="train_data_weights has 1 entries but train_data_paths"):
         loaders(train_data_paths=[prefix, prefix], train_data_weights=[1], num_samples=(4, 0, 0))
     with pytest.raises(ValueError, match="data_parallel_rank=2"):
         loaders(data_path=prefix, num_samples=(4, 0, 0), data_parallel_rank=2)

@@ -1,12 +1,24 @@
 """Preference samples: pairs aligned document for document, labels padded with -100, documents
 chopped or skipped by allow_chopped, and misaligned files refused by name."""
 
+import itertools
+
 import numpy as np
 import pytest
+import torch
 
+from neox.config import load_dict
 from neox.data.indexed import IndexedDatasetBuilder
-from neox.data.pairs import IGNORE, PreferenceDataError, PreferenceDataset, Side, _Documents
-from tests.preference_helpers import PROMPT, SEP, write_pairs, write_rewarded
+from neox.data.loader import ReadPlan
+from neox.data.pairs import (
+    IGNORE,
+    PreferenceDataError,
+    PreferenceDataset,
+    Side,
+    _Documents,
+    build_preference_loaders,
+)
+from tests.preference_helpers import PROMPT, SEP, pair_keys, write_pairs, write_rewarded
 
 
 def write(prefix, docs):
@@ -110,3 +122,29 @@ def test_documents_number_on_across_prefixes(tmp_path):
     }
     with pytest.raises(PreferenceDataError, match=r"hold \[2, 1\] documents"):
         PreferenceDataset(one_file, 3, 8, seed=0)
+
+
+def test_preference_streams_resume_and_split_like_the_language_model_ones(tmp_path):
+    cfg = load_dict(
+        {
+            "seq_length": 16,
+            "train_impl": "dpo",
+            "dataset_impl": "pairwise",
+            "pack_impl": "unpacked",
+            "num_workers": 0,
+            **pair_keys(tmp_path),
+        }
+    )
+
+    def chosen(**read):
+        loaders = build_preference_loaders(cfg, ReadPlan(num_samples=(16, 0, 0), **read))
+        assert loaders.valid is None and loaders.test is None
+        return [b["chosen"] for b in itertools.islice(loaders.train, 4)]
+
+    whole = chosen(micro_batch_size=2)
+    assert torch.equal(
+        torch.cat(chosen(micro_batch_size=2, consumed_train_samples=4)[:2]), torch.cat(whole[2:4])
+    )
+    ranks = [chosen(micro_batch_size=1, data_parallel_rank=r, data_parallel_size=2) for r in (0, 1)]
+    for step in range(2):
+        assert torch.equal(torch.cat([ranks[0][step], ranks[1][step]]), whole[step])

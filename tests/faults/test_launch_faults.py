@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.launcher.conftest import sshd  # noqa: F401  (the module's sshd fixture)
-from tests.ports import free_port
+from tests.port_helpers import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -43,7 +43,14 @@ def launch(sshd, tmp_path: Path, hosts: str, **keys) -> subprocess.CompletedProc
         NEOX_HOSTILE=HOSTILE,
     )
     return subprocess.run(
-        [sys.executable, "deepy.py", "tests/deepy_probe.py", str(cfg), "--wandb_group", HOSTILE],
+        [
+            sys.executable,
+            "deepy.py",
+            "tests/deepy_probe_helpers.py",
+            str(cfg),
+            "--wandb_group",
+            HOSTILE,
+        ],
         cwd=ROOT,
         env=env,
         capture_output=True,

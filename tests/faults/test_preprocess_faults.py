@@ -21,7 +21,7 @@ from neox.data.indexed import IndexedDataset
 from neox.prep.preprocess import PreprocessConfig, TextEncoder, WorkerDiedError
 from neox.prep.preprocess import preprocess as run_preprocess
 from neox.prep.tool import run_preprocess as run_tool
-from tests.procs import alive
+from tests.process_helpers import alive
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow  # each case starts deepy.py or preprocess_data.py

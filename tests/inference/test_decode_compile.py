@@ -55,8 +55,8 @@ def test_backend_leaves_linears_alone_when_off(monkeypatch):
 def test_attention_reductions_decode_what_sdpa_decodes(name):
     """At batch 1 the compiled step's written-out attention (a sliding window too) gives the
     eager SDPA step's tokens and logits; at batch 2 the step keeps SDPA."""
-    from neox.inference.engine import Generator
-    from tests.hf_families import PADDED, VOCAB, neox_pair
+    from neox.inference.generator import Generator
+    from tests.hf_family_helpers import PADDED, VOCAB, neox_pair
 
     _, _, model, _ = neox_pair(name)
     kernels = StepKernels(attention_reductions=True)

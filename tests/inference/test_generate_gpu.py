@@ -12,11 +12,11 @@ import torch
 
 from neox.config import load_config, pad_vocab_size
 from neox.config.model import ModelConfig
-from neox.inference.engine import Generator
+from neox.inference.generator import Generator
 from neox.inference.sampling import SamplingParams
 from neox.model import build_model, lm_loss
-from tests.hf_families import hf_greedy
-from tests.inference.test_engine import EOD, PADDED, PROMPTS, VOCAB, tiny_pair
+from tests.hf_family_helpers import hf_greedy
+from tests.inference.test_generator import EOD, PADDED, PROMPTS, VOCAB, tiny_pair
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -43,7 +43,7 @@ def test_deepy_refuses_missing_checkpoint_iteration_prompt_file_and_cached_alibi
 
 
 def test_a_checkpoint_of_another_shape_is_named(tmp_path, one_rank_group):
-    from neox.parallel import ProcessGroups, Topology
+    from neox.parallel.topology import ProcessGroups, Topology
 
     small = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4)
     state = build_model(small, 128).state_dict()
@@ -60,8 +60,8 @@ def test_one_tensor_parallel_rank_gets_no_gather_so_decode_can_use_cuda_graphs(
 ):
     """generate.py hands the Generator this gather; only None lets it replay decode steps as
     CUDA graphs (an identity function here kept generate.py off the graph path)."""
-    from neox.inference.engine import Generator
-    from neox.parallel import ProcessGroups, Topology
+    from neox.inference.generator import Generator
+    from neox.parallel.topology import ProcessGroups, Topology
 
     shape = {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4}
     state = build_model(ModelConfig(**shape), 128).state_dict()

@@ -9,7 +9,7 @@ import torch
 import yaml
 
 from neox.config import load_config
-from neox.inference.engine import Generator
+from neox.inference.generator import Generator
 from neox.inference.loading import build_generation_model
 from neox.inference.modes import TextGenerator
 from neox.parallel.topology import Topology
@@ -49,7 +49,7 @@ def read_rows(path: Path) -> list[dict]:
 def in_process(configs: list[Path], use_cache: bool) -> TextGenerator:
     """generate.py's TextGenerator built here, on one rank (the one_rank_group fixture), from
     the same configs."""
-    from neox.parallel import ProcessGroups
+    from neox.parallel.topology import ProcessGroups
 
     cfg = load_config([str(c) for c in configs]).config
     groups = ProcessGroups(Topology(1, 1, 1))

@@ -2,8 +2,8 @@
 
 from pathlib import Path
 
-from tests.kernels.interpreter import run_interpreter_cases
+from tests.kernels.interpreter_helpers import run_interpreter_cases
 
 
 def test_adamw_kernel_under_interpreter():
-    run_interpreter_cases(Path(__file__).with_name("adamw_interpreter_cases.py"))
+    run_interpreter_cases(Path(__file__).with_name("adamw_interpreter_helpers.py"))

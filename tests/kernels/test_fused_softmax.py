@@ -16,13 +16,13 @@ from neox.kernels.fused_softmax import (
     triton_available,
 )
 from neox.kernels.softmax_reference import scaled_masked_softmax_reference
-from tests.kernels.interpreter import run_interpreter_cases
+from tests.kernels.interpreter_helpers import run_interpreter_cases
 
-INTERPRETER_CASES = Path(__file__).with_name("triton_interpreter_cases.py")
+INTERPRETER_CASES = Path(__file__).with_name("softmax_interpreter_helpers.py")
 
 
 def test_triton_kernels_under_interpreter_match_float64_reference():
-    """Runs triton_interpreter_cases.py where TRITON_INTERPRET=1 precedes the triton import."""
+    """Runs softmax_interpreter_helpers.py where TRITON_INTERPRET=1 precedes the triton import."""
     run_interpreter_cases(INTERPRETER_CASES)
 
 

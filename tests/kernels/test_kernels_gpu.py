@@ -10,7 +10,7 @@ from neox.kernels.fused_softmax import (
     scaled_masked_softmax,
     triton_available,
 )
-from tests.kernels.softmax_checks import check_against_float64
+from tests.kernels.softmax_helpers import check_against_float64
 
 try:
     import triton  # noqa: F401

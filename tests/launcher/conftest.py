@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.ports import free_port
+from tests.port_helpers import free_port
 
 SSHD = "/usr/sbin/sshd"
 

@@ -11,8 +11,8 @@ import time
 from pathlib import Path
 
 from neox.launcher.process import REPORT_PREFIX
-from tests.ports import free_port
-from tests.procs import alive
+from tests.port_helpers import free_port
+from tests.process_helpers import alive
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.ports import free_port
+from tests.port_helpers import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -40,7 +40,7 @@ def test_deepy_launches_over_pdsh_on_two_nodes(sshd, tmp_path):
     env = dict(os.environ, PDSH_SSH_ARGS_APPEND=sshd.ssh_args, PYTHONPATH=str(ROOT))
     env.pop("DS_ACCELERATOR", None)  # the ranks must learn it from the environment deepy exports
     r = subprocess.run(
-        [sys.executable, "deepy.py", "tests/deepy_probe.py", str(cfg)],
+        [sys.executable, "deepy.py", "tests/deepy_probe_helpers.py", str(cfg)],
         cwd=ROOT,
         env=env,
         capture_output=True,

@@ -11,11 +11,11 @@ import pytest
 
 from neox.config.launcher import LauncherConfig
 from neox.launcher import build_launch, launch
-from tests.ports import free_port
-from tests.procs import wait_until_none
+from tests.port_helpers import free_port
+from tests.process_helpers import wait_until_none
 from tests.training.lifecycle_helpers import pids_with_env
 
-PROBE = str(Path(__file__).with_name("probe.py"))
+PROBE = str(Path(__file__).with_name("probe_helpers.py"))
 TRICKY = "a \"b\" $(echo injected) 'c' `id` \\ end"
 
 pytestmark = pytest.mark.slow

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.ports import free_port
+from tests.port_helpers import free_port
 from tests.train_helpers import make_dataset, records, write_config
 from tests.training.lifecycle_helpers import MARK, BackgroundRun
 
@@ -30,7 +30,7 @@ AGENT_PARENT = {"openmpi": "mpirun", "slurm": "slurmstepd"}
 
 
 def launch(tmp_path: Path, host: str, launcher: str, env: dict) -> dict[int, dict]:
-    """Run tests/deepy_probe.py on 2 ranks of `host` through `launcher`; each rank's report."""
+    """Run tests/deepy_probe_helpers.py on 2 ranks of `host` through `launcher`; each rank's report."""
     hostfile = tmp_path / "hostfile"
     hostfile.write_text(f"{host} slots=2\n")
     flat = {
@@ -47,7 +47,7 @@ def launch(tmp_path: Path, host: str, launcher: str, env: dict) -> dict[int, dic
     cfg = tmp_path / f"{launcher}.yml"
     cfg.write_text("".join(f"{k}: {json.dumps(v)}\n" for k, v in flat.items()))
     r = subprocess.run(
-        [sys.executable, "deepy.py", "tests/deepy_probe.py", str(cfg)],
+        [sys.executable, "deepy.py", "tests/deepy_probe_helpers.py", str(cfg)],
         cwd=ROOT,
         env=dict(os.environ, PYTHONPATH=str(ROOT), **env),
         capture_output=True,
@@ -253,12 +253,12 @@ def test_kill_9_of_deepy_saves_the_last_step_and_leaves_nothing(launcher, tmp_pa
 
 
 def sleeping_ranks(tmp_path: Path, launcher: str, host: str, env: dict) -> BackgroundRun:
-    """deepy.py starting 2 ranks of tests/deepy_probe.py that sleep (no rank is `exit_interval`)."""
+    """deepy.py starting 2 ranks of tests/deepy_probe_helpers.py that sleep (no rank is `exit_interval`)."""
     flat = dict(one_node(tmp_path, launcher, host), exit_interval=7, master_port=free_port())
     flat.update(tokenizer_type="CharLevelTokenizer", log_dir=str(tmp_path))
     cfg = tmp_path / "probe.yml"
     cfg.write_text("".join(f"{k}: {json.dumps(v)}\n" for k, v in flat.items()))
-    return BackgroundRun(cfg, tmp_path / "run.out", "tests/deepy_probe.py", **env)
+    return BackgroundRun(cfg, tmp_path / "run.out", "tests/deepy_probe_helpers.py", **env)
 
 
 def rank_pids(run: BackgroundRun) -> list[int]:

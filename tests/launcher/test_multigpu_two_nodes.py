@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.ports import free_port
+from tests.port_helpers import free_port
 from tests.train_helpers import ROOT, SHORT_RUN, deepy_env, losses, make_dataset, write_config
 
 pytestmark = [pytest.mark.multigpu, pytest.mark.slow]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from neox.model import count_parameters
-from tests.hf_families import FAMILIES, PADDED, VOCAB, neox_pair, token_ids
+from tests.hf_family_helpers import FAMILIES, PADDED, VOCAB, neox_pair, token_ids
 
 
 @pytest.mark.parametrize("name", FAMILIES)

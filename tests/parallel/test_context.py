@@ -16,8 +16,8 @@ from neox.config.errors import ConfigError
 from neox.data.batch import build_batch
 from neox.parallel.context import context_chunk
 from neox.parallel.topology import Topology
-from tests.parallel.context_checks import CASES, check_case
-from tests.parallel.parallel_harness import run_ranks
+from tests.parallel.context_helpers import CASES, check_case
+from tests.parallel.rank_helpers import run_ranks
 from tests.train_helpers import SHORT_RUN, losses, make_dataset, run_deepy, run_here, write_config
 
 
@@ -96,7 +96,7 @@ def _check_cases(rank: int, world: int, names: list[str]) -> None:
 
 @pytest.mark.slow
 def test_ulysses_gives_the_one_process_loss_and_gradients():
-    """Two gloo ranks, every case of context_checks.CASES (packed documents with GQA and a
+    """Two gloo ranks, every case of context_helpers.CASES (packed documents with GQA and a
     sliding window, MQA with replicated kv heads and ALiBi, scaled rotary with a masked SFT
     prompt, plain): loss and every gradient equal the whole batch's in one process."""
     run_ranks(_check_cases, 2, list(CASES))

@@ -7,8 +7,9 @@ fp32: every step's loss must match the dense run to rel 1e-5.
 import json
 
 import pytest
-from equivalence_worker import CASES, reference_losses, run_cases
-from parallel_harness import run_ranks
+
+from tests.parallel.equivalence_helpers import CASES, reference_losses, run_cases
+from tests.parallel.rank_helpers import run_ranks
 
 # Observed: <= 2e-7 (fp32 sums in another order); a wrong clip norm shows as >= 4e-5.
 REL = 1e-5

@@ -9,7 +9,7 @@ from neox.config import ConfigError, derive, load_dict
 from neox.model import build_model
 from neox.parallel.expert import apply_expert_parallel
 from neox.parallel.topology import ProcessGroups, Topology
-from tests.parallel.parallel_harness import run_ranks
+from tests.parallel.rank_helpers import run_ranks
 
 KEYS = {
     "num_layers": 2,

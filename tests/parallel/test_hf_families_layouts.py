@@ -3,8 +3,9 @@ ranks): RoPE scalings, sliding windows, QK-norm with its tp-summed gradients, q/
 biases, head_dim and tied/untied heads survive the split."""
 
 import pytest
-from hf_families_worker import run
-from parallel_harness import run_ranks
+
+from tests.parallel.hf_family_layout_helpers import run
+from tests.parallel.rank_helpers import run_ranks
 
 
 @pytest.mark.slow

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.ports import free_port
-from tests.stock_configs import stock_keys
+from tests.port_helpers import free_port
+from tests.stock_config_helpers import stock_keys
 from tests.train_helpers import losses, make_dataset, run_deepy, write_config
 
 FAMILIES = {

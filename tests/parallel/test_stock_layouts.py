@@ -1,6 +1,6 @@
 """The shipped configs' own keys train under PP=2, TP=2 and ZeRO-1/2/3 DP=2 on CPU ranks.
 
-Only sizes, tokenizer, layout and schedule are replaced (tests/stock_configs.py); one
+Only sizes, tokenizer, layout and schedule are replaced (tests/stock_config_helpers.py); one
 representative per group of shipped configs, chosen so that together they hold every key value
 any shipped model config sets."""
 
@@ -9,8 +9,8 @@ import math
 import pytest
 import yaml
 
-from tests.ports import free_port
-from tests.stock_configs import (
+from tests.port_helpers import free_port
+from tests.stock_config_helpers import (
     LAYOUTS_2,
     REPRESENTATIVES,
     features,
@@ -33,7 +33,7 @@ def test_stock_runs_replace_only_sizes_and_run_keys():
     """What a stock run changes of the file: nothing outside the size and run keys but the
     precision CPU ranks lack (fp16 -> bf16) and the layout's ZeRO stage."""
     from neox.config.loader import read_config_file
-    from tests.stock_configs import ROOT, RUN_KEYS, SCALED_KEYS, SIZE_KEYS
+    from tests.stock_config_helpers import ROOT, RUN_KEYS, SCALED_KEYS, SIZE_KEYS
 
     for name in REPRESENTATIVES:
         own = read_config_file(ROOT / name)

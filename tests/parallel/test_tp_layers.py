@@ -6,11 +6,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from parallel_harness import run_ranks
-from tp_layers_checks import check_all_ranks
 
 from neox.parallel.layers import _VocabParallelCrossEntropy, vocab_parallel_cross_entropy
-from tests.ports import free_port
+from tests.parallel.rank_helpers import run_ranks
+from tests.parallel.tp_layer_helpers import check_all_ranks
+from tests.port_helpers import free_port
 
 
 @pytest.mark.slow

@@ -1,11 +1,11 @@
 """train.py on gloo ranks: every parallel layout reproduces the single-rank run's losses.
 
-The runs are the session's shared layout matrix (tests/layouts.py), also read by the checkpoint
+The runs are the session's shared layout matrix (tests/layout_helpers.py), also read by the checkpoint
 tests."""
 
 import pytest
 
-from tests.layouts import LAYOUTS
+from tests.layout_helpers import LAYOUTS
 from tests.train_helpers import losses
 
 pytestmark = pytest.mark.slow

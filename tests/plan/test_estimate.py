@@ -13,8 +13,8 @@ from neox.plan.estimate import (
     stage_tensor_sizes,
 )
 from neox.plan.memory import block_activation_bytes
-from tests.estimate_worker import count_rank_parameters
-from tests.parallel.parallel_harness import run_ranks
+from tests.estimate_helpers import count_rank_parameters
+from tests.parallel.rank_helpers import run_ranks
 
 TINY = dict(num_layers=3, hidden_size=32, num_attention_heads=4, seq_length=16)
 # Shapes whose per-rank split differs: tied/untied head, learned positions, GQA, gated MLP,

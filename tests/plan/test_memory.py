@@ -27,8 +27,8 @@ from neox.plan.memory import (
     norm_activation_bytes,
     training_shape,
 )
-from tests.memory_worker import measure_all, saved_activation_bytes
-from tests.parallel.parallel_harness import run_ranks
+from tests.memory_helpers import measure_all, saved_activation_bytes
+from tests.parallel.rank_helpers import run_ranks
 
 TINY = dict(num_layers=1, hidden_size=64, num_attention_heads=4, seq_length=32)
 # Block variants whose saved tensors differ: residual style, rotary, GQA, norms, MLP, kernel.
@@ -293,7 +293,7 @@ OFFLOAD_CASES = {
 def test_offload_host_memory_matches_deepspeed_engine(tmp_path):
     """Each host part of the estimate against the tensors DeepSpeed's offloading engine holds
     on two CPU ranks after a step (DeepSpeed's CPU Adam), and the GPU parts it moves away."""
-    from tests.memory_worker import measure_offload_all
+    from tests.memory_helpers import measure_offload_all
     from tests.training.test_engine_offload import cpu_adam_builds
 
     if not cpu_adam_builds():

@@ -211,7 +211,7 @@ def _reduce_in(index: int, world: int, port: int, out: str, overrides: dict) -> 
 
     import torch.distributed as dist
 
-    from neox.parallel import ProcessGroups, Topology
+    from neox.parallel.topology import ProcessGroups, Topology
     from neox.training.setup import make_engine
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -252,7 +252,7 @@ def test_flat_engine_reduces_gradients_in_the_configured_dtype(tmp_path, overrid
 
     import torch.multiprocessing as mp
 
-    from tests.ports import free_port
+    from tests.port_helpers import free_port
 
     out = tmp_path / "seen.json"
     mp.spawn(_reduce_in, args=(2, free_port(), str(out), overrides), nprocs=2, join=True)

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.procs import wait_until_none
+from tests.process_helpers import wait_until_none
 from tests.train_helpers import (
     ROOT,
     losses,

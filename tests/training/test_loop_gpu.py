@@ -28,7 +28,7 @@ def test_loop_syncs_fewer_times_than_it_steps(tmp_path):
         torch_compile=False,
     )
     r = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "training" / "loop_syncs_worker.py"), str(cfg)],
+        [sys.executable, str(ROOT / "tests" / "training" / "loop_syncs_helpers.py"), str(cfg)],
         capture_output=True,
         text=True,
         timeout=300,

@@ -6,7 +6,7 @@ import torch
 
 from neox.config.lora import LoraConfig
 from neox.model import build_model
-from neox.parallel.lora import apply_lora, cast_lora_base
+from neox.model.transforms.lora import apply_lora, cast_lora_base
 from neox.plan.engine_choice import choose_engine
 from neox.training.optim import param_groups
 from neox.training.setup import build_engine

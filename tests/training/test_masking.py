@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from neox.training.engine import forward_loss, weigh_micro_batches
-from tests.parallel.parallel_harness import run_ranks
-from tests.training.masking_worker import (
+from tests.parallel.rank_helpers import run_ranks
+from tests.training.masking_helpers import (
     STEPS,
     TRAINED,
     global_batch,
@@ -34,7 +34,7 @@ def test_uneven_micro_batches_weigh_to_one_big_batch():
     give the loss and gradient of the one batch holding them all."""
     from neox.config.model import ModelConfig
     from neox.model import build_model
-    from tests.training.masking_worker import MODEL, SEED, VOCAB
+    from tests.training.masking_helpers import MODEL, SEED, VOCAB
 
     net = build_model(ModelConfig(**MODEL), VOCAB, seed=SEED)
     whole = global_batch(False)

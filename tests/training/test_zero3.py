@@ -16,9 +16,9 @@ from neox.model import build_model
 from neox.plan.engine_choice import choose_engine
 from neox.training.optim import param_groups
 from neox.training.setup import build_engine
-from tests.parallel.parallel_harness import run_ranks
+from tests.parallel.rank_helpers import run_ranks
 from tests.training.test_flat_engine import CFG, VOCAB, ds_config, rank, train  # noqa: F401
-from tests.training.zero3_release_worker import CASES, run_cases
+from tests.training.zero3_release_helpers import CASES, run_cases
 
 DEEPSPEED_DEFAULTS = {"leaf_module": {"classes": []}}
 

@@ -8,7 +8,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tests.ports import free_port
+from tests.port_helpers import free_port
 
 # Ranks are forked from a server process that imported these once, so a rank starts without
 # importing torch and DeepSpeed afresh. Not forked from pytest itself: a child of a process that

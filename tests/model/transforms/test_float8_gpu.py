@@ -45,8 +45,8 @@ def test_compiled_float8_blocks_train_beside_bf16(recipe):
 
     from neox.config import load_dict
     from neox.model import build_model
+    from neox.model.transforms.float8 import apply_float8
     from neox.parallel.build import compile_blocks
-    from neox.parallel.float8 import apply_float8
 
     cfg = load_dict({**SHAPE, "fp8": {"enabled": True, "recipe": recipe}})
     ref = build_model(cfg.model, 512, seed=1, device="cuda").to(torch.bfloat16)
@@ -72,8 +72,8 @@ def test_compiled_float8_output_layer_and_fast_backward_train_beside_bf16():
     layer, cross-entropy) runs the float8 head; training follows bf16's loss."""
     from neox.config import load_dict
     from neox.model import build_model
+    from neox.model.transforms.float8 import Float8Matmul, apply_float8
     from neox.parallel.build import compile_blocks
-    from neox.parallel.float8 import Float8Matmul, apply_float8
 
     fp8 = {"output_layer": True, "fast_accum_backward": True, "skip_first_layers": 0}
     cfg = load_dict({**SHAPE, "fp8": {"enabled": True, **fp8}})

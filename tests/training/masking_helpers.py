@@ -89,7 +89,7 @@ def reference_losses(poisoned: bool = False, per_micro_batch_of: int = 0) -> lis
 
 
 def _engine(case: dict, groups):
-    from neox.parallel import engine_mpu, parallelize
+    from neox.parallel.build import engine_mpu, parallelize
     from neox.training.deepspeed_engine import DeepSpeedAdapter
     from neox.training.flat_engine import FlatEngine
 
@@ -112,7 +112,7 @@ def _engine(case: dict, groups):
 
 
 def _run_case(case: dict, poisoned: bool) -> dict:
-    from neox.parallel import Topology
+    from neox.parallel.topology import Topology
 
     groups = Topology(case["tp"], case["pp"], case["dp"]).build_groups()
     engine, gas = _engine(case, groups)
@@ -130,7 +130,7 @@ def _run_case(case: dict, poisoned: bool) -> dict:
 def run_cases(rank: int, world: int, names: list[str], out_dir: str) -> None:
     """Every rank runs every named case, clean and poisoned; rank 0 writes <out_dir>/<name>.json."""
 
-    from neox.training.setup import start_deepspeed_comm
+    from neox.parallel.distributed import start_deepspeed_comm
 
     start_deepspeed_comm("gloo")
     for name in names:

@@ -1,4 +1,4 @@
-"""Rank body of tests/parallel/test_float8.py: FP8 on tensor-parallel linears (gloo ranks)."""
+"""Rank body of tests/model/transforms/test_float8.py: FP8 on tensor-parallel linears (gloo ranks)."""
 
 import json
 from pathlib import Path
@@ -10,9 +10,10 @@ def tp_float8(rank: int, world: int, flat: dict, out: str) -> None:
     """Build the tp=world model, apply FP8 (torchao's emulation: CPU has no float8 matmul), run
     forward and backward; rank 0 writes the loss and which parallel linears got float8."""
     from neox.config import load_dict
-    from neox.parallel import ProcessGroups, Topology, parallelize
-    from neox.parallel.float8 import Float8Matmul, apply_float8
+    from neox.model.transforms.float8 import Float8Matmul, apply_float8
+    from neox.parallel.build import parallelize
     from neox.parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from neox.parallel.topology import ProcessGroups, Topology
 
     cfg = load_dict(flat)
     vocab = cfg.tokenizer.padded_vocab_size

@@ -24,7 +24,7 @@ def main() -> None:
         time.sleep(300)
     import torch
 
-    from neox.training.setup import start_deepspeed_comm
+    from neox.parallel.distributed import start_deepspeed_comm
 
     start_deepspeed_comm("gloo")
     total = torch.tensor([float(rank + 1)])

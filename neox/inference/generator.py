@@ -21,11 +21,11 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from neox.inference.cache import KVCache
 from neox.inference.decode_compile import StepKernels, decode_backend
 from neox.inference.fused_step import FusedStep
 from neox.inference.graphed import CapturedStep
 from neox.inference.sampling import SamplingParams, sample
+from neox.model.kv_cache import KVCache
 from neox.model.rotary import RotaryEmbedding
 
 log = logging.getLogger(__name__)

@@ -2,8 +2,8 @@
 
 from neox.config import derive, load_dict
 from neox.config.ds_config import build_ds_config
-from neox.parallel.checkpointing import configure_checkpointing
-from tests.ports import free_port
+from neox.parallel.activation_checkpointing import configure_checkpointing
+from tests.port_helpers import free_port
 
 
 def test_every_checkpointing_flag_reaches_deepspeed(monkeypatch):
@@ -15,7 +15,7 @@ def test_every_checkpointing_flag_reaches_deepspeed(monkeypatch):
         env = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
         for key, value in {**env, "MASTER_PORT": str(free_port())}.items():
             monkeypatch.setenv(key, value)
-        from neox.training.setup import start_deepspeed_comm
+        from neox.parallel.distributed import start_deepspeed_comm
 
         start_deepspeed_comm("gloo")
 

@@ -2,7 +2,7 @@
 
 Not collected by default: Triton's interpreter only works when TRITON_INTERPRET=1 is set before
 triton is imported, so test_fused_softmax.py runs this file in a fresh process with it set. To run
-it alone: TRITON_INTERPRET=1 python -m pytest tests/kernels/triton_interpreter_cases.py
+it alone: TRITON_INTERPRET=1 python -m pytest tests/kernels/softmax_interpreter_helpers.py
 Triton's interpreter is slow, so the shapes are tiny; a forced small ``block_size`` makes short
 rows take the multi-block (two-pass) path that long rows take on a GPU.
 """
@@ -13,7 +13,7 @@ import pytest
 
 if os.environ.get("TRITON_INTERPRET") != "1":
     raise RuntimeError(
-        "triton_interpreter_cases.py needs TRITON_INTERPRET=1 set before triton is imported; "
+        "softmax_interpreter_helpers.py needs TRITON_INTERPRET=1 set before triton is imported; "
         "run it through tests/kernels/test_fused_softmax.py or with the variable exported"
     )
 
@@ -29,7 +29,7 @@ from neox.kernels.fused_softmax import (  # noqa: E402
     triton_available,
 )
 from neox.kernels.softmax_reference import scaled_masked_softmax_reference
-from tests.kernels.softmax_checks import check_against_float64  # noqa: E402
+from tests.kernels.softmax_helpers import check_against_float64  # noqa: E402
 
 # Max error allowed, per input dtype: (probs rtol, probs atol, grad error / max |grad|).
 # fp32 is limited by float32 rounding; fp16/bf16 by rounding the stored probs to 11/8 bits.

@@ -94,7 +94,8 @@ def _ds_config(case: dict) -> dict:
 def _run_case(case: dict) -> list[float]:
     import deepspeed
 
-    from neox.parallel import Topology, engine_mpu, parallelize, pipeline_batch
+    from neox.parallel.build import engine_mpu, parallelize, pipeline_batch
+    from neox.parallel.topology import Topology
 
     groups = Topology(case["tp"], case["pp"], case["dp"]).build_groups()
     cfg = ModelConfig(**MODELS[case["model"]])
@@ -133,7 +134,7 @@ def _run_case(case: dict) -> list[float]:
 def run_cases(rank: int, world: int, names: list[str], out_dir: str) -> None:
     """Every rank runs every named case in turn; rank 0 writes <out_dir>/<name>.json."""
 
-    from neox.training.setup import start_deepspeed_comm
+    from neox.parallel.distributed import start_deepspeed_comm
 
     start_deepspeed_comm("gloo")
     for name in names:

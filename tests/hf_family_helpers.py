@@ -10,7 +10,7 @@ import json
 
 import torch
 
-from neox.inference.engine import left_pad
+from neox.inference.generator import left_pad
 
 VOCAB, PADDED = 100, 128  # HF's vocabulary; neox pads it (the padding must never leak back)
 BASE = dict(

@@ -13,13 +13,13 @@ import os
 import pytest
 
 if os.environ.get("TRITON_INTERPRET") != "1":
-    raise RuntimeError("decode_interpreter_cases.py needs TRITON_INTERPRET=1; see its runner")
+    raise RuntimeError("decode_interpreter_helpers.py needs TRITON_INTERPRET=1; see its runner")
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from neox.inference.engine import Generator  # noqa: E402
 from neox.inference.fused_step import FusedStep  # noqa: E402
+from neox.inference.generator import Generator  # noqa: E402
 from neox.inference.sampling import SamplingParams  # noqa: E402
 from neox.kernels.decode import (  # noqa: E402
     LinearPart,
@@ -27,8 +27,8 @@ from neox.kernels.decode import (  # noqa: E402
     linear_residual,
     norm_linear,
 )
-from tests.hf_families import FAMILIES, PADDED, VOCAB, neox_pair  # noqa: E402
-from tests.inference.test_engine import tiny_pair  # noqa: E402
+from tests.hf_family_helpers import FAMILIES, PADDED, VOCAB, neox_pair  # noqa: E402
+from tests.inference.test_generator import tiny_pair  # noqa: E402
 
 PROMPTS = [[(7 * i + 3) % VOCAB for i in range(20)], [8, 1, 50], [61, 2, 2, 70, 33], [4]]
 NEW = 10
@@ -210,7 +210,7 @@ def test_greedy_choice_is_the_generators_choose():
     """Against Generator._choose: the first of equal maxima within the real vocabulary (ties
     across blocks included), eod for an ended row, the raw logit, finished updated, counters
     left at zero for the next call."""
-    from neox.inference.engine import DecodeState
+    from neox.inference.generator import DecodeState
     from neox.kernels.decode import GreedyScratch, greedy_choice
 
     vocab, padded, eod = 5000, 5120, 7

@@ -2,13 +2,13 @@
 
 import pytest
 import torch
-from lora_checks import CFG, LORA, VOCAB, check_lora_tp
-from parallel_harness import run_ranks
 
 from neox.config.lora import LoraConfig
 from neox.model import build_model
-from neox.parallel.lora import apply_lora, lora_partition_dim, merge_lora
+from neox.model.transforms.lora import apply_lora, lora_partition_dim, merge_lora
 from neox.plan.estimate import lora_block_parameters
+from tests.model.transforms.lora_helpers import CFG, LORA, VOCAB, check_lora_tp
+from tests.parallel.rank_helpers import run_ranks
 
 
 def test_lora_at_tp2_equals_tp1():

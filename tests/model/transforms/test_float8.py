@@ -1,8 +1,8 @@
-"""neox/parallel/float8.py on CPU: which linears FP8 takes, the torchao settings the config and
+"""neox/model/transforms/float8.py on CPU: which linears FP8 takes, the torchao settings the config and
 gpt-neox's te_* keys map to, that nothing else of the model changes (names, dtypes: checkpoints
 and export stay as in bf16), torchao's emulated float8 training beside bf16 at tp=1 and tp=2,
 and the refusals before launch where there is no float8 hardware. Real float8 matmuls:
-tests/parallel/test_float8_gpu.py."""
+tests/model/transforms/test_float8_gpu.py."""
 
 import json
 
@@ -14,8 +14,8 @@ pytest.importorskip("torchao.float8")
 from neox.config import derive, load_dict  # noqa: E402
 from neox.config.errors import ConfigError  # noqa: E402
 from neox.model import build_model, lm_loss  # noqa: E402
-from neox.parallel.float8 import apply_float8, module_filter, torchao_config  # noqa: E402
-from tests.parallel.parallel_harness import run_ranks  # noqa: E402
+from neox.model.transforms.float8 import apply_float8, module_filter, torchao_config  # noqa: E402
+from tests.parallel.rank_helpers import run_ranks  # noqa: E402
 
 PYTHIA = dict(
     num_layers=4,
@@ -138,7 +138,7 @@ def test_recipes_and_te_keys_map_onto_torchao():
 def test_output_layer_takes_a_float8_matmul_on_request_tied_or_not():
     """fp8.output_layer: the head's matmul (not a module) computes in float8, the weights and
     their names stay; the logits and the head's gradient follow the bf16 model's."""
-    from neox.parallel.float8 import Float8Matmul
+    from neox.model.transforms.float8 import Float8Matmul
 
     ids = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(1))
     for untied in (False, True):
@@ -253,7 +253,7 @@ def test_tensor_parallel_linears_compute_in_float8(tmp_path):
     """At tp=2 the column/row-parallel linears keep their class and collectives and take the
     float8 matmul, as does the vocab-split output layer (fp8.output_layer); the loss is the
     tp=1 bf16 model's within float8's rounding (tensorwise scales are per shard)."""
-    from tests.parallel.float8_worker import tp_float8
+    from tests.model.transforms.float8_helpers import tp_float8
 
     fp8 = {"enabled": True, "output_layer": True}
     flat = {**PYTHIA, "fp8": fp8, "padded_vocab_size": 512}

@@ -6,10 +6,10 @@ from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaFo
 
 from neox.checkpoint.hf_map import hf_config_for, to_hf_state_dict
 from neox.config.model import ModelConfig
-from neox.inference.engine import Generator, left_pad
+from neox.inference.generator import Generator, left_pad
 from neox.inference.sampling import SamplingParams
 from neox.model import build_model
-from tests.hf_families import hf_greedy
+from tests.hf_family_helpers import hf_greedy
 from tests.inference.conftest import KNOWN
 
 VOCAB, PADDED = 97, 128

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tests.memory_worker import saved_activation_bytes
+from tests.memory_helpers import saved_activation_bytes
 
 
 def count_rank_parameters(rank: int, world: int, models: dict, out: str) -> None:
@@ -17,8 +17,9 @@ def count_rank_parameters(rank: int, world: int, models: dict, out: str) -> None
     rank 0 writes every rank's."""
 
     from neox.config.model import ModelConfig
-    from neox.parallel import ProcessGroups, Topology, parallelize
-    from neox.training.setup import start_deepspeed_comm
+    from neox.parallel.build import parallelize
+    from neox.parallel.distributed import start_deepspeed_comm
+    from neox.parallel.topology import ProcessGroups, Topology
 
     start_deepspeed_comm("gloo")  # PipelineModule asks DeepSpeed's comm
     tp_only = ProcessGroups(Topology(tp=2, pp=1, dp=world // 2))

@@ -10,7 +10,7 @@ import os
 import pytest
 
 if os.environ.get("TRITON_INTERPRET") != "1":
-    raise RuntimeError("adamw_interpreter_cases.py needs TRITON_INTERPRET=1; see test_adamw.py")
+    raise RuntimeError("adamw_interpreter_helpers.py needs TRITON_INTERPRET=1; see test_adamw.py")
 
 import torch  # noqa: E402
 

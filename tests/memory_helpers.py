@@ -106,7 +106,8 @@ def measure_all(rank: int, world: int, flats: list[dict], out: str) -> None:
 
 def measure(rank: int, world: int, flat: dict) -> dict:
     from neox.config import build_ds_config, derive, load_dict
-    from neox.parallel import ProcessGroups, Topology, engine_mpu, parallelize
+    from neox.parallel.build import engine_mpu, parallelize
+    from neox.parallel.topology import ProcessGroups, Topology
     from neox.plan.engine_choice import engine_for
     from neox.training.optim import build_optimizer
     from neox.training.setup import build_engine
@@ -202,7 +203,8 @@ def measure_offload(rank: int, world: int, flat: dict) -> dict:
     fp32 master partitions, their fp32 gradients (and ZeRO-3's flat gradient partition), CPU
     Adam's moments, ZeRO-3's offloaded parameter partitions, stage 1/2's staging buffers."""
     from neox.config import build_ds_config, derive, load_dict
-    from neox.parallel import ProcessGroups, Topology, engine_mpu, parallelize
+    from neox.parallel.build import engine_mpu, parallelize
+    from neox.parallel.topology import ProcessGroups, Topology
     from neox.plan.engine_choice import engine_for
     from neox.training.optim import build_optimizer
     from neox.training.setup import build_engine

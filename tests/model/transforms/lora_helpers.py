@@ -5,9 +5,10 @@ import torch
 from neox.config.lora import LoraConfig
 from neox.config.model import ModelConfig
 from neox.model import build_model
-from neox.parallel import ProcessGroups, Topology, parallelize
+from neox.model.transforms.lora import apply_lora, lora_partition_dim
+from neox.parallel.build import parallelize
 from neox.parallel.layers import shard
-from neox.parallel.lora import apply_lora, lora_partition_dim
+from neox.parallel.topology import ProcessGroups, Topology
 from neox.plan.estimate import lora_block_parameters
 
 VOCAB = 64

@@ -5,8 +5,8 @@ its base grows token by token, and cached keys keep the rotation they were store
 import pytest
 import torch
 
-from neox.inference.engine import Generator
-from tests.hf_families import FAMILIES, PADDED, VOCAB, hf_greedy, neox_pair
+from neox.inference.generator import Generator
+from tests.hf_family_helpers import FAMILIES, PADDED, VOCAB, hf_greedy, neox_pair
 
 # Left-padded batch; the longest prompt alone is past the windows (5-7) and the original RoPE
 # lengths (16), and 32 new tokens take every row past the 64 max_position_embeddings of most.

@@ -1,6 +1,6 @@
 """A per-rank entry script for launch tests: joins the job, all-reduces its rank, writes what it saw.
 
-Usage: probe.py --out DIR [--neox_config B64] [--echo TEXT] [--die_rank R] [--after_init]
+Usage: probe_helpers.py --out DIR [--neox_config B64] [--echo TEXT] [--die_rank R] [--after_init]
 Each rank writes DIR/rank<R>.json. With --die_rank R, rank R raises at once (or, with
 --after_init, after joining) while every other rank sleeps until it is stopped.
 """
@@ -34,7 +34,7 @@ def main() -> None:
     import deepspeed
     import torch
 
-    from neox.training.setup import start_deepspeed_comm
+    from neox.parallel.distributed import start_deepspeed_comm
 
     start_deepspeed_comm("gloo")
     if args.die_rank is not None:

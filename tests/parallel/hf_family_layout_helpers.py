@@ -9,11 +9,12 @@ import torch.distributed as dist
 
 from neox.checkpoint.writer import pipeline_layers, shard_tensor_parallel
 from neox.model import lm_loss
-from neox.parallel import Topology, parallelize
+from neox.parallel.build import parallelize
 from neox.parallel.mappings import gather_from_tensor_parallel
 from neox.parallel.pipeline import to_pipeline
 from neox.parallel.tensor import apply_tensor_parallel
-from tests.hf_families import PADDED, VOCAB, neox_pair, token_ids
+from neox.parallel.topology import Topology
+from tests.hf_family_helpers import PADDED, VOCAB, neox_pair, token_ids
 
 ATOL = 1e-4
 
@@ -68,7 +69,7 @@ def check_pipeline(name: str) -> None:
 
 def run(rank: int, world: int, names: list[str]) -> None:
 
-    from neox.training.setup import start_deepspeed_comm
+    from neox.parallel.distributed import start_deepspeed_comm
 
     start_deepspeed_comm("gloo")
     for name in names:
