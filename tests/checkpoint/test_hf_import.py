@@ -321,6 +321,8 @@ FAMILY_LAYOUTS = {
     "qwen2_window_yarn_tied": (2, 2),
     "qwen3_qknorm_head_dim_yarn": (2, 1),
     "qwen3_window_linear_tied": (1, 2),
+    "mixtral_window_experts": (2, 1),  # MoE: no pipeline (moe.py)
+    "qwen3_moe_qknorm_unnormalised_tied": (2, 1),
 }
 
 
