@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from neox.data.indexed import IndexedDatasetBuilder
-from tests.train_helpers import ROOT, records, train, write_config
+from tests.train_helpers import ROOT, losses, records, train, write_config
 
 pytestmark = pytest.mark.slow
 
@@ -27,12 +27,11 @@ def text_dataset(prefix: Path) -> None:
     builder.finalize(str(prefix) + ".idx")
 
 
-@pytest.mark.parametrize("name", ["125M-dmoe", "125M-moe"])
-def test_gpt_neox_moe_config_learns_on_two_ranks(tmp_path, name):
-    text_dataset(tmp_path / "data" / "chars")
-    tiny = write_config(
-        tmp_path,
-        name,
+def tiny(tmp_path: Path, name: str, **overrides) -> Path:
+    """gpt-neox's MoE file at 2 layers of width 32, 4 experts, 16 steps on 2 CPU ranks; saves
+    nothing unless overrides set checkpoint_factor."""
+    saves = overrides.get("checkpoint_factor") is not None
+    keys = dict(
         num_layers=2,
         hidden_size=32,
         num_attention_heads=4,
@@ -43,15 +42,25 @@ def test_gpt_neox_moe_config_learns_on_two_ranks(tmp_path, name):
         warmup=0.1,
         optimizer={"type": "Adam", "params": {"lr": 3.0e-3}},
         checkpoint_factor=None,
-        save=None,
-        load=None,
         eval_interval=100,
         do_test=False,
         vocab_file=None,
         merge_file=None,
         hostfile=None,
     )
-    train(ROOT / "configs" / f"{name}.yml", ROOT / "configs" / "cpu.yml", tiny)
+    if not saves:
+        keys.update(save=None, load=None)
+    return write_config(tmp_path, name, **{**keys, **overrides})
+
+
+def gpt_neox_file(name: str) -> list[Path]:
+    return [ROOT / "configs" / f"{name}.yml", ROOT / "configs" / "cpu.yml"]
+
+
+@pytest.mark.parametrize("name", ["125M-dmoe", "125M-moe"])
+def test_gpt_neox_moe_config_learns_on_two_ranks(tmp_path, name):
+    text_dataset(tmp_path / "data" / "chars")
+    train(*gpt_neox_file(name), tiny(tmp_path, name))
     steps = [r for r in records(tmp_path / name / "logs") if r["split"] == "train"]
     first, last = steps[0]["loss"], steps[-1]["loss"]
     assert last < first - 1.0, (first, last)  # from ln(vocab) towards the bytes' entropy
@@ -60,3 +69,41 @@ def test_gpt_neox_moe_config_learns_on_two_ranks(tmp_path, name):
     assert steps[-1]["moe/0/balance_loss"] > 0.9  # E * sum f P: 1 when balanced
     dropped = steps[-1]["moe/0/dropped"]
     assert dropped == 0 if name == "125M-dmoe" else 0 <= dropped < 0.5
+
+
+def test_moe_run_resumes_exactly(tmp_path):
+    """Stopped at step 8 and resumed, a top-1 run with token dropping logs the losses of an
+    uninterrupted one (experts, router and their optimizer states all restored)."""
+    text_dataset(tmp_path / "data" / "chars")
+    files = gpt_neox_file("125M-moe")
+    train(*files, tiny(tmp_path, "full"))
+    train(*files, tiny(tmp_path, "part", exit_interval=8, checkpoint_factor=8))
+    r = train(*files, tiny(tmp_path, "part", checkpoint_factor=8))
+    assert "resuming from" in r.stdout
+    full, part = losses(tmp_path / "full" / "logs"), losses(tmp_path / "part" / "logs")
+    assert sorted(part) == list(range(1, 17))
+    for step in range(9, 17):
+        assert part[step] == pytest.approx(full[step], rel=1e-5, abs=1e-6), step
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        {"model_parallel_size": 2, "gradient_accumulation_steps": 4},
+        {"zero_optimization": {"stage": 3}},
+    ],
+    ids=["tp2", "zero3"],
+)
+def test_moe_layouts_match_data_parallel(tmp_path, layout):
+    """Under tensor parallelism (experts replicated, attention split) and under ZeRO-3
+    (DeepSpeed's engine, the stacked experts partitioned) the dropless MoE run logs the losses
+    of the data-parallel ZeRO-1 run with the same global batch."""
+    text_dataset(tmp_path / "data" / "chars")
+    files = gpt_neox_file("125M-dmoe")
+    train(*files, tiny(tmp_path, "dp2", train_iters=6))
+    train(*files, tiny(tmp_path, "other", train_iters=6, **layout))
+    dp2, other = losses(tmp_path / "dp2" / "logs"), losses(tmp_path / "other" / "logs")
+    assert sorted(other) == list(range(1, 7))
+    for step, loss in dp2.items():
+        # fp32; the reductions run in another order across ranks.
+        assert other[step] == pytest.approx(loss, rel=1e-5), (step, dp2, other)
