@@ -182,13 +182,9 @@ def neox_moe_keys(hf: dict[str, Any], arch: str, problems: list[str]) -> dict[st
         "moe_loss_coeff": hf.get("router_aux_loss_coef", 0.001),
     }
     if arch == "mixtral":
-        jitter = hf.get("router_jitter_noise") or None
-        return {
-            **keys,
-            "moe_norm_topk_prob": True,
-            "moe_ffn_hidden_size": hf["intermediate_size"],
-            "moe_jitter_eps": jitter,
-        }
+        if hf.get("router_jitter_noise"):
+            keys["moe_jitter_eps"] = hf["router_jitter_noise"]
+        return {**keys, "moe_norm_topk_prob": True, "moe_ffn_hidden_size": hf["intermediate_size"]}
     step, dense = hf.get("decoder_sparse_step", 1), hf.get("mlp_only_layers") or []
     if step != 1 or dense:
         problems.append(

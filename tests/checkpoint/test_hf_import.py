@@ -19,6 +19,7 @@ from neox.checkpoint.export import export_to_hf
 from neox.checkpoint.hf_import import HFImportError, convert_from_hf
 from neox.data.indexed import IndexedDatasetBuilder
 from neox.model import lm_loss
+from neox.plan.estimate import active_parameters, count_parameters
 from tests.train_helpers import ROOT, losses, run_deepy, write_config
 
 SIZES = dict(
@@ -278,6 +279,8 @@ SHIPPED = {
     "Qwen2.5-7B": "configs/qwen2.5/7B.yml",
     "Qwen3-0.6B": "configs/qwen3/0-6B.yml",
     "Qwen3-8B": "configs/qwen3/8B.yml",
+    "Mixtral-8x7B-v0.1": "configs/mixtral/8x7B.yml",
+    "Qwen3-30B-A3B": "configs/qwen3/30B-A3B.yml",
 }
 
 
@@ -285,7 +288,8 @@ SHIPPED = {
 def test_shipped_config_is_what_importing_the_real_model_gives(model):
     """The shipped config has the keys convert_from_hf derives from the real config.json, and
     the real model's weights (transformers, on the meta device) pass the import's plan: every
-    name converts and every shape fits the model the config builds."""
+    name converts and every shape fits the model the config builds; the estimate counts the real
+    model's parameters, total and active (MoE: the router, top-k of E experts)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from neox.checkpoint.consolidate import check_state_dict
@@ -309,6 +313,12 @@ def test_shipped_config_is_what_importing_the_real_model_gives(model):
     ours = build_model(cfg.model, hf["vocab_size"], device="meta")
     check_state_dict(sd, ours, Path(model))
     assert sum(p.numel() for p in ours.parameters()) == real.num_parameters()
+    # The estimate's total, and its active count: all but the experts a token is not sent to.
+    assert count_parameters(cfg.model, hf["vocab_size"]) == real.num_parameters()
+    experts = sum(p.numel() for n, p in real.named_parameters() if ".experts." in n)
+    top_k, num = hf.get("num_experts_per_tok", 1), cfg.model.moe_num_experts
+    active = real.num_parameters() - experts + experts * top_k // num
+    assert active_parameters(cfg.model, hf["vocab_size"]) == active
 
 
 # Every family of tests/hf_families.py through the files, each at a layout its heads allow.
