@@ -143,6 +143,18 @@ FAMILIES = {
             tie_word_embeddings=True,
         ),
     ),
+    "qwen2_moe_shared_expert": (
+        "qwen2_moe",
+        dict(
+            num_key_value_heads=2,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=32,  # two experts' width, behind a sigmoid gate
+            norm_topk_prob=True,
+            tie_word_embeddings=False,
+        ),
+    ),
 }
 
 

@@ -20,7 +20,7 @@ import torch
 from neox.checkpoint.hf_moe import (
     ATTENTION_ARCH,
     MOE_ARCHS,
-    ROUTER,
+    MOE_KEYS,
     ExpertStacker,
     experts_to_hf,
     hf_moe_config,
@@ -42,6 +42,7 @@ ARCH_NAMES = {
     "qwen3": "qwen3",
     "mixtral": "mixtral",
     "qwen3_moe": "qwen3_moe",
+    "qwen2_moe": "qwen2_moe",
 }
 HF_CLASSES = {
     "gpt_neox": "GPTNeoXForCausalLM",
@@ -51,6 +52,7 @@ HF_CLASSES = {
     "qwen3": "Qwen3ForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
 }
 
 HFName = Union[str, tuple[str, str, str]]
@@ -95,9 +97,10 @@ HF_KEYS: dict[str, dict[str, HFName]] = {
         "layers.{}.attention.k_layernorm": "model.layers.{}.self_attn.k_norm",
     },
 }
-# The MoE families: their dense kin's names, plus the router (the experts: hf_moe.py).
+# The MoE families: their dense kin's names, plus the router and shared expert (the experts:
+# hf_moe.py).
 for _arch in MOE_ARCHS:
-    HF_KEYS[_arch] = {**HF_KEYS[ATTENTION_ARCH[_arch]], "layers.{}.mlp.router": ROUTER[_arch]}
+    HF_KEYS[_arch] = {**HF_KEYS[ATTENTION_ARCH[_arch]], **MOE_KEYS[_arch]}
 
 # transformers >= 5 names GPTNeoX's output layer lm_head in memory; files on the hub say embed_out.
 HF_ALIASES: dict[str, dict[str, str]] = {"gpt_neox": {"lm_head": "embed_out"}}
@@ -166,8 +169,6 @@ def export_problems(cfg: ModelConfig, arch: str) -> list[str]:
     problems, shape = [], cfg.shape
     name = HF_CLASSES[arch]
     problems += moe_problems(cfg, arch, name)
-    if arch == "qwen3_moe" and cfg.sliding_window_width is not None:
-        problems.append("sliding_window_width set (neox writes Qwen3-MoE without windows)")
     arch = ATTENTION_ARCH.get(arch, arch)  # the rest is about attention, norms and the MLP
     if cfg.pos_emb != "rotary":
         problems.append(f"pos_emb={cfg.pos_emb!r} (HF {arch} is rotary only)")
@@ -260,7 +261,7 @@ def hf_config_for(cfg: ModelConfig, vocab_size: int, arch: str) -> dict[str, Any
         # The dense kin's config (attention, norms, rotary), then the expert fields.
         dense = cfg.model_copy(update={"moe_num_experts": 1})
         out = hf_config_for(dense, vocab_size, ATTENTION_ARCH[arch])
-        if arch == "qwen3_moe":  # no per-layer window keys: every layer full
+        if arch != "mixtral":  # no per-layer window keys: every layer full
             out = {k: v for k, v in out.items() if k not in ("max_window_layers", "layer_types")}
         out.update(architectures=[HF_CLASSES[arch]], model_type=arch)
         return {**out, **hf_moe_config(cfg, arch)}

@@ -1,10 +1,11 @@
-"""The mixture-of-experts half of the HF conversion (Mixtral, Qwen3-MoE): config keys both ways
-and the expert weights, stacked in neox ((E, F, C) tensors, neox/model/moe.py) and one linear
-per expert in HF's files.
+"""The mixture-of-experts half of the HF conversion (Mixtral, Qwen3-MoE, Qwen2-MoE): config keys
+both ways and the expert weights, stacked in neox ((E, F, C) tensors, neox/model/moe.py) and one
+linear per expert in HF's files.
 
 Files on the hub (and transformers' save_pretrained) hold one linear per expert:
   Mixtral    model.layers.N.block_sparse_moe.experts.E.{w1,w3,w2}.weight   (gate, up, down)
-  Qwen3-MoE  model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight
+  Qwen*-MoE  model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight
+Qwen2-MoE adds a shared expert (our shared_experts MLP) scaled by a sigmoid gate.
 transformers >= 5 fuses them in memory (mlp.experts.gate_up_proj (E, 2F, C), gate rows first,
 and mlp.experts.down_proj (E, C, F)); both spellings are read, the hub's is written.
 """
@@ -18,28 +19,37 @@ import torch
 
 from neox.config.model import ModelConfig
 
-MOE_ARCHS = ("mixtral", "qwen3_moe")
+MOE_ARCHS = ("mixtral", "qwen3_moe", "qwen2_moe")
 # The dense family whose attention, norms and config keys each MoE family shares.
-ATTENTION_ARCH = {"mixtral": "mistral", "qwen3_moe": "qwen3"}
-# HF's router: neox's mlp.router.
-ROUTER = {
-    "mixtral": "model.layers.{}.block_sparse_moe.gate",
-    "qwen3_moe": "model.layers.{}.mlp.gate",
+ATTENTION_ARCH = {"mixtral": "mistral", "qwen3_moe": "qwen3", "qwen2_moe": "qwen2"}
+_QWEN_LINEARS = {"gate": "gate_proj", "dense_h_to_4h": "up_proj", "dense_4h_to_h": "down_proj"}
+# neox module -> HF module besides the experts: the router, Qwen2-MoE's shared expert.
+MOE_KEYS = {
+    "mixtral": {"layers.{}.mlp.router": "model.layers.{}.block_sparse_moe.gate"},
+    "qwen3_moe": {"layers.{}.mlp.router": "model.layers.{}.mlp.gate"},
+    "qwen2_moe": {
+        "layers.{}.mlp.router": "model.layers.{}.mlp.gate",
+        "layers.{}.mlp.shared_expert_gate": "model.layers.{}.mlp.shared_expert_gate",
+        **{
+            f"layers.{{}}.mlp.shared_experts.{ours}": f"model.layers.{{}}.mlp.shared_expert.{hf}"
+            for ours, hf in _QWEN_LINEARS.items()
+        },
+    },
 }
 _EXPERTS = {
     "mixtral": "model.layers.{}.block_sparse_moe.experts",
     "qwen3_moe": "model.layers.{}.mlp.experts",
+    "qwen2_moe": "model.layers.{}.mlp.experts",
 }
 # neox's stacked expert tensor -> the per-expert linear's name in HF's files.
 EXPERT_LINEARS = {
     "mixtral": {"gate": "w1", "dense_h_to_4h": "w3", "dense_4h_to_h": "w2"},
-    "qwen3_moe": {"gate": "gate_proj", "dense_h_to_4h": "up_proj", "dense_4h_to_h": "down_proj"},
+    "qwen3_moe": _QWEN_LINEARS,
+    "qwen2_moe": _QWEN_LINEARS,
 }
 _HUB_EXPERT = {
-    "mixtral": re.compile(
-        r"model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(\w+)\.weight$"
-    ),
-    "qwen3_moe": re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\.weight$"),
+    arch: re.compile(re.escape(t).replace(r"\{\}", r"(\d+)") + r"\.(\d+)\.(\w+)\.weight$")
+    for arch, t in _EXPERTS.items()
 }
 _FUSED_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
 _OURS = re.compile(r"layers\.(\d+)\.mlp\.experts\.(gate|dense_h_to_4h|dense_4h_to_h)$")
@@ -49,6 +59,10 @@ READ_FIELDS = {
     | {"router_jitter_noise"},
     "qwen3_moe": {"num_experts", "num_experts_per_tok", "router_aux_loss_coef", "norm_topk_prob"}
     | {"num_local_experts", "moe_intermediate_size", "decoder_sparse_step", "mlp_only_layers"},
+}
+READ_FIELDS["qwen2_moe"] = READ_FIELDS["qwen3_moe"] | {
+    "shared_expert_intermediate_size",
+    "qkv_bias",
 }
 
 
@@ -125,8 +139,14 @@ def moe_problems(cfg: ModelConfig, arch: str, name: str) -> list[str]:
     problems = []
     if cfg.moe_expert_interval != 1:
         problems.append(f"moe_expert_interval={cfg.moe_expert_interval} ({name}: every layer)")
-    if cfg.moe_num_shared_experts:
-        problems.append(f"moe_num_shared_experts={cfg.moe_num_shared_experts} ({name} has none)")
+    shared, gate = cfg.moe_num_shared_experts, cfg.moe_shared_expert_gate
+    if arch == "qwen2_moe" and not (shared and gate):
+        problems.append(
+            f"moe_num_shared_experts={shared}, moe_shared_expert_gate={gate} (Qwen2-MoE has a "
+            "gated shared expert: 1 or more and true)"
+        )
+    if arch != "qwen2_moe" and shared:
+        problems.append(f"moe_num_shared_experts={shared} ({name} has none)")
     # The Router's rule: gpt-neox's sinkhorn router scores by sigmoid unless told.
     sinkhorn = cfg.moe_router_type == "sinkhorn" and cfg.moe_type != "deepspeed"
     score = cfg.moe_score_func or ("sigmoid" if sinkhorn else "softmax")
@@ -138,6 +158,8 @@ def moe_problems(cfg: ModelConfig, arch: str, name: str) -> list[str]:
         problems.append("moe_norm_topk_prob=false (Mixtral renormalises the top-k weights)")
     if cfg.use_bias_in_mlp:
         problems.append(f"use_bias_in_mlp=true ({name}'s experts have no biases)")
+    if arch != "mixtral" and cfg.sliding_window_width is not None:
+        problems.append(f"sliding_window_width set (neox writes {name} without windows)")
     return problems
 
 
@@ -156,7 +178,7 @@ def hf_moe_config(cfg: ModelConfig, arch: str) -> dict[str, Any]:
             "intermediate_size": width,  # Mixtral's experts are its MLP width
             "router_jitter_noise": cfg.moe_jitter_eps or 0.0,
         }
-    return {
+    qwen = {
         **common,
         "num_experts": cfg.moe_num_experts,
         "moe_intermediate_size": width,
@@ -164,6 +186,11 @@ def hf_moe_config(cfg: ModelConfig, arch: str) -> dict[str, Any]:
         "decoder_sparse_step": 1,
         "mlp_only_layers": [],
     }
+    if arch == "qwen2_moe":
+        qwen.update(
+            shared_expert_intermediate_size=width * cfg.moe_num_shared_experts, qkv_bias=True
+        )
+    return qwen
 
 
 def neox_moe_keys(hf: dict[str, Any], arch: str, problems: list[str]) -> dict[str, Any]:
@@ -191,12 +218,27 @@ def neox_moe_keys(hf: dict[str, Any], arch: str, problems: list[str]) -> dict[st
             f"decoder_sparse_step={step}, mlp_only_layers={dense} (neox reads Qwen3-MoE with "
             "experts in every layer: 1 and [])"
         )
-    if hf.get("sliding_window") is not None:
+    # Qwen3-MoE windows every layer when sliding_window is set; Qwen2-MoE when
+    # use_sliding_window says so (by layer_types). neox reads both without windows.
+    windowed = "sliding_attention" in (hf.get("layer_types") or [])
+    windowed |= bool(hf.get("use_sliding_window"))
+    if arch == "qwen3_moe":
+        windowed |= hf.get("sliding_window") is not None
+    if windowed:
         problems.append(
-            f"sliding_window={hf['sliding_window']} (neox reads Qwen3-MoE without windows)"
+            f"sliding windows (use_sliding_window={hf.get('use_sliding_window')}, "
+            f"sliding_window={hf.get('sliding_window')}): neox reads {arch} without windows"
         )
-    return {
-        **keys,
-        "moe_norm_topk_prob": bool(hf.get("norm_topk_prob", False)),
-        "moe_ffn_hidden_size": hf.get("moe_intermediate_size", hf["intermediate_size"]),
-    }
+    ffn = hf.get("moe_intermediate_size", hf["intermediate_size"])
+    keys.update(moe_norm_topk_prob=bool(hf.get("norm_topk_prob", False)), moe_ffn_hidden_size=ffn)
+    if arch == "qwen2_moe":
+        shared = hf.get("shared_expert_intermediate_size", 0)
+        if not shared or shared % ffn:
+            problems.append(
+                f"shared_expert_intermediate_size={shared} (neox's shared experts are a multiple "
+                f"of moe_intermediate_size={ffn} wide)"
+            )
+        if not hf.get("qkv_bias", True):
+            problems.append("qkv_bias=false (neox reads Qwen2-MoE with q/k/v biases)")
+        keys.update(moe_num_shared_experts=shared // ffn, moe_shared_expert_gate=True)
+    return keys

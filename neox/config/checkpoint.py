@@ -102,7 +102,11 @@ class CheckpointConfig(ConfigGroup):
     false)."""
 
     hf_architecture: Annotated[
-        Optional[Literal["neox", "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe"]],
+        Optional[
+            Literal[
+                "neox", "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "qwen2_moe"
+            ]
+        ],
         Reads("neox/checkpoint/export.py"),
     ] = None
     """The Hugging Face family the weights were imported from (tools/convert_from_hf.py sets

@@ -53,7 +53,8 @@ def moe_matrix_sizes(cfg: ModelConfig, experts: int | None = None) -> list[int]:
     per_expert = [e * ffn * h] * (2 if cfg.shape.gated_mlp else 1) + [e * h * ffn]
     shared = ffn * cfg.moe_num_shared_experts
     shared_mlp = [shared * h] * (2 if cfg.shape.gated_mlp else 1) + [h * shared] if shared else []
-    return [cfg.moe_num_experts * h] + per_expert + shared_mlp
+    gate = [h] if shared and cfg.moe_shared_expert_gate else []
+    return [cfg.moe_num_experts * h] + per_expert + shared_mlp + gate
 
 
 def moe_layers(cfg: ModelConfig) -> list[bool]:

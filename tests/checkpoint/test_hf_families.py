@@ -1,4 +1,4 @@
-"""Every HF family (GPTNeoX, Llama 1-3.x, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE) with its features on: HF -> neox
+"""Every HF family (GPTNeoX, Llama 1-3.x, Mistral, Qwen2, Qwen3, Mixtral, Qwen3/Qwen2-MoE) with its features on: HF -> neox
 -> HF is byte-exact, the exported config rebuilds the same transformers model, the config keys
 round-trip, a 150k vocabulary's padding never leaks out, and what neox cannot express is refused
 by name."""
@@ -157,6 +157,8 @@ def _hf(arch: str, **changes):
         (_hf("qwen3_moe", decoder_sparse_step=2), "decoder_sparse_step=2"),
         (_hf("qwen3_moe", mlp_only_layers=[0]), "mlp_only_layers=[0]"),
         (_hf("mixtral", num_local_experts=1), "experts=1"),
+        (_hf("qwen2_moe", shared_expert_intermediate_size=24), "a multiple of"),
+        (_hf("qwen2_moe", use_sliding_window=True), "without windows"),
     ],
 )
 def test_configs_neox_cannot_express_are_refused_by_field(config, words):
@@ -198,6 +200,7 @@ MOE = dict(moe_num_experts=4, moe_top_k=2, moe_router_type="topk", moe_norm_topk
         ("mixtral", dict(MOE, moe_num_shared_experts=1), "moe_num_shared_experts=1"),
         ("qwen3_moe", dict(MOE, moe_router_type="sinkhorn"), "scores by sigmoid"),
         ("qwen3_moe", dict(MOE, use_qk_layernorm=True, moe_expert_interval=2), "every layer"),
+        ("qwen2_moe", dict(MOE, use_bias_in_attn_linear=True), "gated shared expert"),
     ],
 )
 def test_inexpressible_models_are_refused_by_name(arch, overrides, words):

@@ -333,6 +333,7 @@ FAMILY_LAYOUTS = {
     "qwen3_window_linear_tied": (1, 2),
     "mixtral_window_experts": (2, 1),  # MoE: no pipeline (moe.py)
     "qwen3_moe_qknorm_unnormalised_tied": (2, 1),
+    "qwen2_moe_shared_expert": (2, 1),
 }
 
 
