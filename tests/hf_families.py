@@ -155,6 +155,18 @@ FAMILIES = {
             tie_word_embeddings=False,
         ),
     ),
+    "olmoe_projection_qknorm": (
+        "olmoe",
+        dict(
+            num_key_value_heads=2,
+            num_experts=4,
+            num_experts_per_tok=2,
+            norm_topk_prob=False,
+            pad_token_id=None,
+            eos_token_id=None,
+            tie_word_embeddings=False,
+        ),
+    ),
 }
 
 

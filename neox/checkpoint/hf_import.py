@@ -1,5 +1,5 @@
 """Read a local Hugging Face model directory (GPTNeoX, Llama, Mistral, Qwen2, Qwen3, Mixtral,
-Qwen3-MoE, Qwen2-MoE) as neox
+Qwen3-MoE, Qwen2-MoE, OLMoE) as neox
 config keys and weights, and write it as a neox checkpoint at any TP/PP, one layer at a time.
 
 The config keys are the inverse of hf_map.hf_config_for; any config.json field our model cannot
@@ -132,6 +132,7 @@ READ_FIELDS = {
     | {"use_sliding_window", "sliding_window", "max_window_layers", "attention_bias"}
     | MOE_FIELDS["qwen3_moe"],
     "qwen2_moe": _LLAMA_FIELDS | _QWEN_WINDOW | MOE_FIELDS["qwen2_moe"],
+    "olmoe": _LLAMA_FIELDS | MOE_FIELDS["olmoe"],
 }
 # transformers' rope_type values neox reads ("default": no scaling).
 ROPE_TYPES = ("default", *SCALING_TYPES)
@@ -326,7 +327,7 @@ def neox_model_keys(hf: dict[str, Any]) -> dict[str, Any]:
     head_dim = hf.get("head_dim")
     if arch == "gpt_neox" and head_dim not in (None, hf["hidden_size"] // heads):
         problems.append(f"head_dim={head_dim} (GPTNeoX's is hidden_size / num_attention_heads)")
-    windows = {} if family in ("qwen3_moe", "qwen2_moe") else _windows(hf, arch, problems)
+    windows = {} if family in ("qwen3_moe", "qwen2_moe", "olmoe") else _windows(hf, arch, problems)
     if problems:
         raise HFImportError(f"this HF {family} model cannot be read: " + "; ".join(problems))
     intermediate = hf["intermediate_size"]

@@ -43,6 +43,7 @@ ARCH_NAMES = {
     "mixtral": "mixtral",
     "qwen3_moe": "qwen3_moe",
     "qwen2_moe": "qwen2_moe",
+    "olmoe": "olmoe",
 }
 HF_CLASSES = {
     "gpt_neox": "GPTNeoXForCausalLM",
@@ -53,6 +54,7 @@ HF_CLASSES = {
     "mixtral": "MixtralForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
 }
 
 HFName = Union[str, tuple[str, str, str]]
@@ -169,6 +171,9 @@ def export_problems(cfg: ModelConfig, arch: str) -> list[str]:
     problems, shape = [], cfg.shape
     name = HF_CLASSES[arch]
     problems += moe_problems(cfg, arch, name)
+    if arch in ("qwen3", "qwen3_moe") and cfg.use_qk_layernorm:
+        if cfg.qk_layernorm_scope != "head":
+            problems.append("qk_layernorm_scope=projection (Qwen3 normalises each head)")
     arch = ATTENTION_ARCH.get(arch, arch)  # the rest is about attention, norms and the MLP
     if cfg.pos_emb != "rotary":
         problems.append(f"pos_emb={cfg.pos_emb!r} (HF {arch} is rotary only)")
@@ -259,10 +264,12 @@ def hf_config_for(cfg: ModelConfig, vocab_size: int, arch: str) -> dict[str, Any
     check_exportable(cfg, arch)
     if arch in MOE_ARCHS:
         # The dense kin's config (attention, norms, rotary), then the expert fields.
-        dense = cfg.model_copy(update={"moe_num_experts": 1})
+        dense = cfg.model_copy(update={"moe_num_experts": 1, "qk_layernorm_scope": "head"})
         out = hf_config_for(dense, vocab_size, ATTENTION_ARCH[arch])
         if arch != "mixtral":  # no per-layer window keys: every layer full
             out = {k: v for k, v in out.items() if k not in ("max_window_layers", "layer_types")}
+        if arch == "olmoe":  # and no window keys at all
+            out = {k: v for k, v in out.items() if "sliding_window" not in k}
         out.update(architectures=[HF_CLASSES[arch]], model_type=arch)
         return {**out, **hf_moe_config(cfg, arch)}
     rope = rope_parameters(cfg)

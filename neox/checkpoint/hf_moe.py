@@ -1,11 +1,12 @@
-"""The mixture-of-experts half of the HF conversion (Mixtral, Qwen3-MoE, Qwen2-MoE): config keys
-both ways and the expert weights, stacked in neox ((E, F, C) tensors, neox/model/moe.py) and one
-linear per expert in HF's files.
+"""The mixture-of-experts half of the HF conversion (Mixtral, Qwen3-MoE, Qwen2-MoE, OLMoE):
+config keys both ways and the expert weights, stacked in neox ((E, F, C) tensors,
+neox/model/moe.py) and one linear per expert in HF's files.
 
 Files on the hub (and transformers' save_pretrained) hold one linear per expert:
   Mixtral    model.layers.N.block_sparse_moe.experts.E.{w1,w3,w2}.weight   (gate, up, down)
-  Qwen*-MoE  model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight
-Qwen2-MoE adds a shared expert (our shared_experts MLP) scaled by a sigmoid gate.
+  Qwen*-MoE  model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight   (OLMoE too)
+Qwen2-MoE adds a shared expert (our shared_experts MLP) scaled by a sigmoid gate; OLMoE's
+attention normalises the whole query and key projections (qk_layernorm_scope: projection).
 transformers >= 5 fuses them in memory (mlp.experts.gate_up_proj (E, 2F, C), gate rows first,
 and mlp.experts.down_proj (E, C, F)); both spellings are read, the hub's is written.
 """
@@ -19,14 +20,20 @@ import torch
 
 from neox.config.model import ModelConfig
 
-MOE_ARCHS = ("mixtral", "qwen3_moe", "qwen2_moe")
+MOE_ARCHS = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe")
 # The dense family whose attention, norms and config keys each MoE family shares.
-ATTENTION_ARCH = {"mixtral": "mistral", "qwen3_moe": "qwen3", "qwen2_moe": "qwen2"}
+ATTENTION_ARCH = {
+    "mixtral": "mistral",
+    "qwen3_moe": "qwen3",
+    "qwen2_moe": "qwen2",
+    "olmoe": "qwen3",
+}
 _QWEN_LINEARS = {"gate": "gate_proj", "dense_h_to_4h": "up_proj", "dense_4h_to_h": "down_proj"}
 # neox module -> HF module besides the experts: the router, Qwen2-MoE's shared expert.
 MOE_KEYS = {
     "mixtral": {"layers.{}.mlp.router": "model.layers.{}.block_sparse_moe.gate"},
     "qwen3_moe": {"layers.{}.mlp.router": "model.layers.{}.mlp.gate"},
+    "olmoe": {"layers.{}.mlp.router": "model.layers.{}.mlp.gate"},
     "qwen2_moe": {
         "layers.{}.mlp.router": "model.layers.{}.mlp.gate",
         "layers.{}.mlp.shared_expert_gate": "model.layers.{}.mlp.shared_expert_gate",
@@ -40,12 +47,14 @@ _EXPERTS = {
     "mixtral": "model.layers.{}.block_sparse_moe.experts",
     "qwen3_moe": "model.layers.{}.mlp.experts",
     "qwen2_moe": "model.layers.{}.mlp.experts",
+    "olmoe": "model.layers.{}.mlp.experts",
 }
 # neox's stacked expert tensor -> the per-expert linear's name in HF's files.
 EXPERT_LINEARS = {
     "mixtral": {"gate": "w1", "dense_h_to_4h": "w3", "dense_4h_to_h": "w2"},
     "qwen3_moe": _QWEN_LINEARS,
     "qwen2_moe": _QWEN_LINEARS,
+    "olmoe": _QWEN_LINEARS,
 }
 _HUB_EXPERT = {
     arch: re.compile(re.escape(t).replace(r"\{\}", r"(\d+)") + r"\.(\d+)\.(\w+)\.weight$")
@@ -60,10 +69,10 @@ READ_FIELDS = {
     "qwen3_moe": {"num_experts", "num_experts_per_tok", "router_aux_loss_coef", "norm_topk_prob"}
     | {"num_local_experts", "moe_intermediate_size", "decoder_sparse_step", "mlp_only_layers"},
 }
-READ_FIELDS["qwen2_moe"] = READ_FIELDS["qwen3_moe"] | {
-    "shared_expert_intermediate_size",
-    "qkv_bias",
-}
+READ_FIELDS["qwen2_moe"] = READ_FIELDS["qwen3_moe"] | {"shared_expert_intermediate_size"}
+READ_FIELDS["qwen2_moe"] |= {"qkv_bias"}
+READ_FIELDS["olmoe"] = {"num_experts", "num_experts_per_tok", "router_aux_loss_coef"}
+READ_FIELDS["olmoe"] |= {"norm_topk_prob", "clip_qkv", "attention_bias"}
 
 
 def hub_name(name: str, arch: str) -> str:
@@ -158,6 +167,9 @@ def moe_problems(cfg: ModelConfig, arch: str, name: str) -> list[str]:
         problems.append("moe_norm_topk_prob=false (Mixtral renormalises the top-k weights)")
     if cfg.use_bias_in_mlp:
         problems.append(f"use_bias_in_mlp=true ({name}'s experts have no biases)")
+    whole = cfg.use_qk_layernorm and cfg.qk_layernorm_scope == "projection"
+    if arch == "olmoe" and not whole:
+        problems.append("qk norms per head (OLMoE normalises the whole projections)")
     if arch != "mixtral" and cfg.sliding_window_width is not None:
         problems.append(f"sliding_window_width set (neox writes {name} without windows)")
     return problems
@@ -171,6 +183,14 @@ def hf_moe_config(cfg: ModelConfig, arch: str) -> dict[str, Any]:
         "router_aux_loss_coef": cfg.moe_loss_coeff,
         "output_router_logits": False,
     }
+    if arch == "olmoe":
+        return {
+            **common,
+            "num_experts": cfg.moe_num_experts,
+            "intermediate_size": width,  # OLMoE's experts are its MLP width
+            "norm_topk_prob": cfg.moe_norm_topk_prob,
+            "clip_qkv": None,
+        }
     if arch == "mixtral":
         return {
             **common,
@@ -212,6 +232,15 @@ def neox_moe_keys(hf: dict[str, Any], arch: str, problems: list[str]) -> dict[st
         if hf.get("router_jitter_noise"):
             keys["moe_jitter_eps"] = hf["router_jitter_noise"]
         return {**keys, "moe_norm_topk_prob": True, "moe_ffn_hidden_size": hf["intermediate_size"]}
+    if arch == "olmoe":
+        if hf.get("clip_qkv") is not None:
+            problems.append(f"clip_qkv={hf['clip_qkv']} (neox does not clip q, k and v)")
+        keys.update(
+            moe_norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+            moe_ffn_hidden_size=hf["intermediate_size"],
+            qk_layernorm_scope="projection",
+        )
+        return keys
     step, dense = hf.get("decoder_sparse_step", 1), hf.get("mlp_only_layers") or []
     if step != 1 or dense:
         problems.append(

@@ -74,7 +74,10 @@ def block_vector_sizes(cfg: ModelConfig, tp: int = 1, moe: bool = False) -> list
         sizes.append(qkv_out)
     if shape.attn_dense_bias:
         sizes.append(h)
-    if cfg.use_qk_layernorm:
+    if cfg.use_qk_layernorm and cfg.qk_layernorm_scope == "projection":  # tp 1 only
+        sizes += _norm_tensors(cfg, cfg.num_attention_heads * hs)
+        sizes += _norm_tensors(cfg, shape.kv_heads * hs)
+    elif cfg.use_qk_layernorm:
         sizes += 2 * _norm_tensors(cfg, hs)
     shared = (cfg.moe_ffn_hidden_size or shape.ffn_size) * cfg.moe_num_shared_experts
     if cfg.use_bias_in_mlp and not moe:

@@ -1,7 +1,7 @@
-"""Every HF family (GPTNeoX, Llama 1-3.x, Mistral, Qwen2, Qwen3, Mixtral, Qwen3/Qwen2-MoE) with its features on: HF -> neox
--> HF is byte-exact, the exported config rebuilds the same transformers model, the config keys
-round-trip, a 150k vocabulary's padding never leaks out, and what neox cannot express is refused
-by name."""
+"""Every HF family (GPTNeoX, Llama 1-3.x, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE, Qwen2-MoE,
+OLMoE) with its features on: HF -> neox -> HF is byte-exact, the exported config rebuilds the
+same transformers model, the config keys round-trip, a 150k vocabulary's padding never leaks
+out, and what neox cannot express is refused by name."""
 
 import re
 
@@ -159,6 +159,7 @@ def _hf(arch: str, **changes):
         (_hf("mixtral", num_local_experts=1), "experts=1"),
         (_hf("qwen2_moe", shared_expert_intermediate_size=24), "a multiple of"),
         (_hf("qwen2_moe", use_sliding_window=True), "without windows"),
+        (_hf("olmoe", clip_qkv=8.0), "clip_qkv=8.0"),
     ],
 )
 def test_configs_neox_cannot_express_are_refused_by_field(config, words):
@@ -201,6 +202,8 @@ MOE = dict(moe_num_experts=4, moe_top_k=2, moe_router_type="topk", moe_norm_topk
         ("qwen3_moe", dict(MOE, moe_router_type="sinkhorn"), "scores by sigmoid"),
         ("qwen3_moe", dict(MOE, use_qk_layernorm=True, moe_expert_interval=2), "every layer"),
         ("qwen2_moe", dict(MOE, use_bias_in_attn_linear=True), "gated shared expert"),
+        ("olmoe", dict(MOE, use_qk_layernorm=True), "normalises the whole projections"),
+        ("qwen3", dict(use_qk_layernorm=True, qk_layernorm_scope="projection"), "each head"),
     ],
 )
 def test_inexpressible_models_are_refused_by_name(arch, overrides, words):

@@ -281,6 +281,7 @@ SHIPPED = {
     "Qwen3-8B": "configs/qwen3/8B.yml",
     "Mixtral-8x7B-v0.1": "configs/mixtral/8x7B.yml",
     "Qwen3-30B-A3B": "configs/qwen3/30B-A3B.yml",
+    "OLMoE-1B-7B-0924": "configs/olmoe/1B-7B.yml",
 }
 
 
@@ -334,6 +335,7 @@ FAMILY_LAYOUTS = {
     "mixtral_window_experts": (2, 1),  # MoE: no pipeline (moe.py)
     "qwen3_moe_qknorm_unnormalised_tied": (2, 1),
     "qwen2_moe_shared_expert": (2, 1),
+    "olmoe_projection_qknorm": (1, 1),  # a norm over all heads: no tp
 }
 
 
