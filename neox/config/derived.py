@@ -201,6 +201,7 @@ def derive(cfg: NeoXConfig, world_size: int, vocab_size: Optional[int] = None) -
     """Compute layout, batch, precision, schedule and padded vocab; raise ConfigError when off."""
     dp = data_parallel_size(world_size, cfg.parallel.model_parallel_size, cfg.parallel.pp)
     check_model_split(cfg.model, cfg.parallel.model_parallel_size, cfg.parallel.pp)
+    cfg.model.check_expert_parallel(dp)
     micro, gas, glob = batch_triple(cfg, dp)
     decay, warmup = schedule_iters(cfg)
     padded = padded_vocab(cfg, vocab_size)

@@ -110,20 +110,14 @@ class MoeFields(ConfigGroup):
     moe_min_capacity: Annotated[int, Reads("neox/model/moe.py")] = Field(4, ge=0, le=1 << 40)
     """The least capacity of an expert with token dropping."""
 
-    moe_expert_parallel_size: Annotated[
-        int,
-        Refused(
-            feature="expert parallelism",
-            example=2,
-            allowed=(1,),
-            message=(
-                "{key}={value}: expert parallelism is not implemented in neox yet (every "
-                "data-parallel rank holds all experts); set {key}: 1"
-            ),
-        ),
-    ] = Field(1, ge=1, le=1 << 20)
-    """Ranks the experts are split over; only 1 for now (every rank holds all experts, and
-    their gradients are averaged over data parallelism like any weight)."""
+    moe_expert_parallel_size: Annotated[int, Reads("neox/parallel/build.py")] = Field(
+        1, ge=1, le=1 << 20
+    )
+    """Data-parallel ranks each MoE layer's experts are split over: every group of this many
+    consecutive data-parallel ranks runs moe_num_experts / size experts per rank, tokens sent to
+    their expert's rank and back by all-to-all. Every rank still holds all expert weights
+    (ZeRO partitions them as any weight), so checkpoints do not depend on it (docs/moe.md).
+    Must divide moe_num_experts and the data-parallel size."""
 
     moe_use_residual: Annotated[
         bool,
@@ -162,6 +156,12 @@ class MoeFields(ConfigGroup):
                 "moe_shared_expert_gate=true gates the shared experts, but "
                 "moe_num_shared_experts=0; set moe_num_shared_experts or remove the gate"
             )
+        ep = self.moe_expert_parallel_size
+        if ep > 1 and e % ep:
+            raise ValueError(
+                f"moe_expert_parallel_size={ep} does not divide moe_num_experts={e}; use a "
+                f"divisor of {e}"
+            )
         if self.moe_token_dropping and self.moe_type != "deepspeed":
             raise ValueError(
                 "moe_token_dropping=true needs moe_type: deepspeed (megablocks is dropless); "
@@ -172,6 +172,15 @@ class MoeFields(ConfigGroup):
     def is_moe_layer(self, i: int) -> bool:
         """Whether layer i (from 0) has an MoE MLP."""
         return self.moe_num_experts > 1 and i % self.moe_expert_interval == 0
+
+    def check_expert_parallel(self, dp: int) -> None:
+        """Expert-parallel groups are cut from the data-parallel ranks (run by `derive`)."""
+        ep = self.moe_expert_parallel_size
+        if dp % ep:
+            raise ConfigError(
+                f"moe_expert_parallel_size={ep} does not divide the data-parallel size {dp} "
+                "(world / (model_parallel_size x pipe_parallel_size)); use a divisor of it"
+            )
 
     def check_moe_run(self, tp: int, pp: int) -> None:
         """MoE layers under the run's layout (run by `derive`)."""

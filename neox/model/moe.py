@@ -13,7 +13,7 @@ Parameter names (HF converters map these; the expert weights are stacked, nn.Lin
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Optional
 
@@ -100,21 +100,27 @@ class GroupedExperts(nn.Module):
         self.gate = nn.Parameter(torch.empty(e, ffn, h)) if cfg.shape.gated_mlp else None
         self.dense_4h_to_h = nn.Parameter(torch.empty(e, h, ffn))
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """x (M, C) sorted by expert, counts (E,) tokens per expert -> (M, C)."""
-        if grouped_mm_runs(x):
+    def forward(self, x: torch.Tensor, counts: torch.Tensor, first: int = 0) -> torch.Tensor:
+        """x (M, C) sorted by expert, counts (n,) tokens for experts first..first+n-1 -> (M, C)."""
+        ffn = self.dense_h_to_4h.shape[1]
+        if grouped_mm_runs(x) and ffn % 8 == 0 and x.shape[-1] % 8 == 0:
             offsets = counts.cumsum(0).to(torch.int32)
             mm = _grouped_mm(offsets)
         else:
             mm = _padded_bmm(counts)
-        up = mm(x, self.dense_h_to_4h)
-        h = self.act(mm(x, self.gate)) * up if self.gate is not None else self.act(up)
-        return mm(h, self.dense_4h_to_h)
+        experts = slice(first, first + counts.numel())
+        up = mm(x, self.dense_h_to_4h[experts])
+        if self.gate is None:
+            h = self.act(up)
+        else:
+            h = self.act(mm(x, self.gate[experts])) * up
+        return mm(h, self.dense_4h_to_h[experts])
 
 
 def grouped_mm_runs(x: torch.Tensor) -> bool:
-    """torch's grouped GEMM runs forward and backward on CUDA in bf16; CPU ranks (and other
-    dtypes) take the padded batched matmul, the same math."""
+    """torch's grouped GEMM runs forward and backward on CUDA in bf16 (with widths that are
+    multiples of 8: its rows must be 16-byte aligned); CPU ranks (and other dtypes) take the
+    padded batched matmul, the same math."""
     return x.is_cuda and x.dtype == torch.bfloat16 and hasattr(F, "grouped_mm")
 
 
@@ -161,6 +167,9 @@ class MoE(nn.Module):
         )
         self.min_capacity = cfg.moe_min_capacity
         self.stats: Optional[RouterStats] = None
+        # experts(x, counts) -> outputs; expert parallelism (neox/parallel/expert.py) puts an
+        # all-to-all dispatch here that runs each expert on its rank.
+        self.dispatch: Optional[Callable[..., torch.Tensor]] = None
 
     def capacity(self, tokens: int) -> Optional[int]:
         """Assignments an expert takes (None: dropless)."""
@@ -192,7 +201,10 @@ class MoE(nn.Module):
             order = order[slot < cap]
             kept = counts.clamp(max=cap)
         token = order % n
-        out = self.experts(tokens[token], kept)  # (M, C), grouped by expert
+        if self.dispatch is None:
+            out = self.experts(tokens[token], kept)  # (M, C), grouped by expert
+        else:
+            out = self.dispatch(self.experts, tokens[token], kept)
         w = weights.t().reshape(-1)[order]
         y = torch.zeros_like(tokens).index_add_(0, token, out * w[:, None])
         if self.shared_experts is not None:

@@ -14,6 +14,7 @@ from neox.model import GPTNeoX, build_model, lm_loss
 from neox.model.block import Block
 from neox.model.rotary import RotaryEmbedding
 from neox.parallel.checkpointing import checkpoint_blocks, configure_checkpointing
+from neox.parallel.expert import apply_expert_parallel
 from neox.parallel.float8 import apply_float8
 from neox.parallel.pipeline import to_pipeline
 from neox.parallel.tensor import (
@@ -74,6 +75,8 @@ def parallelize(
     init_tensor_parallel(model, model_cfg, seed, groups, device=device)
     if groups.get_tensor_model_parallel_world_size() > 1:
         use_tensor_parallel_rng(model)
+    if model_cfg.moe_expert_parallel_size > 1:
+        apply_expert_parallel(model, groups, model_cfg.moe_expert_parallel_size)
     apply_float8(model, float8, model_cfg.num_layers, device)
     if torch_compile:
         # Before checkpointing, which then recomputes through the compiled forward.

@@ -213,8 +213,9 @@ def train_flops_per_token(cfg: ModelConfig, vocab_size: int) -> int:
 
 
 def expert_parameters(cfg: ModelConfig, ep: int = 1) -> int:
-    """Routed-expert parameters of the whole model on one rank of an expert-parallel group of
-    `ep` ranks (each holds moe_num_experts / ep experts of every MoE layer)."""
+    """Routed-expert parameters of the whole model, or those one rank of an expert-parallel
+    group of `ep` ranks computes (moe_num_experts / ep experts of every MoE layer; it holds
+    them all, neox/parallel/expert.py)."""
     experts = sum(moe_matrix_sizes(cfg)[1:]) - sum(moe_matrix_sizes(cfg, 0)[1:])
     return experts * sum(moe_layers(cfg)) // ep
 

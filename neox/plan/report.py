@@ -113,14 +113,15 @@ def moe_lines(cfg: NeoXConfig, d: Derived, vocab_size: int) -> list[str]:
     ep = m.moe_expert_parallel_size
     tokens = d.micro_batch * d.grad_accum * m.seq_length
     k = 4 if d.precision == "fp32" else 2
-    experts = expert_parameters(m, ep)
+    experts = expert_parameters(m)  # every rank holds them all, whatever the EP size
     layers = sum(m.is_moe_layer(i) for i in range(m.num_layers))
     return [
         f"MoE: {layers} of {m.num_layers} layers, {m.moe_num_experts} experts, top-"
         f"{m.moe_top_k}; {active_parameters(m, vocab_size):,} active parameters per token "
         f"(FLOPs and MFU count these)",
         f"experts per rank: {experts:,} parameters, {experts * k / GiB:.2f} GiB of {d.precision} "
-        f"weights (expert parallel size {ep}); all-to-all per rank per step: "
+        f"weights (all of them; expert parallel size {ep} splits their compute, "
+        f"{expert_parameters(m, ep):,} per rank); all-to-all per rank per step: "
         f"{all_to_all_bytes(m, tokens, ep, k) / GiB:.2f} GiB",
     ]
 

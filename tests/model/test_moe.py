@@ -1,5 +1,7 @@
 """The MoE MLP against a per-token, per-expert loop; router, capacity and auxiliary losses."""
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -166,9 +168,46 @@ def test_training_loss_adds_the_router_losses():
         ({"moe_num_experts": 4, "moe_top_k": 5}, "moe_top_k=5 exceeds moe_num_experts=4"),
         ({"moe_num_experts": 4, "moe_token_dropping": True}, "needs moe_type: deepspeed"),
         ({"moe_use_residual": True}, "residual MoE"),
-        ({"moe_expert_parallel_size": 2}, "expert parallelism"),
     ],
 )
 def test_moe_keys_refused_by_name(keys, message):
     with pytest.raises(ConfigError, match=message):
         load_dict({**BASE, **keys})
+
+
+@pytest.mark.skipif(not hasattr(F, "grouped_mm"), reason="torch without grouped_mm")
+def test_grouped_mm_and_padded_bmm_agree():
+    """CUDA's path (torch's grouped GEMM over a transposed slice of the stacked weights, offsets
+    as cumulative counts) and the padded bmm compute the same products; torch runs grouped_mm's
+    forward on CPU too (not its backward), which checks the layout convention here."""
+    from neox.model.moe import _grouped_mm, _padded_bmm
+
+    w = torch.randn(6, 32, 16)[1:5]  # a slice, as expert parallelism takes one
+    x = torch.randn(20, 16)
+    counts = torch.tensor([3, 0, 9, 8])
+    grouped = _grouped_mm(counts.cumsum(0).to(torch.int32))(x, w)
+    torch.testing.assert_close(grouped, _padded_bmm(counts)(x, w), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_experts_on_cuda_in_bf16_run_grouped_mm_like_the_float32_bmm():
+    """On a GPU in bf16 the experts run as torch's grouped GEMM, forward and backward, and
+    agree with the float32 padded bmm of the same weights (to bf16 rounding)."""
+    from neox.model.moe import grouped_mm_runs
+
+    experts = moe_layer(activation="swiglu").experts.cuda()
+    counts = torch.tensor([40, 0, 100, 60], device="cuda")
+    x = torch.randn(200, 32, device="cuda")
+    fast = copy.deepcopy(experts).bfloat16()
+    xb = x.bfloat16().requires_grad_()
+    x32 = x.clone().requires_grad_()
+    assert grouped_mm_runs(xb) and not grouped_mm_runs(x32)
+    y, want = fast(xb, counts), experts(x32, counts)
+    torch.testing.assert_close(y.float(), want, atol=2e-2, rtol=2e-2)
+    y.float().square().sum().backward()
+    want.square().sum().backward()
+    torch.testing.assert_close(xb.grad.float(), x32.grad, atol=5e-2, rtol=5e-2)
+    torch.testing.assert_close(
+        fast.dense_h_to_4h.grad.float(), experts.dense_h_to_4h.grad, atol=5e-2, rtol=5e-2
+    )

@@ -71,14 +71,15 @@ def test_gpt_neox_moe_config_learns_on_two_ranks(tmp_path, name):
     assert dropped == 0 if name == "125M-dmoe" else 0 <= dropped < 0.5
 
 
-def test_moe_run_resumes_exactly(tmp_path):
-    """Stopped at step 8 and resumed, a top-1 run with token dropping logs the losses of an
-    uninterrupted one (experts, router and their optimizer states all restored)."""
+def test_moe_run_resumes_exactly_across_expert_parallel_sizes(tmp_path):
+    """Stopped at step 8 and resumed with its experts split over the 2 ranks, a top-1 run with
+    token dropping logs the losses of an uninterrupted one (experts, router and their optimizer
+    states all restored; the checkpoint does not depend on the expert-parallel size)."""
     text_dataset(tmp_path / "data" / "chars")
     files = gpt_neox_file("125M-moe")
     train(*files, tiny(tmp_path, "full"))
     train(*files, tiny(tmp_path, "part", exit_interval=8, checkpoint_factor=8))
-    r = train(*files, tiny(tmp_path, "part", checkpoint_factor=8))
+    r = train(*files, tiny(tmp_path, "part", checkpoint_factor=8, moe_expert_parallel_size=2))
     assert "resuming from" in r.stdout
     full, part = losses(tmp_path / "full" / "logs"), losses(tmp_path / "part" / "logs")
     assert sorted(part) == list(range(1, 17))
@@ -86,24 +87,34 @@ def test_moe_run_resumes_exactly(tmp_path):
         assert part[step] == pytest.approx(full[step], rel=1e-5, abs=1e-6), step
 
 
+@pytest.fixture(scope="module")
+def data_parallel_run(tmp_path_factory) -> dict[int, float]:
+    """The dropless MoE file's losses on 2 data-parallel ranks, ZeRO-1 (the flat engine)."""
+    tmp = tmp_path_factory.mktemp("moe_dp2")
+    text_dataset(tmp / "data" / "chars")
+    train(*gpt_neox_file("125M-dmoe"), tiny(tmp, "dp2", train_iters=6))
+    return losses(tmp / "dp2" / "logs")
+
+
 @pytest.mark.parametrize(
     "layout",
     [
         {"model_parallel_size": 2, "gradient_accumulation_steps": 4},
-        {"zero_optimization": {"stage": 3}},
+        {"moe_expert_parallel_size": 2},
+        {"zero_optimization": {"stage": 2}, "moe_expert_parallel_size": 2},
+        {"zero_optimization": {"stage": 3}, "moe_expert_parallel_size": 2},
     ],
-    ids=["tp2", "zero3"],
+    ids=["tp2", "ep2", "zero2-ep2", "zero3-ep2"],
 )
-def test_moe_layouts_match_data_parallel(tmp_path, layout):
-    """Under tensor parallelism (experts replicated, attention split) and under ZeRO-3
-    (DeepSpeed's engine, the stacked experts partitioned) the dropless MoE run logs the losses
-    of the data-parallel ZeRO-1 run with the same global batch."""
+def test_moe_layouts_match_data_parallel(tmp_path, data_parallel_run, layout):
+    """Under tensor parallelism (experts replicated, attention split), with the experts split
+    over the 2 ranks (all-to-all dispatch; the flat engine, and DeepSpeed's under ZeRO-2 and
+    ZeRO-3, which partitions the stacked experts) the dropless MoE run logs the losses of the
+    data-parallel run with the same global batch."""
     text_dataset(tmp_path / "data" / "chars")
-    files = gpt_neox_file("125M-dmoe")
-    train(*files, tiny(tmp_path, "dp2", train_iters=6))
-    train(*files, tiny(tmp_path, "other", train_iters=6, **layout))
-    dp2, other = losses(tmp_path / "dp2" / "logs"), losses(tmp_path / "other" / "logs")
+    train(*gpt_neox_file("125M-dmoe"), tiny(tmp_path, "other", train_iters=6, **layout))
+    other = losses(tmp_path / "other" / "logs")
     assert sorted(other) == list(range(1, 7))
-    for step, loss in dp2.items():
+    for step, loss in data_parallel_run.items():
         # fp32; the reductions run in another order across ranks.
-        assert other[step] == pytest.approx(loss, rel=1e-5), (step, dp2, other)
+        assert other[step] == pytest.approx(loss, rel=1e-5), (step, data_parallel_run, other)
