@@ -548,6 +548,7 @@ def convert_from_hf(
     try:
         cfg = load_dict(flat, source=str(hf_dir / "config.json"))
         check_exportable(cfg.model, arch)
+        cfg.model.check_run(tp, pp)  # the model's layout rules (MoE, whole-projection q/k norms)
     except (ConfigError, ValueError) as e:
         raise HFImportError(str(e)) from None
     check_layout(cfg, tp, pp)

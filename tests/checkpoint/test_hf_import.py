@@ -370,6 +370,17 @@ def test_every_family_round_trips_through_sharded_files(name, tmp_path):
         torch.testing.assert_close(ours(ids)[..., :VOCAB], expected, rtol=0, atol=1e-4)
 
 
+def test_a_layout_the_model_cannot_take_is_refused_before_writing(tmp_path):
+    """OLMoE's q/k norms span all heads: tensor parallelism is refused by name, nothing written."""
+    from tests.hf_families import hf_model
+
+    _, _, hf = hf_model("olmoe_projection_qknorm")
+    hf.save_pretrained(tmp_path / "hf")
+    with pytest.raises(HFImportError, match="qk_layernorm_scope=projection with model_parallel"):
+        convert_from_hf(tmp_path / "hf", tmp_path / "neox", tp=2)
+    assert not (tmp_path / "neox").exists()
+
+
 def test_untied_model_without_a_head_in_the_files_starts_from_the_embedding(tmp_path):
     """Converted one tensor at a time, the head still comes out as from_hf_state_dict makes it
     from a whole state dict: a copy of the embedding when the files hold no head."""
