@@ -5,10 +5,11 @@ neox/model/moe.py) and one linear per expert in HF's files.
 Files on the hub (and transformers' save_pretrained) hold one linear per expert:
   Mixtral    model.layers.N.block_sparse_moe.experts.E.{w1,w3,w2}.weight   (gate, up, down)
   Qwen*-MoE  model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight   (OLMoE too)
-Qwen2-MoE adds a shared expert (our shared_experts MLP) scaled by a sigmoid gate; OLMoE's
-attention normalises the whole query and key projections (qk_layernorm_scope: projection).
 transformers >= 5 fuses them in memory (mlp.experts.gate_up_proj (E, 2F, C), gate rows first,
 and mlp.experts.down_proj (E, C, F)); both spellings are read, the hub's is written.
+
+Qwen2-MoE adds a shared expert (our shared_experts MLP) scaled by a sigmoid gate; OLMoE's
+attention normalises the whole query and key projections (qk_layernorm_scope: projection).
 """
 
 from __future__ import annotations
@@ -63,16 +64,15 @@ _HUB_EXPERT = {
 _FUSED_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
 _OURS = re.compile(r"layers\.(\d+)\.mlp\.experts\.(gate|dense_h_to_4h|dense_4h_to_h)$")
 # Fields of the MoE families' config.json that neox_model_keys reads.
+_ROUTING = {"num_experts", "num_local_experts", "num_experts_per_tok", "router_aux_loss_coef"}
+_QWEN = _ROUTING | {"norm_topk_prob", "moe_intermediate_size", "decoder_sparse_step"}
+_QWEN |= {"mlp_only_layers"}
 READ_FIELDS = {
-    "mixtral": {"num_local_experts", "num_experts_per_tok", "router_aux_loss_coef"}
-    | {"router_jitter_noise"},
-    "qwen3_moe": {"num_experts", "num_experts_per_tok", "router_aux_loss_coef", "norm_topk_prob"}
-    | {"num_local_experts", "moe_intermediate_size", "decoder_sparse_step", "mlp_only_layers"},
+    "mixtral": _ROUTING | {"router_jitter_noise"},
+    "qwen3_moe": _QWEN,
+    "qwen2_moe": _QWEN | {"shared_expert_intermediate_size", "qkv_bias"},
+    "olmoe": _ROUTING | {"norm_topk_prob", "clip_qkv", "attention_bias"},
 }
-READ_FIELDS["qwen2_moe"] = READ_FIELDS["qwen3_moe"] | {"shared_expert_intermediate_size"}
-READ_FIELDS["qwen2_moe"] |= {"qkv_bias"}
-READ_FIELDS["olmoe"] = {"num_experts", "num_experts_per_tok", "router_aux_loss_coef"}
-READ_FIELDS["olmoe"] |= {"norm_topk_prob", "clip_qkv", "attention_bias"}
 
 
 def hub_name(name: str, arch: str) -> str:
