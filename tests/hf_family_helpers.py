@@ -1,6 +1,7 @@
 """Tiny transformers models of every family neox converts, each with its distinguishing features
 on (GQA, each RoPE scaling, sliding windows shorter than the test sequences, QK-norm, biases, a
-head_dim other than hidden / heads, tied and untied embeddings), built locally from a config with
+head_dim other than hidden / heads, tied and untied embeddings, experts with and without
+renormalised top-k weights), built locally from a config with
 random weights (no download), and the neox model holding the same weights.
 
 Shared by the parity tests of tests/model, tests/checkpoint, tests/inference and tests/parallel.
@@ -118,6 +119,52 @@ FAMILIES = {
             max_window_layers=0,  # every layer windowed
             tie_word_embeddings=True,
             rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=4.0),
+        ),
+    ),
+    "mixtral_window_experts": (
+        "mixtral",
+        dict(
+            num_key_value_heads=2,
+            sliding_window=6,
+            num_local_experts=4,
+            num_experts_per_tok=2,  # the top two renormalised, always in Mixtral
+            tie_word_embeddings=False,
+        ),
+    ),
+    "qwen3_moe_qknorm_unnormalised_tied": (
+        "qwen3_moe",
+        dict(
+            num_key_value_heads=2,
+            head_dim=16,
+            num_experts=6,
+            num_experts_per_tok=3,
+            moe_intermediate_size=24,
+            norm_topk_prob=False,  # the top-k softmax weights as they are (OLMoE's rule too)
+            tie_word_embeddings=True,
+        ),
+    ),
+    "qwen2_moe_shared_expert": (
+        "qwen2_moe",
+        dict(
+            num_key_value_heads=2,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=32,  # two experts' width, behind a sigmoid gate
+            norm_topk_prob=True,
+            tie_word_embeddings=False,
+        ),
+    ),
+    "olmoe_projection_qknorm": (
+        "olmoe",
+        dict(
+            num_key_value_heads=2,
+            num_experts=4,
+            num_experts_per_tok=2,
+            norm_topk_prob=False,
+            pad_token_id=None,
+            eos_token_id=None,
+            tie_word_embeddings=False,
         ),
     ),
 }

@@ -46,7 +46,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=list(ARCHITECTURES),
         default=None,
         help="HF class: neox = GPTNeoXForCausalLM, llama = LlamaForCausalLM, mistral, qwen2, "
-        "qwen3 (default: the family the checkpoint was imported from, else neox)",
+        "qwen3, mixtral, qwen3_moe, qwen2_moe, olmoe (default: the family the checkpoint was "
+        "imported from, else neox)",
     )
     p.add_argument(
         "--max_shard_size",

@@ -1,4 +1,5 @@
-"""Read a local Hugging Face model directory (GPTNeoX, Llama, Mistral, Qwen2, Qwen3) as neox
+"""Read a local Hugging Face model directory (GPTNeoX, Llama, Mistral, Qwen2, Qwen3, Mixtral,
+Qwen3-MoE, Qwen2-MoE, OLMoE) as neox
 config keys and weights, and write it as a neox checkpoint at any TP/PP, one layer at a time.
 
 The config keys are the inverse of hf_map.hf_config_for; any config.json field our model cannot
@@ -35,6 +36,8 @@ from neox.checkpoint.hf_map import (
     check_exportable,
     from_hf_state_dict,
 )
+from neox.checkpoint.hf_moe import ATTENTION_ARCH, MOE_ARCHS, neox_moe_keys
+from neox.checkpoint.hf_moe import READ_FIELDS as MOE_FIELDS
 from neox.checkpoint.hf_weights import HFWeights, HFWeightsError
 from neox.checkpoint.staging import check_output_dir, staged_directory
 from neox.checkpoint.stream_writer import StreamingCheckpoint
@@ -76,6 +79,7 @@ NEUTRAL_FIELDS = {
     "return_dict",
     "classifier_dropout",
     "pretraining_tp",  # transformers 5 ignores it; its slicing never changed the math
+    "output_router_logits",  # MoE: whether forward also returns the router's logits
 }
 _LLAMA_FIELDS = {
     "vocab_size",
@@ -123,6 +127,12 @@ READ_FIELDS = {
     "mistral": _LLAMA_FIELDS | {"sliding_window"},
     "qwen2": _LLAMA_FIELDS | _QWEN_WINDOW,
     "qwen3": _LLAMA_FIELDS | _QWEN_WINDOW | {"attention_bias"},
+    "mixtral": _LLAMA_FIELDS | {"sliding_window"} | MOE_FIELDS["mixtral"],
+    "qwen3_moe": _LLAMA_FIELDS
+    | {"use_sliding_window", "sliding_window", "max_window_layers", "attention_bias"}
+    | MOE_FIELDS["qwen3_moe"],
+    "qwen2_moe": _LLAMA_FIELDS | _QWEN_WINDOW | MOE_FIELDS["qwen2_moe"],
+    "olmoe": _LLAMA_FIELDS | MOE_FIELDS["olmoe"],
 }
 # transformers' rope_type values neox reads ("default": no scaling).
 ROPE_TYPES = ("default", *SCALING_TYPES)
@@ -303,6 +313,10 @@ def neox_model_keys(hf: dict[str, Any]) -> dict[str, Any]:
         for k in sorted(set(hf) - READ_FIELDS[arch] - NEUTRAL_FIELDS)
     ]
     heads = hf["num_attention_heads"]
+    family = arch
+    moe = neox_moe_keys(hf, arch, problems) if arch in MOE_ARCHS else {}
+    # Mixtral's attention is Mistral's, Qwen*-MoE's Qwen*'s (their windows: neox_moe_keys).
+    arch = ATTENTION_ARCH.get(arch, arch)
     rope = _rope(hf, problems)
     llama = arch in LLAMA_FAMILY
     act = ACTIVATIONS[arch].get(hf.get("hidden_act", "silu" if llama else "gelu"))
@@ -313,9 +327,9 @@ def neox_model_keys(hf: dict[str, Any]) -> dict[str, Any]:
     head_dim = hf.get("head_dim")
     if arch == "gpt_neox" and head_dim not in (None, hf["hidden_size"] // heads):
         problems.append(f"head_dim={head_dim} (GPTNeoX's is hidden_size / num_attention_heads)")
-    windows = _windows(hf, arch, problems)
+    windows = {} if family in ("qwen3_moe", "qwen2_moe", "olmoe") else _windows(hf, arch, problems)
     if problems:
-        raise HFImportError(f"this HF {arch} model cannot be read: " + "; ".join(problems))
+        raise HFImportError(f"this HF {family} model cannot be read: " + "; ".join(problems))
     intermediate = hf["intermediate_size"]
     keys: dict[str, Any] = {
         "num_layers": hf["num_hidden_layers"],
@@ -330,6 +344,7 @@ def neox_model_keys(hf: dict[str, Any]) -> dict[str, Any]:
         "init_method_std": hf.get("initializer_range", 0.02),
         "attention_dropout": hf.get("attention_dropout", 0.0),
         **windows,
+        **moe,
     }
     if arch == "gpt_neox":
         keys.update(
@@ -533,6 +548,7 @@ def convert_from_hf(
     try:
         cfg = load_dict(flat, source=str(hf_dir / "config.json"))
         check_exportable(cfg.model, arch)
+        cfg.model.check_run(tp, pp)  # the model's layout rules (MoE, whole-projection q/k norms)
     except (ConfigError, ValueError) as e:
         raise HFImportError(str(e)) from None
     check_layout(cfg, tp, pp)

@@ -1,5 +1,6 @@
-"""neox <-> Hugging Face state-dict and config conversion for GPTNeoXForCausalLM and the Llama
-family (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM).
+"""neox <-> Hugging Face state-dict and config conversion for GPTNeoXForCausalLM, the Llama
+family (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM) and its
+mixture-of-experts kin (MixtralForCausalLM, Qwen3MoeForCausalLM: experts in hf_moe.py).
 
 The name table below is used in both directions; the only reshapes are the fused QKV split for
 the Llama family's separate q/k/v projections and the padded vocabulary rows (dropped on export,
@@ -16,12 +17,22 @@ from typing import Any, Union
 
 import torch
 
+from neox.checkpoint.hf_moe import (
+    ATTENTION_ARCH,
+    MOE_ARCHS,
+    MOE_KEYS,
+    ExpertStacker,
+    experts_to_hf,
+    hf_moe_config,
+    hub_name,
+    moe_problems,
+)
 from neox.config.model import ModelConfig
 from neox.model.mlp import activation_name
 from neox.plan.attention_path import layer_window
 
-ARCHS = ("gpt_neox", "llama", "mistral", "qwen2", "qwen3")
-LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
+ARCHS = ("gpt_neox", "llama", "mistral", "qwen2", "qwen3", *MOE_ARCHS)
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", *MOE_ARCHS)
 # The names users give the families (convert_to_hf.py --architecture, hf_architecture).
 ARCH_NAMES = {
     "gpt_neox": "neox",
@@ -29,6 +40,10 @@ ARCH_NAMES = {
     "mistral": "mistral",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
+    "mixtral": "mixtral",
+    "qwen3_moe": "qwen3_moe",
+    "qwen2_moe": "qwen2_moe",
+    "olmoe": "olmoe",
 }
 HF_CLASSES = {
     "gpt_neox": "GPTNeoXForCausalLM",
@@ -36,6 +51,10 @@ HF_CLASSES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
 }
 
 HFName = Union[str, tuple[str, str, str]]
@@ -80,6 +99,10 @@ HF_KEYS: dict[str, dict[str, HFName]] = {
         "layers.{}.attention.k_layernorm": "model.layers.{}.self_attn.k_norm",
     },
 }
+# The MoE families: their dense kin's names, plus the router and shared expert (the experts:
+# hf_moe.py).
+for _arch in MOE_ARCHS:
+    HF_KEYS[_arch] = {**HF_KEYS[ATTENTION_ARCH[_arch]], **MOE_KEYS[_arch]}
 
 # transformers >= 5 names GPTNeoX's output layer lm_head in memory; files on the hub say embed_out.
 HF_ALIASES: dict[str, dict[str, str]] = {"gpt_neox": {"lm_head": "embed_out"}}
@@ -147,6 +170,11 @@ def export_problems(cfg: ModelConfig, arch: str) -> list[str]:
     """Every option of `cfg` the HF architecture `arch` cannot express."""
     problems, shape = [], cfg.shape
     name = HF_CLASSES[arch]
+    problems += moe_problems(cfg, arch, name)
+    if arch in ("qwen3", "qwen3_moe") and cfg.use_qk_layernorm:
+        if cfg.qk_layernorm_scope != "head":
+            problems.append("qk_layernorm_scope=projection (Qwen3 normalises each head)")
+    arch = ATTENTION_ARCH.get(arch, arch)  # the rest is about attention, norms and the MLP
     if cfg.pos_emb != "rotary":
         problems.append(f"pos_emb={cfg.pos_emb!r} (HF {arch} is rotary only)")
     windows = {layer_window(cfg, kind) for kind in shape.layer_types}
@@ -234,6 +262,16 @@ def _sliding_window(cfg: ModelConfig) -> dict[str, Any]:
 def hf_config_for(cfg: ModelConfig, vocab_size: int, arch: str) -> dict[str, Any]:
     """The HF config.json content (a dict for transformers' config class) for this model."""
     check_exportable(cfg, arch)
+    if arch in MOE_ARCHS:
+        # The dense kin's config (attention, norms, rotary), then the expert fields.
+        dense = cfg.model_copy(update={"moe_num_experts": 1, "qk_layernorm_scope": "head"})
+        out = hf_config_for(dense, vocab_size, ATTENTION_ARCH[arch])
+        if arch != "mixtral":  # no per-layer window keys: every layer full
+            out = {k: v for k, v in out.items() if k not in ("max_window_layers", "layer_types")}
+        if arch == "olmoe":  # and no window keys at all
+            out = {k: v for k, v in out.items() if "sliding_window" not in k}
+        out.update(architectures=[HF_CLASSES[arch]], model_type=arch)
+        return {**out, **hf_moe_config(cfg, arch)}
     rope = rope_parameters(cfg)
     shape = cfg.shape
     common = {
@@ -313,6 +351,10 @@ def to_hf_state_dict(
     table, shape = HF_KEYS[arch], cfg.shape
     out: dict[str, torch.Tensor] = {}
     for name, tensor in model_sd.items():
+        experts = experts_to_hf(name, tensor, arch) if arch in MOE_ARCHS else None
+        if experts is not None:
+            out.update(experts)
+            continue
         module, suffix = name.rsplit(".", 1)
         try:
             template, layer = _lookup(module, list(table))
@@ -365,9 +407,14 @@ def from_hf_state_dict(
     aliases = HF_ALIASES.get(arch, {})
     out: dict[str, torch.Tensor] = {}
     pending_qkv: dict[str, list[torch.Tensor | None]] = {}
+    experts = ExpertStacker(arch, cfg.moe_num_experts) if arch in MOE_ARCHS else None
     for name, tensor in hf_sd.items():
         if HF_IGNORED.search(name):
             continue
+        if experts is not None:
+            name = hub_name(name, arch)
+            if experts.add(name, tensor):
+                continue
         module, suffix = name.rsplit(".", 1)
         module = aliases.get(module, module)
         try:
@@ -392,6 +439,8 @@ def from_hf_state_dict(
         if q is None or k is None or v is None:
             raise KeyError(f"HF checkpoint lacks one of q/k/v for {ours_name!r}")
         out[ours_name] = fuse_qkv(q, k, v, cfg.num_attention_heads, cfg.shape.kv_heads)
+    if experts is not None:
+        out.update(experts.finish())
     fill = fill_untied_head and cfg.no_weight_tying
     if fill and "embed_out.weight" not in out and "embed_in.weight" in out:
         # A tied HF checkpoint loaded into an untied model: both start from the embedding.

@@ -6,6 +6,10 @@ from pydantic import Field
 
 from neox.config.base import MAX_COUNT, ConfigGroup, Reads, Refused
 
+# tools/convert_to_hf.py's --architecture names (neox/checkpoint/hf_map.py ARCH_NAMES).
+HF_FAMILIES = ("neox", "llama", "mistral", "qwen2", "qwen3")
+HF_FAMILIES += ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe")  # mixtures of experts
+
 # Iteration 0 is the initial weights (Pythia ships step0).
 Iteration = Annotated[int, Field(ge=0, le=MAX_COUNT)]
 
@@ -102,7 +106,7 @@ class CheckpointConfig(ConfigGroup):
     false)."""
 
     hf_architecture: Annotated[
-        Optional[Literal["neox", "llama", "mistral", "qwen2", "qwen3"]],
+        Optional[Literal[HF_FAMILIES]],
         Reads("neox/checkpoint/export.py"),
     ] = None
     """The Hugging Face family the weights were imported from (tools/convert_from_hf.py sets

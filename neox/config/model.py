@@ -122,6 +122,18 @@ class ModelConfig(MoeFields):
     (gpt-neox instead shares one norm over [heads per tp rank, head_dim] between q and k, so
     its checkpoints' qk norm weights do not map; OLMo-2 normalises the whole projection.)"""
 
+    qk_layernorm_scope: Annotated[
+        Literal["head", "projection"],
+        Reads("neox/model/attention.py"),
+        Restricted(
+            "`projection` needs model_parallel_size 1.",
+            example={"use_qk_layernorm": True, "qk_layernorm_scope": "projection"},
+            broken_by=({"model_parallel_size": 2},),
+        ),
+    ] = "head"
+    """What use_qk_layernorm normalises: each `head`'s features (Qwen3), or the whole query
+    and key `projection`s, heads x head_dim features with a weight each (OLMoE, OLMo-2)."""
+
     pos_emb: Annotated[
         Literal["learned", "rotary", "alibi", "none"],
         Reads("neox/model/gpt.py", "neox/model/attention.py"),
@@ -380,6 +392,11 @@ class ModelConfig(MoeFields):
             raise ConfigError(
                 f"lm_loss_chunk_size={chunk} needs model_parallel_size=1 and pipe_parallel_size=1 "
                 f"(got {tp} and {pp}); set lm_loss_chunk_size 0 for this layout"
+            )
+        if self.use_qk_layernorm and self.qk_layernorm_scope == "projection" and tp > 1:
+            raise ConfigError(
+                f"qk_layernorm_scope=projection with model_parallel_size={tp}: a norm over all "
+                "heads is not split over tensor-parallel ranks in neox; use model_parallel_size 1"
             )
         self.check_moe_run(tp, pp)
 

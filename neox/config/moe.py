@@ -66,6 +66,10 @@ class MoeFields(ConfigGroup):
     """Experts every token passes through besides the routed ones (DeepSeek/Qwen2-MoE style),
     run as one MLP of moe_num_shared_experts x moe_ffn_hidden_size width."""
 
+    moe_shared_expert_gate: Annotated[bool, Reads("neox/model/moe.py")] = False
+    """Scale the shared experts' output per token by sigmoid(x . w), w a learned (1, hidden)
+    weight (Qwen2-MoE's shared_expert_gate); needs moe_num_shared_experts."""
+
     moe_loss_coeff: Annotated[float, Reads("neox/model/moe.py")] = Field(0.1, ge=0, le=1e6)
     """Weight of the load-balancing loss E * sum_e f_e P_e (f_e: fraction of assignments to
     expert e, P_e: its mean score), summed over MoE layers and added to the LM loss."""
@@ -147,6 +151,11 @@ class MoeFields(ConfigGroup):
         e, k = self.moe_num_experts, self.moe_top_k
         if e > 1 and k > e:
             raise ValueError(f"moe_top_k={k} exceeds moe_num_experts={e}; use 1 to {e}")
+        if self.moe_shared_expert_gate and not self.moe_num_shared_experts:
+            raise ValueError(
+                "moe_shared_expert_gate=true gates the shared experts, but "
+                "moe_num_shared_experts=0; set moe_num_shared_experts or remove the gate"
+            )
         ep = self.moe_expert_parallel_size
         if ep > 1 and e % ep:
             raise ValueError(

@@ -51,9 +51,11 @@ def choose_decode_path(
     torch_compile: Optional[bool],
     batch: int,
     steps: Optional[int],
+    moe: bool = False,
 ) -> DecodePath:
     """The decode path of a generate.py job. steps: the decode steps this rank will run (None
-    when unknown, as in interactive mode, where each prompt is a batch of one)."""
+    when unknown, as in interactive mode, where each prompt is a batch of one). moe: the model
+    has mixture-of-experts layers."""
     from neox.inference.fused_step import FusedStep
 
     if recompute:
@@ -68,6 +70,13 @@ def choose_decode_path(
             False,
             f"decode path: the eager step (tp={tensor_parallel}: collectives stay outside CUDA "
             "graphs and compiled steps)",
+        )
+    if moe:
+        return DecodePath(
+            False,
+            False,
+            "decode path: the eager step, uncaptured (mixture-of-experts routing reads the host, "
+            "which a CUDA graph cannot hold)",
         )
     why_not_fused = (
         "fused_decode: false"

@@ -8,9 +8,9 @@ The embedding, final norm + head (one launch) and the greedy choice stay as they
 compilation: the step is captured as a CUDA graph as it runs (neox.inference.graphed).
 
 `FusedStep.unsupported(model)` says why a model cannot take this path (the Generator then uses
-the compiled or the eager step): ALiBi, query/key norms, ScaleNorm, dynamic NTK rotary (its
-table changes with the length), linears that are not plain `nn.Linear` (tensor-parallel or LoRA
-layers) or a float8 output layer.
+the compiled or the eager step): ALiBi, query/key norms, ScaleNorm, mixture-of-experts MLPs,
+dynamic NTK rotary (its table changes with the length), linears that are not plain `nn.Linear`
+(tensor-parallel or LoRA layers) or a float8 output layer.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from torch import nn
 
 from neox.model.kv_cache import KVCache
 from neox.model.mlp import activation_name
+from neox.model.moe import MoE
 from neox.model.norms import LayerNorm, RMSNorm
 
 
@@ -119,6 +120,8 @@ class FusedStep:
         norms = {_norm_kind(model.final_layer_norm)}
         for block in model.layers:
             attn, mlp = block.attention, block.mlp
+            if isinstance(mlp, MoE):
+                return "mixture-of-experts MLPs"
             norms |= {_norm_kind(block.input_layernorm)}
             if block.post_attention_layernorm is not None:
                 norms |= {_norm_kind(block.post_attention_layernorm)}

@@ -26,6 +26,7 @@ from neox.inference.fused_step import FusedStep
 from neox.inference.graphed import CapturedStep
 from neox.inference.sampling import SamplingParams, sample
 from neox.model.kv_cache import KVCache
+from neox.model.moe import MoE
 from neox.model.rotary import RotaryEmbedding
 
 log = logging.getLogger(__name__)
@@ -146,7 +147,7 @@ class Generator:
         use_cache: decode with the static KV cache; False recomputes the whole sequence each
             step (gpt-neox's `recompute`), which gives the same greedy tokens.
         cuda_graphs: replay each cached decode step as one CUDA graph (GPU, no tensor
-            parallelism: its collectives stay outside graphs).
+            parallelism: its collectives stay outside graphs; no MoE layers).
         stop_check_every: tokens between host reads of "every row has ended" (1: every token).
         compile_step: run each cached decode step (the whole model, and the greedy choice)
             through torch.compile (inductor): fused kernels, ~10 per layer instead of ~30; each
@@ -187,7 +188,12 @@ class Generator:
         self.gather_logits = gather_logits or (lambda x: x)
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
-        self.cuda_graphs = cuda_graphs and self.device.type == "cuda" and gather_logits is None
+        # MoE layers size their expert batches from the routing (a host read), which a CUDA
+        # graph cannot capture: they decode uncaptured.
+        moe = any(isinstance(m, MoE) for m in model.modules())
+        self.cuda_graphs = (
+            cuda_graphs and self.device.type == "cuda" and gather_logits is None and not moe
+        )
         self.stop_check_every = stop_check_every
         self.last_stats: Optional[DecodeStats] = None
         """Timing of the last generate call."""

@@ -240,6 +240,7 @@ def run_generation(cfg: NeoXConfig) -> None:
         torch_compile=cfg.training.torch_compile,
         batch=derived.micro_batch,
         steps=steps,
+        moe=cfg.model.moe_num_experts > 1,
     )
     log.info(path.line)  # generate.py's first line: the step the job decodes through
     model, gather = build_generation_model(cfg, derived.padded_vocab_size, groups, device, dtype)

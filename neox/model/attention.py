@@ -86,8 +86,11 @@ class Attention(nn.Module):
         self.dense = nn.Linear(
             cfg.num_attention_heads * hs, cfg.hidden_size, bias=shape.attn_dense_bias
         )
-        self.q_layernorm = build_norm(cfg, hs) if cfg.use_qk_layernorm else None
-        self.k_layernorm = build_norm(cfg, hs) if cfg.use_qk_layernorm else None
+        # Over each head's features, or (projection) over all heads' at once.
+        self.qk_whole = cfg.qk_layernorm_scope == "projection"
+        q_dim, k_dim = (self.num_heads * hs, self.num_kv_heads * hs) if self.qk_whole else (hs, hs)
+        self.q_layernorm = build_norm(cfg, q_dim) if cfg.use_qk_layernorm else None
+        self.k_layernorm = build_norm(cfg, k_dim) if cfg.use_qk_layernorm else None
         self.rotary = None
         if cfg.pos_emb == "rotary":
             self.rotary = RotaryEmbedding(
@@ -117,7 +120,12 @@ class Attention(nn.Module):
         q = qkv[:, :, :, :-2].reshape(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
         k = qkv[:, :, :, -2].transpose(1, 2)  # (B, nkv, T, hs)
         v = qkv[:, :, :, -1].transpose(1, 2)  # (B, nkv, T, hs)
-        if self.q_layernorm is not None:
+        if self.q_layernorm is not None and self.qk_whole:
+            q = self.q_layernorm(q.transpose(1, 2).reshape(B, T, nh * hs))  # (B, T, nh * hs)
+            k = self.k_layernorm(k.transpose(1, 2).reshape(B, T, nkv * hs))
+            q = q.view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
+            k = k.view(B, T, nkv, hs).transpose(1, 2)  # (B, nkv, T, hs)
+        elif self.q_layernorm is not None:
             q, k = self.q_layernorm(q), self.k_layernorm(k)
         if self.rotary is not None:
             q, k = self.rotary(q, k, position_ids)

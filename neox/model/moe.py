@@ -7,6 +7,7 @@ Parameter names (HF converters map these; the expert weights are stacked, nn.Lin
   mlp.experts.gate                        (E, F, C)  gated activations only
   mlp.experts.dense_4h_to_h               (E, C, F)
   mlp.shared_experts.{dense_h_to_4h,gate,dense_4h_to_h}.{weight,bias}   with shared experts
+  mlp.shared_expert_gate.weight           (1, C)     with moe_shared_expert_gate
 """
 
 from __future__ import annotations
@@ -157,6 +158,8 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(cfg, ffn)
         shared = cfg.moe_num_shared_experts
         self.shared_experts = MLP(cfg, ffn * shared) if shared else None
+        gated = shared and cfg.moe_shared_expert_gate
+        self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False) if gated else None
         self.loss_coeff, self.z_loss_coeff = cfg.moe_loss_coeff, cfg.moe_z_loss_coeff
         dropping = cfg.moe_token_dropping
         self.capacity_factors = (
@@ -205,7 +208,10 @@ class MoE(nn.Module):
         w = weights.t().reshape(-1)[order]
         y = torch.zeros_like(tokens).index_add_(0, token, out * w[:, None])
         if self.shared_experts is not None:
-            y = y + self.shared_experts(tokens)
+            shared = self.shared_experts(tokens)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(tokens)) * shared
+            y = y + shared
         self.stats = self._stats(scores, logits, counts, kept)
         return y.view(shape)
 

@@ -53,7 +53,8 @@ def moe_matrix_sizes(cfg: ModelConfig, experts: int | None = None) -> list[int]:
     per_expert = [e * ffn * h] * (2 if cfg.shape.gated_mlp else 1) + [e * h * ffn]
     shared = ffn * cfg.moe_num_shared_experts
     shared_mlp = [shared * h] * (2 if cfg.shape.gated_mlp else 1) + [h * shared] if shared else []
-    return [cfg.moe_num_experts * h] + per_expert + shared_mlp
+    gate = [h] if shared and cfg.moe_shared_expert_gate else []
+    return [cfg.moe_num_experts * h] + per_expert + shared_mlp + gate
 
 
 def moe_layers(cfg: ModelConfig) -> list[bool]:
@@ -73,7 +74,10 @@ def block_vector_sizes(cfg: ModelConfig, tp: int = 1, moe: bool = False) -> list
         sizes.append(qkv_out)
     if shape.attn_dense_bias:
         sizes.append(h)
-    if cfg.use_qk_layernorm:
+    if cfg.use_qk_layernorm and cfg.qk_layernorm_scope == "projection":  # tp 1 only
+        sizes += _norm_tensors(cfg, cfg.num_attention_heads * hs)
+        sizes += _norm_tensors(cfg, shape.kv_heads * hs)
+    elif cfg.use_qk_layernorm:
         sizes += 2 * _norm_tensors(cfg, hs)
     shared = (cfg.moe_ffn_hidden_size or shape.ffn_size) * cfg.moe_num_shared_experts
     if cfg.use_bias_in_mlp and not moe:

@@ -1,7 +1,7 @@
-"""Every HF family (GPTNeoX, Llama 1-3.x, Mistral, Qwen2, Qwen3) with its features on: HF -> neox
--> HF is byte-exact, the exported config rebuilds the same transformers model, the config keys
-round-trip, a 150k vocabulary's padding never leaks out, and what neox cannot express is refused
-by name."""
+"""Every HF family (GPTNeoX, Llama 1-3.x, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE, Qwen2-MoE,
+OLMoE) with its features on: HF -> neox -> HF is byte-exact, the exported config rebuilds the
+same transformers model, the config keys round-trip, a 150k vocabulary's padding never leaks
+out, and what neox cannot express is refused by name."""
 
 import re
 
@@ -10,6 +10,7 @@ import torch
 
 from neox.checkpoint.hf_import import HFImportError, neox_model_keys
 from neox.checkpoint.hf_map import (
+    MOE_ARCHS,
     check_exportable,
     from_hf_state_dict,
     hf_config_for,
@@ -21,8 +22,12 @@ from neox.model import count_parameters
 from tests.hf_family_helpers import FAMILIES, PADDED, VOCAB, hf_model, neox_pair, token_ids
 
 
-def file_names(arch: str, sd: dict) -> dict:
-    """transformers' in-memory names as its files spell them (GPTNeoX: lm_head -> embed_out)."""
+def file_names(arch: str, hf) -> dict:
+    """transformers' in-memory state dict as its files spell it (GPTNeoX: lm_head -> embed_out;
+    MoE: one linear per expert, as save_pretrained writes them)."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    sd = revert_weight_conversion(hf, hf.state_dict())
     if arch != "gpt_neox":
         return sd
     return {k.replace("lm_head.", "embed_out."): v for k, v in sd.items()}
@@ -32,7 +37,7 @@ def file_names(arch: str, sd: dict) -> dict:
 def test_hf_to_neox_to_hf_is_byte_exact(name):
     arch, config, hf = hf_model(name)
     cfg = ModelConfig(**neox_model_keys(config))
-    hf_sd = file_names(arch, hf.state_dict())
+    hf_sd = file_names(arch, hf)
     ours = from_hf_state_dict(hf_sd, cfg, PADDED, arch)
     assert torch.all(ours["embed_in.weight"][VOCAB:] == 0)  # padding rows, zero
     back = to_hf_state_dict(ours, cfg, VOCAB, arch)
@@ -48,7 +53,7 @@ def test_one_layer_at_a_time_gives_the_whole_conversion(name):
     """The contract a streaming converter relies on: any subset of whole layers converts alone."""
     arch, config, hf = hf_model(name)
     cfg = ModelConfig(**neox_model_keys(config))
-    hf_sd = file_names(arch, hf.state_dict())
+    hf_sd = file_names(arch, hf)
     whole = from_hf_state_dict(hf_sd, cfg, PADDED, arch)
     groups: dict[str, dict] = {}
     for key, tensor in hf_sd.items():
@@ -70,21 +75,30 @@ def test_one_layer_at_a_time_gives_the_whole_conversion(name):
 
 
 @pytest.mark.parametrize("name", FAMILIES)
-def test_exported_config_rebuilds_the_same_transformers_model(name):
+def test_exported_config_rebuilds_the_same_transformers_model(name, tmp_path):
     """hf_config_for's config.json, loaded by transformers with the exported weights, computes
-    the original model's logits: windows, scalings, biases and norms all say the same thing."""
+    the original model's logits: windows, scalings, biases, norms and routers all say the same
+    thing."""
+    from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
     arch, cfg, model, hf = neox_pair(name)
     exported = hf_config_for(cfg, VOCAB, arch)
-    again = AutoModelForCausalLM.from_config(
-        AutoConfig.for_model(**exported), attn_implementation="eager"
-    ).eval()
     exported_sd = to_hf_state_dict(model.state_dict(), cfg, VOCAB, arch)
-    if arch == "gpt_neox":
-        exported_sd = {k.replace("embed_out.", "lm_head."): v for k, v in exported_sd.items()}
-    missing, unexpected = again.load_state_dict(exported_sd, strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    if arch in MOE_ARCHS:
+        # Per-expert files: transformers' own loading fuses them.
+        AutoConfig.for_model(**exported).save_pretrained(tmp_path)
+        save_file(exported_sd, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+        again = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager")
+    else:
+        again = AutoModelForCausalLM.from_config(
+            AutoConfig.for_model(**exported), attn_implementation="eager"
+        )
+        if arch == "gpt_neox":
+            exported_sd = {k.replace("embed_out.", "lm_head."): v for k, v in exported_sd.items()}
+        missing, unexpected = again.load_state_dict(exported_sd, strict=False)
+        assert not unexpected and set(missing) <= {"lm_head.weight"}
+    again.eval()
     assert type(again) is type(hf)
     ids = token_ids()
     with torch.no_grad():
@@ -140,6 +154,12 @@ def _hf(arch: str, **changes):
         (_hf("qwen2", layer_types=["full_attention", "chunked_attention"]), "layer_types"),
         (_hf("qwen3", rope_theta=1.5, rope_parameters=None), "rope_theta=1.5"),
         (_hf("qwen3", model_type="gemma"), "model_type='gemma'"),
+        (_hf("qwen3_moe", decoder_sparse_step=2), "decoder_sparse_step=2"),
+        (_hf("qwen3_moe", mlp_only_layers=[0]), "mlp_only_layers=[0]"),
+        (_hf("mixtral", num_local_experts=1), "experts=1"),
+        (_hf("qwen2_moe", shared_expert_intermediate_size=24), "a multiple of"),
+        (_hf("qwen2_moe", use_sliding_window=True), "without windows"),
+        (_hf("olmoe", clip_qkv=8.0), "clip_qkv=8.0"),
     ],
 )
 def test_configs_neox_cannot_express_are_refused_by_field(config, words):
@@ -156,6 +176,7 @@ LLAMA_LIKE = dict(
     use_bias_in_mlp=False,
 )
 TINY = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16)
+MOE = dict(moe_num_experts=4, moe_top_k=2, moe_router_type="topk", moe_norm_topk_prob=True)
 
 
 @pytest.mark.parametrize(
@@ -174,6 +195,15 @@ TINY = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16)
         ("qwen3", dict(), "always normalises"),
         ("qwen3", dict(use_qk_layernorm=True, use_bias_in_mlp=True), "MLP has no biases"),
         ("gpt_neox", dict(head_dim=16, norm="layernorm", activation="gelu"), "head_dim=16"),
+        ("llama", MOE, "LlamaForCausalLM has no experts"),
+        ("mixtral", dict(), "needs experts"),
+        ("mixtral", dict(MOE, moe_norm_topk_prob=False), "renormalises"),
+        ("mixtral", dict(MOE, moe_num_shared_experts=1), "moe_num_shared_experts=1"),
+        ("qwen3_moe", dict(MOE, moe_router_type="sinkhorn"), "scores by sigmoid"),
+        ("qwen3_moe", dict(MOE, use_qk_layernorm=True, moe_expert_interval=2), "every layer"),
+        ("qwen2_moe", dict(MOE, use_bias_in_attn_linear=True), "gated shared expert"),
+        ("olmoe", dict(MOE, use_qk_layernorm=True), "normalises the whole projections"),
+        ("qwen3", dict(use_qk_layernorm=True, qk_layernorm_scope="projection"), "each head"),
     ],
 )
 def test_inexpressible_models_are_refused_by_name(arch, overrides, words):

@@ -19,6 +19,7 @@ from neox.checkpoint.export import export_to_hf
 from neox.checkpoint.hf_import import HFImportError, convert_from_hf
 from neox.data.indexed import IndexedDatasetBuilder
 from neox.model import lm_loss
+from neox.plan.estimate import active_parameters, count_parameters
 from tests.train_helpers import ROOT, losses, run_deepy, write_config
 
 SIZES = dict(
@@ -278,6 +279,9 @@ SHIPPED = {
     "Qwen2.5-7B": "configs/qwen2.5/7B.yml",
     "Qwen3-0.6B": "configs/qwen3/0-6B.yml",
     "Qwen3-8B": "configs/qwen3/8B.yml",
+    "Mixtral-8x7B-v0.1": "configs/mixtral/8x7B.yml",
+    "Qwen3-30B-A3B": "configs/qwen3/30B-A3B.yml",
+    "OLMoE-1B-7B-0924": "configs/olmoe/1B-7B.yml",
 }
 
 
@@ -285,7 +289,8 @@ SHIPPED = {
 def test_shipped_config_is_what_importing_the_real_model_gives(model):
     """The shipped config has the keys convert_from_hf derives from the real config.json, and
     the real model's weights (transformers, on the meta device) pass the import's plan: every
-    name converts and every shape fits the model the config builds."""
+    name converts and every shape fits the model the config builds; the estimate counts the real
+    model's parameters, total and active (MoE: the router, top-k of E experts)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from neox.checkpoint.consolidate import check_state_dict
@@ -309,6 +314,12 @@ def test_shipped_config_is_what_importing_the_real_model_gives(model):
     ours = build_model(cfg.model, hf["vocab_size"], device="meta")
     check_state_dict(sd, ours, Path(model))
     assert sum(p.numel() for p in ours.parameters()) == real.num_parameters()
+    # The estimate's total, and its active count: all but the experts a token is not sent to.
+    assert count_parameters(cfg.model, hf["vocab_size"]) == real.num_parameters()
+    experts = sum(p.numel() for n, p in real.named_parameters() if ".experts." in n)
+    top_k, num = hf.get("num_experts_per_tok", 1), cfg.model.moe_num_experts
+    active = real.num_parameters() - experts + experts * top_k // num
+    assert active_parameters(cfg.model, hf["vocab_size"]) == active
 
 
 # Every family of tests/hf_family_helpers.py through the files, each at a layout its heads allow.
@@ -321,6 +332,10 @@ FAMILY_LAYOUTS = {
     "qwen2_window_yarn_tied": (2, 2),
     "qwen3_qknorm_head_dim_yarn": (2, 1),
     "qwen3_window_linear_tied": (1, 2),
+    "mixtral_window_experts": (2, 1),  # MoE: no pipeline (moe.py)
+    "qwen3_moe_qknorm_unnormalised_tied": (2, 1),
+    "qwen2_moe_shared_expert": (2, 1),
+    "olmoe_projection_qknorm": (1, 1),  # a norm over all heads: no tp
 }
 
 
@@ -353,6 +368,17 @@ def test_every_family_round_trips_through_sharded_files(name, tmp_path):
         expected = hf(ids).logits
         torch.testing.assert_close(exported.eval()(ids).logits, expected, rtol=0, atol=0)
         torch.testing.assert_close(ours(ids)[..., :VOCAB], expected, rtol=0, atol=1e-4)
+
+
+def test_a_layout_the_model_cannot_take_is_refused_before_writing(tmp_path):
+    """OLMoE's q/k norms span all heads: tensor parallelism is refused by name, nothing written."""
+    from tests.hf_family_helpers import hf_model
+
+    _, _, hf = hf_model("olmoe_projection_qknorm")
+    hf.save_pretrained(tmp_path / "hf")
+    with pytest.raises(HFImportError, match="qk_layernorm_scope=projection with model_parallel"):
+        convert_from_hf(tmp_path / "hf", tmp_path / "neox", tp=2)
+    assert not (tmp_path / "neox").exists()
 
 
 def test_untied_model_without_a_head_in_the_files_starts_from_the_embedding(tmp_path):

@@ -19,6 +19,9 @@ FAMILIES = {
     "configs/qwen2.5/7B.yml": 7_615_616_512,  # Qwen2.5-7B
     "configs/qwen3/0-6B.yml": 596_049_920,  # Qwen3-0.6B
     "configs/qwen3/8B.yml": 8_190_735_360,  # Qwen3-8B
+    "configs/mixtral/8x7B.yml": 46_702_792_704,  # Mixtral-8x7B-v0.1
+    "configs/qwen3/30B-A3B.yml": 30_532_122_624,  # Qwen3-30B-A3B
+    "configs/olmoe/1B-7B.yml": 6_919_161_856,  # OLMoE-1B-7B-0924
 }
 
 

@@ -79,3 +79,9 @@ def test_a_generate_process_imports_no_compiler_before_it_compiles():
     )
     r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert r.stdout.strip() == "[]", r.stdout
+
+
+def test_mixture_of_experts_decode_eagerly_uncaptured():
+    for batch in (1, 16):
+        path = choose(batch=batch, steps=10**9, torch_compile=True, moe=True)
+        assert not path.fused and not path.compiled and "uncaptured" in path.line
