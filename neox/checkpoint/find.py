@@ -16,6 +16,9 @@ STAGING_SUFFIX = ".partial"
 # Marks a directory of model weights only (tools that convert or re-lay-out weights write it):
 # a run starts from it with `finetune: true`, never resumes it.
 WEIGHTS_ONLY = "weights_only.txt"
+# The training state by plain parameter name (neox/checkpoint/plain_state.py), its metadata file.
+PLAIN_STATE = "state"
+PLAIN_STATE_META = "meta.json"
 
 
 def tag_for(iteration: int) -> str:
@@ -59,6 +62,11 @@ def step_tags(load_dir: Path) -> list[str]:
         if p.is_dir() and step_of(p.name) is not None
     ]
     return sorted(tags, key=step_of, reverse=True)
+
+
+def has_plain_state(step_dir: Path) -> bool:
+    """The checkpoint carries its training state by plain name: it resumes at any layout."""
+    return (step_dir / PLAIN_STATE / PLAIN_STATE_META).is_file()
 
 
 def written_by_neox(step_dir: Path) -> bool:

@@ -24,6 +24,7 @@ from neox.checkpoint.find import (
 )
 from neox.checkpoint.lock import acquire
 from neox.checkpoint.manifest import digests, files_in, read_manifest, write_manifest
+from neox.checkpoint.plain_state import Layout, PlainState, saved_layout, write_meta, write_pieces
 from neox.checkpoint.trust import check_loadable
 from neox.config import NeoXConfig, write_config
 from neox.parallel.agree import all_ranks_max
@@ -119,6 +120,7 @@ def save_checkpoint(
         state["rng"] = rng_state()
     try:
         engine.save(str(save_dir), staging.name, state)  # no `latest`: written below, atomically
+        save_plain_state(engine, staging, state)
     except Exception as e:
         failed_save(e, save_dir, staging)
         raise
@@ -362,6 +364,39 @@ def check_adapter_base(step_dir: Path, cfg: NeoXConfig) -> None:
         )
 
 
+def save_plain_state(engine, staging: Path, client_state: dict[str, Any]) -> None:
+    """The training state by plain name (neox.checkpoint.plain_state) beside the engine's files."""
+    pieces, scalars = engine.plain_pieces()  # collective: every rank
+    rank = torch.distributed.get_rank()
+    write_pieces(staging, rank, pieces)
+    if rank == 0:
+        write_meta(staging, engine.layout(), scalars, client_state)
+
+
+def relaid_out(engine, step_dir: Path) -> Optional[Layout]:
+    """The layout that saved step_dir when it is not this run's and the checkpoint carries its
+    state by plain name (the engine's own files then do not fit), else None."""
+    saved = saved_layout(step_dir)
+    return saved if saved is not None and saved != engine.layout() else None
+
+
+def load_plain_state(
+    engine, step_dir: Path, saved: Layout, cfg: NeoXConfig
+) -> tuple[str, dict[str, Any]]:
+    """Resume from step_dir's plain state (saved at another layout); (path, client state)."""
+    c = cfg.checkpoint
+    if torch.distributed.get_rank() == 0:
+        log.info(
+            "resuming %s, saved by the %s, at this run's %s from its state by plain name",
+            step_dir,
+            saved.describe(),
+            engine.layout().describe(),
+        )
+    state = PlainState(step_dir, c.trust_checkpoint_code)
+    engine.load_plain(state, load_optimizer_states=not c.no_load_optim)
+    return str(step_dir), dict(state.client_state)
+
+
 def load_checkpoint(engine, cfg: NeoXConfig) -> Optional[dict[str, Any]]:
     """Resume from cfg.checkpoint.load if it holds a checkpoint; returns its client state.
 
@@ -402,15 +437,19 @@ def load_checkpoint(engine, cfg: NeoXConfig) -> Optional[dict[str, Any]]:
                 log.warning("skipping checkpoint %s", failures[-1])
             continue
         try:
-            with checkpoint_for_run(c.load, cfg, zero3, tag) as load_dir:
-                path, state = engine.load(
-                    load_dir,
-                    # A re-laid-out copy holds one checkpoint, named by its own `latest`.
-                    tag=tag if load_dir == c.load else None,
-                    load_optimizer_states=not (c.no_load_optim or finetune),
-                    load_module_only=finetune,
-                    trust=trust,
-                )
+            relaid = None if finetune else relaid_out(engine, Path(c.load) / tag)
+            if relaid is not None:
+                path, state = load_plain_state(engine, Path(c.load) / tag, relaid, cfg)
+            else:
+                with checkpoint_for_run(c.load, cfg, zero3, tag) as load_dir:
+                    path, state = engine.load(
+                        load_dir,
+                        # A re-laid-out copy holds one checkpoint, named by its own `latest`.
+                        tag=tag if load_dir == c.load else None,
+                        load_optimizer_states=not (c.no_load_optim or finetune),
+                        load_module_only=finetune,
+                        trust=trust,
+                    )
             error = None if path is not None else "DeepSpeed found no checkpoint files"
         except CheckpointError:
             raise  # a checkpoint this run cannot use at all (weights only, layout): not a fallback

@@ -393,6 +393,77 @@ class FlatEngine:
             trust=trust,
         )
 
+    # -- the training state by plain name (neox/checkpoint/plain_state.py) -------------------
+
+    def layout(self) -> Any:
+        from neox.checkpoint.plain_state import Layout
+
+        return Layout("flat", 1, 1, self.dp, self.zero_stage)
+
+    @torch.no_grad()
+    def plain_pieces(self) -> tuple[list, dict[str, Any]]:
+        """Every parameter's fp32 master and moments, whole (data-parallel rank 0 keeps them;
+        the partitions are gathered on every rank), and the engine's scalars."""
+        from neox.checkpoint.plain_state import KINDS, Piece
+
+        pieces, step = [], None
+        for g in self.groups:
+            state = self.optimizer.state.get(g.master, {})
+            if "step" in state:
+                step = float(state["step"])
+            fulls = {}
+            for kind in KINDS:
+                part = g.master if kind == "fp32" else state.get(kind)
+                if part is not None:
+                    fulls[kind] = self._gathered(part.float())
+            if self.dp_rank == 0:
+                for name, p, off in zip(g.names, g.params, g.offsets):
+                    tensors = {k: f[off : off + p.numel()].view(p.shape) for k, f in fulls.items()}
+                    pieces.append(Piece(name, tuple(p.shape), None, 0, tensors))
+        return pieces, self._scalars(step)
+
+    def _gathered(self, part: torch.Tensor) -> torch.Tensor:
+        if self.dp == 1:
+            return part
+        parts = [torch.empty_like(part) for _ in range(self.dp)]
+        dist.all_gather(parts, part.contiguous(), group=self.dp_group)
+        return torch.cat(parts)
+
+    def _scalars(self, step: Optional[float]) -> dict[str, Any]:
+        return {
+            "step": step,
+            "global_steps": self.global_steps,
+            "global_samples": self.global_samples,
+            "skipped_steps": self.skipped_steps,
+            "loss_scale": None,
+        }
+
+    @torch.no_grad()
+    def load_plain(self, state: Any, load_optimizer_states: bool) -> None:
+        """This rank's partitions from a checkpoint's plain state (any layout saved it)."""
+        step = state.scalars.get("step")
+        optim = load_optimizer_states and step is not None
+        for g in self.groups:
+            mine = {}
+            for kind in ("fp32", "exp_avg", "exp_avg_sq") if optim else ("fp32",):
+                part = torch.zeros(g.size, dtype=torch.float32)
+                for name, p, off in zip(g.names, g.params, g.offsets):
+                    lo, hi = max(off, g.start), min(off + p.numel(), g.start + g.size)
+                    if lo < hi:
+                        full = state.read(kind, name, tuple(p.shape), None, 0).reshape(-1)
+                        part[lo - g.start : hi - g.start] = full[lo - off : hi - off]
+                mine[kind] = part.to(g.master.device)
+            g.master.copy_(mine.pop("fp32"))
+            if optim:
+                step_t = torch.tensor(float(step), dtype=torch.float32, device=g.master.device)
+                self.optimizer.state[g.master] = {"step": step_t, **mine}
+            if g.master is not g.part:
+                g.part.copy_(g.master)
+            g.gather_weights(self.dp_group)
+        self.global_steps = int(state.scalars.get("global_steps", 0))
+        self.global_samples = int(state.scalars.get("global_samples", 0))
+        self._skipped.fill_(int(state.scalars.get("skipped_steps", 0)))
+
     # -- checkpoints, in DeepSpeed's ZeRO-1 layout -------------------------------------------
 
     def save_checkpoint(

@@ -1,0 +1,93 @@
+"""A checkpoint saved at step 2 under one layout resumes under another with its whole training
+state: steps 3 and 4 lose what the uninterrupted run's do, within fp32 rounding (issue 35).
+
+One tiny untied model, 4 fp32 Adam steps of 4 samples, the padded vocabulary pinned so every
+layout trains the same tensors. The uninterrupted run and each saving run are trained once and
+shared by the cases (module-scoped caches); each case adds one resumed run.
+"""
+
+from pathlib import Path
+
+import pytest
+
+from tests.train_helpers import losses, make_dataset, train, write_config
+
+MODEL = dict(
+    tokenizer_type="CharLevelTokenizer",
+    padded_vocab_size=512,
+    no_weight_tying=True,
+    train_iters=4,
+    checkpoint_factor=2,
+    eval_interval=100,
+    do_test=False,
+    gradient_clipping=0.5,
+)
+# 4 samples per step everywhere: 2 micro-batches of 2 on one replica, or one on each of two.
+DP2 = dict(num_gpus=2, gradient_accumulation_steps=1)
+LAYOUTS = {
+    "one": dict(num_gpus=1),
+    "flat_dp2": dict(DP2),  # neox's flat engine (ZeRO-1 partitions)
+    "ds_zero1_dp2": dict(DP2, flat_engine=False),
+    "ds_zero3_dp2": dict(DP2, flat_engine=False, zero_optimization={"stage": 3}),
+    "tp2": dict(num_gpus=2, model_parallel_size=2),
+    "pp2": dict(num_gpus=2, pipe_parallel_size=2),
+}
+CASES = [
+    ("pp2", "flat_dp2"),
+    ("tp2", "pp2"),
+    ("ds_zero1_dp2", "ds_zero3_dp2"),
+    ("flat_dp2", "ds_zero1_dp2"),
+    ("ds_zero1_dp2", "flat_dp2"),
+    ("flat_dp2", "one"),
+]
+TOLERANCE = 2e-4
+
+
+class Runs:
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        make_dataset(tmp / "data" / "chars")
+        self.saved: dict[str, Path] = {}
+        self._reference = None
+
+    def reference(self) -> dict[int, float]:
+        """The uninterrupted run's losses (one rank)."""
+        if self._reference is None:
+            config = write_config(
+                self.tmp, "reference", save=None, load=None, **MODEL, **LAYOUTS["one"]
+            )
+            train(config)
+            self._reference = losses(self.tmp / "reference" / "logs")
+        return self._reference
+
+    def saved_at_2(self, layout: str) -> Path:
+        """The save directory of a run under `layout` that stopped after saving step 2."""
+        if layout not in self.saved:
+            name = f"save_{layout}"
+            config = write_config(
+                self.tmp, name, load=None, exit_interval=2, **MODEL, **LAYOUTS[layout]
+            )
+            train(config)
+            self.saved[layout] = self.tmp / name / "ckpt"
+        return self.saved[layout]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Runs:
+    return Runs(tmp_path_factory.mktemp("any_layout"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("saved,resumed", CASES, ids=[f"{a}-to-{b}" for a, b in CASES])
+def test_resume_at_another_layout_continues_the_run(runs, saved, resumed):
+    load = runs.saved_at_2(saved)
+    assert (load / "global_step2" / "state" / "meta.json").is_file()
+    name = f"resume_{saved}_to_{resumed}"
+    config = write_config(runs.tmp, name, load=str(load), save=None, **MODEL, **LAYOUTS[resumed])
+    result = train(config)
+    assert "from its state by plain name" in result.stdout + result.stderr
+    got = losses(runs.tmp / name / "logs")
+    want = runs.reference()
+    assert sorted(got) == [3, 4]  # resumed after step 2, not from scratch
+    for step in (3, 4):
+        assert got[step] == pytest.approx(want[step], abs=TOLERANCE), (step, got, want)
