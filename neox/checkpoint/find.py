@@ -8,6 +8,7 @@ from typing import Optional
 
 import yaml
 
+from neox.checkpoint.ds_files import MP_FILES, is_model_file
 from neox.checkpoint.manifest import MANIFEST, manifest_problem, safe_name
 
 TAG_PREFIX = "global_step"
@@ -106,8 +107,8 @@ def checkpoint_problem(
     if problem is not None:
         return problem
     shards = sorted(step_dir.glob("*.pt"))
-    if not any(p.name.endswith("model_states.pt") or p.name.startswith("layer_") for p in shards):
-        return f"{step_dir} holds no model states (mp_rank_*_model_states.pt)"
+    if not any(is_model_file(p.name) for p in shards):
+        return f"{step_dir} holds no model states ({MP_FILES})"
     for path in shards:
         try:
             with zipfile.ZipFile(path):

@@ -14,12 +14,12 @@ from pathlib import Path
 from typing import Optional
 
 from neox.checkpoint.consolidate import (
-    ZERO3_FILE,
     CheckpointError,
     load_model_state,
     read_checkpoint_config,
     resolve_checkpoint,
 )
+from neox.checkpoint.ds_files import ZERO3_FILE
 from neox.checkpoint.find import TAG_PREFIX, read_latest
 from neox.checkpoint.hf_tokenizer import build_run_tokenizer
 from neox.checkpoint.staging import check_output_dir, staged_directory

@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 from typing import Optional
 
+from neox.checkpoint.ds_files import has_model_states
 from neox.config.errors import ConfigError
 from neox.config.loader import LoadedConfig
 
@@ -302,7 +303,7 @@ def checkpoint_problem(load: Optional[str], iteration: Optional[int] = None) -> 
     if load is None:
         return f"no trained weights: {fix}"
     root = Path(load)
-    if any(root.glob("*model_states.pt")):
+    if has_model_states(root):
         return None  # one global_stepN directory itself
     if iteration is not None:
         if (root / f"global_step{iteration}").is_dir():

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from neox.checkpoint.ds_files import mp_file, optim_file
 from neox.checkpoint.trust import load_file
 from neox.data.batch import Batch
 from neox.plan.engine_choice import one_pass_adamw
@@ -47,7 +48,7 @@ from neox.training.engine import LossFn, StepResult, forward_loss, take, weigh_m
 
 log = logging.getLogger(__name__)
 
-MODEL_FILE = "mp_rank_00_model_states.pt"
+MODEL_FILE = mp_file(0)
 # DeepSpeed's ZeRO 1/2 engine reserves these checkpoint keys; the rest is the caller's state.
 ENGINE_KEYS = {
     *("module", "skipped_steps", "global_steps", "dp_world_size", "mp_world_size"),
@@ -59,10 +60,6 @@ ALIGNMENT = 2
 
 
 COMM_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-def optim_file(dp_rank: int, bf16: bool) -> str:
-    return ("bf16_" if bf16 else "") + f"zero_pp_rank_{dp_rank}_mp_rank_00_optim_states.pt"
 
 
 def _one_pass_ok(optimizer: torch.optim.Optimizer, device: torch.device) -> bool:
