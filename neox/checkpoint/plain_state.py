@@ -103,6 +103,19 @@ def write_meta(
     torch.save(client_state, out / CLIENT_FILE)
 
 
+def copy_plain_state(src_step_dir: Path, dst_step_dir: Path) -> None:
+    """A checkpoint's state/ into a re-laid-out copy of its weights (tools/reshape_checkpoint.py).
+    The layout recorded becomes `reshape_checkpoint`'s, which no engine has: a run resumes the
+    copy from state/, never from its weights-only engine files."""
+    import shutil
+
+    dst = Path(dst_step_dir) / STATE_DIR
+    shutil.copytree(Path(src_step_dir) / STATE_DIR, dst)
+    meta = json.loads((dst / META_FILE).read_text())
+    meta["layout"]["engine"] = "reshape_checkpoint"
+    (dst / META_FILE).write_text(json.dumps(meta, indent=1) + "\n")
+
+
 def saved_layout(step_dir: Path) -> Optional[Layout]:
     """The layout a checkpoint's state/ was written by, or None when it has none."""
     path = Path(step_dir) / STATE_DIR / META_FILE

@@ -20,6 +20,7 @@ from neox.checkpoint.ds_files import layer_file, mp_file
 from neox.checkpoint.find import WEIGHTS_ONLY, tag_for
 from neox.checkpoint.hf_map import VOCAB_MODULES, resize_vocab
 from neox.checkpoint.manifest import write_manifest
+from neox.checkpoint.plain_state import copy_plain_state
 from neox.config import NeoXConfig, load_dict, write_config
 from neox.parallel.layers import shard
 from neox.parallel.topology import Topology
@@ -99,9 +100,17 @@ def _engine_state(module: Optional[StateDict], mp_world: int, iteration: int) ->
     }
 
 
-def write_checkpoint(sd: StateDict, cfg: NeoXConfig, save_dir: Path, iteration: int = 0) -> Path:
+def write_checkpoint(
+    sd: StateDict,
+    cfg: NeoXConfig,
+    save_dir: Path,
+    iteration: int = 0,
+    state_from: Optional[Path] = None,
+) -> Path:
     """Write `sd` (full plain names, cfg's padded vocabulary rows) for cfg's TP/PP into
-    save_dir/global_step{iteration}, with config.yml there and beside it, and `latest`."""
+    save_dir/global_step{iteration}, with config.yml there and beside it, and `latest`.
+    `state_from`: a checkpoint whose training state by plain name (optimizer included) goes
+    along, so the result resumes; without it the result holds weights only."""
     tp, pp = cfg.parallel.model_parallel_size, cfg.parallel.pp
     save_dir = Path(save_dir)
     tag_dir = save_dir / tag_for(iteration)
@@ -118,9 +127,13 @@ def write_checkpoint(sd: StateDict, cfg: NeoXConfig, save_dir: Path, iteration: 
         for rank in range(pp * tp):
             state = _engine_state(None, pp * tp, iteration)
             torch.save(state, tag_dir / mp_file(rank))
-    (tag_dir / WEIGHTS_ONLY).write_text(
-        "Model weights only (no optimizer state): start a run from them with `finetune: true`.\n"
-    )
+    if state_from is not None:
+        copy_plain_state(state_from, tag_dir)
+    else:
+        (tag_dir / WEIGHTS_ONLY).write_text(
+            "Model weights only (no optimizer state): start a run from them with "
+            "`finetune: true`.\n"
+        )
     write_config(cfg, tag_dir / "config.yml")
     write_manifest(
         tag_dir, iteration, sd["embed_in.weight"].shape[0] if "embed_in.weight" in sd else None
