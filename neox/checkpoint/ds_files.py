@@ -23,6 +23,11 @@ OPTIM_STATES = "optim_states.pt"
 MP_FILE = re.compile(r"mp_rank_(\d+)_model_states\.pt$")
 LAYER_FILE = re.compile(r"layer_(\d+)-model_(\d+)-model_states\.pt$")
 ZERO3_FILE = re.compile(r"zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
+# DeepSpeed's ZeRO 1/2 engine reserves these keys of a model file; the rest is the client state.
+ENGINE_KEYS = {
+    *("module", "skipped_steps", "global_steps", "dp_world_size", "mp_world_size"),
+    *("data_sampler", "random_ltd", "lr_scheduler", "optimizer"),
+}
 # How the files are named in messages.
 MP_FILES = "mp_rank_XX_model_states.pt"
 LAYER_FILES = "layer_XX-model_YY-model_states.pt files"

@@ -24,7 +24,15 @@ from neox.checkpoint.find import (
 )
 from neox.checkpoint.lock import acquire
 from neox.checkpoint.manifest import digests, files_in, read_manifest, write_manifest
-from neox.checkpoint.plain_state import Layout, PlainState, saved_layout, write_meta, write_pieces
+from neox.checkpoint.plain_state import (
+    Layout,
+    PlainState,
+    UniversalState,
+    is_universal,
+    saved_layout,
+    write_meta,
+    write_pieces,
+)
 from neox.checkpoint.trust import check_loadable
 from neox.config import NeoXConfig, write_config
 from neox.parallel.agree import all_ranks_max
@@ -375,7 +383,10 @@ def save_plain_state(engine, staging: Path, client_state: dict[str, Any]) -> Non
 
 def relaid_out(engine, step_dir: Path) -> Optional[Layout]:
     """The layout that saved step_dir when it is not this run's and the checkpoint carries its
-    state by plain name (the engine's own files then do not fit), else None."""
+    state by plain name (the engine's own files then do not fit), else None. A DeepSpeed
+    universal checkpoint is always read by name."""
+    if is_universal(step_dir):
+        return UniversalState.layout
     saved = saved_layout(step_dir)
     return saved if saved is not None and saved != engine.layout() else None
 
@@ -392,7 +403,8 @@ def load_plain_state(
             saved.describe(),
             engine.layout().describe(),
         )
-    state = PlainState(step_dir, c.trust_checkpoint_code)
+    reader = UniversalState if is_universal(step_dir) else PlainState
+    state = reader(step_dir, c.trust_checkpoint_code)
     engine.load_plain(state, load_optimizer_states=not c.no_load_optim)
     return str(step_dir), dict(state.client_state)
 

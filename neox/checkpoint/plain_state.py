@@ -193,3 +193,69 @@ class PlainState:
                     continue
                 out[tuple(targets)] = view[tuple(slices)].to(torch.float32)
         return out
+
+
+def is_universal(step_dir: Path) -> bool:
+    """A DeepSpeed universal checkpoint (ds_to_universal's output): zero/<name>/fp32.pt."""
+    return any((Path(step_dir) / "zero").glob("*/fp32.pt"))
+
+
+class UniversalState:
+    """A DeepSpeed universal checkpoint read as a PlainState: `zero/<parameter>/<kind>.pt`, each
+    {"param": the whole logical tensor, ...}, `zero/<parameter>/step.pt`, and the model states
+    file DeepSpeed copied beside them (the engine's counters and the client state)."""
+
+    layout = Layout("deepspeed universal checkpoint", 0, 0, 0, 0)
+
+    def __init__(self, step_dir: Path, trust: bool = False) -> None:
+        from neox.checkpoint.ds_files import ENGINE_KEYS, mp_file
+        from neox.checkpoint.trust import load_file
+
+        self.dir, self.trust = Path(step_dir), trust
+        model_file = self.dir / mp_file(0)
+        if not model_file.is_file():
+            raise CheckpointError(
+                f"{step_dir} holds a universal checkpoint's zero/ but no {mp_file(0)}; copy the "
+                "whole ds_to_universal output folder"
+            )
+        model = load_file(model_file, trust)
+        steps = sorted(self.dir.glob("zero/*/step.pt"))
+        step = load_file(steps[0], trust) if steps else None
+        self.scalars: dict[str, Any] = {
+            "step": None if step is None else float(step),
+            "global_steps": model.get("global_steps", 0),
+            "global_samples": model.get("global_samples", 0),
+            "skipped_steps": model.get("skipped_steps", 0),
+            "loss_scale": None,
+        }
+        self.client_state = {k: v for k, v in model.items() if k not in ENGINE_KEYS}
+        self._cache: dict[str, torch.Tensor] = {}
+
+    def _path(self, kind: str, name: str) -> Path:
+        return self.dir / "zero" / name / f"{kind}.pt"
+
+    def has(self, kind: str, name: str) -> bool:
+        return self._path(kind, name).is_file()
+
+    def read(
+        self, kind: str, name: str, shape: tuple[int, ...], dim: Optional[int], start: int
+    ) -> torch.Tensor:
+        """As PlainState.read: this rank's slice, zero rows past the saved vocabulary."""
+        from neox.checkpoint.trust import load_file
+
+        path = self._path(kind, name)
+        if not path.is_file():
+            raise CheckpointError(
+                f"{self.dir} holds no zero/{name}/{kind}.pt: the universal checkpoint was saved "
+                "by another model; resume with the model config it was saved with"
+            )
+        full = load_file(path, self.trust)["param"].float()
+        out = torch.zeros(shape, dtype=torch.float32)
+        region = [slice(0, min(n, s)) for n, s in zip(shape, full.shape)]
+        source = list(region)
+        if dim is not None:
+            hi = min(start + shape[dim], full.shape[dim])
+            source[dim] = slice(start, max(start, hi))
+            region[dim] = slice(0, max(0, hi - start))
+        out[tuple(region)] = full[tuple(source)]
+        return out

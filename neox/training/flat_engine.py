@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from neox.checkpoint.ds_files import mp_file, optim_file
+from neox.checkpoint.ds_files import ENGINE_KEYS, mp_file, optim_file
 from neox.checkpoint.trust import load_file
 from neox.data.batch import Batch
 from neox.plan.engine_choice import one_pass_adamw
@@ -49,11 +49,6 @@ from neox.training.engine import LossFn, StepResult, forward_loss, take, weigh_m
 log = logging.getLogger(__name__)
 
 MODEL_FILE = mp_file(0)
-# DeepSpeed's ZeRO 1/2 engine reserves these checkpoint keys; the rest is the caller's state.
-ENGINE_KEYS = {
-    *("module", "skipped_steps", "global_steps", "dp_world_size", "mp_world_size"),
-    *("data_sampler", "random_ltd", "lr_scheduler", "optimizer"),
-}
 # DeepSpeed pads each flat group to 4 bytes of bf16 times the data-parallel size, so that every
 # rank's partition starts 4-byte aligned and all partitions are the same size.
 ALIGNMENT = 2

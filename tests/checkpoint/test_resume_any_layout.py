@@ -6,11 +6,13 @@ layout trains the same tensors. The uninterrupted run and each saving run are tr
 shared by the cases (module-scoped caches); each case adds one resumed run.
 """
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from tests.train_helpers import losses, make_dataset, train, write_config
+from tests.train_helpers import deepy_env, losses, make_dataset, train, write_config
 
 MODEL = dict(
     tokenizer_type="CharLevelTokenizer",
@@ -89,5 +91,38 @@ def test_resume_at_another_layout_continues_the_run(runs, saved, resumed):
     got = losses(runs.tmp / name / "logs")
     want = runs.reference()
     assert sorted(got) == [3, 4]  # resumed after step 2, not from scratch
+    for step in (3, 4):
+        assert got[step] == pytest.approx(want[step], abs=TOLERANCE), (step, got, want)
+
+
+@pytest.mark.slow
+def test_a_deepspeed_universal_checkpoint_resumes(runs):
+    """DeepSpeed's own ds_to_universal turns the ZeRO-1 run's step-2 checkpoint into a universal
+    one (zero/<name>/{fp32,exp_avg,exp_avg_sq}.pt); the flat engine resumes it."""
+    saved = runs.saved_at_2("ds_zero1_dp2") / "global_step2"
+    universal = runs.tmp / "universal"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "deepspeed.checkpoint.ds_to_universal",
+            *("--input_folder", str(saved), "--output_folder", str(universal / "global_step2")),
+            *("--num_extract_workers", "1", "--num_merge_workers", "1"),
+            "--inject_missing_state",
+        ],
+        check=True,
+        capture_output=True,
+        env=deepy_env(),
+    )
+    assert (universal / "global_step2" / "zero" / "embed_in.weight" / "exp_avg.pt").is_file()
+    (universal / "latest").write_text("global_step2")
+    name = "resume_universal"
+    config = write_config(
+        runs.tmp, name, load=str(universal), save=None, **MODEL, **LAYOUTS["flat_dp2"]
+    )
+    result = train(config)
+    assert "deepspeed universal checkpoint" in result.stdout + result.stderr
+    got, want = losses(runs.tmp / name / "logs"), runs.reference()
+    assert sorted(got) == [3, 4]
     for step in (3, 4):
         assert got[step] == pytest.approx(want[step], abs=TOLERANCE), (step, got, want)
