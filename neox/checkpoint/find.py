@@ -107,8 +107,8 @@ def checkpoint_problem(
     if problem is not None:
         return problem
     shards = sorted(step_dir.glob("*.pt"))
-    if not any(is_model_file(p.name) for p in shards):
-        return f"{step_dir} holds no model states ({MP_FILES})"
+    if not any(is_model_file(p.name) for p in shards) and not has_plain_state(step_dir):
+        return f"{step_dir} holds no model states ({MP_FILES} or {PLAIN_STATE}/)"
     for path in shards:
         try:
             with zipfile.ZipFile(path):

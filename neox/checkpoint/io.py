@@ -1,5 +1,6 @@
 """Save and resume training through DeepSpeed, with the run's config kept beside the weights."""
 
+import copy
 import errno
 import logging
 import random
@@ -11,8 +12,10 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from neox.checkpoint import async_save
 from neox.checkpoint.adapter import base_reference, read_reference, write_reference
 from neox.checkpoint.atomic import fsync_path, fsync_tree, kill_point, write_atomic
+from neox.checkpoint.ds_files import has_model_states
 from neox.checkpoint.errors import CheckpointError
 from neox.checkpoint.find import (
     STAGING_SUFFIX,
@@ -117,6 +120,7 @@ def save_checkpoint(
     rank = torch.distributed.get_rank()
     tag = tag_for(iteration)
     staging = save_dir / (tag + STAGING_SUFFIX)
+    async_save.wait_for_save()  # a save still writing finishes first
     # Every rank stops on a problem found before anything is written; a failure while writing
     # stops the rank that met it, whose peers then fail in their next collective.
     problem = [save_problem(save_dir, staging) if rank == 0 else None]
@@ -126,6 +130,9 @@ def save_checkpoint(
     state = dict(client_state, iteration=iteration)
     if not c.no_save_rng:
         state["rng"] = rng_state()
+    if c.async_save:
+        save_in_background(engine, cfg, iteration, state, staging, padded_vocab_size)
+        return save_dir / tag
     try:
         engine.save(str(save_dir), staging.name, state)  # no `latest`: written below, atomically
         save_plain_state(engine, staging, state)
@@ -372,6 +379,50 @@ def check_adapter_base(step_dir: Path, cfg: NeoXConfig) -> None:
         )
 
 
+def save_in_background(
+    engine,
+    cfg: NeoXConfig,
+    iteration: int,
+    state: dict[str, Any],
+    staging: Path,
+    padded_vocab_size: Optional[int],
+) -> None:
+    """async_save: the state by plain name copied to host memory now (the engine's own files are
+    not written: the copy is all a resume needs), written and published by a background
+    thread (neox.checkpoint.async_save)."""
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    pieces, scalars = engine.plain_pieces()  # collective; host copies the step may not touch
+    layout, state = engine.layout(), copy.deepcopy(state)
+    save_dir, tag = staging.parent, staging.name.removesuffix(STAGING_SUFFIX)
+
+    def write() -> None:
+        try:
+            files = write_pieces(staging, rank, pieces)
+            if rank == 0:
+                files += write_meta(staging, layout, scalars, state)
+            kill_point("async_write", rank, iteration)
+            async_save.mark_done(staging, rank, files)
+            if rank == 0:
+                sums = async_save.gather_done(staging, world)
+                finish_save(cfg, staging, save_dir / tag, iteration, padded_vocab_size, sums)
+                write_atomic(save_dir / "latest", tag)
+                write_config(cfg, save_dir / "config.yml")
+                prune_checkpoints(save_dir, cfg.checkpoint.keep_last_n_checkpoints)
+                log.info("saved checkpoint %s (written in the background)", save_dir / tag)
+        except BaseException as e:
+            async_save.mark_failed(staging, rank, e)
+            if rank == 0:
+                failed_save(e, save_dir, staging)  # a one-line CheckpointError where it can
+            raise
+
+    async_save.start(write)
+
+
+def wait_for_saves() -> None:
+    """The end of a run: the save still writing in the background completes (or raises)."""
+    async_save.wait_for_save()
+
+
 def save_plain_state(engine, staging: Path, client_state: dict[str, Any]) -> None:
     """The training state by plain name (neox.checkpoint.plain_state) beside the engine's files."""
     pieces, scalars = engine.plain_pieces()  # collective: every rank
@@ -388,6 +439,8 @@ def relaid_out(engine, step_dir: Path) -> Optional[Layout]:
     if is_universal(step_dir):
         return UniversalState.layout
     saved = saved_layout(step_dir)
+    if saved is not None and not has_model_states(step_dir):
+        return saved  # saved by async_save: state/ alone
     return saved if saved is not None and saved != engine.layout() else None
 
 

@@ -73,14 +73,15 @@ def tp_piece(name: str, local: dict[str, torch.Tensor], dim: Optional[int], rank
     return Piece(name, tuple(shape), dim, start, local)
 
 
-def write_pieces(step_dir: Path, rank: int, pieces: list[Piece]) -> None:
-    """This rank's pieces (may be none) into step_dir/state; every rank calls it."""
+def write_pieces(step_dir: Path, rank: int, pieces: list[Piece]) -> list[Path]:
+    """This rank's pieces (may be none) into step_dir/state; every rank calls it. Returns the
+    files written."""
     from safetensors.torch import save_file
 
     out = Path(step_dir) / STATE_DIR
     out.mkdir(parents=True, exist_ok=True)
     if not pieces:
-        return
+        return []
     tensors, index = {}, {}
     for p in pieces:
         for kind, t in p.tensors.items():
@@ -90,17 +91,19 @@ def write_pieces(step_dir: Path, rank: int, pieces: list[Piece]) -> None:
     stem = f"rank_{rank:05d}"
     save_file(tensors, out / f"{stem}.safetensors")
     (out / f"{stem}.json").write_text(json.dumps(index, indent=0) + "\n")
+    return [out / f"{stem}.safetensors", out / f"{stem}.json"]
 
 
 def write_meta(
     step_dir: Path, layout: Layout, scalars: dict[str, Any], client_state: dict[str, Any]
-) -> None:
-    """Rank 0: the saving layout, the engine's scalars and the client state."""
+) -> list[Path]:
+    """Rank 0: the saving layout, the engine's scalars and the client state; the files."""
     out = Path(step_dir) / STATE_DIR
     out.mkdir(parents=True, exist_ok=True)
     meta = {"layout": vars(layout), "scalars": scalars}
     (out / META_FILE).write_text(json.dumps(meta, indent=1) + "\n")
     torch.save(client_state, out / CLIENT_FILE)
+    return [out / META_FILE, out / CLIENT_FILE]
 
 
 def copy_plain_state(src_step_dir: Path, dst_step_dir: Path) -> None:

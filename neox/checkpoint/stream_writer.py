@@ -1,6 +1,6 @@
 """Write the DeepSpeed files of a checkpoint one tensor at a time, never holding the model.
 
-A tensor-parallel rank's module file (neox/checkpoint/ds_files.py) holds that rank's whole model, and
+A tensor-parallel rank's module file (see ds_files.py) holds that rank's whole model, and
 torch.save needs every tensor in memory at once. So each file is first laid out by torch itself
 (`torch.serialization.skip_data`: the pickle and the zip records, with the tensor bytes left
 empty), its tensors' byte offsets read back from a metadata-only load, and then each tensor is

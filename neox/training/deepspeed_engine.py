@@ -277,7 +277,8 @@ class DeepSpeedAdapter:
             for kind in KINDS:
                 t = self._get(p, kind)  # collective over the data-parallel group under ZeRO
                 if t is not None:
-                    local[kind] = t.to("cpu", torch.float32).reshape(self._shape(p))
+                    # Host copies: an async save writes them while the next steps run.
+                    local[kind] = t.to("cpu", torch.float32, copy=True).reshape(self._shape(p))
             dim = partition_dim(name)
             if dp_rank == 0 and (tp_rank == 0 or dim is not None):
                 pieces.append(tp_piece(name, local, dim, tp_rank, tp))

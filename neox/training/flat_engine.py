@@ -410,7 +410,11 @@ class FlatEngine:
                     fulls[kind] = self._gathered(part.float())
             if self.dp_rank == 0:
                 for name, p, off in zip(g.names, g.params, g.offsets):
-                    tensors = {k: f[off : off + p.numel()].view(p.shape) for k, f in fulls.items()}
+                    # Host copies: an async save writes them while the next steps run.
+                    tensors = {
+                        k: f[off : off + p.numel()].view(p.shape).to("cpu", copy=True)
+                        for k, f in fulls.items()
+                    }
                     pieces.append(Piece(name, tuple(p.shape), None, 0, tensors))
         return pieces, self._scalars(step)
 
