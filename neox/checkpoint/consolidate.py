@@ -34,8 +34,15 @@ from neox.checkpoint.ds_files import (
     optim_file_of,
 )
 from neox.checkpoint.errors import CheckpointError
-from neox.checkpoint.find import latest_tag, step_tags, tag_for, unverified_problem
+from neox.checkpoint.find import (
+    has_plain_state,
+    latest_tag,
+    step_tags,
+    tag_for,
+    unverified_problem,
+)
 from neox.checkpoint.manifest import MANIFEST, manifest_problem
+from neox.checkpoint.plain_state import plain_state_dict
 from neox.checkpoint.trust import check_loadable, load_file
 from neox.config import ConfigError, NeoXConfig
 from neox.model import GPTNeoX, build_model
@@ -61,7 +68,7 @@ def _tags(directory: Path) -> list[str]:
 
 
 def _is_tag_dir(path: Path) -> bool:
-    return has_model_states(path)
+    return has_model_states(path) or has_plain_state(path)
 
 
 def resolve_checkpoint(
@@ -121,7 +128,7 @@ def resolve_checkpoint(
                 )
         if not _is_tag_dir(tag_dir):
             raise CheckpointError(
-                f"{tag_dir} holds no DeepSpeed {MODEL_STATES} files; the save did not "
+                f"{tag_dir} holds no DeepSpeed {MODEL_STATES} files nor state/; the save did not "
                 "finish or this is not a checkpoint directory: pass another iteration"
             )
     if require_config and not (tag_dir / "config.yml").is_file():
@@ -307,7 +314,7 @@ def lazy_model_state(
     """(the full state dict as meta tensors of the merged shapes, each name's per-rank sources)
     in load_model_state's order and checked as it checks, without reading a weight; None where
     the checkpoint must be read whole (ZeRO-3, legacy files, LoRA adapters)."""
-    if read_reference(tag_dir) is not None:
+    if read_reference(tag_dir) is not None or not has_model_states(tag_dir):
         return None
     tp = cfg.parallel.model_parallel_size
     ranks = _lazy_rank_sources(tag_dir, tp, cfg.model.num_layers, trust)
@@ -440,6 +447,8 @@ def load_model_state(
     if read_reference(tag_dir) is not None:
         base, adapters = read_lora_checkpoint(tag_dir, cfg, trust)
         sd = merge_lora(base, adapters, cfg.lora)
+    elif not has_model_states(tag_dir):  # saved by async_save: the state by plain name alone
+        sd = plain_state_dict(tag_dir, trust)
     else:
         tp = cfg.parallel.model_parallel_size
         sd = merge_tensor_parallel(read_shards(tag_dir, tp, cfg.model.num_layers, trust))

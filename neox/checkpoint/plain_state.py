@@ -198,6 +198,18 @@ class PlainState:
         return out
 
 
+def plain_state_dict(step_dir: Path, trust: bool = False) -> dict[str, torch.Tensor]:
+    """The fp32 weights of a checkpoint's state/, whole and by plain name (the trainable
+    parameters: every one, but for a LoRA run's frozen base)."""
+    state = PlainState(step_dir, trust)
+    out = {}
+    for key, entries in state.entries.items():
+        kind, _, name = key.partition("/")
+        if kind == "fp32":
+            out[name] = state.read(kind, name, tuple(entries[0][1]["shape"]), None, 0)
+    return out
+
+
 def is_universal(step_dir: Path) -> bool:
     """A DeepSpeed universal checkpoint (ds_to_universal's output): zero/<name>/fp32.pt."""
     return any((Path(step_dir) / "zero").glob("*/fp32.pt"))

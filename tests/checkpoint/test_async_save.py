@@ -6,9 +6,11 @@ import threading
 import pytest
 
 from neox.checkpoint import async_save
+from neox.checkpoint.consolidate import load_model_state
 from neox.checkpoint.errors import CheckpointError
 from neox.checkpoint.find import find_checkpoint
 from neox.checkpoint.manifest import MANIFEST
+from neox.model import build_model
 from tests.train_helpers import losses, make_dataset, run_here, write_config
 
 
@@ -61,6 +63,7 @@ def test_kill_during_a_background_write_publishes_nothing_and_the_run_resumes(tm
         checkpoint_factor=1,
         eval_interval=100,
         do_test=False,
+        padded_vocab_size=512,
         async_save=True,
     )
     cfg = write_config(tmp_path, "async", **run)
@@ -82,6 +85,9 @@ def test_kill_during_a_background_write_publishes_nothing_and_the_run_resumes(tm
     assert resumed[2] == pytest.approx(crashed[2], abs=2e-4)
     assert (ckpt / "latest").read_text() == "global_step4"
     assert (ckpt / "global_step4" / MANIFEST).is_file() and not partial.exists()
+    # The tools read it too (state/ alone): every parameter of the plain model, by name.
+    cfg_saved, sd = load_model_state(ckpt)
+    assert set(sd) == set(build_model(cfg_saved.model, 512, device="meta").state_dict())
 
 
 @pytest.mark.parametrize("tp", [1, 2])
