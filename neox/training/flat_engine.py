@@ -394,8 +394,9 @@ class FlatEngine:
 
     @torch.no_grad()
     def plain_pieces(self) -> tuple[list, dict[str, Any]]:
-        """Every parameter's fp32 master and moments, whole (data-parallel rank 0 keeps them;
-        the partitions are gathered on every rank), and the engine's scalars."""
+        """Every parameter's fp32 master and moments, whole, on data-parallel rank 0 (the
+        partitions gathered there one kind at a time, each moved to host memory before the
+        next), and the engine's scalars."""
         from neox.checkpoint.plain_state import KINDS, Piece
 
         pieces, step = [], None
@@ -403,27 +404,31 @@ class FlatEngine:
             state = self.optimizer.state.get(g.master, {})
             if "step" in state:
                 step = float(state["step"])
-            fulls = {}
+            tensors: list[dict[str, torch.Tensor]] = [{} for _ in g.params]
             for kind in KINDS:
                 part = g.master if kind == "fp32" else state.get(kind)
-                if part is not None:
-                    fulls[kind] = self._gathered(part.float())
+                if part is None:
+                    continue
+                full = self._gathered(part.float())
+                if full is None:
+                    continue
+                # Host copies: an async save writes them while the next steps run.
+                full = full.to("cpu", copy=True)
+                for mine, p, off in zip(tensors, g.params, g.offsets):
+                    mine[kind] = full[off : off + p.numel()].view(p.shape)
             if self.dp_rank == 0:
-                for name, p, off in zip(g.names, g.params, g.offsets):
-                    # Host copies: an async save writes them while the next steps run.
-                    tensors = {
-                        k: f[off : off + p.numel()].view(p.shape).to("cpu", copy=True)
-                        for k, f in fulls.items()
-                    }
-                    pieces.append(Piece(name, tuple(p.shape), None, 0, tensors))
+                for name, p, mine in zip(g.names, g.params, tensors):
+                    pieces.append(Piece(name, tuple(p.shape), None, 0, mine))
         return pieces, self._scalars(step)
 
-    def _gathered(self, part: torch.Tensor) -> torch.Tensor:
+    def _gathered(self, part: torch.Tensor) -> Optional[torch.Tensor]:
+        """Every rank's partition joined, on data-parallel rank 0 (None elsewhere)."""
         if self.dp == 1:
             return part
-        parts = [torch.empty_like(part) for _ in range(self.dp)]
-        dist.all_gather(parts, part.contiguous(), group=self.dp_group)
-        return torch.cat(parts)
+        root = dist.get_global_rank(self.dp_group, 0) if self.dp_group is not None else 0
+        parts = [torch.empty_like(part) for _ in range(self.dp)] if self.dp_rank == 0 else None
+        dist.gather(part.contiguous(), parts, dst=root, group=self.dp_group)
+        return torch.cat(parts) if parts is not None else None
 
     def _scalars(self, step: Optional[float]) -> dict[str, Any]:
         return {
