@@ -458,8 +458,26 @@ def load_plain_state(
         )
     reader = UniversalState if is_universal(step_dir) else PlainState
     state = reader(step_dir, c.trust_checkpoint_code)
+    now = engine.layout()
+    if isinstance(state, PlainState) and (saved.tp, saved.pp) != (now.tp, now.pp):
+        # Tensors in the client state (DPO/KTO's reference weights) are this rank's shard.
+        client = state.client_state.items()
+        sharded = sorted(k for k, v in client if k != "rng" and _holds_tensors(v))
+        if sharded:
+            raise CheckpointError(
+                f"{step_dir} keeps {', '.join(sharded)} per tensor/pipeline rank (saved at "
+                f"tp={saved.tp} pp={saved.pp}); resume it at that layout"
+            )
     engine.load_plain(state, load_optimizer_states=not c.no_load_optim)
     return str(step_dir), dict(state.client_state)
+
+
+def _holds_tensors(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, dict):
+        return any(_holds_tensors(v) for v in value.values())
+    return False
 
 
 def load_checkpoint(engine, cfg: NeoXConfig) -> Optional[dict[str, Any]]:

@@ -222,7 +222,7 @@ class DeepSpeedAdapter:
         """Point each parameter's fragment at its optimizer state (DeepSpeed links them lazily, in
         its own step: a pipeline run or a fresh engine may not have yet)."""
         opt, base = self.ds.optimizer, self._base_optimizer()
-        if not base.state:  # a fresh engine: Adam's state is made in its first step
+        if not base.state and self._moments():  # a fresh engine: Adam makes it in its first step
             # ZeRO-3 hands its fp32 partitions to the optimizer only during the step.
             flats = getattr(opt, "fp32_partitioned_groups_flat", None)
             for p in flats or [p for g in base.param_groups for p in g["params"]]:
@@ -238,6 +238,15 @@ class DeepSpeedAdapter:
 
     def _base_optimizer(self) -> Any:
         return getattr(self.ds.optimizer, "optimizer", self.ds.optimizer)
+
+    def _moments(self) -> tuple[str, ...]:
+        """The Adam moments this run's optimizer keeps (none for SGD: its momentum is not
+        carried by name)."""
+        base = self._base_optimizer()
+        state = next(iter(base.state.values()), None)
+        if state is None:
+            return ("exp_avg", "exp_avg_sq") if "betas" in base.param_groups[0] else ()
+        return tuple(k for k in ("exp_avg", "exp_avg_sq") if k in state)
 
     def _get(self, p: nn.Parameter, kind: str) -> Optional[torch.Tensor]:
         from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
@@ -267,14 +276,14 @@ class DeepSpeedAdapter:
         """Each parameter's fp32 master and moments as this rank's TP slice (gathered over the
         data-parallel ranks by DeepSpeed's accessors), and the engine's scalars."""
         from neox.checkpoint.consolidate import partition_dim
-        from neox.checkpoint.plain_state import KINDS, tp_piece
+        from neox.checkpoint.plain_state import tp_piece
 
         tp_rank, tp, _, _, dp_rank, _ = self._coords()
         self._link_states()
         pieces = []
         for name, p in self._plain_params(writing=True):
             local = {}
-            for kind in KINDS:
+            for kind in ("fp32", *self._moments()):
                 t = self._get(p, kind)  # collective over the data-parallel group under ZeRO
                 if t is not None:
                     # Host copies: an async save writes them while the next steps run.
@@ -314,7 +323,7 @@ class DeepSpeedAdapter:
         tp_rank, tp, _, _, _, _ = self._coords()
         step = state.scalars.get("step")
         optim = load_optimizer_states and step is not None
-        kinds = ("fp32", "exp_avg", "exp_avg_sq") if optim else ("fp32",)
+        kinds = ("fp32", *self._moments()) if optim else ("fp32",)
         base = self._base_optimizer()
         self._link_states()
         partitioned = False

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from neox.checkpoint.plain_state import PlainState
 from tests.train_helpers import deepy_env, losses, make_dataset, train, write_config
 
 MODEL = dict(
@@ -126,3 +127,20 @@ def test_a_deepspeed_universal_checkpoint_resumes(runs):
     assert sorted(got) == [3, 4]
     for step in (3, 4):
         assert got[step] == pytest.approx(want[step], abs=TOLERANCE), (step, got, want)
+
+
+@pytest.mark.slow
+def test_an_sgd_run_saves_and_resumes_its_weights_at_another_layout(runs):
+    """SGD keeps no Adam moments: DeepSpeed's engine saves its state by name without them, and
+    a run at another layout resumes the weights and counters (its momentum is not carried)."""
+    sgd = dict(MODEL, optimizer={"type": "SGD", "params": {"lr": 1.0e-2, "momentum": 0.9}})
+    save = write_config(runs.tmp, "sgd_save", load=None, exit_interval=2, **sgd, **DP2)
+    train(save)
+    load = runs.tmp / "sgd_save" / "ckpt"
+    assert not any("exp_avg" in k for k in PlainState(load / "global_step2").entries)
+    resume = write_config(
+        runs.tmp, "sgd_resume", load=str(load), save=None, **sgd, **LAYOUTS["tp2"]
+    )
+    result = train(resume)
+    assert "from its state by plain name" in result.stdout + result.stderr
+    assert sorted(losses(runs.tmp / "sgd_resume" / "logs")) == [3, 4]
