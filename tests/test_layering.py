@@ -40,7 +40,7 @@ LAYERS = [
     {"config"},
     {"data", "tokenizer", "kernels"},
     {"prep"},
-    {f"checkpoint.{m}" for m in ("errors", "manifest", "find", "lock", "compat")},
+    {f"checkpoint.{m}" for m in ("errors", "ds_files", "manifest", "find", "lock", "compat")},
     {"plan"},
     {"launcher"},
     {"model"},

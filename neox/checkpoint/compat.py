@@ -6,10 +6,12 @@ import signal
 from pathlib import Path
 from typing import Optional
 
+from neox.checkpoint.ds_files import has_model_states
 from neox.checkpoint.find import (
     WEIGHTS_ONLY,
     Resume,
     find_checkpoint,
+    has_plain_state,
     read_latest,
     step_of,
     tag_for,
@@ -44,9 +46,14 @@ ARCHITECTURE_FIELDS = (
 
 
 def architecture_differences(
-    saved: NeoXConfig, cfg: NeoXConfig, saved_vocab: Optional[int], vocab: Optional[int]
+    saved: NeoXConfig,
+    cfg: NeoXConfig,
+    saved_vocab: Optional[int],
+    vocab: Optional[int],
+    any_layout: bool = False,
 ) -> list[str]:
-    """`field checkpoint-value (checkpoint) vs config-value (config)` for each difference."""
+    """`field checkpoint-value (checkpoint) vs config-value (config)` for each difference;
+    `any_layout`: the checkpoint carries its state by plain name, so TP/PP may differ."""
     diffs = [
         f"{name} {getattr(saved.model, name)} (checkpoint) vs {getattr(cfg.model, name)} (config)"
         for name in ARCHITECTURE_FIELDS
@@ -58,7 +65,7 @@ def architecture_differences(
             diffs.append(f"max_position_embeddings {a} (checkpoint) vs {b} (config)")
     if saved_vocab is not None and vocab is not None and saved_vocab != vocab:
         diffs.append(f"padded vocab {saved_vocab} (checkpoint) vs {vocab} (config)")
-    if not cfg.training.finetune:
+    if not cfg.training.finetune and not any_layout:
         for name, key in (
             ("model_parallel_size", "model_parallel_size"),
             ("pipe_parallel_size", "pp"),
@@ -66,6 +73,7 @@ def architecture_differences(
             a, b = getattr(saved.parallel, key), getattr(cfg.parallel, key)
             if a != b:
                 diffs.append(f"{name} {a} (checkpoint) vs {b} (config)")
+    if not cfg.training.finetune:
         # A finetune may change the rotary base on purpose (longer context); a resume may not.
         a, b = saved.model.rotary_emb_base, cfg.model.rotary_emb_base
         if saved.model.pos_emb == "rotary" and a != b:
@@ -169,7 +177,7 @@ def checkpoint_dir(load: str, iteration: Optional[int] = None) -> Optional[Path]
     """The global_stepN directory generate.py and eval.py read from `load` (a save directory or
     one global_stepN in it), or None when there is none to read."""
     root = Path(load)
-    if any(root.glob("*model_states.pt")):
+    if has_model_states(root):
         return root
     if iteration is not None:
         tag_dir = root / tag_for(iteration)
@@ -274,7 +282,11 @@ def check_resume(cfg: NeoXConfig, derived: Derived) -> str:
         if problem := finetune_restart(saved, cfg, step):
             raise ConfigError(f"checkpoint {resume.path}: {problem}")
         diffs = architecture_differences(
-            saved, cfg, saved_padded_vocab(resume), derived.padded_vocab_size
+            saved,
+            cfg,
+            saved_padded_vocab(resume),
+            derived.padded_vocab_size,
+            any_layout=has_plain_state(resume.path),
         )
         if not cfg.training.finetune:
             diffs += lora_differences(saved, cfg)

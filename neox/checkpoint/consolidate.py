@@ -1,13 +1,9 @@
 """Read any checkpoint train.py wrote back into the full plain-GPTNeoX state dict.
 
-The files DeepSpeed writes in a `global_stepN` directory depend on the layout that trained it:
-- pp = 1: `mp_rank_{t:02d}_model_states.pt`, tp rank t's module state dict under "module";
-- pp > 1: `layer_{i:02d}-model_{t:02d}-model_states.pt`, one per pipeline layer and tp rank
-  (layer 0 the embedding, 1..L the blocks, L+1 the final norm, L+2 an untied head; a tied head
-  reuses layer 0 and has no file);
-- ZeRO-3: `zero_pp_rank_{d}_mp_rank_{t:02d}_model_states.pt` whose module holds only empty
-  placeholders: the weights are rebuilt from the fp32 optimizer partitions by DeepSpeed's
-  zero_to_fp32.
+The files DeepSpeed writes in a `global_stepN` directory depend on the layout that trained it
+(neox/checkpoint/ds_files.py names them): one module file per tp rank, one per pipeline layer and
+tp rank, or ZeRO-3's placeholders, whose weights are rebuilt from the fp32 optimizer partitions
+by DeepSpeed's zero_to_fp32.
 Tensor-parallel shards are joined along the dimension the training layer split them
 (TENSOR_PARALLEL_PLAN and the layers' PARTITION_DIMS). The padded vocabulary is read from the
 embedding's shape, so neither the tokenizer nor the training world size is needed.
@@ -18,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
-import re
 from pathlib import Path
 from typing import Any, Optional
 
@@ -26,9 +21,28 @@ import torch
 
 from neox.checkpoint.adapter import base_problem, read_reference
 from neox.checkpoint.compat import read_checkpoint_config_file
+from neox.checkpoint.ds_files import (
+    ANY_MODEL_FILES,
+    LAYER_FILE,
+    LAYER_FILES,
+    MODEL_STATES,
+    MP_FILE,
+    MP_FILES,
+    ZERO3_FILE,
+    ZERO3_FILES,
+    has_model_states,
+    optim_file_of,
+)
 from neox.checkpoint.errors import CheckpointError
-from neox.checkpoint.find import latest_tag, step_tags, tag_for, unverified_problem
+from neox.checkpoint.find import (
+    has_plain_state,
+    latest_tag,
+    step_tags,
+    tag_for,
+    unverified_problem,
+)
 from neox.checkpoint.manifest import MANIFEST, manifest_problem
+from neox.checkpoint.plain_state import plain_state_dict
 from neox.checkpoint.trust import check_loadable, load_file
 from neox.config import ConfigError, NeoXConfig
 from neox.model import GPTNeoX, build_model
@@ -40,9 +54,6 @@ log = logging.getLogger(__name__)
 
 StateDict = dict[str, torch.Tensor]
 
-MP_FILE = re.compile(r"mp_rank_(\d+)_model_states\.pt$")
-LAYER_FILE = re.compile(r"layer_(\d+)-model_(\d+)-model_states\.pt$")
-ZERO3_FILE = re.compile(r"zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
 
 PLAN_LAYERS = {
     "column": ColumnParallelLinear,
@@ -57,7 +68,7 @@ def _tags(directory: Path) -> list[str]:
 
 
 def _is_tag_dir(path: Path) -> bool:
-    return any(path.glob("*model_states.pt"))
+    return has_model_states(path) or has_plain_state(path)
 
 
 def resolve_checkpoint(
@@ -117,7 +128,7 @@ def resolve_checkpoint(
                 )
         if not _is_tag_dir(tag_dir):
             raise CheckpointError(
-                f"{tag_dir} holds no DeepSpeed *model_states.pt files; the save did not "
+                f"{tag_dir} holds no DeepSpeed {MODEL_STATES} files nor state/; the save did not "
                 "finish or this is not a checkpoint directory: pass another iteration"
             )
     if require_config and not (tag_dir / "config.yml").is_file():
@@ -174,7 +185,7 @@ def _ranked(files: list[tuple[int, Any]], tp: int, what: str, directory: Path) -
 
 def _mp_shards(tag_dir: Path, tp: int, trust: bool) -> list[StateDict]:
     files = [(int(m.group(1)), p) for p in tag_dir.iterdir() if (m := MP_FILE.match(p.name))]
-    paths = _ranked(files, tp, "mp_rank_XX_model_states.pt", tag_dir)
+    paths = _ranked(files, tp, MP_FILES, tag_dir)
     verify_files(tag_dir, paths)
     shards = []
     for path in paths:
@@ -196,7 +207,7 @@ def _pipeline_shards(tag_dir: Path, tp: int, num_layers: int, trust: bool) -> li
         prefix = f"layers.{layer - 1}." if 1 <= layer <= num_layers else ""
         shard = by_tp.setdefault(tp_rank, {})
         shard.update({prefix + k: v for k, v in load_file(path, trust).items()})
-    return _ranked(list(by_tp.items()), tp, "layer_XX-model_YY-model_states.pt files", tag_dir)
+    return _ranked(list(by_tp.items()), tp, LAYER_FILES, tag_dir)
 
 
 def _zero3_shards(tag_dir: Path, tp: int, trust: bool) -> list[StateDict]:
@@ -210,18 +221,16 @@ def _zero3_shards(tag_dir: Path, tp: int, trust: bool) -> list[StateDict]:
 
     files = [(int(m.group(2)), p) for p in tag_dir.iterdir() if (m := ZERO3_FILE.match(p.name))]
     shards = []
-    _ranked(files, tp, "zero_pp_rank_X_mp_rank_YY_model_states.pt", tag_dir)
+    _ranked(files, tp, ZERO3_FILES, tag_dir)
     # zero_to_fp32 unpickles with weights_only=False: every file it reads is checked first.
-    paths = [p for _, p in files] + [
-        Path(str(p).replace("model_states", "optim_states")) for _, p in files
-    ]
+    paths = [p for _, p in files] + [Path(optim_file_of(p)) for _, p in files]
     verify_files(tag_dir, [p for p in paths if p.is_file()])
     for path in paths:
         if path.is_file():
             check_loadable(path, trust)
     for tp_rank in range(tp):
         model_files = sorted(str(p) for r, p in files if r == tp_rank)
-        optim_files = sorted(str(p).replace("model_states", "optim_states") for p in model_files)
+        optim_files = sorted(optim_file_of(p) for p in model_files)
         # DeepSpeed's helpers print progress; keep it out of the caller's output.
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             states = parse_model_states(model_files)
@@ -243,8 +252,7 @@ def read_shards(tag_dir: Path, tp: int, num_layers: int, trust: bool = False) ->
     if any(ZERO3_FILE.match(n) for n in names):
         return _zero3_shards(tag_dir, tp, trust)
     raise CheckpointError(
-        f"{tag_dir} holds no model state files DeepSpeed writes (mp_rank_XX_model_states.pt, "
-        f"layer_XX-model_YY-model_states.pt or zero_pp_rank_X_mp_rank_YY_model_states.pt); "
+        f"{tag_dir} holds no model state files DeepSpeed writes ({ANY_MODEL_FILES}); "
         "pass a checkpoint directory train.py saved"
     )
 
@@ -278,13 +286,12 @@ def _lazy_rank_sources(
                 found = by_tp.setdefault(tp_rank, {})
                 for k, v in _mapped(path, trust).items():
                     found[prefix + k] = ((path, None, k), v.shape)
-            what = "layer_XX-model_YY-model_states.pt files"
-            return _ranked(list(by_tp.items()), tp, what, tag_dir)
+            return _ranked(list(by_tp.items()), tp, LAYER_FILES, tag_dir)
         if any(MP_FILE.match(n) for n in names):
             files = [
                 (int(m.group(1)), p) for p in tag_dir.iterdir() if (m := MP_FILE.match(p.name))
             ]
-            paths = _ranked(files, tp, "mp_rank_XX_model_states.pt", tag_dir)
+            paths = _ranked(files, tp, MP_FILES, tag_dir)
             verify_files(tag_dir, paths)
             ranks = []
             for path in paths:
@@ -307,7 +314,7 @@ def lazy_model_state(
     """(the full state dict as meta tensors of the merged shapes, each name's per-rank sources)
     in load_model_state's order and checked as it checks, without reading a weight; None where
     the checkpoint must be read whole (ZeRO-3, legacy files, LoRA adapters)."""
-    if read_reference(tag_dir) is not None:
+    if read_reference(tag_dir) is not None or not has_model_states(tag_dir):
         return None
     tp = cfg.parallel.model_parallel_size
     ranks = _lazy_rank_sources(tag_dir, tp, cfg.model.num_layers, trust)
@@ -440,6 +447,8 @@ def load_model_state(
     if read_reference(tag_dir) is not None:
         base, adapters = read_lora_checkpoint(tag_dir, cfg, trust)
         sd = merge_lora(base, adapters, cfg.lora)
+    elif not has_model_states(tag_dir):  # saved by async_save: the state by plain name alone
+        sd = plain_state_dict(tag_dir, trust)
     else:
         tp = cfg.parallel.model_parallel_size
         sd = merge_tensor_parallel(read_shards(tag_dir, tp, cfg.model.num_layers, trust))

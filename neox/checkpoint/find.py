@@ -8,6 +8,7 @@ from typing import Optional
 
 import yaml
 
+from neox.checkpoint.ds_files import MP_FILES, is_model_file
 from neox.checkpoint.manifest import MANIFEST, manifest_problem, safe_name
 
 TAG_PREFIX = "global_step"
@@ -16,6 +17,9 @@ STAGING_SUFFIX = ".partial"
 # Marks a directory of model weights only (tools that convert or re-lay-out weights write it):
 # a run starts from it with `finetune: true`, never resumes it.
 WEIGHTS_ONLY = "weights_only.txt"
+# The training state by plain parameter name (neox/checkpoint/plain_state.py), its metadata file.
+PLAIN_STATE = "state"
+PLAIN_STATE_META = "meta.json"
 
 
 def tag_for(iteration: int) -> str:
@@ -61,6 +65,11 @@ def step_tags(load_dir: Path) -> list[str]:
     return sorted(tags, key=step_of, reverse=True)
 
 
+def has_plain_state(step_dir: Path) -> bool:
+    """The checkpoint carries its training state by plain name: it resumes at any layout."""
+    return (step_dir / PLAIN_STATE / PLAIN_STATE_META).is_file()
+
+
 def written_by_neox(step_dir: Path) -> bool:
     """neox writes config.yml into every checkpoint (train.py's saves and the conversion
     tools'); gpt-neox and DeepSpeed do not."""
@@ -98,8 +107,8 @@ def checkpoint_problem(
     if problem is not None:
         return problem
     shards = sorted(step_dir.glob("*.pt"))
-    if not any(p.name.endswith("model_states.pt") or p.name.startswith("layer_") for p in shards):
-        return f"{step_dir} holds no model states (mp_rank_*_model_states.pt)"
+    if not any(is_model_file(p.name) for p in shards) and not has_plain_state(step_dir):
+        return f"{step_dir} holds no model states ({MP_FILES} or {PLAIN_STATE}/)"
     for path in shards:
         try:
             with zipfile.ZipFile(path):

@@ -1,5 +1,6 @@
 """Save and resume training through DeepSpeed, with the run's config kept beside the weights."""
 
+import copy
 import errno
 import logging
 import random
@@ -11,8 +12,10 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from neox.checkpoint import async_save
 from neox.checkpoint.adapter import base_reference, read_reference, write_reference
 from neox.checkpoint.atomic import fsync_path, fsync_tree, kill_point, write_atomic
+from neox.checkpoint.ds_files import has_model_states
 from neox.checkpoint.errors import CheckpointError
 from neox.checkpoint.find import (
     STAGING_SUFFIX,
@@ -24,6 +27,15 @@ from neox.checkpoint.find import (
 )
 from neox.checkpoint.lock import acquire
 from neox.checkpoint.manifest import digests, files_in, read_manifest, write_manifest
+from neox.checkpoint.plain_state import (
+    Layout,
+    PlainState,
+    UniversalState,
+    is_universal,
+    saved_layout,
+    write_meta,
+    write_pieces,
+)
 from neox.checkpoint.trust import check_loadable
 from neox.config import NeoXConfig, write_config
 from neox.parallel.agree import all_ranks_max
@@ -108,6 +120,7 @@ def save_checkpoint(
     rank = torch.distributed.get_rank()
     tag = tag_for(iteration)
     staging = save_dir / (tag + STAGING_SUFFIX)
+    async_save.wait_for_save()  # a save still writing finishes first
     # Every rank stops on a problem found before anything is written; a failure while writing
     # stops the rank that met it, whose peers then fail in their next collective.
     problem = [save_problem(save_dir, staging) if rank == 0 else None]
@@ -117,8 +130,12 @@ def save_checkpoint(
     state = dict(client_state, iteration=iteration)
     if not c.no_save_rng:
         state["rng"] = rng_state()
+    if c.async_save:
+        save_in_background(engine, cfg, iteration, state, staging, padded_vocab_size)
+        return save_dir / tag
     try:
         engine.save(str(save_dir), staging.name, state)  # no `latest`: written below, atomically
+        save_plain_state(engine, staging, state)
     except Exception as e:
         failed_save(e, save_dir, staging)
         raise
@@ -362,6 +379,107 @@ def check_adapter_base(step_dir: Path, cfg: NeoXConfig) -> None:
         )
 
 
+def save_in_background(
+    engine,
+    cfg: NeoXConfig,
+    iteration: int,
+    state: dict[str, Any],
+    staging: Path,
+    padded_vocab_size: Optional[int],
+) -> None:
+    """async_save: the state by plain name copied to host memory now (the engine's own files are
+    not written: the copy is all a resume needs), written and published by a background
+    thread (neox.checkpoint.async_save)."""
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    pieces, scalars = engine.plain_pieces()  # collective; host copies the step may not touch
+    layout, state = engine.layout(), copy.deepcopy(state)
+    save_dir, tag = staging.parent, staging.name.removesuffix(STAGING_SUFFIX)
+
+    def write() -> None:
+        try:
+            files = write_pieces(staging, rank, pieces)
+            if rank == 0:
+                files += write_meta(staging, layout, scalars, state)
+            kill_point("async_write", rank, iteration)
+            async_save.mark_done(staging, rank, files)
+            if rank == 0:
+                sums = async_save.gather_done(staging, world)
+                finish_save(cfg, staging, save_dir / tag, iteration, padded_vocab_size, sums)
+                write_atomic(save_dir / "latest", tag)
+                write_config(cfg, save_dir / "config.yml")
+                prune_checkpoints(save_dir, cfg.checkpoint.keep_last_n_checkpoints)
+                log.info("saved checkpoint %s (written in the background)", save_dir / tag)
+        except BaseException as e:
+            async_save.mark_failed(staging, rank, e)
+            if rank == 0:
+                failed_save(e, save_dir, staging)  # a one-line CheckpointError where it can
+            raise
+
+    async_save.start(write)
+
+
+def wait_for_saves() -> None:
+    """The end of a run: the save still writing in the background completes (or raises)."""
+    async_save.wait_for_save()
+
+
+def save_plain_state(engine, staging: Path, client_state: dict[str, Any]) -> None:
+    """The training state by plain name (neox.checkpoint.plain_state) beside the engine's files."""
+    pieces, scalars = engine.plain_pieces()  # collective: every rank
+    rank = torch.distributed.get_rank()
+    write_pieces(staging, rank, pieces)
+    if rank == 0:
+        write_meta(staging, engine.layout(), scalars, client_state)
+
+
+def relaid_out(engine, step_dir: Path) -> Optional[Layout]:
+    """The layout that saved step_dir when it is not this run's and the checkpoint carries its
+    state by plain name (the engine's own files then do not fit), else None. A DeepSpeed
+    universal checkpoint is always read by name."""
+    if is_universal(step_dir):
+        return UniversalState.layout
+    saved = saved_layout(step_dir)
+    if saved is not None and not has_model_states(step_dir):
+        return saved  # saved by async_save: state/ alone
+    return saved if saved is not None and saved != engine.layout() else None
+
+
+def load_plain_state(
+    engine, step_dir: Path, saved: Layout, cfg: NeoXConfig
+) -> tuple[str, dict[str, Any]]:
+    """Resume from step_dir's plain state (saved at another layout); (path, client state)."""
+    c = cfg.checkpoint
+    if torch.distributed.get_rank() == 0:
+        log.info(
+            "resuming %s, saved by the %s, at this run's %s from its state by plain name",
+            step_dir,
+            saved.describe(),
+            engine.layout().describe(),
+        )
+    reader = UniversalState if is_universal(step_dir) else PlainState
+    state = reader(step_dir, c.trust_checkpoint_code)
+    now = engine.layout()
+    if isinstance(state, PlainState) and (saved.tp, saved.pp) != (now.tp, now.pp):
+        # Tensors in the client state (DPO/KTO's reference weights) are this rank's shard.
+        client = state.client_state.items()
+        sharded = sorted(k for k, v in client if k != "rng" and _holds_tensors(v))
+        if sharded:
+            raise CheckpointError(
+                f"{step_dir} keeps {', '.join(sharded)} per tensor/pipeline rank (saved at "
+                f"tp={saved.tp} pp={saved.pp}); resume it at that layout"
+            )
+    engine.load_plain(state, load_optimizer_states=not c.no_load_optim)
+    return str(step_dir), dict(state.client_state)
+
+
+def _holds_tensors(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, dict):
+        return any(_holds_tensors(v) for v in value.values())
+    return False
+
+
 def load_checkpoint(engine, cfg: NeoXConfig) -> Optional[dict[str, Any]]:
     """Resume from cfg.checkpoint.load if it holds a checkpoint; returns its client state.
 
@@ -402,15 +520,19 @@ def load_checkpoint(engine, cfg: NeoXConfig) -> Optional[dict[str, Any]]:
                 log.warning("skipping checkpoint %s", failures[-1])
             continue
         try:
-            with checkpoint_for_run(c.load, cfg, zero3, tag) as load_dir:
-                path, state = engine.load(
-                    load_dir,
-                    # A re-laid-out copy holds one checkpoint, named by its own `latest`.
-                    tag=tag if load_dir == c.load else None,
-                    load_optimizer_states=not (c.no_load_optim or finetune),
-                    load_module_only=finetune,
-                    trust=trust,
-                )
+            relaid = None if finetune else relaid_out(engine, Path(c.load) / tag)
+            if relaid is not None:
+                path, state = load_plain_state(engine, Path(c.load) / tag, relaid, cfg)
+            else:
+                with checkpoint_for_run(c.load, cfg, zero3, tag) as load_dir:
+                    path, state = engine.load(
+                        load_dir,
+                        # A re-laid-out copy holds one checkpoint, named by its own `latest`.
+                        tag=tag if load_dir == c.load else None,
+                        load_optimizer_states=not (c.no_load_optim or finetune),
+                        load_module_only=finetune,
+                        trust=trust,
+                    )
             error = None if path is not None else "DeepSpeed found no checkpoint files"
         except CheckpointError:
             raise  # a checkpoint this run cannot use at all (weights only, layout): not a fallback

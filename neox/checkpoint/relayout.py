@@ -1,7 +1,8 @@
 """Change a checkpoint's TP/PP: offline (tools/reshape_checkpoint.py) or when a `finetune: true`
 run loads weights trained at another layout.
 
-Only weights move: optimizer state is tied to the old partitioning and is not carried.
+The offline reshape carries the training state by plain name (state/, optimizer included) when
+the checkpoint has one, so its output resumes; a finetune moves weights only.
 """
 
 from __future__ import annotations
@@ -14,13 +15,13 @@ from pathlib import Path
 from typing import Optional
 
 from neox.checkpoint.consolidate import (
-    ZERO3_FILE,
     CheckpointError,
     load_model_state,
     read_checkpoint_config,
     resolve_checkpoint,
 )
-from neox.checkpoint.find import TAG_PREFIX, read_latest
+from neox.checkpoint.ds_files import ZERO3_FILE
+from neox.checkpoint.find import TAG_PREFIX, has_plain_state, read_latest
 from neox.checkpoint.hf_tokenizer import build_run_tokenizer
 from neox.checkpoint.staging import check_output_dir, staged_directory
 from neox.checkpoint.writer import (
@@ -46,9 +47,11 @@ def reshape_checkpoint(
     overwrite: bool = False,
     trust: bool = False,
     allow_unverified: bool = False,
+    weights_only: bool = False,
 ) -> Path:
-    """Write the checkpoint's weights at tp/pp into output_dir (its iteration kept); returns
-    the new global_stepN directory. The vocabulary rows follow the new tp's padding."""
+    """Write the checkpoint's weights at tp/pp into output_dir (its iteration kept), with its
+    training state by plain name unless `weights_only` (or it has none); returns the new
+    global_stepN directory. The vocabulary rows follow the new tp's padding."""
     tag_dir = resolve_checkpoint(input_dir, iteration, allow_unverified=allow_unverified)
     saved = read_checkpoint_config(tag_dir)
     check_layout(saved, tp, pp)
@@ -62,7 +65,8 @@ def reshape_checkpoint(
     sd = resize_vocab_rows(sd, rows)
     step = int(tag_dir.name.removeprefix(TAG_PREFIX))
     with staged_directory(Path(output_dir), overwrite) as tmp:
-        write_checkpoint(sd, cfg, tmp, step)
+        carry = None if weights_only or not has_plain_state(tag_dir) else tag_dir
+        write_checkpoint(sd, cfg, tmp, step, state_from=carry)
     return Path(output_dir) / tag_dir.name
 
 

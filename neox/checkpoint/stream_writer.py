@@ -1,6 +1,6 @@
 """Write the DeepSpeed files of a checkpoint one tensor at a time, never holding the model.
 
-A tensor-parallel rank's `mp_rank_XX_model_states.pt` holds that rank's whole model, and
+A tensor-parallel rank's module file (see ds_files.py) holds that rank's whole model, and
 torch.save needs every tensor in memory at once. So each file is first laid out by torch itself
 (`torch.serialization.skip_data`: the pickle and the zip records, with the tensor bytes left
 empty), its tensors' byte offsets read back from a metadata-only load, and then each tensor is
@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from neox.checkpoint.consolidate import StateDict, partition_dim
+from neox.checkpoint.ds_files import layer_file, mp_file
 from neox.checkpoint.find import WEIGHTS_ONLY, tag_for
 from neox.checkpoint.manifest import write_manifest
 from neox.checkpoint.writer import _engine_state, pipeline_layers
@@ -97,16 +98,16 @@ class StreamingCheckpoint:
                 shards[rank][name] = _fake(shape, t.dtype)
         for rank, module in enumerate(shards):
             if self.pp == 1:
-                path = self.tag_dir / f"mp_rank_{rank:02d}_model_states.pt"
+                path = self.tag_dir / mp_file(rank)
                 self._place(path, _engine_state(module, self.tp, iteration), module, rank)
             else:
                 for index, layer in pipeline_layers(module, cfg.model.num_layers).items():
-                    path = self.tag_dir / f"layer_{index:02d}-model_{rank:02d}-model_states.pt"
+                    path = self.tag_dir / layer_file(index, rank)
                     self._place(path, layer, module, rank)
         if self.pp > 1:
             for rank in range(self.pp * self.tp):
                 state = _engine_state(None, self.pp * self.tp, iteration)
-                torch.save(state, self.tag_dir / f"mp_rank_{rank:02d}_model_states.pt")
+                torch.save(state, self.tag_dir / mp_file(rank))
         self.written: set[tuple[str, int]] = set()
 
     def _place(self, path: Path, obj: Any, module: StateDict, rank: int) -> None:

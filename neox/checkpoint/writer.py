@@ -1,11 +1,9 @@
 """Write a full plain-GPTNeoX state dict as the DeepSpeed files a run at a chosen TP/PP loads.
 
 The files are those train.py's engine.load reads with `finetune: true` (module
-weights only; no optimizer state) for a run at ZeRO stage 0-2:
-- pp = 1: `mp_rank_{t:02d}_model_states.pt`, tp rank t's shard under "module";
-- pp > 1: `layer_{i:02d}-model_{t:02d}-model_states.pt` per pipeline layer and tp rank, plus
-  one `mp_rank_{r:02d}_model_states.pt` per stage and tp rank carrying no module (as DeepSpeed's
-  pipeline engine writes them).
+weights only; no optimizer state) for a run at ZeRO stage 0-2 (neox/checkpoint/ds_files.py):
+at pp = 1 one module file per tp rank; at pp > 1 one file per pipeline layer and tp rank, plus
+one module-less file per stage and tp rank (as DeepSpeed's pipeline engine writes them).
 A `weights_only.txt` file marks the directory, so resuming from it without finetune is refused.
 """
 
@@ -18,9 +16,11 @@ from typing import Any, Optional
 import torch
 
 from neox.checkpoint.consolidate import CheckpointError, StateDict, partition_dim
+from neox.checkpoint.ds_files import layer_file, mp_file
 from neox.checkpoint.find import WEIGHTS_ONLY, tag_for
 from neox.checkpoint.hf_map import VOCAB_MODULES, resize_vocab
 from neox.checkpoint.manifest import write_manifest
+from neox.checkpoint.plain_state import copy_plain_state
 from neox.config import NeoXConfig, load_dict, write_config
 from neox.parallel.layers import shard
 from neox.parallel.topology import Topology
@@ -100,9 +100,17 @@ def _engine_state(module: Optional[StateDict], mp_world: int, iteration: int) ->
     }
 
 
-def write_checkpoint(sd: StateDict, cfg: NeoXConfig, save_dir: Path, iteration: int = 0) -> Path:
+def write_checkpoint(
+    sd: StateDict,
+    cfg: NeoXConfig,
+    save_dir: Path,
+    iteration: int = 0,
+    state_from: Optional[Path] = None,
+) -> Path:
     """Write `sd` (full plain names, cfg's padded vocabulary rows) for cfg's TP/PP into
-    save_dir/global_step{iteration}, with config.yml there and beside it, and `latest`."""
+    save_dir/global_step{iteration}, with config.yml there and beside it, and `latest`.
+    `state_from`: a checkpoint whose training state by plain name (optimizer included) goes
+    along, so the result resumes; without it the result holds weights only."""
     tp, pp = cfg.parallel.model_parallel_size, cfg.parallel.pp
     save_dir = Path(save_dir)
     tag_dir = save_dir / tag_for(iteration)
@@ -111,17 +119,21 @@ def write_checkpoint(sd: StateDict, cfg: NeoXConfig, save_dir: Path, iteration: 
     if pp == 1:
         for rank, module in enumerate(shards):
             state = _engine_state(module, tp, iteration)
-            torch.save(state, tag_dir / f"mp_rank_{rank:02d}_model_states.pt")
+            torch.save(state, tag_dir / mp_file(rank))
     else:
         for rank, module in enumerate(shards):
             for index, layer in pipeline_layers(module, cfg.model.num_layers).items():
-                torch.save(layer, tag_dir / f"layer_{index:02d}-model_{rank:02d}-model_states.pt")
+                torch.save(layer, tag_dir / layer_file(index, rank))
         for rank in range(pp * tp):
             state = _engine_state(None, pp * tp, iteration)
-            torch.save(state, tag_dir / f"mp_rank_{rank:02d}_model_states.pt")
-    (tag_dir / WEIGHTS_ONLY).write_text(
-        "Model weights only (no optimizer state): start a run from them with `finetune: true`.\n"
-    )
+            torch.save(state, tag_dir / mp_file(rank))
+    if state_from is not None:
+        copy_plain_state(state_from, tag_dir)
+    else:
+        (tag_dir / WEIGHTS_ONLY).write_text(
+            "Model weights only (no optimizer state): start a run from them with "
+            "`finetune: true`.\n"
+        )
     write_config(cfg, tag_dir / "config.yml")
     write_manifest(
         tag_dir, iteration, sd["embed_in.weight"].shape[0] if "embed_in.weight" in sd else None

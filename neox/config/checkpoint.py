@@ -53,6 +53,13 @@ class CheckpointConfig(ConfigGroup):
     ] = False
     """gpt-neox key: not implemented (DeepSpeed always writes the optimizer state), must be false."""
 
+    async_save: Annotated[
+        bool, Reads("neox/checkpoint/io.py", "neox/plan/memory.py", "neox/plan/preflight.py")
+    ] = False
+    """Save in the background: the step waits only for the copy of the training state to host
+    memory (counted in the estimate), a thread writes it and publishes it atomically when complete.
+    Such a checkpoint holds the state by plain name alone (docs/checkpoints.md)."""
+
     no_save_rng: Annotated[bool, Reads("neox/checkpoint/io.py")] = False
     """Leave RNG state out of checkpoints."""
 

@@ -142,6 +142,7 @@ class TrainingShape:
     pinned_host: bool = True  # offload buffers are pinned (CUDA; a no-op on CPU ranks)
     reference: bool = False  # DPO/KTO: a frozen copy of the weights (neox/training/preference.py)
     lora_parameters: int = 0  # LoRA adapter elements per rank; 0: every parameter trains
+    async_save: bool = False  # checkpoints staged in host memory (neox/checkpoint/async_save.py)
 
     def zero_setting(self, key: str) -> Any:
         zero = self.zero or {}
@@ -167,16 +168,19 @@ class MemoryEstimate:
     host_optimizer_states: int = 0
     host_params: int = 0
     host_buffers: int = 0
+    host_checkpoint_staging: int = 0
 
     @property
     def host_total(self) -> int:
-        """Host memory ZeRO-Offload allocates on one rank (the process itself not counted)."""
+        """Host memory ZeRO-Offload and async_save allocate on one rank (the process itself not
+        counted)."""
         return (
             self.host_master_weights
             + self.host_gradients
             + self.host_optimizer_states
             + self.host_params
             + self.host_buffers
+            + self.host_checkpoint_staging
         )
 
     @property
@@ -266,6 +270,7 @@ def training_shape(
             bool(spec.params.get("maximize")),
             device,
         ),
+        async_save=cfg.checkpoint.async_save,
         reference=pref.train_impl == "kto"
         or (pref.train_impl == "dpo" and not pref.dpo_reference_free),
     )
@@ -473,6 +478,14 @@ def estimate_memory(cfg: ModelConfig, shape: TrainingShape) -> MemoryEstimate:
     """Memory of the busiest rank for this model and training shape; DPO/KTO's frozen reference
     copy adds one more set of this rank's weights (never partitioned by ZeRO)."""
     est = _estimate_memory(cfg, shape)
+    if shape.async_save:
+        # Data-parallel rank 0 copies its stage's tensor-parallel shard whole: the fp32 weight
+        # and Adam's two moments of every trainable element (neox/checkpoint/plain_state.py).
+        trainable = shape.lora_parameters or max(
+            sum(stage_tensor_sizes(cfg, shape.vocab_size, shape.tp, shape.pp, s))
+            for s in range(shape.pp)
+        )
+        est = replace(est, host_checkpoint_staging=12 * trainable)
     if not shape.reference:
         return est
     sizes = stage_tensor_sizes(cfg, shape.vocab_size, shape.tp, shape.pp, 0)

@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 from typing import Optional
 
+from neox.checkpoint.ds_files import has_model_states
 from neox.config.errors import ConfigError
 from neox.config.loader import LoadedConfig
 
@@ -302,7 +303,7 @@ def checkpoint_problem(load: Optional[str], iteration: Optional[int] = None) -> 
     if load is None:
         return f"no trained weights: {fix}"
     root = Path(load)
-    if any(root.glob("*model_states.pt")):
+    if has_model_states(root):
         return None  # one global_stepN directory itself
     if iteration is not None:
         if (root / f"global_step{iteration}").is_dir():
@@ -725,7 +726,9 @@ def checkpoint_bytes(cfg, derived) -> int:
     included; DeepSpeed in half precision and at ZeRO 1-3, where it clones its partition);
     the optimizer's fp32 states (Adam two, Lion and SGD one); and what is not tensors, 32 KiB
     for config.yml and the manifest and 32 KiB a rank for its pickled metadata (RNG states,
-    DeepSpeed's config: about 35 KB in all for one rank, as measured)."""
+    DeepSpeed's config: about 35 KB in all for one rank, as measured). Beside them, state/
+    (neox/checkpoint/plain_state.py): the fp32 weights and Adam's moments by plain name, 32 KiB
+    for its index and client state; with async_save state/ alone."""
     from neox.config.ds_config import zero_section
     from neox.plan.engine_choice import engine_for
     from neox.plan.estimate import count_parameters
@@ -738,7 +741,10 @@ def checkpoint_bytes(cfg, derived) -> int:
     master = choice.engine == "flat" or half or stage > 0
     states = OPTIMIZER_STATES.get(choice.optimizer.lower(), 1)
     metadata = 32 * 1024 * (1 + derived.world_size)
-    return params * ((2 if half else 4) + (4 if master else 0) + 4 * states) + metadata
+    plain = params * 4 * (1 + min(states, 2)) + 32 * 1024
+    if cfg.checkpoint.async_save:
+        return plain + 32 * 1024
+    return params * ((2 if half else 4) + (4 if master else 0) + 4 * states) + metadata + plain
 
 
 def check_lora_base(loaded: LoadedConfig) -> None:

@@ -50,7 +50,7 @@ MEMORY_ROWS = (
     ("peak_allocated", "peak allocated"),
     ("peak_reserved", "peak reserved"),
     ("total", "total incl. CUDA context"),
-    ("host_total", "host, ZeRO-Offload (per rank)"),
+    ("host_total", "host, ZeRO-Offload and async_save staging (per rank)"),
 )
 
 
@@ -259,11 +259,13 @@ def host_refusal(
             ("optimizer states", est.host_optimizer_states),
             ("parameters (offload_param)", est.host_params),
             ("staging/swap buffers", est.host_buffers),
+            ("checkpoint staging (async_save)", est.host_checkpoint_staging),
         )
         if value
     )
     return (
-        f"ZeRO-Offload needs an estimated {_size(need)} of host memory per node, over the "
+        f"ZeRO-Offload and async_save need an estimated {_size(need)} of host memory per node, "
+        f"over the "
         f"{_size(host_bytes)} {what}: {ranks_per_node} rank(s) x ({parts}, plus "
         f"{_size(HOST_PROCESS_BYTES)} per process); drop zero_optimization.offload_param, set "
         "zero_optimization.offload_optimizer.device: nvme (with nvme_path), use fewer ranks per "

@@ -172,11 +172,222 @@ class DeepSpeedAdapter:
                 load_module_strict=all(p.requires_grad for p in self.ds.module.parameters()),
             )
 
+    # -- the training state by plain name (neox/checkpoint/plain_state.py) -------------------
+
+    def _coords(self) -> tuple[int, int, int, int, int, int]:
+        """(tp rank, tp, pipeline stage, pp, data-parallel rank, dp) of this rank."""
+        if self.pipeline:
+            g = self.ds.grid
+            return (
+                g.get_slice_parallel_rank(),
+                g.get_slice_parallel_world_size(),
+                g.get_stage_id(),
+                g.get_pipe_parallel_world_size(),
+                g.get_data_parallel_rank(),
+                g.get_data_parallel_world_size(),
+            )
+        m = self.ds.mpu
+        if m is None:
+            return 0, 1, 0, 1, torch.distributed.get_rank(), torch.distributed.get_world_size()
+        return (
+            m.get_tensor_model_parallel_rank(),
+            m.get_tensor_model_parallel_world_size(),
+            0,
+            1,
+            m.get_data_parallel_rank(),
+            m.get_data_parallel_world_size(),
+        )
+
+    def layout(self) -> Any:
+        from neox.checkpoint.plain_state import Layout
+
+        _, tp, _, pp, _, dp = self._coords()
+        return Layout("deepspeed", tp, pp, dp, self.ds.zero_optimization_stage())
+
+    def _plain_params(self, writing: bool) -> Iterator[tuple[str, nn.Parameter]]:
+        """(plain model name, parameter) of each trainable parameter of this rank's module; a
+        head tied to the embedding on the last pipeline stage only when not `writing`."""
+        stage = self._coords()[2]
+        for name, p in self.ds.module.named_parameters():
+            if not p.requires_grad:
+                continue
+            if self.pipeline:
+                name = pipeline_plain_name(name, len(self.ds.module._layer_specs) - 3)
+                if writing and name.startswith(TIED) and stage != 0:
+                    continue
+                name = name.removeprefix(TIED)
+            yield name, p
+
+    def _link_states(self) -> None:
+        """Point each parameter's fragment at its optimizer state (DeepSpeed links them lazily, in
+        its own step: a pipeline run or a fresh engine may not have yet)."""
+        opt, base = self.ds.optimizer, self._base_optimizer()
+        if not base.state and self._moments():  # a fresh engine: Adam makes it in its first step
+            # ZeRO-3 hands its fp32 partitions to the optimizer only during the step.
+            flats = getattr(opt, "fp32_partitioned_groups_flat", None)
+            for p in flats or [p for g in base.param_groups for p in g["params"]]:
+                base.state[p] = {
+                    "step": torch.zeros((), dtype=torch.float32),
+                    "exp_avg": torch.zeros_like(p),
+                    "exp_avg_sq": torch.zeros_like(p),
+                }
+        link = getattr(opt, "_lazy_init_hp_params_optimizer_state", None)
+        if link is not None:
+            opt._hp_optimizer_states_linked = False  # linked once, maybe before the state was
+            link()
+
+    def _base_optimizer(self) -> Any:
+        return getattr(self.ds.optimizer, "optimizer", self.ds.optimizer)
+
+    def _moments(self) -> tuple[str, ...]:
+        """The Adam moments this run's optimizer keeps (none for SGD: its momentum is not
+        carried by name)."""
+        base = self._base_optimizer()
+        state = next(iter(base.state.values()), None)
+        if state is None:
+            return ("exp_avg", "exp_avg_sq") if "betas" in base.param_groups[0] else ()
+        return tuple(k for k in ("exp_avg", "exp_avg_sq") if k in state)
+
+    def _get(self, p: nn.Parameter, kind: str) -> Optional[torch.Tensor]:
+        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+        if hasattr(p, "ds_id") or hasattr(p, "_hp_mapping"):
+            if kind == "fp32":
+                return safe_get_full_fp32_param(p)
+            return safe_get_full_optimizer_state(p, kind)
+        self._check_own_master(p)
+        if kind == "fp32":
+            return p.detach().float()
+        return self._base_optimizer().state.get(p, {}).get(kind)
+
+    def _check_own_master(self, p: nn.Parameter) -> None:
+        """Without ZeRO's or the bf16 optimizer's fp32 copies the parameter is its own master:
+        true for fp32 runs only (fp16 at ZeRO-0 keeps its masters elsewhere)."""
+        from neox.checkpoint.errors import CheckpointError
+
+        if p.dtype != torch.float32:
+            raise CheckpointError(
+                f"a {p.dtype} run at ZeRO stage 0 keeps its fp32 master weights where neox "
+                "cannot read them by name; use zero_optimization stage 1 or more"
+            )
+
+    @torch.no_grad()
+    def plain_pieces(self) -> tuple[list, dict[str, Any]]:
+        """Each parameter's fp32 master and moments as this rank's TP slice (gathered over the
+        data-parallel ranks by DeepSpeed's accessors), and the engine's scalars."""
+        from neox.checkpoint.consolidate import partition_dim
+        from neox.checkpoint.plain_state import tp_piece
+
+        tp_rank, tp, _, _, dp_rank, _ = self._coords()
+        self._link_states()
+        pieces = []
+        for name, p in self._plain_params(writing=True):
+            local = {}
+            for kind in ("fp32", *self._moments()):
+                t = self._get(p, kind)  # collective over the data-parallel group under ZeRO
+                if t is not None:
+                    # Host copies: an async save writes them while the next steps run.
+                    local[kind] = t.to("cpu", torch.float32, copy=True).reshape(self._shape(p))
+            dim = partition_dim(name)
+            if dp_rank == 0 and (tp_rank == 0 or dim is not None):
+                pieces.append(tp_piece(name, local, dim, tp_rank, tp))
+        return pieces, self._scalars()
+
+    @staticmethod
+    def _shape(p: nn.Parameter) -> tuple[int, ...]:
+        return tuple(getattr(p, "ds_shape", p.shape))
+
+    def _scalars(self) -> dict[str, Any]:
+        step = None
+        for s in self._base_optimizer().state.values():
+            if "step" in s:
+                step = float(s["step"])
+                break
+        scaler = getattr(self.ds.optimizer, "loss_scaler", None)
+        scale = getattr(scaler, "cur_scale", None) if self.fp16 else None
+        return {
+            "step": step,
+            "global_steps": self.ds.global_steps,
+            "global_samples": self.ds.global_samples,
+            "skipped_steps": self.ds.skipped_steps,
+            "loss_scale": None if scale is None else float(scale),
+        }
+
+    @torch.no_grad()
+    def load_plain(self, state: Any, load_optimizer_states: bool) -> None:
+        """This rank's parameters and optimizer state from a checkpoint's plain state."""
+        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+        from neox.checkpoint.consolidate import partition_dim
+
+        tp_rank, tp, _, _, _, _ = self._coords()
+        step = state.scalars.get("step")
+        optim = load_optimizer_states and step is not None
+        kinds = ("fp32", *self._moments()) if optim else ("fp32",)
+        base = self._base_optimizer()
+        self._link_states()
+        partitioned = False
+        for name, p in self._plain_params(writing=False):
+            shape = self._shape(p)
+            dim = partition_dim(name) if tp > 1 else None
+            start = tp_rank * shape[dim] if dim is not None else 0
+            for kind in kinds:
+                value = state.read(kind, name, shape, dim, start).to(p.device)
+                if hasattr(p, "ds_id") or hasattr(p, "_hp_mapping"):
+                    partitioned = True
+                    if kind == "fp32":
+                        safe_set_full_fp32_param(p, value)
+                    else:
+                        safe_set_full_optimizer_state(p, value, kind)
+                    continue
+                self._check_own_master(p)
+                if kind == "fp32":
+                    p.copy_(value)
+                else:
+                    base.state.setdefault(p, {})[kind] = value.clone()
+        if optim:
+            for s in base.state.values():
+                if isinstance(s.get("step"), torch.Tensor):
+                    s["step"] = torch.full_like(s["step"], step)
+                else:
+                    s["step"] = torch.tensor(step) if "exp_avg" in s else int(step)
+        if partitioned:
+            self._masters_to_weights()
+        scaler = getattr(self.ds.optimizer, "loss_scaler", None)
+        if state.scalars.get("loss_scale") is not None and scaler is not None and self.fp16:
+            scaler.cur_scale = state.scalars["loss_scale"]
+        self.ds.global_steps = int(state.scalars.get("global_steps", 0))
+        self.ds.global_samples = int(state.scalars.get("global_samples", 0))
+        self.ds.skipped_steps = int(state.scalars.get("skipped_steps", 0))
+
+    def _masters_to_weights(self) -> None:
+        """The module's (half-precision or partitioned) weights from the fp32 masters just set."""
+        opt = self.ds.optimizer
+        if hasattr(opt, "fp32_partitioned_groups_flat"):  # ZeRO-3
+            for lp, hp in zip(opt.fp16_partitioned_groups_flat, opt.fp32_partitioned_groups_flat):
+                lp.data.copy_(hp.data)
+        else:  # ZeRO 1/2 and the bf16 optimizer
+            opt.update_lp_params()
+
     def partitions_weights(self) -> bool:
         return self.ds.zero_optimization_partition_weights()
 
     def destroy(self) -> None:
         self.ds.destroy()
+
+
+TIED = "!tied "
+
+
+def pipeline_plain_name(name: str, num_layers: int) -> str:
+    """The plain GPTNeoX name of a PipelineModule parameter (its layers: the embedding, blocks
+    1..num_layers, the final norm, the head; neox/parallel/pipeline.py); a tied embedding's
+    name is prefixed TIED (both ends of the pipeline hold it)."""
+    if name.startswith("tied_modules."):
+        return TIED + name.split(".", 2)[2]
+    index, rest = name.split(".", 1)
+    k = int(index)
+    return f"layers.{k - 1}.{rest}" if 1 <= k <= num_layers else rest
 
 
 def time_pipeline_backward_once(engine: Any) -> None:

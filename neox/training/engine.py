@@ -63,7 +63,8 @@ class Engine(Protocol):
     def eval(self) -> None: ...
 
     def save(self, save_dir: str, tag: str, client_state: dict[str, Any]) -> None:
-        """This rank's files of checkpoint `tag` (DeepSpeed's layout), client_state included."""
+        """This rank's files of checkpoint `tag` (DeepSpeed's layout), client_state included;
+        neox/checkpoint/io.py adds the state by plain name (plain_pieces) beside them."""
         ...
 
     def load(
@@ -80,6 +81,21 @@ class Engine(Protocol):
 
     def partitions_weights(self) -> bool:
         """ZeRO-3: each rank holds a slice of every weight (checkpoints are laid out so)."""
+        ...
+
+    def layout(self) -> Any:
+        """neox.checkpoint.plain_state.Layout: engine, TP, PP, DP and ZeRO stage of this run."""
+        ...
+
+    def plain_pieces(self) -> tuple[list, dict[str, Any]]:
+        """(pieces, scalars): this rank's part of the training state by plain parameter name
+        (neox.checkpoint.plain_state.Piece; none on ranks whose part another rank writes), and
+        the optimizer step, counters and loss scale. Collective: every rank calls it."""
+        ...
+
+    def load_plain(self, state: Any, load_optimizer_states: bool) -> None:
+        """Set this rank's parameters (and optimizer state) from a PlainState saved at any
+        layout."""
         ...
 
 

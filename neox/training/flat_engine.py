@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from neox.checkpoint.ds_files import ENGINE_KEYS, mp_file, optim_file
 from neox.checkpoint.trust import load_file
 from neox.data.batch import Batch
 from neox.plan.engine_choice import one_pass_adamw
@@ -47,22 +48,13 @@ from neox.training.engine import LossFn, StepResult, forward_loss, take, weigh_m
 
 log = logging.getLogger(__name__)
 
-MODEL_FILE = "mp_rank_00_model_states.pt"
-# DeepSpeed's ZeRO 1/2 engine reserves these checkpoint keys; the rest is the caller's state.
-ENGINE_KEYS = {
-    *("module", "skipped_steps", "global_steps", "dp_world_size", "mp_world_size"),
-    *("data_sampler", "random_ltd", "lr_scheduler", "optimizer"),
-}
+MODEL_FILE = mp_file(0)
 # DeepSpeed pads each flat group to 4 bytes of bf16 times the data-parallel size, so that every
 # rank's partition starts 4-byte aligned and all partitions are the same size.
 ALIGNMENT = 2
 
 
 COMM_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-def optim_file(dp_rank: int, bf16: bool) -> str:
-    return ("bf16_" if bf16 else "") + f"zero_pp_rank_{dp_rank}_mp_rank_00_optim_states.pt"
 
 
 def _one_pass_ok(optimizer: torch.optim.Optimizer, device: torch.device) -> bool:
@@ -392,6 +384,86 @@ class FlatEngine:
             load_module_only=load_module_only,
             trust=trust,
         )
+
+    # -- the training state by plain name (neox/checkpoint/plain_state.py) -------------------
+
+    def layout(self) -> Any:
+        from neox.checkpoint.plain_state import Layout
+
+        return Layout("flat", 1, 1, self.dp, self.zero_stage)
+
+    @torch.no_grad()
+    def plain_pieces(self) -> tuple[list, dict[str, Any]]:
+        """Every parameter's fp32 master and moments, whole, on data-parallel rank 0 (the
+        partitions gathered there one kind at a time, each moved to host memory before the
+        next), and the engine's scalars."""
+        from neox.checkpoint.plain_state import KINDS, Piece
+
+        pieces, step = [], None
+        for g in self.groups:
+            state = self.optimizer.state.get(g.master, {})
+            if "step" in state:
+                step = float(state["step"])
+            tensors: list[dict[str, torch.Tensor]] = [{} for _ in g.params]
+            for kind in KINDS:
+                part = g.master if kind == "fp32" else state.get(kind)
+                if part is None:
+                    continue
+                full = self._gathered(part.float())
+                if full is None:
+                    continue
+                # Host copies: an async save writes them while the next steps run.
+                full = full.to("cpu", copy=True)
+                for mine, p, off in zip(tensors, g.params, g.offsets):
+                    mine[kind] = full[off : off + p.numel()].view(p.shape)
+            if self.dp_rank == 0:
+                for name, p, mine in zip(g.names, g.params, tensors):
+                    pieces.append(Piece(name, tuple(p.shape), None, 0, mine))
+        return pieces, self._scalars(step)
+
+    def _gathered(self, part: torch.Tensor) -> Optional[torch.Tensor]:
+        """Every rank's partition joined, on data-parallel rank 0 (None elsewhere)."""
+        if self.dp == 1:
+            return part
+        root = dist.get_global_rank(self.dp_group, 0) if self.dp_group is not None else 0
+        parts = [torch.empty_like(part) for _ in range(self.dp)] if self.dp_rank == 0 else None
+        dist.gather(part.contiguous(), parts, dst=root, group=self.dp_group)
+        return torch.cat(parts) if parts is not None else None
+
+    def _scalars(self, step: Optional[float]) -> dict[str, Any]:
+        return {
+            "step": step,
+            "global_steps": self.global_steps,
+            "global_samples": self.global_samples,
+            "skipped_steps": self.skipped_steps,
+            "loss_scale": None,
+        }
+
+    @torch.no_grad()
+    def load_plain(self, state: Any, load_optimizer_states: bool) -> None:
+        """This rank's partitions from a checkpoint's plain state (any layout saved it)."""
+        step = state.scalars.get("step")
+        optim = load_optimizer_states and step is not None
+        for g in self.groups:
+            mine = {}
+            for kind in ("fp32", "exp_avg", "exp_avg_sq") if optim else ("fp32",):
+                part = torch.zeros(g.size, dtype=torch.float32)
+                for name, p, off in zip(g.names, g.params, g.offsets):
+                    lo, hi = max(off, g.start), min(off + p.numel(), g.start + g.size)
+                    if lo < hi:
+                        full = state.read(kind, name, tuple(p.shape), None, 0).reshape(-1)
+                        part[lo - g.start : hi - g.start] = full[lo - off : hi - off]
+                mine[kind] = part.to(g.master.device)
+            g.master.copy_(mine.pop("fp32"))
+            if optim:
+                step_t = torch.tensor(float(step), dtype=torch.float32, device=g.master.device)
+                self.optimizer.state[g.master] = {"step": step_t, **mine}
+            if g.master is not g.part:
+                g.part.copy_(g.master)
+            g.gather_weights(self.dp_group)
+        self.global_steps = int(state.scalars.get("global_steps", 0))
+        self.global_samples = int(state.scalars.get("global_samples", 0))
+        self._skipped.fill_(int(state.scalars.get("skipped_steps", 0)))
 
     # -- checkpoints, in DeepSpeed's ZeRO-1 layout -------------------------------------------
 

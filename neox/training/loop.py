@@ -9,7 +9,14 @@ from typing import Optional
 
 import torch
 
-from neox.checkpoint.io import last_saved, load_checkpoint, poisoned, save_checkpoint, should_save
+from neox.checkpoint.io import (
+    last_saved,
+    load_checkpoint,
+    poisoned,
+    save_checkpoint,
+    should_save,
+    wait_for_saves,
+)
 from neox.config import write_config
 from neox.config.derived import consumed_samples
 from neox.data.batch import Batch, build_batch
@@ -303,6 +310,8 @@ def run_training(cfg, run: Optional[Run] = None) -> dict[str, float]:
     if run.is_logging_rank and lg.log_dir:
         write_config(cfg, f"{lg.log_dir}/config.yml")
     try:
-        return train(run, start, writer, stop)
+        result = train(run, start, writer, stop)
+        wait_for_saves()  # async_save: the last checkpoint is complete before the run ends
+        return result
     finally:
         writer.close()

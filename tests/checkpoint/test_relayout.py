@@ -1,5 +1,6 @@
-"""Layout change: reshape_checkpoint keeps every weight; a finetune run at another TP/PP starts
-from exactly the consolidated weights; weights-only checkpoints cannot be resumed."""
+"""Layout change: reshape_checkpoint keeps every weight and carries the optimizer state (its
+output resumes as the uninterrupted run goes on); a finetune run at another TP/PP starts from
+exactly the consolidated weights; weights-only checkpoints cannot be resumed."""
 
 import os
 import subprocess
@@ -13,8 +14,8 @@ from neox.checkpoint.relayout import reshape_checkpoint
 from neox.checkpoint.writer import WEIGHTS_ONLY
 from neox.model import lm_loss
 from tests.checkpoint.test_hf_import import write_constant_dataset
-from tests.layout_helpers import MODEL
-from tests.train_helpers import ROOT, losses, train, write_config
+from tests.layout_helpers import LAYOUTS, MODEL
+from tests.train_helpers import ROOT, losses, make_dataset, train, write_config
 
 pytestmark = pytest.mark.slow
 
@@ -22,7 +23,8 @@ pytestmark = pytest.mark.slow
 @pytest.mark.parametrize("tp,pp", [(1, 2), (2, 2), (1, 1)])
 def test_reshape_keeps_every_weight(trained, tmp_path, tp, pp):
     tag = reshape_checkpoint(trained["tp2"], tmp_path / "out", tp, pp)
-    assert tag == tmp_path / "out" / "global_step3" and (tag / WEIGHTS_ONLY).is_file()
+    assert tag == tmp_path / "out" / "global_step3" and not (tag / WEIGHTS_ONLY).exists()
+    assert (tag / "state" / "meta.json").is_file()
     _, before = load_model_state(trained["tp2"])
     cfg, after = load_model_state(tmp_path / "out")
     assert (cfg.parallel.model_parallel_size, cfg.parallel.pp) == (tp, pp)
@@ -46,7 +48,21 @@ def test_reshape_refuses_before_writing(trained, tmp_path):
         text=True,
     )
     assert r.returncode == 0, r.stderr
-    assert "weights only, no optimizer state" in r.stdout
+    assert "with its optimizer state" in r.stdout
+
+
+def test_a_reshaped_checkpoint_resumes_as_the_run_went_on(trained, bpe_tokenizer, tmp_path):
+    """tp2's step-3 checkpoint reshaped to pp2, resumed there: steps 4 and 5 lose what the
+    uninterrupted (one-rank) run's did, which needs the Adam moments and step carried."""
+    reshape_checkpoint(trained["tp2"], tmp_path / "pp2", 1, 2)
+    make_dataset(tmp_path / "data" / "chars")  # the same documents the trained runs read
+    model = dict(MODEL, save=None, load=str(tmp_path / "pp2"))
+    layout = LAYOUTS["pp2"]
+    train(write_config(tmp_path, "resume", vocab_file=str(bpe_tokenizer), **model, **layout))
+    got, want = losses(tmp_path / "resume" / "logs"), losses(trained.logs("dense"))
+    assert sorted(got) == [4, 5]
+    for step in got:
+        assert got[step] == pytest.approx(want[step], abs=2e-4), (step, got, want)
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +94,7 @@ def test_finetune_at_another_layout_starts_from_the_consolidated_weights(
 
 
 def test_resuming_from_weights_only_is_refused(trained, bpe_tokenizer, tmp_path):
-    reshape_checkpoint(trained["tp2"], tmp_path / "weights", 1, 1)
+    reshape_checkpoint(trained["tp2"], tmp_path / "weights", 1, 1, weights_only=True)
     (tmp_path / "data").mkdir()
     write_constant_dataset(tmp_path / "data" / "chars", list(range(1, 32)) + [0])
     run = write_config(

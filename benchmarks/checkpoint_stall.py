@@ -1,0 +1,149 @@
+#!/usr/bin/env python
+"""The stall a checkpoint save adds to training, sync against async_save, through
+`deepy.py train.py`, both in one invocation.
+
+python benchmarks/checkpoint_stall.py configs/pythia/410M.yml configs/local_setup.yml \
+    --save-interval 10 --train-iters 40 --out /tmp/stall
+python benchmarks/checkpoint_stall.py --tiny                    # CPU smoke run (2 CPU ranks)
+
+Each mode trains the same config from scratch, saving every --save-interval steps into its own
+directory under --out. Per mode it reports the stall (`save_time_s`: the time the training
+loop spent in the save call; async: the copy to host memory), the mean step time of the steps
+right after a save and of the others (a background write competing with training shows
+there), the wall time of the run, and the size of the last checkpoint. One JSON line per mode
+(--json appends them to a file). Results go in docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks import common  # noqa: E402
+
+MODES = {"sync": False, "async": True}
+
+
+def tiny_setup(out: Path) -> list[Path]:
+    """A 2-rank CPU config over random char-level documents."""
+    import numpy as np
+
+    from neox.data.indexed import IndexedDatasetBuilder
+
+    prefix = out / "data" / "chars"
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    builder = IndexedDatasetBuilder(str(prefix) + ".bin", np.uint16)
+    for _ in range(200):
+        builder.add_item(np.append(rng.integers(1, 256, rng.integers(40, 200)), 0))
+        builder.end_document()
+    builder.finalize(str(prefix) + ".idx")
+    cfg = dict(
+        common.TINY,
+        num_gpus=2,
+        data_path=str(prefix),
+        split="98,1,1",
+        train_micro_batch_size_per_gpu=2,
+        gradient_accumulation_steps=1,
+        optimizer={"type": "Adam", "params": {"lr": 1e-3}},
+        zero_optimization={"stage": 1},
+        eval_interval=10_000,
+        do_test=False,
+        num_workers=0,
+    )
+    path = out / "tiny.yml"
+    path.write_text(yaml.safe_dump(cfg))
+    return [path]
+
+
+def run_mode(configs: list[Path], out: Path, mode: str, args: argparse.Namespace) -> dict:
+    here = out / mode
+    overlay = {
+        "save": str(here / "ckpt"),
+        "load": None,
+        "checkpoint_factor": args.save_interval,
+        "train_iters": args.train_iters,
+        "async_save": MODES[mode],
+        "keep_last_n_checkpoints": 2,
+        "log_dir": str(here / "logs"),
+        "tensorboard_dir": None,
+        "log_interval": 1,
+    }
+    here.mkdir(parents=True, exist_ok=True)
+    (here / "overlay.yml").write_text(yaml.safe_dump(overlay))
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    if args.tiny:
+        env["DS_ACCELERATOR"] = "cpu"
+    start = time.perf_counter()
+    subprocess.run(
+        [sys.executable, str(ROOT / "deepy.py"), "train.py", *map(str, configs)]
+        + [str(here / "overlay.yml")],
+        check=True,
+        cwd=ROOT,
+        env=env,
+    )
+    wall = time.perf_counter() - start
+    records = [json.loads(x) for x in (here / "logs" / "metrics.jsonl").read_text().splitlines()]
+    saves = {r["step"]: r["save_time_s"] for r in records if r["split"] == "save"}
+    times = {r["step"]: r["time"] for r in records if r["split"] == "train"}
+    # A step's time: from the previous step's record to its own (the first has none).
+    after, other = [], []
+    for step in sorted(times)[1:]:
+        took = times[step] - times[step - 1] if step - 1 in times else None
+        if took is None:
+            continue
+        # The save of step-1 happens after step-1's record: it is inside this interval too.
+        (after if step - 1 in saves else other).append(took - saves.get(step - 1, 0.0))
+    latest = (here / "ckpt" / "latest").read_text().strip()
+    size = sum(f.stat().st_size for f in (here / "ckpt" / latest).rglob("*") if f.is_file())
+
+    def mean(xs: list[float]) -> float | None:
+        return sum(xs) / len(xs) if xs else None
+
+    return {
+        "benchmark": "checkpoint_stall",
+        "mode": mode,
+        "saves": len(saves),
+        "stall_mean_s": mean(list(saves.values())),
+        "stall_max_s": max(saves.values()) if saves else None,
+        "step_after_save_s": mean(after),
+        "step_other_s": mean(other),
+        "wall_s": wall,
+        "checkpoint_bytes": size,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("configs", nargs="*", type=Path, help="the run's YAML configs")
+    p.add_argument("--tiny", action="store_true", help="a 2-rank CPU smoke run")
+    p.add_argument("--save-interval", type=int, default=5)
+    p.add_argument("--train-iters", type=int, default=20)
+    p.add_argument("--out", type=Path, default=Path("/tmp/neox_checkpoint_stall"))
+    p.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
+    p.add_argument("--json", help="append each result to this file")
+    args = p.parse_args(argv)
+    if not args.configs and not args.tiny:
+        p.error("pass the run's configs, or --tiny")
+    args.out.mkdir(parents=True, exist_ok=True)
+    configs = tiny_setup(args.out) if args.tiny else args.configs
+    results = [run_mode(configs, args.out, mode, args) for mode in args.modes]
+    for record in results:
+        common.emit(record, args.json)
+    if len(results) == 2 and results[0]["stall_mean_s"] and results[1]["stall_mean_s"]:
+        ratio = results[0]["stall_mean_s"] / results[1]["stall_mean_s"]
+        print(f"async_save stalls training {ratio:.1f}x less than a synchronous save")
+
+
+if __name__ == "__main__":
+    main()

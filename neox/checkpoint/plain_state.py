@@ -1,0 +1,276 @@
+"""The training state by plain parameter name, independent of the layout that saved it.
+
+Every checkpoint carries, beside the engine's own files, `state/`: per logical parameter of the
+plain (unsharded) model, its fp32 master weight and Adam's exp_avg and exp_avg_sq, plus the
+optimizer step, the loss scale and the engine's counters. A run whose layout (engine, TP, PP,
+DP, ZeRO stage) differs from the saved one resumes from it; docs/checkpoints.md says why this
+format (safetensors pieces and a JSON index, no pickle for the tensors) and not DCP.
+
+Each writing rank stores its pieces, whole TP slices of the logical tensors, in
+`state/rank_RRRRR.safetensors` and describes them in `state/rank_RRRRR.json`: for each key
+`<kind>/<name>`, the logical shape, the dim TP splits (None: whole) and where the slice starts.
+Replicated tensors are written once (data-parallel rank 0; tensor-parallel rank 0 for
+unsplit ones). A loading rank reads only the slices its own parameters need (safe_open's
+get_slice), so any TP/PP/DP split of the same model reads the same files.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from neox.checkpoint.errors import CheckpointError
+from neox.checkpoint.find import PLAIN_STATE, PLAIN_STATE_META
+
+STATE_DIR = PLAIN_STATE
+META_FILE = PLAIN_STATE_META
+CLIENT_FILE = "client_state.pt"
+KINDS = ("fp32", "exp_avg", "exp_avg_sq")
+"""What is kept per parameter: the fp32 master weight and Adam's two moments."""
+
+
+@dataclass
+class Piece:
+    """One rank's part of a logical parameter: a slice along `dim` from `start` (dim None: the
+    whole tensor), for each of KINDS (moments absent before the first step)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dim: Optional[int]
+    start: int
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class Layout:
+    """What decides how an engine's own files are laid out; equal layouts load those files."""
+
+    engine: str
+    tp: int
+    pp: int
+    dp: int
+    zero_stage: int
+
+    def describe(self) -> str:
+        return (
+            f"{self.engine} engine, tp={self.tp} pp={self.pp} dp={self.dp} ZeRO-{self.zero_stage}"
+        )
+
+
+def tp_piece(name: str, local: dict[str, torch.Tensor], dim: Optional[int], rank: int, tp: int):
+    """The Piece of a tensor-parallel rank's `local` tensors of parameter `name`."""
+    some = next(iter(local.values()))
+    shape = list(some.shape)
+    if dim is not None and tp > 1:
+        shape[dim] *= tp
+        start = rank * some.shape[dim]
+    else:
+        dim, start = None, 0
+    return Piece(name, tuple(shape), dim, start, local)
+
+
+def write_pieces(step_dir: Path, rank: int, pieces: list[Piece]) -> list[Path]:
+    """This rank's pieces (may be none) into step_dir/state; every rank calls it. Returns the
+    files written."""
+    from safetensors.torch import save_file
+
+    out = Path(step_dir) / STATE_DIR
+    out.mkdir(parents=True, exist_ok=True)
+    if not pieces:
+        return []
+    tensors, index = {}, {}
+    for p in pieces:
+        for kind, t in p.tensors.items():
+            key = f"{kind}/{p.name}"
+            tensors[key] = t.detach().to("cpu", torch.float32).contiguous()
+            index[key] = {"shape": list(p.shape), "dim": p.dim, "start": p.start}
+    stem = f"rank_{rank:05d}"
+    save_file(tensors, out / f"{stem}.safetensors")
+    (out / f"{stem}.json").write_text(json.dumps(index, indent=0) + "\n")
+    return [out / f"{stem}.safetensors", out / f"{stem}.json"]
+
+
+def write_meta(
+    step_dir: Path, layout: Layout, scalars: dict[str, Any], client_state: dict[str, Any]
+) -> list[Path]:
+    """Rank 0: the saving layout, the engine's scalars and the client state; the files."""
+    out = Path(step_dir) / STATE_DIR
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"layout": vars(layout), "scalars": scalars}
+    (out / META_FILE).write_text(json.dumps(meta, indent=1) + "\n")
+    torch.save(client_state, out / CLIENT_FILE)
+    return [out / META_FILE, out / CLIENT_FILE]
+
+
+def copy_plain_state(src_step_dir: Path, dst_step_dir: Path) -> None:
+    """A checkpoint's state/ into a re-laid-out copy of its weights (tools/reshape_checkpoint.py).
+    The layout recorded becomes `reshape_checkpoint`'s, which no engine has: a run resumes the
+    copy from state/, never from its weights-only engine files."""
+    import shutil
+
+    dst = Path(dst_step_dir) / STATE_DIR
+    shutil.copytree(Path(src_step_dir) / STATE_DIR, dst)
+    meta = json.loads((dst / META_FILE).read_text())
+    meta["layout"]["engine"] = "reshape_checkpoint"
+    (dst / META_FILE).write_text(json.dumps(meta, indent=1) + "\n")
+
+
+def saved_layout(step_dir: Path) -> Optional[Layout]:
+    """The layout a checkpoint's state/ was written by, or None when it has none."""
+    path = Path(step_dir) / STATE_DIR / META_FILE
+    if not path.is_file():
+        return None
+    return Layout(**json.loads(path.read_text())["layout"])
+
+
+class PlainState:
+    """A checkpoint's state/ for reading: any slice of any logical tensor."""
+
+    def __init__(self, step_dir: Path, trust: bool = False) -> None:
+        from neox.checkpoint.trust import load_file
+
+        self.dir = Path(step_dir) / STATE_DIR
+        meta_path = self.dir / META_FILE
+        if not meta_path.is_file():
+            raise CheckpointError(
+                f"{step_dir} has no {STATE_DIR}/{META_FILE}: it was saved before checkpoints "
+                "carried their state by plain name, so it resumes only at the layout that saved "
+                "it; resume at that layout, or set finetune: true to load its weights"
+            )
+        meta = json.loads(meta_path.read_text())
+        self.layout = Layout(**meta["layout"])
+        self.scalars: dict[str, Any] = meta["scalars"]
+        self.client_state: dict[str, Any] = load_file(self.dir / CLIENT_FILE, trust)
+        # key -> [(file, entry)]: a split tensor has one entry per saved TP rank.
+        self.entries: dict[str, list[tuple[Path, dict]]] = {}
+        for index in sorted(self.dir.glob("rank_*.json")):
+            data = index.with_suffix(".safetensors")
+            for key, entry in json.loads(index.read_text()).items():
+                self.entries.setdefault(key, []).append((data, entry))
+
+    def has(self, kind: str, name: str) -> bool:
+        return f"{kind}/{name}" in self.entries
+
+    def read(
+        self, kind: str, name: str, shape: tuple[int, ...], dim: Optional[int], start: int
+    ) -> torch.Tensor:
+        """The slice of `kind` of parameter `name` this rank holds: `shape` from `start` along
+        `dim` (dim None: the whole tensor). Rows past the saved logical shape (a vocabulary
+        padded further at this layout) are zeros."""
+        from safetensors import safe_open
+
+        key = f"{kind}/{name}"
+        if key not in self.entries:
+            raise CheckpointError(
+                f"{self.dir} holds no {key}: the checkpoint was saved by another model; resume "
+                "with the model config it was saved with"
+            )
+        out = torch.zeros(shape, dtype=torch.float32)
+        for data, entry in self.entries[key]:
+            saved = entry["shape"]
+            region = [(0, n) for n in shape]
+            if dim is not None:
+                region[dim] = (start, start + shape[dim])
+            # The saved piece covers `saved` along every dim but its own split dim.
+            piece_dim, piece_start = entry["dim"], entry["start"]
+            with safe_open(str(data), framework="pt") as f:
+                view = f.get_slice(key)
+                piece_len = view.get_shape()[piece_dim] if piece_dim is not None else None
+                slices, targets = [], []
+                empty = False
+                for d, (lo, hi) in enumerate(region):
+                    p_lo, p_hi = 0, saved[d]
+                    if d == piece_dim:
+                        p_lo, p_hi = piece_start, piece_start + piece_len
+                    a, b = max(lo, p_lo), min(hi, p_hi, saved[d])
+                    if a >= b:
+                        empty = True
+                        break
+                    slices.append(slice(a - p_lo, b - p_lo))
+                    targets.append(slice(a - lo, b - lo))
+                if empty:
+                    continue
+                out[tuple(targets)] = view[tuple(slices)].to(torch.float32)
+        return out
+
+
+def plain_state_dict(step_dir: Path, trust: bool = False) -> dict[str, torch.Tensor]:
+    """The fp32 weights of a checkpoint's state/, whole and by plain name (the trainable
+    parameters: every one, but for a LoRA run's frozen base)."""
+    state = PlainState(step_dir, trust)
+    out = {}
+    for key, entries in state.entries.items():
+        kind, _, name = key.partition("/")
+        if kind == "fp32":
+            out[name] = state.read(kind, name, tuple(entries[0][1]["shape"]), None, 0)
+    return out
+
+
+def is_universal(step_dir: Path) -> bool:
+    """A DeepSpeed universal checkpoint (ds_to_universal's output): zero/<name>/fp32.pt."""
+    return any((Path(step_dir) / "zero").glob("*/fp32.pt"))
+
+
+class UniversalState:
+    """A DeepSpeed universal checkpoint read as a PlainState: `zero/<parameter>/<kind>.pt`, each
+    {"param": the whole logical tensor, ...}, `zero/<parameter>/step.pt`, and the model states
+    file DeepSpeed copied beside them (the engine's counters and the client state)."""
+
+    layout = Layout("deepspeed universal checkpoint", 0, 0, 0, 0)
+
+    def __init__(self, step_dir: Path, trust: bool = False) -> None:
+        from neox.checkpoint.ds_files import ENGINE_KEYS, mp_file
+        from neox.checkpoint.trust import load_file
+
+        self.dir, self.trust = Path(step_dir), trust
+        model_file = self.dir / mp_file(0)
+        if not model_file.is_file():
+            raise CheckpointError(
+                f"{step_dir} holds a universal checkpoint's zero/ but no {mp_file(0)}; copy the "
+                "whole ds_to_universal output folder"
+            )
+        model = load_file(model_file, trust)
+        steps = sorted(self.dir.glob("zero/*/step.pt"))
+        step = load_file(steps[0], trust) if steps else None
+        self.scalars: dict[str, Any] = {
+            "step": None if step is None else float(step),
+            "global_steps": model.get("global_steps", 0),
+            "global_samples": model.get("global_samples", 0),
+            "skipped_steps": model.get("skipped_steps", 0),
+            "loss_scale": None,
+        }
+        self.client_state = {k: v for k, v in model.items() if k not in ENGINE_KEYS}
+        self._cache: dict[str, torch.Tensor] = {}
+
+    def _path(self, kind: str, name: str) -> Path:
+        return self.dir / "zero" / name / f"{kind}.pt"
+
+    def has(self, kind: str, name: str) -> bool:
+        return self._path(kind, name).is_file()
+
+    def read(
+        self, kind: str, name: str, shape: tuple[int, ...], dim: Optional[int], start: int
+    ) -> torch.Tensor:
+        """As PlainState.read: this rank's slice, zero rows past the saved vocabulary."""
+        from neox.checkpoint.trust import load_file
+
+        path = self._path(kind, name)
+        if not path.is_file():
+            raise CheckpointError(
+                f"{self.dir} holds no zero/{name}/{kind}.pt: the universal checkpoint was saved "
+                "by another model; resume with the model config it was saved with"
+            )
+        full = load_file(path, self.trust)["param"].float()
+        out = torch.zeros(shape, dtype=torch.float32)
+        region = [slice(0, min(n, s)) for n, s in zip(shape, full.shape)]
+        source = list(region)
+        if dim is not None:
+            hi = min(start + shape[dim], full.shape[dim])
+            source[dim] = slice(start, max(start, hi))
+            region[dim] = slice(0, max(0, hi - start))
+        out[tuple(region)] = full[tuple(source)]
+        return out

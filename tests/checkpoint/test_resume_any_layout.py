@@ -1,0 +1,146 @@
+"""A checkpoint saved at step 2 under one layout resumes under another with its whole training
+state: steps 3 and 4 lose what the uninterrupted run's do, within fp32 rounding (issue 35).
+
+One tiny untied model, 4 fp32 Adam steps of 4 samples, the padded vocabulary pinned so every
+layout trains the same tensors. The uninterrupted run and each saving run are trained once and
+shared by the cases (module-scoped caches); each case adds one resumed run.
+"""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from neox.checkpoint.plain_state import PlainState
+from tests.train_helpers import deepy_env, losses, make_dataset, train, write_config
+
+MODEL = dict(
+    tokenizer_type="CharLevelTokenizer",
+    padded_vocab_size=512,
+    no_weight_tying=True,
+    train_iters=4,
+    checkpoint_factor=2,
+    eval_interval=100,
+    do_test=False,
+    gradient_clipping=0.5,
+)
+# 4 samples per step everywhere: 2 micro-batches of 2 on one replica, or one on each of two.
+DP2 = dict(num_gpus=2, gradient_accumulation_steps=1)
+LAYOUTS = {
+    "one": dict(num_gpus=1),
+    "flat_dp2": dict(DP2),  # neox's flat engine (ZeRO-1 partitions)
+    "ds_zero1_dp2": dict(DP2, flat_engine=False),
+    "ds_zero3_dp2": dict(DP2, flat_engine=False, zero_optimization={"stage": 3}),
+    "tp2": dict(num_gpus=2, model_parallel_size=2),
+    "pp2": dict(num_gpus=2, pipe_parallel_size=2),
+}
+CASES = [
+    ("pp2", "flat_dp2"),
+    ("tp2", "pp2"),
+    ("ds_zero1_dp2", "ds_zero3_dp2"),
+    ("flat_dp2", "ds_zero1_dp2"),
+    ("ds_zero1_dp2", "flat_dp2"),
+    ("flat_dp2", "one"),
+]
+TOLERANCE = 2e-4
+
+
+class Runs:
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        make_dataset(tmp / "data" / "chars")
+        self.saved: dict[str, Path] = {}
+        self._reference = None
+
+    def reference(self) -> dict[int, float]:
+        """The uninterrupted run's losses (one rank)."""
+        if self._reference is None:
+            config = write_config(
+                self.tmp, "reference", save=None, load=None, **MODEL, **LAYOUTS["one"]
+            )
+            train(config)
+            self._reference = losses(self.tmp / "reference" / "logs")
+        return self._reference
+
+    def saved_at_2(self, layout: str) -> Path:
+        """The save directory of a run under `layout` that stopped after saving step 2."""
+        if layout not in self.saved:
+            name = f"save_{layout}"
+            config = write_config(
+                self.tmp, name, load=None, exit_interval=2, **MODEL, **LAYOUTS[layout]
+            )
+            train(config)
+            self.saved[layout] = self.tmp / name / "ckpt"
+        return self.saved[layout]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Runs:
+    return Runs(tmp_path_factory.mktemp("any_layout"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("saved,resumed", CASES, ids=[f"{a}-to-{b}" for a, b in CASES])
+def test_resume_at_another_layout_continues_the_run(runs, saved, resumed):
+    load = runs.saved_at_2(saved)
+    assert (load / "global_step2" / "state" / "meta.json").is_file()
+    name = f"resume_{saved}_to_{resumed}"
+    config = write_config(runs.tmp, name, load=str(load), save=None, **MODEL, **LAYOUTS[resumed])
+    result = train(config)
+    assert "from its state by plain name" in result.stdout + result.stderr
+    got = losses(runs.tmp / name / "logs")
+    want = runs.reference()
+    assert sorted(got) == [3, 4]  # resumed after step 2, not from scratch
+    for step in (3, 4):
+        assert got[step] == pytest.approx(want[step], abs=TOLERANCE), (step, got, want)
+
+
+@pytest.mark.slow
+def test_a_deepspeed_universal_checkpoint_resumes(runs):
+    """DeepSpeed's own ds_to_universal turns the ZeRO-1 run's step-2 checkpoint into a universal
+    one (zero/<name>/{fp32,exp_avg,exp_avg_sq}.pt); the flat engine resumes it."""
+    saved = runs.saved_at_2("ds_zero1_dp2") / "global_step2"
+    universal = runs.tmp / "universal"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "deepspeed.checkpoint.ds_to_universal",
+            *("--input_folder", str(saved), "--output_folder", str(universal / "global_step2")),
+            *("--num_extract_workers", "1", "--num_merge_workers", "1"),
+            "--inject_missing_state",
+        ],
+        check=True,
+        capture_output=True,
+        env=deepy_env(),
+    )
+    assert (universal / "global_step2" / "zero" / "embed_in.weight" / "exp_avg.pt").is_file()
+    (universal / "latest").write_text("global_step2")
+    name = "resume_universal"
+    config = write_config(
+        runs.tmp, name, load=str(universal), save=None, **MODEL, **LAYOUTS["flat_dp2"]
+    )
+    result = train(config)
+    assert "deepspeed universal checkpoint" in result.stdout + result.stderr
+    got, want = losses(runs.tmp / name / "logs"), runs.reference()
+    assert sorted(got) == [3, 4]
+    for step in (3, 4):
+        assert got[step] == pytest.approx(want[step], abs=TOLERANCE), (step, got, want)
+
+
+@pytest.mark.slow
+def test_an_sgd_run_saves_and_resumes_its_weights_at_another_layout(runs):
+    """SGD keeps no Adam moments: DeepSpeed's engine saves its state by name without them, and
+    a run at another layout resumes the weights and counters (its momentum is not carried)."""
+    sgd = dict(MODEL, optimizer={"type": "SGD", "params": {"lr": 1.0e-2, "momentum": 0.9}})
+    save = write_config(runs.tmp, "sgd_save", load=None, exit_interval=2, **sgd, **DP2)
+    train(save)
+    load = runs.tmp / "sgd_save" / "ckpt"
+    assert not any("exp_avg" in k for k in PlainState(load / "global_step2").entries)
+    resume = write_config(
+        runs.tmp, "sgd_resume", load=str(load), save=None, **sgd, **LAYOUTS["tp2"]
+    )
+    result = train(resume)
+    assert "from its state by plain name" in result.stdout + result.stderr
+    assert sorted(losses(runs.tmp / "sgd_resume" / "logs")) == [3, 4]
