@@ -81,7 +81,12 @@ def run_mode(configs: list[Path], out: Path, mode: str, args: argparse.Namespace
     }
     here.mkdir(parents=True, exist_ok=True)
     (here / "overlay.yml").write_text(yaml.safe_dump(overlay))
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    # The checkout first, keeping what the environment already puts on the path (a device
+    # image's installed wheels, say).
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    )
     if args.tiny:
         env["DS_ACCELERATOR"] = "cpu"
     start = time.perf_counter()
