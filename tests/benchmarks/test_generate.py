@@ -7,21 +7,11 @@ import sys
 from tests.train_helpers import ROOT, deepy_env
 
 
-def test_tiny_cpu_run_prints_generate_py_speed_and_matching_tokens(tmp_path):
+def run_tiny(script: str, tmp_path, *args: str) -> subprocess.CompletedProcess:
+    """benchmarks/<script> at the tiny shape on CPU, writing under tmp_path; asserts success."""
     r = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "generate.py"),
-            "--tiny",
-            "--device=cpu",
-            "--batch-sizes",
-            "1",
-            "3",
-            "--prompt-tokens=8",
-            "--new-tokens=6",
-            "--repeats=1",
-            f"--workdir={tmp_path}",
-        ],
+        [sys.executable, str(ROOT / "benchmarks" / script), "--tiny", "--device=cpu"]
+        + [*args, "--prompt-tokens=8", "--repeats=1", f"--workdir={tmp_path}"],
         capture_output=True,
         text=True,
         timeout=600,
@@ -29,6 +19,11 @@ def test_tiny_cpu_run_prints_generate_py_speed_and_matching_tokens(tmp_path):
         env=deepy_env(cpu=True),
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r
+
+
+def test_tiny_cpu_run_prints_generate_py_speed_and_matching_tokens(tmp_path):
+    r = run_tiny("generate.py", tmp_path, "--batch-sizes", "1", "3", "--new-tokens=6")
     lines = r.stdout.splitlines()
     header = next(line for line in lines if line.startswith("| model"))
     names = [c.strip() for c in header.strip("|").split("|")]
@@ -50,25 +45,7 @@ def test_tiny_cpu_run_prints_generate_py_speed_and_matching_tokens(tmp_path):
 
 
 def test_first_token_benchmark_reports_each_cache_state_and_the_decode_path(tmp_path):
-    r = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "generate_first_token.py"),
-            "--tiny",
-            "--device=cpu",
-            "--batch-sizes=2",
-            "--prompt-tokens=8",
-            "--new-tokens=4",
-            "--repeats=1",
-            f"--workdir={tmp_path}",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
-        env=deepy_env(cpu=True),
-    )
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    r = run_tiny("generate_first_token.py", tmp_path, "--batch-sizes=2", "--new-tokens=4")
     rows = [line.split("|")[1:-1] for line in r.stdout.splitlines() if line.startswith("| 410M")]
     assert [c[2].strip() for c in rows] == ["cold", "warm"]  # nothing tuned on CPU: no "untuned"
     for cells in rows:

@@ -13,20 +13,13 @@ from pathlib import Path
 import pytest
 
 from neox.checkpoint.plain_state import PlainState
+from tests.layout_helpers import DP2
+from tests.layout_helpers import MODEL as LAYOUT_MODEL
 from tests.train_helpers import deepy_env, losses, make_dataset, train, write_config
 
-MODEL = dict(
-    tokenizer_type="CharLevelTokenizer",
-    padded_vocab_size=512,
-    no_weight_tying=True,
-    train_iters=4,
-    checkpoint_factor=2,
-    eval_interval=100,
-    do_test=False,
-    gradient_clipping=0.5,
-)
-# 4 samples per step everywhere: 2 micro-batches of 2 on one replica, or one on each of two.
-DP2 = dict(num_gpus=2, gradient_accumulation_steps=1)
+# The layout matrix's tiny model (tests/layout_helpers.py) on the char tokenizer, saved at step 2
+# of 4.
+MODEL = dict(LAYOUT_MODEL, tokenizer_type="CharLevelTokenizer", train_iters=4, checkpoint_factor=2)
 LAYOUTS = {
     "one": dict(num_gpus=1),
     "flat_dp2": dict(DP2),  # neox's flat engine (ZeRO-1 partitions)
