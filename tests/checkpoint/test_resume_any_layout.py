@@ -15,7 +15,7 @@ import pytest
 from neox.checkpoint.plain_state import PlainState
 from tests.layout_helpers import DP2
 from tests.layout_helpers import MODEL as LAYOUT_MODEL
-from tests.train_helpers import deepy_env, losses, make_dataset, train, write_config
+from tests.train_helpers import deepy_env, losses, make_dataset, run_deepy, train, write_config
 
 # The layout matrix's tiny model (tests/layout_helpers.py) on the char tokenizer, saved at step 2
 # of 4.
@@ -39,9 +39,26 @@ CASES = [
 TOLERANCE = 2e-4
 
 
+# The same on 4 GPUs (`pytest -m multigpu`): every 4-rank layout steps the same 4 samples.
+DP4 = dict(num_gpus=4, train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1)
+GPU_LAYOUTS = {
+    "one": dict(num_gpus=1),
+    "tp2_pp2": dict(num_gpus=4, model_parallel_size=2, pipe_parallel_size=2),
+    "tp4": dict(num_gpus=4, model_parallel_size=4),
+    "flat_dp4": dict(DP4),
+    "ds_zero3_dp4": dict(DP4, flat_engine=False, zero_optimization={"stage": 3}),
+}
+GPU_CASES = [
+    ("tp2_pp2", "ds_zero3_dp4"),
+    ("ds_zero3_dp4", "tp4"),
+    ("tp4", "flat_dp4"),
+    ("flat_dp4", "one"),
+]
+
+
 class Runs:
-    def __init__(self, tmp: Path) -> None:
-        self.tmp = tmp
+    def __init__(self, tmp: Path, layouts: dict = LAYOUTS, train=train) -> None:
+        self.tmp, self.layouts, self.train = tmp, layouts, train
         make_dataset(tmp / "data" / "chars")
         self.saved: dict[str, Path] = {}
         self._reference = None
@@ -50,9 +67,9 @@ class Runs:
         """The uninterrupted run's losses (one rank)."""
         if self._reference is None:
             config = write_config(
-                self.tmp, "reference", save=None, load=None, **MODEL, **LAYOUTS["one"]
+                self.tmp, "reference", save=None, load=None, **MODEL, **self.layouts["one"]
             )
-            train(config)
+            self.train(config)
             self._reference = losses(self.tmp / "reference" / "logs")
         return self._reference
 
@@ -61,9 +78,9 @@ class Runs:
         if layout not in self.saved:
             name = f"save_{layout}"
             config = write_config(
-                self.tmp, name, load=None, exit_interval=2, **MODEL, **LAYOUTS[layout]
+                self.tmp, name, load=None, exit_interval=2, **MODEL, **self.layouts[layout]
             )
-            train(config)
+            self.train(config)
             self.saved[layout] = self.tmp / name / "ckpt"
         return self.saved[layout]
 
@@ -73,14 +90,35 @@ def runs(tmp_path_factory) -> Runs:
     return Runs(tmp_path_factory.mktemp("any_layout"))
 
 
+@pytest.fixture(scope="module")
+def gpu_runs(tmp_path_factory) -> Runs:
+    return Runs(
+        tmp_path_factory.mktemp("any_layout_gpu"),
+        GPU_LAYOUTS,
+        lambda config: run_deepy("train.py", config, cpu=False),
+    )
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("saved,resumed", CASES, ids=[f"{a}-to-{b}" for a, b in CASES])
 def test_resume_at_another_layout_continues_the_run(runs, saved, resumed):
+    _resume_and_compare(runs, saved, resumed)
+
+
+@pytest.mark.slow
+@pytest.mark.multigpu
+@pytest.mark.parametrize("saved,resumed", GPU_CASES, ids=[f"{a}-to-{b}" for a, b in GPU_CASES])
+def test_resume_at_another_layout_on_four_gpus(gpu_runs, saved, resumed):
+    _resume_and_compare(gpu_runs, saved, resumed)
+
+
+def _resume_and_compare(runs: Runs, saved: str, resumed: str) -> None:
     load = runs.saved_at_2(saved)
     assert (load / "global_step2" / "state" / "meta.json").is_file()
     name = f"resume_{saved}_to_{resumed}"
-    config = write_config(runs.tmp, name, load=str(load), save=None, **MODEL, **LAYOUTS[resumed])
-    result = train(config)
+    keys = runs.layouts[resumed]
+    config = write_config(runs.tmp, name, load=str(load), save=None, **MODEL, **keys)
+    result = runs.train(config)
     assert "from its state by plain name" in result.stdout + result.stderr
     got = losses(runs.tmp / name / "logs")
     want = runs.reference()
