@@ -342,7 +342,8 @@ def measure(args, run: str, work: Path, data: Path) -> dict[str, Any]:
     rec: dict[str, Any] = {"run": run, "exit_code": code, "wall_s": seconds}
     metrics = work / run / "metrics.jsonl"
     if code == 0 and metrics.is_file():
-        rec |= summarize(metrics, args.first)
+        # Profiled steps run slower: timed are those before them.
+        rec |= summarize(metrics, args.first, args.iters - 2 if args.profile else None)
     else:
         rec["error"] = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
     traces = sorted((work / run / "profile").glob("rank0_*.trace.json"))
@@ -414,9 +415,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tiny", action="store_true", help="tiny shape on CPU ranks: a smoke test")
     args = p.parse_args(argv)
     if args.tiny:
-        args.iters, args.first, args.vocab_file = min(args.iters, 6), min(args.first, 3), None
+        args.iters, args.first, args.vocab_file = min(args.iters, 6), min(args.first, 2), None
     elif not (ROOT / args.vocab_file).is_file() and not Path(args.vocab_file).is_file():
         p.error(f"--vocab-file {args.vocab_file} not found: pass the GPT-NeoX-20B tokenizer json")
+    if args.profile and args.first > args.iters - 2:
+        p.error(f"--profile times steps --first..--iters - 2: give --iters >= {args.first + 2}")
     runs = args.runs or PLANS[args.plan or "1gpu"] + (PLANS["4gpu"][1:] if not args.plan else [])
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="neox_moe_"))
     work.mkdir(parents=True, exist_ok=True)

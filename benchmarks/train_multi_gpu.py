@@ -360,10 +360,15 @@ def tree_rss(root: int) -> int:
     return sum(rss.get(pid, 0) for pid in tree)
 
 
-def summarize(metrics_file: Path, first: int) -> dict[str, Any]:
-    """Mean speed of the train records from step `first` on, and the peak memory logged."""
+def summarize(metrics_file: Path, first: int, last: int | None = None) -> dict[str, Any]:
+    """Mean speed of the train records of steps `first` to `last` (default: the end), and the
+    peak memory logged."""
     records = [json.loads(line) for line in metrics_file.read_text().splitlines()]
-    train = [r for r in records if r.get("split") == "train" and r["step"] >= first]
+    train = [
+        r
+        for r in records
+        if r.get("split") == "train" and first <= r["step"] <= (last or r["step"])
+    ]
     if not train:
         raise ValueError(f"{metrics_file} has no train records from step {first}")
     mean = lambda key: sum(r[key] for r in train) / len(train)  # noqa: E731
