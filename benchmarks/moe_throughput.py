@@ -21,7 +21,7 @@ micro batch MICRO_BATCH of SEQ tokens per GPU):
   dp4_moe  4 GPUs, data parallel only (every rank runs all 64 experts)
 neox's tokens/s, TFLOPS and MFU come from the run's metrics.jsonl (MFU on active FLOPs: 6 x
 active parameters + attention, neox.plan.estimate.train_flops_per_token), the mean of logged
-steps --first..--iters. The table prints the issue's ratios: moe1/dense1 MFU (>= 0.8),
+steps --first..--iters (with --profile, up to the profiled two). The table prints the issue's ratios: moe1/dense1 MFU (>= 0.8),
 moe1/hf1 tokens/s (>= 2), ep4 per-GPU tokens/s / moe1 (>= 0.85), and the estimate's counts
 (total and active parameters, expert memory per rank, all-to-all bytes per step).
 --profile: neox's `profile` keys over the last two steps; the ops of the rank 0 trace summed
@@ -143,12 +143,11 @@ def run_config(args, run: str, work: Path, data: Path) -> Path:
 def load_run(args, run: str):
     """(config, derived, padded vocab) of a run as deepy.py would validate it (no data)."""
     from neox.config import derive, load_config
+    from neox.tokenizer.char import CHAR_VOCAB_SIZE
 
     keys = run_keys(args, "moe1" if RUNS[run] is None else run) | {"data_path": None}
     cfg = load_config([str(MODEL_FILE)], overrides=keys).config
     # The tokenizer's vocabulary (the 20B tokenizer's; the file pads it to 50304).
-    from neox.tokenizer.char import CHAR_VOCAB_SIZE
-
     d = derive(cfg, keys["num_gpus"], CHAR_VOCAB_SIZE if args.tiny else 50277)
     return cfg, d, d.padded_vocab_size
 
