@@ -107,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     failed = False
     for run in args.runs:
         overlay = run_config(args, run, work, data)
-        code, seconds = launch(args, args.model, run, overlay, work / f"{run}.log")
+        config = ROOT / "configs" / "pythia" / f"{args.model}.yml"
+        code, seconds, _ = launch(args, config, overlay, work / f"{run}.log")
         rec: dict[str, Any] = {"model": args.model, "run": run, "rank": args.rank}
         rec |= {"exit_code": code, "wall_s": seconds, "config": RUNS[run]}
         metrics = work / run / "metrics.jsonl"

@@ -14,11 +14,14 @@
 #   profile  torch.profiler of the last two steps of 6.9B and 20B-12L at TP2 x PP2: where the
 #            time goes (rank*.ops.txt: NCCL all-reduce / p2p, optimizer, compute)
 #   eight    --plan 8gpu on an 8-GPU kind: 6.9B TP2 x PP2 x DP2, configs/20B.yml unchanged
+#   moe1     benchmarks/moe_throughput.py --plan 1gpu --profile (issue 37; one GPU is enough):
+#            OLMoE-1B-7B at 8 layers against a dense model of its active FLOPs and HF + compile
+#   moe4     the same --plan 4gpu: one GPU against EP=4 and DP=4
 # Results (JSON lines, tables, pytest output, profiles) go under $OUT (the device tool's output
 # folder) or ./runs/multi_gpu. VOCAB names the GPT-NeoX-20B tokenizer (data/20B_tokenizer.json).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?usage: benchmarks/multi_gpu.sh tier1|tier2|tier3|speed1|speed2|profile|eight}
+part=${1:?usage: benchmarks/multi_gpu.sh tier1|tier2|tier3|speed1|speed2|profile|eight|moe1|moe4}
 out=${OUT:-runs/multi_gpu}/$part
 mkdir -p "$out"
 vocab=${VOCAB:-data/20B_tokenizer.json}
@@ -30,6 +33,11 @@ bench() {
   trap 'rm -f "$out"/work/random_tokens.*; find "$out/work" -name "*.trace.json" -delete' EXIT
   python benchmarks/train_multi_gpu.py --vocab-file "$vocab" --work-dir "$out/work" \
     --json "$out/results.jsonl" "$@" 2>&1 | tee -a "$out/table.txt"
+}
+moe() {
+  trap 'rm -f "$out"/work/random_tokens.*; find "$out/work" -name "*.trace.json" -delete' EXIT
+  python benchmarks/moe_throughput.py --vocab-file "$vocab" --work-dir "$out/work" \
+    --json "$out/results.jsonl" --profile --timeout 280 "$@" 2>&1 | tee -a "$out/table.txt"
 }
 tier() {
   python -m pytest -q -p no:cacheprovider -m multigpu -rs --junitxml "$out/junit.xml" "$@" \
@@ -47,5 +55,7 @@ case $part in
     bench --plan 4gpu --models 6-9B 20B-12L --runs tp2_pp2 --iters 10 --first 6 --profile \
       --timeout 240 ;;
   eight) bench --plan 8gpu --iters 8 --first 4 --timeout 280 ;;
+  moe1) moe --plan 1gpu ;;
+  moe4) moe --plan 4gpu ;;
   *) echo "unknown part $part" >&2; exit 2 ;;
 esac

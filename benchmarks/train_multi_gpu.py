@@ -326,10 +326,10 @@ def run_config(args, model: str, run: str, work: Path, data: Path) -> Path:
     return path
 
 
-def launch(args, model: str, run: str, overlay: Path, log: Path) -> tuple[int, float]:
-    """`deepy.py train.py <model file> <overlay>`, output to `log`; (exit code, seconds)."""
-    cmd = [sys.executable, str(ROOT / "deepy.py"), "train.py"]
-    cmd += [str(ROOT / MODELS[model][0]), str(overlay)]
+def launch(args, config: Path, overlay: Path, log: Path) -> tuple[int, float, int]:
+    """`deepy.py train.py <config> <overlay>`, output to `log`; (exit code, seconds, peak host
+    memory of the launch's processes)."""
+    cmd = [sys.executable, str(ROOT / "deepy.py"), "train.py", str(config), str(overlay)]
     env = dict(
         os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
     )
@@ -373,10 +373,15 @@ def tree_rss(root: int) -> int:
     return sum(rss.get(pid, 0) for pid in tree)
 
 
-def summarize(metrics_file: Path, first: int) -> dict[str, Any]:
-    """Mean speed of the train records from step `first` on, and the peak memory logged."""
+def summarize(metrics_file: Path, first: int, last: int | None = None) -> dict[str, Any]:
+    """Mean speed of the train records of steps `first` to `last` (default: the end), and the
+    peak memory logged."""
     records = [json.loads(line) for line in metrics_file.read_text().splitlines()]
-    train = [r for r in records if r.get("split") == "train" and r["step"] >= first]
+    train = [
+        r
+        for r in records
+        if r.get("split") == "train" and first <= r["step"] <= (last or r["step"])
+    ]
     if not train:
         raise ValueError(f"{metrics_file} has no train records from step {first}")
     mean = lambda key: sum(r[key] for r in train) / len(train)  # noqa: E731
@@ -398,7 +403,7 @@ def summarize(metrics_file: Path, first: int) -> dict[str, Any]:
 def measure(args, model: str, run: str, work: Path, data: Path) -> dict[str, Any]:
     overlay = run_config(args, model, run, work, data)
     log = work / f"{model}_{run}.log"
-    code, seconds, host_peak = launch(args, model, run, overlay, log)
+    code, seconds, host_peak = launch(args, ROOT / MODELS[model][0], overlay, log)
     rec: dict[str, Any] = {"model": model, "run": run, "exit_code": code, "wall_s": seconds}
     rec["host_peak_rss_gb"] = host_peak / 2**30  # every process of the launch, summed
     rec |= {"micro_batch": args.micro_batch or MICRO_BATCH[model], "config": RUNS[run]}

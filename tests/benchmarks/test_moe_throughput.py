@@ -1,0 +1,102 @@
+"""benchmarks/moe_throughput.py: the device plan's overlays dry-run and fit one H100 by neox's
+estimate, moe1 and dense1 log the same FLOPs per token (active ones), the profile's op parts
+are told apart by name, and --tiny runs every path (deepy.py launches on 1 and 2 CPU ranks,
+transformers' OLMoE) end to end."""
+
+import argparse
+import json
+
+import pytest
+
+from benchmarks import moe_throughput as bench
+from tests.benchmarks.bench_helpers import ROOT, run_benchmark
+
+DEVICE_RUNS = [r for r in bench.RUNS if bench.RUNS[r] is not None]
+FIT_GIB = 70  # the plan's margin under an 80 GB H100 (79.6 GiB as torch reports it)
+
+
+def device_args() -> argparse.Namespace:
+    return argparse.Namespace(
+        iters=20, num_layers=None, micro_batch=None, vocab_file=None, tiny=False, profile=False
+    )
+
+
+@pytest.mark.parametrize("run", DEVICE_RUNS)
+def test_device_runs_dry_run_and_fit_an_h100(run, tmp_path, capsys, monkeypatch):
+    """The overlays the GPU call launches pass deepy.py's dry run on their GPU count, with the
+    layout asked, the flat engine, and an estimate under FIT_GIB."""
+    import sys
+
+    monkeypatch.syspath_prepend(str(ROOT))
+    monkeypatch.chdir(ROOT)
+    sys.modules.pop("deepy", None)
+    import deepy
+
+    overlay = bench.run_config(device_args(), run, tmp_path, tmp_path / "tokens")
+    assert deepy.main(["train.py", str(bench.MODEL_FILE), str(overlay), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    gpus = bench.RUNS[run]["num_gpus"]
+    assert f"layout: {gpus} GPU(s) = tp 1 x pp 1 x dp {gpus}; micro batch 1 x seq 4096" in out
+    assert "flat_engine: true" in out
+    header = next(line for line in out.splitlines() if "ZeRO-0" in line).split()
+    total = next(line for line in out.splitlines() if line.startswith("total incl. CUDA"))
+    column = next(i for i, name in enumerate(header) if name.endswith("*"))
+    assert float(total.split()[4 + column]) < FIT_GIB, f"{run}: {total}"
+
+
+def test_moe_and_dense_runs_log_the_same_active_flops():
+    """neox's logged TFLOPS and MFU (ModelFlops) count moe1's active parameters: within its
+    router's share of dense1's, whose MLP is top-8 x 1024 wide; the estimate's counts follow."""
+    from neox.training.metrics import ModelFlops
+
+    args = device_args()
+    logged = {}
+    for run in ("moe1", "dense1"):
+        cfg, derived, _ = bench.load_run(args, run)
+        logged[run] = ModelFlops(cfg, derived, "cpu").flops_per_token
+    assert bench.load_run(args, "dense1")[0].model.shape.ffn_size == 8 * 1024
+    assert 1 < logged["moe1"] / logged["dense1"] < 1.002
+    moe, ep4 = bench.plan_estimate(args, "moe1"), bench.plan_estimate(args, "ep4")
+    assert moe["flops_per_token"] == logged["moe1"]
+    assert moe["total_params"] > 4 * moe["active_params"]  # 64 experts, 8 active
+    assert ep4["expert_params_computed"] * 4 == moe["expert_params_held"]
+    assert moe["all_to_all_gib_per_step"] == 0 < ep4["all_to_all_gib_per_step"]
+
+
+def test_profile_parts_are_told_apart_by_name():
+    names = {
+        "aten::_softmax": "router",
+        "triton_per_fused__softmax_topk_0": "router",
+        "aten::_log_softmax": None,  # the loss
+        "LogSoftmaxBackward0": None,
+        "cub::DeviceRadixSortOnesweepKernel": "dispatch",
+        "aten::scatter_add_": "dispatch",
+        "ncclDevKernel_ReduceScatter_Sum_bf16": None,  # the engine's gradients
+        "c10d::allgather_": None,
+        "ncclDevKernel_SendRecv": "all-to-all",
+        "void cutlass::Kernel2<cutlass_80_GemmGrouped>": "grouped gemm",
+        "aten::bmm": "grouped gemm",  # the padded batched matmul off CUDA
+        "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT": None,
+    }
+    assert {n: bench.op_part(n) for n in names} == names
+
+
+@pytest.mark.slow
+def test_tiny_runs_every_path(tmp_path):
+    out = tmp_path / "results.jsonl"
+    args = ["--tiny", "--profile", "--iters", "4", "--json", out, "--work-dir", tmp_path / "work"]
+    r = run_benchmark("moe_throughput.py", *args, DS_ACCELERATOR="cpu")
+    records = {rec["run"]: rec for rec in map(json.loads, out.read_text().splitlines())}
+    assert set(records) == set(bench.RUNS)
+    for rec in records.values():
+        assert rec["exit_code"] == 0 and rec["tokens_per_s"] > 0
+    assert records["ep4"]["num_gpus"] == 2 and records["hf1"]["compile"] is False
+    assert "moe_expert_parallel_size: 2" in (tmp_path / "work" / "ep4.yml").read_text()
+    moe, dense, ep = records["moe1"]["profile"], records["dense1"]["profile"], records["ep4"]
+    assert min(moe["router_ms"], moe["dispatch_ms"], moe["grouped gemm_ms"]) > 0
+    assert dense["grouped gemm_ms"] == dense["router_ms"] == 0 == moe["all-to-all_ms"]
+    assert ep["profile"]["all-to-all_ms"] > 0 and ep["all_to_all_gib_per_step"] > 0
+    for line in ("moe1 / dense1 MFU", "moe1 / hf1 tokens/s", "ep4 per-GPU tokens/s / moe1"):
+        assert line in r.stdout
+    assert records["hf1"]["mfu"] > 0  # on TINY's nominal peak, as the neox runs' log
+    assert "ep4 profile, of" in r.stdout
