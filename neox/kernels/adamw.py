@@ -40,7 +40,9 @@ def _adamw_kernel(
     weight_decay,
     BLOCK: tl.constexpr,
 ):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    # 64-bit offsets: one flat buffer of a one-GPU run past 2**31 elements (2.1B parameters)
+    # would wrap around in int32.
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     # A skipped step loads and stores nothing.
     mask = offs < tl.where(tl.load(found_inf_ptr) == 0, n, 0)
     step = tl.load(step_ptr)

@@ -78,3 +78,36 @@ def test_wrapper_takes_triton_path_on_cuda():
     assert not triton_available(scores.double())
     want = fused_scaled_masked_softmax(scores, 0.5)
     assert torch.equal(scaled_masked_softmax(scores, 0.5), want)
+
+
+def test_adamw_step_reaches_past_two_to_the_31_elements():
+    """A one-GPU flat buffer of 2**31 + 3 blocks (a 2.2B-parameter model): the last elements
+    are stepped like the first (int32 offsets wrapped around and faulted)."""
+    from neox.kernels.adamw import adamw_step_
+
+    n = 2**31 + 3 * 4096
+    if torch.cuda.get_device_properties(0).total_memory < 40 * 2**30:
+        pytest.skip("needs 40 GiB of GPU memory for a 2**31-element buffer")
+    param = torch.zeros(n, dtype=torch.bfloat16, device="cuda")
+    grad = torch.ones(n, dtype=torch.bfloat16, device="cuda")
+    master = torch.zeros(n, device="cuda")
+    exp_avg, exp_avg_sq = torch.zeros(n, device="cuda"), torch.zeros(n, device="cuda")
+    one = torch.ones((), device="cuda")
+    adamw_step_(
+        param,
+        master,
+        grad,
+        exp_avg,
+        exp_avg_sq,
+        one,
+        one,
+        torch.zeros((), device="cuda"),
+        lr=1e-2,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        weight_decay=0.0,
+    )
+    torch.cuda.synchronize()
+    for t in (master[:4096], master[-4096:]):  # lr * m_hat / sqrt(v_hat) = lr * 1 / 1
+        assert torch.allclose(t, torch.full_like(t, -1e-2), rtol=1e-4), t[:4]
+    assert param[-1].item() == pytest.approx(-1e-2, rel=1e-2)
