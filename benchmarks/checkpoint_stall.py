@@ -5,6 +5,8 @@
 python benchmarks/checkpoint_stall.py configs/pythia/410M.yml configs/local_setup.yml \
     --save-interval 10 --train-iters 40 --out /tmp/stall
 python benchmarks/checkpoint_stall.py --tiny                    # CPU smoke run (2 CPU ranks)
+python benchmarks/checkpoint_stall.py configs/pythia/1-4B.yml benchmarks/stall-1-4b.yml \
+    --random-tokens --out /tmp/stall               # issue 35's bound on one GPU (and 6.9B DP=4)
 
 Each mode trains the same config from scratch, saving every --save-interval steps into its own
 directory under --out. Per mode it reports the stall (`save_time_s`: the time the training
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -64,6 +67,27 @@ def tiny_setup(out: Path) -> list[Path]:
     path = out / "tiny.yml"
     path.write_text(yaml.safe_dump(cfg))
     return [path]
+
+
+def random_tokens(out: Path, vocab: int = 50_000, docs: int = 2_000) -> Path:
+    """An overlay naming a dataset of uniformly random ids (2,048-token documents) under out."""
+    import numpy as np
+
+    from neox.data.indexed import IndexedDatasetBuilder
+
+    prefix = out / "data" / "random"
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    if not Path(str(prefix) + ".idx").is_file():
+        rng = np.random.default_rng(0)
+        builder = IndexedDatasetBuilder(str(prefix) + ".bin", np.uint16)
+        for _ in range(docs):
+            builder.add_item(rng.integers(1, vocab, 2048, dtype=np.uint16))
+            builder.end_document()
+        builder.finalize(str(prefix) + ".idx")
+    overlay = out / "random_tokens.yml"
+    keys = {"data_path": str(prefix), "split": "100,0,0", "eval_iters": 0, "do_test": False}
+    overlay.write_text(yaml.safe_dump(keys))
+    return overlay
 
 
 def run_mode(configs: list[Path], out: Path, mode: str, args: argparse.Namespace) -> dict:
@@ -137,12 +161,28 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", type=Path, default=Path("/tmp/neox_checkpoint_stall"))
     p.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
     p.add_argument("--json", help="append each result to this file")
+    p.add_argument(
+        "--random-tokens",
+        action="store_true",
+        help="train on random ids written under --out (no dataset needed)",
+    )
+    p.add_argument(
+        "--keep",
+        action="store_true",
+        help="keep each mode's checkpoints (by default removed once measured: a 6.9B one is ~100 GB)",
+    )
     args = p.parse_args(argv)
     if not args.configs and not args.tiny:
         p.error("pass the run's configs, or --tiny")
     args.out.mkdir(parents=True, exist_ok=True)
     configs = tiny_setup(args.out) if args.tiny else args.configs
-    results = [run_mode(configs, args.out, mode, args) for mode in args.modes]
+    if args.random_tokens:
+        configs = [*configs, random_tokens(args.out)]
+    results = []
+    for mode in args.modes:
+        results.append(run_mode(configs, args.out, mode, args))
+        if not args.keep:
+            shutil.rmtree(args.out / mode / "ckpt", ignore_errors=True)
     for record in results:
         common.emit(record, args.json)
     if len(results) == 2 and results[0]["stall_mean_s"] and results[1]["stall_mean_s"]:
