@@ -17,31 +17,55 @@
 #   moe1     benchmarks/moe_throughput.py --plan 1gpu --profile (issue 37; one GPU is enough):
 #            OLMoE-1B-7B at 8 layers against a dense model of its active FLOPs and HF + compile
 #   moe4     the same --plan 4gpu: one GPU against EP=4 and DP=4
-# Results (JSON lines, tables, pytest output, profiles) go under $OUT (the device tool's output
-# folder) or ./runs/multi_gpu. VOCAB names the GPT-NeoX-20B tokenizer (data/20B_tokenizer.json).
+#   context  issue 38: pytest -m multigpu tests/parallel/test_context.py (CP=4 equality), the
+#            long-context plan without recompute (1.4B 32k one GPU vs CP=4, 128k CP=4), and a
+#            profile of 1.4B 32k at CP=4
+#   survive  issue 35: the layout-free resume matrix at 4 GPU ranks (pytest -m multigpu
+#            tests/checkpoint/test_resume_any_layout.py) and the async-save stall at 1.4B on
+#            one GPU (benchmarks/stall-1-4b.yml)
+#   stall4   issue 35: the async-save stall at 6.9B on 4 GPUs (benchmarks/stall-6-9b-dp4.yml)
+# Results (JSON lines, tables, pytest output, profiles) go under ./runs/multi_gpu/<part>; with
+# $OUT set (the device tool's output folder, which returns at most 8 files), the whole folder
+# comes back as $OUT/<part>.tgz beside its table and pytest output. VOCAB names the GPT-NeoX-20B
+# tokenizer (data/20B_tokenizer.json).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?usage: benchmarks/multi_gpu.sh tier1|tier2|tier3|speed1|speed2|profile|eight|moe1|moe4}
-out=${OUT:-runs/multi_gpu}/$part
+part=${1:?usage: benchmarks/multi_gpu.sh tier1|tier2|tier3|speed1|speed2|profile|eight|moe1|moe4|context|survive|stall4}
+out=runs/multi_gpu/$part
 mkdir -p "$out"
+pack() {
+  # Large data, traces and checkpoints stay behind; everything else comes back in one archive.
+  rm -f "$out"/work/random_tokens.*
+  find "$out" \( -name "*.trace.json" -o -name "*.bin" -o -name "*.pt" -o -name "*.safetensors" \) \
+    -delete 2>/dev/null || true
+  if [ -n "${OUT:-}" ]; then
+    tar czf "$OUT/$part.tgz" -C runs/multi_gpu "$part"
+    for f in table.txt pytest.txt stall.txt device.txt; do
+      [ -f "$out/$f" ] && cp "$out/$f" "$OUT/$part.$f"
+    done
+  fi
+  return 0
+}
+trap pack EXIT
 vocab=${VOCAB:-data/20B_tokenizer.json}
 [ -f "$vocab" ] || vocab=shared/data/20B_tokenizer.json  # the tier needs none; speed parts do
 { nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || echo "no nvidia-smi"; } | tee "$out/device.txt"
 date -u +%FT%TZ | tee -a "$out/device.txt"
 bench() {
-  # Traces and the random-token data stay behind: the op tables and metrics come back.
-  trap 'rm -f "$out"/work/random_tokens.*; find "$out/work" -name "*.trace.json" -delete' EXIT
   python benchmarks/train_multi_gpu.py --vocab-file "$vocab" --work-dir "$out/work" \
     --json "$out/results.jsonl" "$@" 2>&1 | tee -a "$out/table.txt"
 }
 moe() {
-  trap 'rm -f "$out"/work/random_tokens.*; find "$out/work" -name "*.trace.json" -delete' EXIT
   python benchmarks/moe_throughput.py --vocab-file "$vocab" --work-dir "$out/work" \
     --json "$out/results.jsonl" --profile --timeout 280 "$@" 2>&1 | tee -a "$out/table.txt"
 }
 tier() {
   python -m pytest -q -p no:cacheprovider -m multigpu -rs --junitxml "$out/junit.xml" "$@" \
     2>&1 | tee "$out/pytest.txt"
+}
+stall() {
+  python benchmarks/checkpoint_stall.py "$@" --random-tokens --out "${STALL_DIR:-/tmp/neox_stall}" \
+    --json "$out/results.jsonl" 2>&1 | tee -a "$out/stall.txt"
 }
 case $part in
   tier1) tier tests/parallel/test_multigpu.py -k "pythia" ;;
@@ -57,5 +81,15 @@ case $part in
   eight) bench --plan 8gpu --iters 8 --first 4 --timeout 280 ;;
   moe1) moe --plan 1gpu ;;
   moe4) moe --plan 4gpu ;;
+  context)
+    tier tests/parallel/test_context.py || true
+    bench --plan long-context-keep --iters 8 --first 4 --timeout 150 || true
+    bench --models 1-4B-32k-keep --runs cp4 --profile --iters 6 --first 3 --timeout 150 ;;
+  survive)
+    tier tests/checkpoint/test_resume_any_layout.py || true
+    CUDA_VISIBLE_DEVICES=0 stall configs/pythia/1-4B.yml benchmarks/stall-1-4b.yml \
+      --save-interval 5 --train-iters 10 ;;
+  stall4) stall configs/pythia/6-9B.yml benchmarks/stall-6-9b-dp4.yml --save-interval 4 \
+            --train-iters 8 ;;
   *) echo "unknown part $part" >&2; exit 2 ;;
 esac
