@@ -18,6 +18,9 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
+# First: pytest-xdist's worker hook, registered after this file, reads the groups to name the
+# tests it schedules (a group marked after it is ignored and its fixture built on each worker).
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """Tests marked `gpu` (run them alone with `pytest -m gpu`) are skipped without CUDA, those
     marked `multigpu` (`pytest -m multigpu`) with fewer than 4 CUDA GPUs; the groups and order
@@ -56,6 +59,7 @@ def group_for_xdist(items) -> None:
                 group = item.nodeid.split("::")[0]
         if group:
             item.add_marker(pytest.mark.xdist_group(group))
+            name_group(item, group)
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return  # one process: collection order, each module's tests together
 
@@ -66,6 +70,18 @@ def group_for_xdist(items) -> None:
         return (1, not item.get_closest_marker("slow"))
 
     items.sort(key=queue)
+
+
+def name_group(item, group: str) -> None:
+    """The scheduler reads a test's group from its id, `NODEID@GROUP`, which pytest-xdist's
+    worker appends by setting `item._nodeid`; pytest 9.2 keeps the id in `item._id`, so the
+    suffix was lost and every group's tests spread over the workers (each building the fixture).
+    Named here where pytest stores it that way."""
+    if hasattr(item, "_nodeid") or not getattr(item.config.option, "loadgroup", False):
+        return  # older pytest: xdist's own hook names it
+    from _pytest.nodeid import NodeId
+
+    item._id = NodeId.parse(f"{item.nodeid}@{group}")
 
 
 @pytest.fixture(scope="session")
