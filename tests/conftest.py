@@ -18,6 +18,9 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
+# First: pytest-xdist's worker hook, registered after this file, reads the groups to name the
+# tests it schedules (a group marked after it is ignored and its fixture built on each worker).
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """Tests marked `gpu` (run them alone with `pytest -m gpu`) are skipped without CUDA, those
     marked `multigpu` (`pytest -m multigpu`) with fewer than 4 CUDA GPUs; the groups and order
@@ -42,20 +45,15 @@ def group_for_xdist(items) -> None:
     session's `trained` below) in group "layouts"; a module-scoped fixture of tests/ (a training
     run, sshd, a slurm cluster) in a group per module. Everything else is spread test by test.
     Under xdist the long work is queued first (`--no-loadscope-reorder` keeps this order): the
-    groups, then the tests marked slow, so that the run ends on short tests on every worker."""
+    groups, then the tests marked slow, so that the run ends on short tests on every worker.
+    A module's own `xdist_group` mark is kept."""
     for item in items:
-        group = None
-        for name in item.fixturenames:
-            defs = item._fixtureinfo.name2fixturedefs.get(name)
-            if not defs or not defs[-1].baseid.startswith("tests"):
-                continue  # pytest's own fixtures (tmp_path_factory, ...)
-            if name == "trained" and defs[-1].baseid == "tests":
-                group = "layouts"
-                break
-            if defs[-1].scope in ("module", "package"):
-                group = item.nodeid.split("::")[0]
+        marked = item.get_closest_marker("xdist_group")
+        group = marked.args[0] if marked else fixture_group(item)
         if group:
-            item.add_marker(pytest.mark.xdist_group(group))
+            if not marked:
+                item.add_marker(pytest.mark.xdist_group(group))
+            name_group(item, group)
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return  # one process: collection order, each module's tests together
 
@@ -66,6 +64,31 @@ def group_for_xdist(items) -> None:
         return (1, not item.get_closest_marker("slow"))
 
     items.sort(key=queue)
+
+
+def fixture_group(item) -> str | None:
+    group = None
+    for name in item.fixturenames:
+        defs = item._fixtureinfo.name2fixturedefs.get(name)
+        if not defs or not defs[-1].baseid.startswith("tests"):
+            continue  # pytest's own fixtures (tmp_path_factory, ...)
+        if name == "trained" and defs[-1].baseid == "tests":
+            return "layouts"
+        if defs[-1].scope in ("module", "package"):
+            group = item.nodeid.split("::")[0]
+    return group
+
+
+def name_group(item, group: str) -> None:
+    """The scheduler reads a test's group from its id, `NODEID@GROUP`, which pytest-xdist's
+    worker appends by setting `item._nodeid`; pytest 9.2 keeps the id in `item._id`, so the
+    suffix was lost and every group's tests spread over the workers (each building the fixture).
+    Named here where pytest stores it that way."""
+    if hasattr(item, "_nodeid") or not getattr(item.config.option, "loadgroup", False):
+        return  # older pytest: xdist's own hook names it
+    from _pytest.nodeid import NodeId
+
+    item._id = NodeId.parse(f"{item.nodeid}@{group}")
 
 
 @pytest.fixture(scope="session")

@@ -8,6 +8,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from neox.parallel.distributed import start_deepspeed_comm
 from tests.port_helpers import free_port
 
 # Ranks are forked from a server process that imported these once, so a rank starts without
@@ -28,6 +29,7 @@ def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple
         OMP_NUM_THREADS="1",
     )
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    start_deepspeed_comm("gloo")  # before a DeepSpeed engine starts it, compiling its shm op
     try:
         fn(rank, world, *args)
         dist.barrier()

@@ -90,15 +90,20 @@ def weights(eng):
 @pytest.fixture(scope="module")
 def rank():
     """One rank as DeepSpeed's engine wants it: a process group (one for the module: DeepSpeed
-    caches the groups it derives) and its launcher's variables; all removed afterwards."""
+    caches the groups it derives), DeepSpeed's comm started as neox starts it (else the first
+    engine compiles DeepSpeed's shm all-reduce, a minute or more of C++) and its launcher's
+    variables; all removed afterwards."""
     import torch.distributed as dist
     from deepspeed.utils import groups
+
+    from neox.parallel.distributed import start_deepspeed_comm
 
     env = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
     with pytest.MonkeyPatch.context() as mp:
         for name, value in env.items():
             mp.setenv(name, value)
         dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", world_size=1, rank=0)
+        start_deepspeed_comm("gloo")
         yield
         dist.destroy_process_group()
         groups._WORLD_GROUP = groups._DATA_PARALLEL_GROUP = None
