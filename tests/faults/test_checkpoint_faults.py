@@ -202,10 +202,10 @@ def test_a_second_run_on_one_save_directory_is_refused_at_once(saved):
 
 @pytest.fixture
 def small_fs(tmp_path) -> Iterator[Path]:
-    """A 2 MiB tmpfs: room for one checkpoint of the tiny model (1.2 MB), not two."""
+    """A 1 MiB tmpfs: room for one checkpoint of the tiny model (0.55 MB), not two."""
     fs = tmp_path / "fs"
     fs.mkdir()
-    r = mount("-t", "tmpfs", "-o", "size=2m", "tmpfs", str(fs))
+    r = mount("-t", "tmpfs", "-o", "size=1m", "tmpfs", str(fs))
     if r.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here (needs root): {r.stderr.strip()}")
     try:
