@@ -105,7 +105,7 @@ def measure_all(rank: int, world: int, flats: list[dict], out: str) -> None:
 
 
 def measure(rank: int, world: int, flat: dict) -> dict:
-    from neox.config import build_ds_config, derive, load_dict
+    from neox.config import derive, load_dict
     from neox.parallel.build import engine_mpu, parallelize
     from neox.parallel.topology import ProcessGroups, Topology
     from neox.plan.engine_choice import engine_for
@@ -122,7 +122,8 @@ def measure(rank: int, world: int, flat: dict) -> dict:
     choice = engine_for(cfg, derived)
     built = build_engine(
         choice,
-        build_ds_config(cfg, derived),
+        cfg,
+        derived,
         model,
         build_optimizer(model, cfg.optimizer, choice.optimizer, derived.lr),
         engine_mpu(model, groups),
@@ -202,7 +203,7 @@ def measure_offload(rank: int, world: int, flat: dict) -> dict:
     """The host tensors a ZeRO-Offload engine holds after one step, by the estimate's parts:
     fp32 master partitions, their fp32 gradients (and ZeRO-3's flat gradient partition), CPU
     Adam's moments, ZeRO-3's offloaded parameter partitions, stage 1/2's staging buffers."""
-    from neox.config import build_ds_config, derive, load_dict
+    from neox.config import derive, load_dict
     from neox.parallel.build import engine_mpu, parallelize
     from neox.parallel.topology import ProcessGroups, Topology
     from neox.plan.engine_choice import engine_for
@@ -218,9 +219,7 @@ def measure_offload(rank: int, world: int, flat: dict) -> dict:
     optimizer = build_optimizer(
         model, cfg.optimizer, choice.optimizer, derived.lr, choice.adamw_mode
     )
-    built = build_engine(
-        choice, build_ds_config(cfg, derived), model, optimizer, engine_mpu(model, groups)
-    )
+    built = build_engine(choice, cfg, derived, model, optimizer, engine_mpu(model, groups))
     engine = built.ds
     g = torch.Generator().manual_seed(rank)
     ids = torch.randint(0, vocab, (derived.micro_batch, cfg.model.seq_length), generator=g)

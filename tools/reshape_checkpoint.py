@@ -1,8 +1,9 @@
-"""Rewrite a neox checkpoint at another tensor/pipeline-parallel layout.
+"""Rewrite a neox checkpoint at another tensor/pipeline-parallel layout, in DeepSpeed's files.
 
 Example:
     python tools/reshape_checkpoint.py --input_dir ckpt/run --output_dir ckpt/run-tp1 --tp 1 --pp 2
-The training state by plain name (fp32 weights, Adam's moments and step, counters, data
+The weights are written as DeepSpeed's module files per tp/pp rank (what gpt-neox's tools read;
+train.py itself writes neox's state by plain name alone). The training state by plain name (fp32 weights, Adam's moments and step, counters, data
 position) goes along, so a run at any layout resumes the output (`load` set to it). Checkpoints
 saved before neox kept that state, and --weights-only, give weights only: start a run from them
 with `finetune: true`. A run at another layout can also load the original checkpoint directly.

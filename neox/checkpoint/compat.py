@@ -177,7 +177,7 @@ def checkpoint_dir(load: str, iteration: Optional[int] = None) -> Optional[Path]
     """The global_stepN directory generate.py and eval.py read from `load` (a save directory or
     one global_stepN in it), or None when there is none to read."""
     root = Path(load)
-    if has_model_states(root):
+    if has_plain_state(root) or has_model_states(root):
         return root
     if iteration is not None:
         tag_dir = root / tag_for(iteration)

@@ -1,6 +1,8 @@
 """Read any checkpoint train.py wrote back into the full plain-GPTNeoX state dict.
 
-The files DeepSpeed writes in a `global_stepN` directory depend on the layout that trained it
+train.py's checkpoints hold the weights by plain name (state/, neox/checkpoint/plain_state.py),
+read first. Checkpoints in DeepSpeed's files (gpt-neox's, DeepSpeed's, the conversion tools',
+neox's before state/) are read too. The files DeepSpeed writes in a `global_stepN` directory depend on the layout that trained it
 (neox/checkpoint/ds_files.py names them): one module file per tp rank, one per pipeline layer and
 tp rank, or ZeRO-3's placeholders, whose weights are rebuilt from the fp32 optimizer partitions
 by DeepSpeed's zero_to_fp32.
@@ -313,8 +315,10 @@ def lazy_model_state(
 ) -> Optional[tuple[StateDict, dict[str, list[Source]]]]:
     """(the full state dict as meta tensors of the merged shapes, each name's per-rank sources)
     in load_model_state's order and checked as it checks, without reading a weight; None where
-    the checkpoint must be read whole (ZeRO-3, legacy files, LoRA adapters)."""
-    if read_reference(tag_dir) is not None or not has_model_states(tag_dir):
+    the checkpoint must be read whole (state/, ZeRO-3, legacy files, LoRA adapters)."""
+    if read_reference(tag_dir) is not None or has_plain_state(tag_dir):
+        return None  # state/ is read whole, rounded to the training precision
+    if not has_model_states(tag_dir):
         return None
     tp = cfg.parallel.model_parallel_size
     ranks = _lazy_rank_sources(tag_dir, tp, cfg.model.num_layers, trust)
@@ -430,6 +434,14 @@ def read_checkpoint_config(tag_dir: Path) -> NeoXConfig:
         raise CheckpointError(text) from None
 
 
+def training_dtype(cfg: NeoXConfig) -> torch.dtype:
+    """The dtype a run with this config trained its weights in (the state by plain name keeps
+    fp32 masters; the weights the model ran with are those rounded to it)."""
+    from neox.config.derived import precision_of
+
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision_of(cfg), torch.float32)
+
+
 def load_model_state(
     path: str | Path,
     iteration: Optional[int] = None,
@@ -447,9 +459,10 @@ def load_model_state(
     if read_reference(tag_dir) is not None:
         base, adapters = read_lora_checkpoint(tag_dir, cfg, trust)
         sd = merge_lora(base, adapters, cfg.lora)
-    elif not has_model_states(tag_dir):  # saved by async_save: the state by plain name alone
-        sd = plain_state_dict(tag_dir, trust)
-    else:
+    elif has_plain_state(tag_dir):  # every checkpoint train.py writes
+        sd = plain_state_dict(tag_dir, trust, training_dtype(cfg))
+    else:  # DeepSpeed's files: gpt-neox's, DeepSpeed's, the conversion tools', neox's before
+        # state/
         tp = cfg.parallel.model_parallel_size
         sd = merge_tensor_parallel(read_shards(tag_dir, tp, cfg.model.num_layers, trust))
     if "embed_in.weight" not in sd:
@@ -471,8 +484,11 @@ def read_lora_checkpoint(
         raise CheckpointError(f"{tag_dir} holds no LoRA adapter (no lora_base.json)")
     if problem := base_problem(tag_dir, reference):
         raise CheckpointError(problem)
-    tp = cfg.parallel.model_parallel_size
-    adapters = merge_tensor_parallel(read_shards(tag_dir, tp, cfg.model.num_layers, trust))
+    if has_plain_state(tag_dir):  # the trainable parameters: the adapters
+        adapters = plain_state_dict(tag_dir, trust, training_dtype(cfg))
+    else:
+        tp = cfg.parallel.model_parallel_size
+        adapters = merge_tensor_parallel(read_shards(tag_dir, tp, cfg.model.num_layers, trust))
     others = sorted(k for k in adapters if not is_adapter(k))
     if others or not adapters:
         raise CheckpointError(

@@ -108,8 +108,8 @@ def checkpoint_problem(
         return problem
     shards = sorted(step_dir.glob("*.pt"))
     if not any(is_model_file(p.name) for p in shards) and not has_plain_state(step_dir):
-        return f"{step_dir} holds no model states ({MP_FILES} or {PLAIN_STATE}/)"
-    for path in shards:
+        return f"{step_dir} holds no model states ({PLAIN_STATE}/ or {MP_FILES})"
+    for path in [*shards, *sorted((step_dir / PLAIN_STATE).glob("*.pt"))]:
         try:
             with zipfile.ZipFile(path):
                 pass

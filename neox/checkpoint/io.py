@@ -1,4 +1,6 @@
-"""Save and resume training through DeepSpeed, with the run's config kept beside the weights."""
+"""Save and resume training: the engine's state by plain name (neox/checkpoint/plain_state.py),
+the run's config beside it. Checkpoints in DeepSpeed's files (gpt-neox's, DeepSpeed's, neox's
+before state/) are still read, through the engine's `load`."""
 
 import copy
 import errno
@@ -33,6 +35,8 @@ from neox.checkpoint.plain_state import (
     UniversalState,
     is_universal,
     saved_layout,
+    weights_only,
+    write_client_state,
     write_meta,
     write_pieces,
 )
@@ -110,7 +114,8 @@ def save_checkpoint(
 ) -> Path:
     """Write checkpoint `global_step<iteration>` to cfg.checkpoint.save, atomically.
 
-    Every rank writes its shards into a staging directory; after a barrier rank 0 adds the
+    Every rank writes its part of the state by plain name into a staging directory (the engine's
+    own files are not written); after a barrier rank 0 adds the
     config, the tokenizer files and a manifest, fsyncs, renames the directory into place and
     only then moves `latest` (by rename). A crash at any point leaves `latest` on a complete
     checkpoint. Assumes `save` is one directory all ranks share.
@@ -134,8 +139,7 @@ def save_checkpoint(
         save_in_background(engine, cfg, iteration, state, staging, padded_vocab_size)
         return save_dir / tag
     try:
-        engine.save(str(save_dir), staging.name, state)  # no `latest`: written below, atomically
-        save_plain_state(engine, staging, state)
+        save_plain_state(engine, staging, state)  # no `latest`: written below, atomically
     except Exception as e:
         failed_save(e, save_dir, staging)
         raise
@@ -387,19 +391,21 @@ def save_in_background(
     staging: Path,
     padded_vocab_size: Optional[int],
 ) -> None:
-    """async_save: the state by plain name copied to host memory now (the engine's own files are
-    not written: the copy is all a resume needs), written and published by a background
-    thread (neox.checkpoint.async_save)."""
+    """async_save: the state by plain name copied to host memory now, written and published by
+    a background thread (neox.checkpoint.async_save)."""
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     pieces, scalars = engine.plain_pieces()  # collective; host copies the step may not touch
     layout, state = engine.layout(), copy.deepcopy(state)
+    mp_rank, dp_rank = engine.parallel_rank()
     save_dir, tag = staging.parent, staging.name.removesuffix(STAGING_SUFFIX)
 
     def write() -> None:
         try:
             files = write_pieces(staging, rank, pieces)
+            if dp_rank == 0:
+                files += write_client_state(staging, mp_rank, state)
             if rank == 0:
-                files += write_meta(staging, layout, scalars, state)
+                files += write_meta(staging, layout, scalars)
             kill_point("async_write", rank, iteration)
             async_save.mark_done(staging, rank, files)
             if rank == 0:
@@ -424,43 +430,61 @@ def wait_for_saves() -> None:
 
 
 def save_plain_state(engine, staging: Path, client_state: dict[str, Any]) -> None:
-    """The training state by plain name (neox.checkpoint.plain_state) beside the engine's files."""
+    """This rank's part of the training state by plain name (neox.checkpoint.plain_state)."""
     pieces, scalars = engine.plain_pieces()  # collective: every rank
     rank = torch.distributed.get_rank()
+    mp_rank, dp_rank = engine.parallel_rank()
     write_pieces(staging, rank, pieces)
+    if dp_rank == 0:
+        write_client_state(staging, mp_rank, client_state)
     if rank == 0:
-        write_meta(staging, engine.layout(), scalars, client_state)
+        write_meta(staging, engine.layout(), scalars)
 
 
-def relaid_out(engine, step_dir: Path) -> Optional[Layout]:
-    """The layout that saved step_dir when it is not this run's and the checkpoint carries its
-    state by plain name (the engine's own files then do not fit), else None. A DeepSpeed
-    universal checkpoint is always read by name."""
+def read_by_name(engine, step_dir: Path, finetune: bool) -> Optional[Layout]:
+    """The layout that saved step_dir when the run reads it by plain name, else None (the
+    engine's `load` reads DeepSpeed's files). By name: every checkpoint of state/ alone, and a
+    DeepSpeed universal checkpoint. A checkpoint of neox before state/ became the only format
+    carries both: its DeepSpeed files at the layout that saved them (every model-parallel rank's
+    client state is there), else its state/ (a finetune reads the weights by name too)."""
     if is_universal(step_dir):
         return UniversalState.layout
     saved = saved_layout(step_dir)
-    if saved is not None and not has_model_states(step_dir):
-        return saved  # saved by async_save: state/ alone
-    return saved if saved is not None and saved != engine.layout() else None
+    if saved is None or not has_model_states(step_dir):
+        return saved
+    return saved if finetune or saved != engine.layout() else None
 
 
 def load_plain_state(
     engine, step_dir: Path, saved: Layout, cfg: NeoXConfig
 ) -> tuple[str, dict[str, Any]]:
-    """Resume from step_dir's plain state (saved at another layout); (path, client state)."""
+    """Resume (or with finetune, take the weights) from step_dir's state by plain name; (path,
+    client state)."""
     c = cfg.checkpoint
-    if torch.distributed.get_rank() == 0:
+    finetune = cfg.training.finetune
+    now = engine.layout()
+    if torch.distributed.get_rank() == 0 and saved != now:
         log.info(
-            "resuming %s, saved by the %s, at this run's %s from its state by plain name",
+            "%s %s, saved by the %s, at this run's %s from its state by plain name",
+            "loading the weights of" if finetune else "resuming",
             step_dir,
             saved.describe(),
-            engine.layout().describe(),
+            now.describe(),
         )
-    reader = UniversalState if is_universal(step_dir) else PlainState
-    state = reader(step_dir, c.trust_checkpoint_code)
-    now = engine.layout()
-    if isinstance(state, PlainState) and (saved.tp, saved.pp) != (now.tp, now.pp):
-        # Tensors in the client state (DPO/KTO's reference weights) are this rank's shard.
+    same = (saved.tp, saved.pp) == (now.tp, now.pp)
+    if is_universal(step_dir):
+        state = UniversalState(step_dir, c.trust_checkpoint_code)
+    else:
+        # The client state is per model-parallel rank: this rank's own at the saved TP/PP.
+        mp_rank = engine.parallel_rank()[0] if same else 0
+        state = PlainState(step_dir, c.trust_checkpoint_code, mp_rank)
+    if finetune:
+        engine.load_plain(weights_only(state), load_optimizer_states=False)
+        return str(state.dir), {}
+    if isinstance(state, PlainState) and not (same and state.client_ranks == now.tp * now.pp):
+        # Every rank read model-parallel rank 0's client state (another layout, or a checkpoint
+        # saved before it was kept per rank): its tensors (DPO/KTO's reference weights) are
+        # that rank's shard.
         client = state.client_state.items()
         sharded = sorted(k for k, v in client if k != "rng" and _holds_tensors(v))
         if sharded:
@@ -469,7 +493,7 @@ def load_plain_state(
                 f"tp={saved.tp} pp={saved.pp}); resume it at that layout"
             )
     engine.load_plain(state, load_optimizer_states=not c.no_load_optim)
-    return str(step_dir), dict(state.client_state)
+    return str(state.dir), dict(state.client_state)
 
 
 def _holds_tensors(value: Any) -> bool:
@@ -520,9 +544,9 @@ def load_checkpoint(engine, cfg: NeoXConfig) -> Optional[dict[str, Any]]:
                 log.warning("skipping checkpoint %s", failures[-1])
             continue
         try:
-            relaid = None if finetune else relaid_out(engine, Path(c.load) / tag)
-            if relaid is not None:
-                path, state = load_plain_state(engine, Path(c.load) / tag, relaid, cfg)
+            by_name = read_by_name(engine, Path(c.load) / tag, finetune)
+            if by_name is not None:
+                path, state = load_plain_state(engine, Path(c.load) / tag, by_name, cfg)
             else:
                 with checkpoint_for_run(c.load, cfg, zero3, tag) as load_dir:
                     path, state = engine.load(

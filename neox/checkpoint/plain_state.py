@@ -1,17 +1,22 @@
 """The training state by plain parameter name, independent of the layout that saved it.
 
-Every checkpoint carries, beside the engine's own files, `state/`: per logical parameter of the
-plain (unsharded) model, its fp32 master weight and Adam's exp_avg and exp_avg_sq, plus the
-optimizer step, the loss scale and the engine's counters. A run whose layout (engine, TP, PP,
-DP, ZeRO stage) differs from the saved one resumes from it; docs/checkpoints.md says why this
-format (safetensors pieces and a JSON index, no pickle for the tensors) and not DCP.
+A run checkpoint is `state/` (with config.yml, the tokenizer files and the manifest beside it):
+per logical parameter of the plain (unsharded) model, its fp32 master weight and Adam's exp_avg
+and exp_avg_sq, plus the optimizer step, the loss scale and the engine's counters. Both engines
+write it and read it back, at any layout (engine, TP, PP, DP, ZeRO stage); DeepSpeed's own files
+are only read (checkpoints of gpt-neox, DeepSpeed and neox before this format:
+neox/checkpoint/ds_files.py). docs/checkpoints.md says why this format (safetensors pieces and a
+JSON index, no pickle for the tensors) and not DCP.
 
 Each writing rank stores its pieces, whole TP slices of the logical tensors, in
 `state/rank_RRRRR.safetensors` and describes them in `state/rank_RRRRR.json`: for each key
 `<kind>/<name>`, the logical shape, the dim TP splits (None: whole) and where the slice starts.
 Replicated tensors are written once (data-parallel rank 0; tensor-parallel rank 0 for
 unsplit ones). A loading rank reads only the slices its own parameters need (safe_open's
-get_slice), so any TP/PP/DP split of the same model reads the same files.
+get_slice), so any TP/PP/DP split of the same model reads the same files. The client state
+(counters, RNG states, DPO/KTO's reference weights) is kept per model-parallel rank, as
+DeepSpeed kept it: `client_state.pt` for model-parallel rank 0, `client_state_mpRRRRR.pt` for
+the others; a run at the saved TP/PP reads its own, any other rank 0's.
 """
 
 from __future__ import annotations
@@ -94,16 +99,26 @@ def write_pieces(step_dir: Path, rank: int, pieces: list[Piece]) -> list[Path]:
     return [out / f"{stem}.safetensors", out / f"{stem}.json"]
 
 
-def write_meta(
-    step_dir: Path, layout: Layout, scalars: dict[str, Any], client_state: dict[str, Any]
-) -> list[Path]:
-    """Rank 0: the saving layout, the engine's scalars and the client state; the files."""
+def client_file(mp_rank: int) -> str:
+    """The client state file of a model-parallel rank (pipeline stage x tp + tp rank)."""
+    return CLIENT_FILE if mp_rank == 0 else f"client_state_mp{mp_rank:05d}.pt"
+
+
+def write_meta(step_dir: Path, layout: Layout, scalars: dict[str, Any]) -> list[Path]:
+    """Rank 0: the saving layout and the engine's scalars; the files."""
     out = Path(step_dir) / STATE_DIR
     out.mkdir(parents=True, exist_ok=True)
     meta = {"layout": vars(layout), "scalars": scalars}
     (out / META_FILE).write_text(json.dumps(meta, indent=1) + "\n")
-    torch.save(client_state, out / CLIENT_FILE)
-    return [out / META_FILE, out / CLIENT_FILE]
+    return [out / META_FILE]
+
+
+def write_client_state(step_dir: Path, mp_rank: int, client_state: dict[str, Any]) -> list[Path]:
+    """Data-parallel rank 0 of each model-parallel rank: its client state; the file."""
+    out = Path(step_dir) / STATE_DIR
+    out.mkdir(parents=True, exist_ok=True)
+    torch.save(client_state, out / client_file(mp_rank))
+    return [out / client_file(mp_rank)]
 
 
 def copy_plain_state(src_step_dir: Path, dst_step_dir: Path) -> None:
@@ -128,9 +143,10 @@ def saved_layout(step_dir: Path) -> Optional[Layout]:
 
 
 class PlainState:
-    """A checkpoint's state/ for reading: any slice of any logical tensor."""
+    """A checkpoint's state/ for reading: any slice of any logical tensor, and the client state
+    of model-parallel rank `mp_rank` (rank 0's where the checkpoint has none of its own)."""
 
-    def __init__(self, step_dir: Path, trust: bool = False) -> None:
+    def __init__(self, step_dir: Path, trust: bool = False, mp_rank: int = 0) -> None:
         from neox.checkpoint.trust import load_file
 
         self.dir = Path(step_dir) / STATE_DIR
@@ -144,13 +160,27 @@ class PlainState:
         meta = json.loads(meta_path.read_text())
         self.layout = Layout(**meta["layout"])
         self.scalars: dict[str, Any] = meta["scalars"]
-        self.client_state: dict[str, Any] = load_file(self.dir / CLIENT_FILE, trust)
+        # Model-parallel ranks with a client state file of their own (1 before it was per rank).
+        self.client_ranks = len(list(self.dir.glob("client_state*.pt")))
+        own = self.dir / client_file(mp_rank)
+        self.client_state: dict[str, Any] = load_file(
+            own if own.is_file() else self.dir / CLIENT_FILE, trust
+        )
         # key -> [(file, entry)]: a split tensor has one entry per saved TP rank.
         self.entries: dict[str, list[tuple[Path, dict]]] = {}
         for index in sorted(self.dir.glob("rank_*.json")):
             data = index.with_suffix(".safetensors")
+            if not data.is_file():
+                raise CheckpointError(f"{data} is missing: the checkpoint is incomplete")
             for key, entry in json.loads(index.read_text()).items():
                 self.entries.setdefault(key, []).append((data, entry))
+        for key, entries in self.entries.items():
+            # A split tensor has one piece per saving tensor-parallel rank, all of them.
+            if entries[0][1]["dim"] is not None and len(entries) != self.layout.tp:
+                raise CheckpointError(
+                    f"{self.dir} holds {len(entries)} of the {self.layout.tp} tensor-parallel "
+                    f"pieces of {key}: the checkpoint is incomplete"
+                )
 
     def has(self, kind: str, name: str) -> bool:
         return f"{kind}/{name}" in self.entries
@@ -198,15 +228,27 @@ class PlainState:
         return out
 
 
-def plain_state_dict(step_dir: Path, trust: bool = False) -> dict[str, torch.Tensor]:
-    """The fp32 weights of a checkpoint's state/, whole and by plain name (the trainable
-    parameters: every one, but for a LoRA run's frozen base)."""
+def weights_only(state: Any) -> Any:
+    """`state` (a PlainState or UniversalState) as a finetune run reads it: the weights, and
+    nothing of the saving run's step, counters or client state."""
+    state.scalars = {"step": None}
+    state.client_state = {}
+    return state
+
+
+def plain_state_dict(
+    step_dir: Path, trust: bool = False, dtype: torch.dtype = torch.float32
+) -> dict[str, torch.Tensor]:
+    """The weights of a checkpoint's state/, whole and by plain name (the trainable
+    parameters: every one, but for a LoRA run's frozen base): the fp32 masters, rounded to
+    `dtype` (a run's training precision: the weights its model computed with)."""
     state = PlainState(step_dir, trust)
     out = {}
     for key, entries in state.entries.items():
         kind, _, name = key.partition("/")
         if kind == "fp32":
-            out[name] = state.read(kind, name, tuple(entries[0][1]["shape"]), None, 0)
+            whole = state.read(kind, name, tuple(entries[0][1]["shape"]), None, 0)
+            out[name] = whole.to(dtype)
     return out
 
 

@@ -46,19 +46,17 @@ class CheckpointConfig(ConfigGroup):
             example=True,
             allowed=(False,),
             message=(
-                "no_save_optim is not implemented: DeepSpeed writes the optimizer state into "
+                "no_save_optim is not implemented: neox writes the optimizer state into "
                 "every checkpoint; leave it false (no_load_optim skips it when loading)"
             ),
         ),
     ] = False
-    """gpt-neox key: not implemented (DeepSpeed always writes the optimizer state), must be false."""
+    """gpt-neox key: not implemented (neox always writes the optimizer state), must be false."""
 
-    async_save: Annotated[
-        bool, Reads("neox/checkpoint/io.py", "neox/plan/memory.py", "neox/plan/preflight.py")
-    ] = False
+    async_save: Annotated[bool, Reads("neox/checkpoint/io.py", "neox/plan/memory.py")] = False
     """Save in the background: the step waits only for the copy of the training state to host
     memory (counted in the estimate), a thread writes it and publishes it atomically when complete.
-    Such a checkpoint holds the state by plain name alone (docs/checkpoints.md)."""
+    The checkpoint is the synchronous save's, file for file (docs/checkpoints.md)."""
 
     no_save_rng: Annotated[bool, Reads("neox/checkpoint/io.py")] = False
     """Leave RNG state out of checkpoints."""

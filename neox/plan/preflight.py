@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Optional
 
 from neox.checkpoint.ds_files import has_model_states
+from neox.checkpoint.find import has_plain_state
 from neox.config.errors import ConfigError
 from neox.config.loader import LoadedConfig
 
@@ -303,7 +304,7 @@ def checkpoint_problem(load: Optional[str], iteration: Optional[int] = None) -> 
     if load is None:
         return f"no trained weights: {fix}"
     root = Path(load)
-    if has_model_states(root):
+    if has_plain_state(root) or has_model_states(root):
         return None  # one global_stepN directory itself
     if iteration is not None:
         if (root / f"global_step{iteration}").is_dir():
@@ -720,31 +721,17 @@ def git_hash() -> Optional[str]:
 
 
 def checkpoint_bytes(cfg, derived) -> int:
-    """One checkpoint's size, summed over every rank's files, as the run's engine writes it
-    (tests/faults/test_checkpoint_faults.py measures both): the weights in their training
-    precision; an fp32 master copy wherever one is saved (the flat engine always, fp32 runs
-    included; DeepSpeed in half precision and at ZeRO 1-3, where it clones its partition);
-    the optimizer's fp32 states (Adam two, Lion and SGD one); and what is not tensors, 32 KiB
-    for config.yml and the manifest and 32 KiB a rank for its pickled metadata (RNG states,
-    DeepSpeed's config: about 35 KB in all for one rank, as measured). Beside them, state/
-    (neox/checkpoint/plain_state.py): the fp32 weights and Adam's moments by plain name, 32 KiB
-    for its index and client state; with async_save state/ alone."""
-    from neox.config.ds_config import zero_section
+    """One checkpoint's size, summed over every rank's files (tests/faults/test_checkpoint_faults.py
+    measures it): state/ (neox/checkpoint/plain_state.py), the fp32 weights and the optimizer's
+    moments by plain name (Adam two, SGD none), and what is not tensors, 32 KiB for its index
+    and client state and 32 KiB for config.yml and the manifest."""
     from neox.plan.engine_choice import engine_for
     from neox.plan.estimate import count_parameters
     from neox.plan.memory import OPTIMIZER_STATES
 
     params = count_parameters(cfg.model, derived.padded_vocab_size or 0)
-    half = derived.precision in ("fp16", "bf16")
-    choice = engine_for(cfg, derived)
-    stage = int(zero_section(cfg, derived.data_parallel, None).get("stage", 0))
-    master = choice.engine == "flat" or half or stage > 0
-    states = OPTIMIZER_STATES.get(choice.optimizer.lower(), 1)
-    metadata = 32 * 1024 * (1 + derived.world_size)
-    plain = params * 4 * (1 + min(states, 2)) + 32 * 1024
-    if cfg.checkpoint.async_save:
-        return plain + 32 * 1024
-    return params * ((2 if half else 4) + (4 if master else 0) + 4 * states) + metadata + plain
+    states = OPTIMIZER_STATES.get(engine_for(cfg, derived).optimizer.lower(), 1)
+    return params * 4 * (1 + min(states, 2)) + 2 * 32 * 1024
 
 
 def check_lora_base(loaded: LoadedConfig) -> None:

@@ -138,17 +138,6 @@ class DeepSpeedAdapter:
             return self.ds.eval_batch(data_iter=_pipeline_batches(step))
         return torch.stack([self.loss_fn(self.ds, b) for b in step]).mean()
 
-    def save(self, save_dir: str, tag: str, client_state: dict[str, Any]) -> None:
-        # DeepSpeed's own `latest` is a plain write, made before other ranks are known to be done.
-        # Frozen parameters (LoRA's base) are not saved: the run reads them from lora_base.
-        self.ds.save_checkpoint(
-            save_dir,
-            tag=tag,
-            client_state=client_state,
-            save_latest=False,
-            exclude_frozen_parameters=True,
-        )
-
     def load(
         self,
         load_dir: str,
@@ -168,7 +157,7 @@ class DeepSpeedAdapter:
                 load_optimizer_states=load_optimizer_states,
                 load_lr_scheduler_states=False,
                 load_module_only=load_module_only,
-                # A LoRA checkpoint lacks the frozen base (see save); the rest must all be there.
+                # A LoRA checkpoint lacks the frozen base (its run reads it from lora_base).
                 load_module_strict=all(p.requires_grad for p in self.ds.module.parameters()),
             )
 
@@ -197,6 +186,10 @@ class DeepSpeedAdapter:
             m.get_data_parallel_rank(),
             m.get_data_parallel_world_size(),
         )
+
+    def parallel_rank(self) -> tuple[int, int]:
+        tp_rank, tp, stage, _, dp_rank, _ = self._coords()
+        return stage * tp + tp_rank, dp_rank
 
     def layout(self) -> Any:
         from neox.checkpoint.plain_state import Layout

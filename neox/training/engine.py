@@ -1,8 +1,8 @@
 """The one interface the training loop steps with, and the engine a run builds behind it.
 
 `Engine` is what neox/training/loop.py and neox/checkpoint/io.py use: a whole optimizer step
-from an iterator of micro-batches (`train_batch`), an evaluation batch, train/eval mode, save
-and load. Two implementations: neox's flat engine (neox/training/flat_engine.py) and DeepSpeed's
+from an iterator of micro-batches (`train_batch`), an evaluation batch, train/eval mode, and
+its training state by plain name for checkpoints (`plain_pieces`, `load_plain`). Two implementations: neox's flat engine (neox/training/flat_engine.py) and DeepSpeed's
 engine behind `DeepSpeedAdapter` (neox/training/deepspeed_engine.py), which keeps everything
 DeepSpeed-specific (pipeline batches, the stage-0 norm and non-finite skip, the fused overflow
 check, the fp16 loss scale). Which one runs is decided once, torch-free, by
@@ -62,11 +62,6 @@ class Engine(Protocol):
 
     def eval(self) -> None: ...
 
-    def save(self, save_dir: str, tag: str, client_state: dict[str, Any]) -> None:
-        """This rank's files of checkpoint `tag` (DeepSpeed's layout), client_state included;
-        neox/checkpoint/io.py adds the state by plain name (plain_pieces) beside them."""
-        ...
-
     def load(
         self,
         load_dir: str,
@@ -75,12 +70,20 @@ class Engine(Protocol):
         load_module_only: bool,
         trust: bool = False,
     ) -> tuple[Optional[str], Optional[dict[str, Any]]]:
-        """(path, client state) of the checkpoint loaded, or (None, None) when there is none.
-        Files are read weights-only with neox.checkpoint.trust's allow-list unless `trust`."""
+        """A checkpoint in DeepSpeed's files (gpt-neox's, DeepSpeed's, neox's before state/):
+        (path, client state) of the checkpoint loaded, or (None, None) when there is none.
+        Files are read weights-only with neox.checkpoint.trust's allow-list unless `trust`.
+        Checkpoints are written, and read where they have it, as state/ (plain_pieces,
+        load_plain)."""
         ...
 
     def partitions_weights(self) -> bool:
         """ZeRO-3: each rank holds a slice of every weight (checkpoints are laid out so)."""
+        ...
+
+    def parallel_rank(self) -> tuple[int, int]:
+        """(model-parallel rank: pipeline stage x tp + tp rank, data-parallel rank) of this
+        rank: whose client state it keeps in a checkpoint."""
         ...
 
     def layout(self) -> Any:

@@ -14,11 +14,13 @@ No host sync, no per-tensor launches.
 The semantics are DeepSpeed's ZeRO-1: bf16 parameters with fp32 master weights partitioned over
 the data-parallel ranks (fp32 runs train the parameters themselves), the loss divided by the
 accumulation steps, gradients averaged over ranks, clipping by the global norm with DeepSpeed's
-formula, a step with an inf/NaN gradient skipped and counted. Checkpoints are DeepSpeed's ZeRO-1
-files, key for key: `consolidate`, the export tools and DeepSpeed's engine read them, this
-engine resumes DeepSpeed's, and it resumes its own at another data-parallel size.
+formula, a step with an inf/NaN gradient skipped and counted. Checkpoints are neox's state by
+plain name (neox/checkpoint/plain_state.py: plain_pieces, load_plain), which DeepSpeed's engine
+resumes too, at any layout; DeepSpeed's ZeRO 0-2 files without model parallelism (DeepSpeed's
+engine's, this engine's before state/) are read through neox/checkpoint/zero_state.py.
 
-DeepSpeed keys it honours as DeepSpeed's engine does (the rest send a run to DeepSpeed's, see
+Its settings are neox's own config (FlatSettings.of), never DeepSpeed's JSON. The DeepSpeed keys
+it honours as DeepSpeed's engine does (the rest send a run to DeepSpeed's, see
 neox.plan.engine_choice.FLAT_KEYS): gradient_clipping; fp32_allreduce and
 communication_data_type (the dtype gradients are reduced in); data_types.grad_accum_dtype when
 it is the training precision; steps_per_print (a `step=, lr=` debug line) and wall_clock_breakdown
@@ -30,31 +32,77 @@ gradients are one buffer, reduced by one collective.
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from neox.checkpoint.ds_files import ENGINE_KEYS, mp_file, optim_file
-from neox.checkpoint.trust import load_file
 from neox.data.batch import Batch
 from neox.plan.engine_choice import one_pass_adamw
 from neox.training.engine import LossFn, StepResult, forward_loss, take, weigh_micro_batches
 
+if TYPE_CHECKING:
+    from neox.config import Derived, NeoXConfig
+
 log = logging.getLogger(__name__)
 
-MODEL_FILE = mp_file(0)
 # DeepSpeed pads each flat group to 4 bytes of bf16 times the data-parallel size, so that every
 # rank's partition starts 4-byte aligned and all partitions are the same size.
 ALIGNMENT = 2
 
 
 COMM_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class FlatSettings:
+    """What the flat engine reads of a run's config (FlatSettings.of)."""
+
+    micro_batch: int
+    """Samples per micro-batch on each rank (counted into global_samples)."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step."""
+    clip: float = 0.0
+    """Clip the gradient's global norm to this (0: no clipping); gradient_clipping."""
+    bf16: bool = False
+    """bf16 weights and gradients with fp32 master weights; else fp32 throughout."""
+    zero_stage: int = 0
+    """The configured ZeRO stage (0-2: the partitions are ZeRO-1's whatever the stage)."""
+    comm_dtype: Optional[str] = None
+    """The dtype gradients are reduced in ("fp32", "fp16", "bf16"); None: their own."""
+    steps_per_print: int = 0
+    """A `step=, lr=` debug line (and the wall-clock times) every this many steps; 0: never."""
+    wall_clock_breakdown: bool = False
+    """Time forward, backward and step with DeepSpeed's timers, logged at steps_per_print."""
+
+    @classmethod
+    def of(cls, cfg: NeoXConfig, derived: Derived) -> FlatSettings:
+        """The settings of a validated config, as DeepSpeed's engine reads the same keys
+        (neox.config.ds_config builds its JSON from them): communication_data_type, else fp32
+        with fp32_allreduce; deepspeed_extra_args, which DeepSpeed's JSON takes last, win."""
+        t, p, lg = cfg.training, cfg.precision, cfg.logging
+        extra = cfg.deepspeed.deepspeed_extra_args or {}
+        comm = p.communication_data_type or ("fp32" if p.fp32_allreduce else None)
+        if "communication_data_type" in extra or "fp32_allreduce" in extra:
+            comm = extra.get("communication_data_type") or (
+                "fp32" if extra.get("fp32_allreduce", p.fp32_allreduce) else None
+            )
+        clip = t.clip_grad if t.clip_grad is not None else t.gradient_clipping
+        return cls(
+            micro_batch=derived.micro_batch,
+            grad_accum=derived.grad_accum,
+            clip=float(extra.get("gradient_clipping", clip) or 0.0),
+            bf16=derived.precision == "bf16",
+            zero_stage=int((extra.get("zero_optimization") or {}).get("stage", derived.zero_stage)),
+            comm_dtype=comm,
+            steps_per_print=int(extra.get("steps_per_print", lg.steps_per_print) or 0),
+            wall_clock_breakdown=bool(extra.get("wall_clock_breakdown", lg.wall_clock_breakdown)),
+        )
 
 
 def _one_pass_ok(optimizer: torch.optim.Optimizer, device: torch.device) -> bool:
@@ -104,18 +152,6 @@ class FlatGroup:
         # fp32 master weights of the partition, made from the bf16 values as DeepSpeed does.
         self.master = self.part if dtype == torch.float32 else self.part.float()
 
-    def slice_mappings(self) -> OrderedDict:
-        """DeepSpeed's param_slice_mappings: each parameter's fragment in this partition."""
-        from deepspeed.utils.tensor_fragment import fragment_address
-
-        out = OrderedDict()
-        end = self.start + self.size
-        for name, p, off in zip(self.names, self.params, self.offsets):
-            lo, hi = max(off, self.start), min(off + p.numel(), end)
-            if lo < hi:
-                out[name] = fragment_address(numel=hi - lo, start=lo - self.start)
-        return out
-
     def reduce_gradients(self, group: Any, dtype: torch.dtype) -> None:
         """Sum the gradient buffer over the data-parallel ranks into this rank's partition,
         communicating in `dtype` (a copy when it is not the gradients' own)."""
@@ -146,28 +182,28 @@ class FlatEngine:
 
     def __init__(
         self,
-        ds_config: dict[str, Any],
+        settings: FlatSettings,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         mpu,
         loss_fn: LossFn = forward_loss,
     ) -> None:
-        self.config = ds_config
+        self.settings = settings
         self.loss_fn = loss_fn
-        self.bf16 = bool(ds_config.get("bf16", {}).get("enabled"))
+        self.bf16 = settings.bf16
         dtype = torch.bfloat16 if self.bf16 else torch.float32
         self.module = model.to(dtype)
         self.mpu = mpu
         self.dp_group = mpu.get_data_parallel_group() if mpu is not None else None
         self.dp = mpu.get_data_parallel_world_size() if mpu is not None else 1
         self.dp_rank = mpu.get_data_parallel_rank() if mpu is not None else 0
-        self.grad_accum = int(ds_config.get("gradient_accumulation_steps", 1))
-        self.clip = float(ds_config.get("gradient_clipping") or 0.0)
-        self.micro_batch = int(ds_config["train_micro_batch_size_per_gpu"])
-        self.zero_stage = int(ds_config.get("zero_optimization", {}).get("stage", 0))
-        self.comm_dtype = comm_dtype(ds_config, dtype)
-        self.steps_per_print = int(ds_config.get("steps_per_print") or 0)
-        self.timers = _timers(bool(ds_config.get("wall_clock_breakdown")))
+        self.grad_accum = settings.grad_accum
+        self.clip = settings.clip
+        self.micro_batch = settings.micro_batch
+        self.zero_stage = settings.zero_stage
+        self.comm_dtype = COMM_DTYPES[settings.comm_dtype] if settings.comm_dtype else dtype
+        self.steps_per_print = settings.steps_per_print
+        self.timers = _timers(settings.wall_clock_breakdown)
         if self.dp > 1:
             # Every rank starts from rank 0's weights, as DeepSpeed's engine broadcasts them.
             for p in model.parameters():
@@ -366,9 +402,6 @@ class FlatEngine:
     def partitions_weights(self) -> bool:
         return False
 
-    def save(self, save_dir: str, tag: str, client_state: dict[str, Any]) -> None:
-        self.save_checkpoint(save_dir, tag, client_state)
-
     def load(
         self,
         load_dir: str,
@@ -377,13 +410,23 @@ class FlatEngine:
         load_module_only: bool,
         trust: bool = False,
     ) -> tuple[Optional[str], Optional[dict[str, Any]]]:
-        return self.load_checkpoint(
-            load_dir,
-            tag,
-            load_optimizer_states=load_optimizer_states,
-            load_module_only=load_module_only,
-            trust=trust,
-        )
+        """A checkpoint in DeepSpeed's ZeRO 0-2 files without model parallelism (DeepSpeed's
+        engine's, or this engine's before state/), at any data-parallel size, through
+        load_plain; (None, None) when there is none."""
+        from neox.checkpoint.ds_files import mp_file
+        from neox.checkpoint.find import read_latest
+        from neox.checkpoint.zero_state import ZeroState
+
+        tag = tag or read_latest(Path(load_dir))
+        path = Path(load_dir) / (tag or "")
+        if tag is None or not (path / mp_file(0)).is_file():
+            return None, None
+        state = ZeroState(path, trust, weights_only=load_module_only)
+        self.load_plain(state, load_optimizer_states and not load_module_only)
+        return str(path / mp_file(0)), state.client_state
+
+    def parallel_rank(self) -> tuple[int, int]:
+        return 0, self.dp_rank
 
     # -- the training state by plain name (neox/checkpoint/plain_state.py) -------------------
 
@@ -464,216 +507,6 @@ class FlatEngine:
         self.global_steps = int(state.scalars.get("global_steps", 0))
         self.global_samples = int(state.scalars.get("global_samples", 0))
         self._skipped.fill_(int(state.scalars.get("skipped_steps", 0)))
-
-    # -- checkpoints, in DeepSpeed's ZeRO-1 layout -------------------------------------------
-
-    def save_checkpoint(
-        self, save_dir: str, tag: str, client_state: dict[str, Any], save_latest: bool = False
-    ) -> None:
-        """The model file (data-parallel rank 0) and this rank's optimizer partition."""
-        import deepspeed
-        from deepspeed.runtime.fp16.loss_scaler import LossScaler
-        from deepspeed.runtime.zero.config import ZeroStageEnum
-
-        path = Path(save_dir) / tag
-        path.mkdir(parents=True, exist_ok=True)
-        if self.dp_rank == 0:
-            state = {
-                "module": trainable_state_dict(self.module),
-                "buffer_names": [n for n, _ in self.module.named_buffers()],
-                "optimizer": None,
-                "param_shapes": [
-                    OrderedDict((n, p.shape) for n, p in zip(g.names, g.params))
-                    for g in self.groups
-                ],
-                "frozen_param_shapes": None,
-                "shared_params": {},
-                "frozen_param_fragments": None,
-                "lr_scheduler": None,
-                "data_sampler": None,
-                "random_ltd": None,
-                "sparse_tensor_module_names": set(),
-                "skipped_steps": self.skipped_steps,
-                "global_steps": self.global_steps,
-                "global_samples": self.global_samples,
-                "dp_world_size": self.dp,
-                "mp_world_size": 1,
-                "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 1},
-                "ds_config": self.config,
-                "ds_version": deepspeed.__version__,
-                **client_state,
-            }
-            torch.save(state, path / MODEL_FILE)
-        optim = {
-            "loss_scaler": LossScaler(scale=1.0),
-            "dynamic_loss_scale": False,
-            "overflow": False,
-            "clip_grad": self.clip,
-            "base_optimizer_state": self.optimizer.state_dict(),
-            # DeepSpeed saves the fp32 partitions without the padding. A clone: torch.save of a
-            # view writes its whole storage (for fp32 runs, every rank's flat buffer).
-            "single_partition_of_fp32_groups": [
-                g.master[: g.size - g.padding].clone() for g in self.groups
-            ],
-            "zero_stage": ZeroStageEnum.optimizer_states,
-            "group_paddings": [g.padding for g in self.groups],
-            "param_alignment_paddings": [[0] * len(g.params) for g in self.groups],
-            "partition_count": [self.dp] * len(self.groups),
-            "ds_version": deepspeed.__version__,
-            "param_slice_mappings": [g.slice_mappings() for g in self.groups],
-        }
-        doc = {"optimizer_state_dict": optim, "ds_config": self.config}
-        doc["ds_version"] = deepspeed.__version__
-        torch.save(doc, path / optim_file(self.dp_rank, self.bf16))
-
-    @torch.no_grad()
-    def load_checkpoint(
-        self,
-        load_dir: str,
-        tag: Optional[str] = None,
-        load_optimizer_states: bool = True,
-        load_lr_scheduler_states: bool = False,
-        load_module_only: bool = False,
-        trust: bool = False,
-    ) -> tuple[Optional[str], Optional[dict[str, Any]]]:
-        """Load a ZeRO 0-2 checkpoint without model parallelism (DeepSpeed's or this engine's,
-        at any data-parallel size); returns (path, client state) as DeepSpeed's
-        load_checkpoint does, or (None, None) when there is none."""
-        if tag is None:
-            latest = Path(load_dir) / "latest"
-            if not latest.is_file():
-                return None, None
-            tag = latest.read_text().strip()
-        path = Path(load_dir) / tag
-        model_file = path / MODEL_FILE
-        if not model_file.is_file():
-            return None, None
-        state = load_file(model_file, trust)
-        load_trainable_state_dict(self.module, state["module"], model_file)
-        if load_module_only:
-            self._masters_from_weights()
-            return str(model_file), {k: v for k, v in state.items() if k != "module"}
-        self.global_steps = state["global_steps"]
-        self.global_samples = state.get("global_samples", 0)
-        self._skipped.fill_(state["skipped_steps"])
-        if load_optimizer_states:
-            self._load_optimizer(path, state, trust)
-        else:
-            self._masters_from_weights()
-        skip = ENGINE_KEYS - ({"optimizer"} if not load_optimizer_states else set())
-        return str(model_file), {k: v for k, v in state.items() if k not in skip}
-
-    def _masters_from_weights(self) -> None:
-        for g in self.groups:
-            if g.master is not g.part:
-                g.master.copy_(g.part)
-
-    def _load_optimizer(self, path: Path, state: dict[str, Any], trust: bool) -> None:
-        """Every saved rank's partition joined into whole groups, then this rank's partition
-        taken: the same code reads a checkpoint of any data-parallel size."""
-        from neox.checkpoint.errors import CheckpointError
-
-        saved_dp = int(state.get("dp_world_size", 1))
-        if int(state.get("mp_world_size", 1)) != 1:
-            raise CheckpointError(
-                f"{path} was saved with model parallelism; set finetune: true to load its weights"
-            )
-        parts = []
-        for r in range(saved_dp):
-            files = [path / optim_file(r, True), path / optim_file(r, False)]
-            found = next((f for f in files if f.is_file()), None)
-            if found is None:
-                raise CheckpointError(
-                    f"{path} holds no ZeRO optimizer file {files[0].name} (dp_world_size "
-                    f"{saved_dp}); resume with the ZeRO stage it was saved with, or set "
-                    "no_load_optim: true"
-                )
-            doc = load_file(found, trust)
-            parts.append(doc["optimizer_state_dict"])
-        mapped = [list(m) for m in parts[0].get("param_slice_mappings", [])]
-        if saved_dp == 1 and mapped and mapped != [g.names for g in self.groups]:
-            raise CheckpointError(
-                f"{path}: its parameter groups do not match this model's; resume with the "
-                "model config the checkpoint was saved with, or set finetune: true"
-            )
-        first = parts[0]["base_optimizer_state"]
-        if not first["state"]:  # saved before the first step: nothing but the weights
-            self._masters_from_weights()
-            return
-        if len(first["param_groups"]) != len(self.groups):
-            raise CheckpointError(
-                f"{path} has {len(first['param_groups'])} optimizer parameter groups, this run "
-                f"{len(self.groups)}; resume with the optimizer settings it was saved with"
-            )
-        groups_state = []
-        for i, g in enumerate(self.groups):
-            g.master.copy_(self._my_partition(path, parts, i, "master"))
-            groups_state.append(
-                {
-                    "step": first["state"][i]["step"],
-                    "exp_avg": self._my_partition(path, parts, i, "exp_avg"),
-                    "exp_avg_sq": self._my_partition(path, parts, i, "exp_avg_sq"),
-                }
-            )
-        self.optimizer.load_state_dict(
-            {"state": dict(enumerate(groups_state)), "param_groups": first["param_groups"]}
-        )
-        for group in self.optimizer.param_groups:
-            group["fused"] = True  # the saved groups may say otherwise
-        for g in self.groups:
-            if g.master is not g.part:
-                g.part.copy_(g.master)
-            g.gather_weights(self.dp_group)
-
-    def _my_partition(self, path: Path, parts: list[dict], i: int, key: str) -> torch.Tensor:
-        """Group i's `key` ("master" or a moment) joined over the saved ranks' partitions, then
-        cut to this rank's partition (zero-padded)."""
-        from neox.checkpoint.errors import CheckpointError
-
-        g = self.groups[i]
-        if key == "master":
-            pieces = [p["single_partition_of_fp32_groups"][i] for p in parts]
-        else:
-            pieces = [p["base_optimizer_state"]["state"][i][key] for p in parts]
-        full = torch.cat([t.reshape(-1).float() for t in pieces])[: g.numel]
-        if full.numel() != g.numel:
-            raise CheckpointError(
-                f"{path}: parameter group {i} holds {full.numel()} values, this model "
-                f"{g.numel}; resume with the model config it was saved with"
-            )
-        mine = torch.zeros(g.size)
-        lo, hi = g.start, min(g.start + g.size, g.numel)
-        if hi > lo:
-            mine[: hi - lo] = full[lo:hi]
-        return mine
-
-
-def trainable_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
-    """The module's state dict without frozen parameters (LoRA's base: its run reads it from
-    lora_base), as DeepSpeed's exclude_frozen_parameters saves it."""
-    frozen = {n for n, p in module.named_parameters() if not p.requires_grad}
-    return {k: v for k, v in module.state_dict().items() if k not in frozen}
-
-
-def load_trainable_state_dict(module: nn.Module, sd: dict[str, Any], source: Path) -> None:
-    """Load `sd` into `module`: every tensor, except frozen parameters, which it may lack."""
-    frozen = {n for n, p in module.named_parameters() if not p.requires_grad}
-    result = module.load_state_dict(sd, strict=not frozen)
-    missing = sorted(set(result.missing_keys) - frozen)
-    if missing or result.unexpected_keys:
-        raise RuntimeError(
-            f"{source} does not fit the model: missing {missing[:5]}, unexpected "
-            f"{sorted(result.unexpected_keys)[:5]}"
-        )
-
-
-def comm_dtype(ds_config: dict[str, Any], dtype: torch.dtype) -> torch.dtype:
-    """The dtype gradients are reduced in: communication_data_type, else fp32 with
-    fp32_allreduce, else the gradients' own, as DeepSpeed's engine decides."""
-    name = ds_config.get("communication_data_type")
-    if name is not None:
-        return COMM_DTYPES[name]
-    return torch.float32 if ds_config.get("fp32_allreduce") else dtype
 
 
 FWD, BWD, STEP = "fwd", "bwd", "step"  # DeepSpeed's global timer names

@@ -9,6 +9,7 @@ from torch import nn
 
 from neox.checkpoint.lora import load_lora_base
 from neox.config import Derived, NeoXConfig, build_ds_config, derive
+from neox.config.ds_config import activation_checkpointing_section
 from neox.data.loader import DataLoaders, ReadPlan, build_train_valid_test_loaders
 from neox.data.pairs import build_preference_loaders
 from neox.model.transforms.lora import apply_lora, cast_lora_base
@@ -17,7 +18,7 @@ from neox.plan.engine_choice import EngineChoice, engine_for, torch_compile_enab
 from neox.tokenizer import Tokenizer, build_tokenizer
 from neox.training.deepspeed_engine import DeepSpeedAdapter
 from neox.training.engine import Engine, LossFn, forward_loss
-from neox.training.flat_engine import FlatEngine
+from neox.training.flat_engine import FlatEngine, FlatSettings
 from neox.training.optim import build_optimizer
 from neox.training.preference import (
     Objective,
@@ -79,7 +80,6 @@ def build_run(cfg: NeoXConfig) -> Run:
         )
     )
     tr = cfg.training
-    ds_config = build_ds_config(cfg, derived)
 
     def build_model(checkpointing: bool) -> nn.Module:
         return parallelize(
@@ -89,7 +89,7 @@ def build_run(cfg: NeoXConfig) -> Run:
             tr.seed,
             checkpoint_activations=checkpointing and tr.checkpoint_activations,
             checkpoint_num_layers=tr.checkpoint_num_layers,
-            checkpointing_options=ds_config["activation_checkpointing"],
+            checkpointing_options=activation_checkpointing_section(cfg),
             torch_compile=torch_compile_enabled(tr.torch_compile, device.type),
             torch_compile_backend=tr.torch_compile_backend,
             activation_memory_budget=tr.activation_memory_budget,
@@ -102,7 +102,7 @@ def build_run(cfg: NeoXConfig) -> Run:
     if cfg.lora.lora_rank:
         add_lora(model, cfg, groups, derived.padded_vocab_size)
     objective = preference_objective(cfg, derived, groups, model, build_model)
-    engine = make_engine(cfg, derived, ds_config, model, engine_mpu(model, groups), objective)
+    engine = make_engine(cfg, derived, model, engine_mpu(model, groups), objective)
     if cfg.lora.lora_rank:
         cast_lora_base(model, cfg.lora)  # after the engine's own cast to the training precision
     o = cfg.optimizer
@@ -167,7 +167,6 @@ def add_lora(model: nn.Module, cfg: NeoXConfig, groups: Any, padded_vocab_size: 
 def make_engine(
     cfg: NeoXConfig,
     derived: Derived,
-    ds_config: dict[str, Any],
     model: torch.nn.Module,
     mpu: Any,
     loss_fn: Optional[LossFn] = None,
@@ -179,7 +178,7 @@ def make_engine(
     optimizer = build_optimizer(
         model, cfg.optimizer, choice.optimizer, derived.lr, choice.adamw_mode
     )
-    return build_engine(choice, ds_config, model, optimizer, mpu, loss_fn or forward_loss)
+    return build_engine(choice, cfg, derived, model, optimizer, mpu, loss_fn or forward_loss)
 
 
 def build_data(
@@ -203,16 +202,18 @@ def build_data(
 
 def build_engine(
     choice: EngineChoice,
-    ds_config: dict[str, Any],
+    cfg: NeoXConfig,
+    derived: Derived,
     model: nn.Module,
     optimizer: Any,
     mpu: Any,
     loss_fn: LossFn = forward_loss,
 ) -> Engine:
     """The engine `choice` names (neox.plan.engine_choice.choose_engine), stepping `optimizer`
-    and computing each micro-batch's loss with `loss_fn`."""
+    and computing each micro-batch's loss with `loss_fn`. The flat engine reads neox's config;
+    DeepSpeed's JSON is built for DeepSpeed's engine alone."""
     if choice.engine == "flat":
         log.info("neox's flat engine (flat_engine: false for DeepSpeed's)")
-        return FlatEngine(ds_config, model, optimizer, mpu, loss_fn)
+        return FlatEngine(FlatSettings.of(cfg, derived), model, optimizer, mpu, loss_fn)
     log.info("engine: %s", choice.describe())
-    return DeepSpeedAdapter(ds_config, model, optimizer, mpu, loss_fn)
+    return DeepSpeedAdapter(build_ds_config(cfg, derived), model, optimizer, mpu, loss_fn)

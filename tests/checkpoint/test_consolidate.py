@@ -62,11 +62,12 @@ def test_iteration_and_tag_directory_select_the_same_checkpoint(trained):
 def test_incomplete_or_edited_checkpoint_is_refused(trained, tmp_path):
     copy = tmp_path / "ckpt"
     shutil.copytree(trained["tp2"], copy)
-    (copy / "global_step3" / "mp_rank_01_model_states.pt").unlink()
-    with pytest.raises(CheckpointError, match=r"mp_rank_01_model_states.pt is missing"):
+    for name in ("rank_00001.safetensors", "rank_00001.json"):
+        (copy / "global_step3" / "state" / name).unlink()
+    with pytest.raises(CheckpointError, match=r"rank_00001.(json|safetensors) is missing"):
         load_model_state(copy)  # the manifest names it
     (copy / "global_step3" / "manifest.json").unlink()
-    with pytest.raises(CheckpointError, match=r"lacks .* tensor-parallel rank\(s\) \[1\]"):
+    with pytest.raises(CheckpointError, match=r"holds 1 of the 2 tensor-parallel pieces"):
         load_model_state(copy, allow_unverified=True)
 
     shutil.rmtree(copy)

@@ -9,6 +9,7 @@ from neox.checkpoint.plain_state import (
     PlainState,
     saved_layout,
     tp_piece,
+    write_client_state,
     write_meta,
     write_pieces,
 )
@@ -25,7 +26,8 @@ def save(step_dir, full: dict[str, tuple[torch.Tensor, object]], tp: int) -> Non
             local = tensor if dim is None else shard(tensor, dim, rank, tp)
             pieces.append(tp_piece(name, {"fp32": local, "exp_avg": 2 * local}, dim, rank, tp))
         write_pieces(step_dir, rank, pieces)
-    write_meta(step_dir, Layout("deepspeed", tp, 1, 1, 1), {"step": 3.0}, {"iteration": 3})
+        write_client_state(step_dir, rank, {"iteration": 3, "mp_rank": rank})
+    write_meta(step_dir, Layout("deepspeed", tp, 1, 1, 1), {"step": 3.0})
 
 
 def test_slices_written_at_tp4_read_at_tp2_and_whole(tmp_path):
@@ -33,7 +35,9 @@ def test_slices_written_at_tp4_read_at_tp2_and_whole(tmp_path):
     rows, cols, bias = torch.randn(8, 6), torch.randn(6, 8), torch.randn(6)
     save(tmp_path, {"a.weight": (rows, 0), "b.weight": (cols, 1), "n.bias": (bias, None)}, tp=4)
     state = PlainState(tmp_path)
-    assert state.scalars["step"] == 3.0 and state.client_state == {"iteration": 3}
+    assert state.scalars["step"] == 3.0 and state.client_state == {"iteration": 3, "mp_rank": 0}
+    assert state.client_ranks == 4  # each model-parallel rank's own, as DeepSpeed kept them
+    assert PlainState(tmp_path, mp_rank=3).client_state["mp_rank"] == 3
     assert saved_layout(tmp_path) == Layout("deepspeed", 4, 1, 1, 1)
     # Whole tensors (the flat engine), and the other split's slices, each spanning two pieces.
     assert torch.equal(state.read("fp32", "a.weight", (8, 6), None, 0), rows)

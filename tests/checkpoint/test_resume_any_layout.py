@@ -127,11 +127,34 @@ def _resume_and_compare(runs: Runs, saved: str, resumed: str) -> None:
         assert got[step] == pytest.approx(want[step], abs=TOLERANCE), (step, got, want)
 
 
+def write_deepspeed_files(rank: int, world: int, step_dir: str, out: str) -> None:
+    """Rank body: DeepSpeed's engine at ZeRO-1 takes a checkpoint's state by plain name and
+    saves it with its own save_checkpoint, in DeepSpeed's files (as gpt-neox writes them)."""
+    from neox.checkpoint.consolidate import read_checkpoint_config
+    from neox.config import derive
+    from neox.model import build_model
+    from neox.training.setup import make_engine
+
+    cfg = read_checkpoint_config(Path(step_dir))
+    derived = derive(cfg, world)
+    model = build_model(cfg.model, derived.padded_vocab_size, seed=cfg.training.seed)
+    engine = make_engine(cfg, derived, model, None)
+    state = PlainState(Path(step_dir))
+    engine.load_plain(state, load_optimizer_states=True)
+    engine.ds.save_checkpoint(out, tag=Path(step_dir).name, client_state=state.client_state)
+
+
 @pytest.mark.slow
 def test_a_deepspeed_universal_checkpoint_resumes(runs):
-    """DeepSpeed's own ds_to_universal turns the ZeRO-1 run's step-2 checkpoint into a universal
-    one (zero/<name>/{fp32,exp_avg,exp_avg_sq}.pt); the flat engine resumes it."""
-    saved = runs.saved_at_2("ds_zero1_dp2") / "global_step2"
+    """DeepSpeed's own ds_to_universal turns a ZeRO-1 checkpoint of DeepSpeed's engine (the
+    ZeRO-1 run's step 2, saved by DeepSpeed's save_checkpoint) into a universal one
+    (zero/<name>/{fp32,exp_avg,exp_avg_sq}.pt); the flat engine resumes it."""
+    from tests.parallel.rank_helpers import run_ranks
+
+    ds_files = runs.tmp / "deepspeed_files"
+    step2 = runs.saved_at_2("ds_zero1_dp2") / "global_step2"
+    run_ranks(write_deepspeed_files, 1, str(step2), str(ds_files))
+    saved = ds_files / "global_step2"
     universal = runs.tmp / "universal"
     subprocess.run(
         [

@@ -47,12 +47,12 @@ def checkpoint(tmp_path) -> Path:
     return tmp_path / "ckpt"
 
 
-def plant(tag_dir: Path, marker: Path) -> Path:
-    """Add a payload to the model file, keeping its manifest entry up to date (as an attacker
-    who can write the directory would)."""
+def plant(tag_dir: Path, marker: Path, name: str = "mp_rank_00_model_states.pt") -> Path:
+    """Add a payload to the torch file `name`, keeping its manifest entry up to date (as an
+    attacker who can write the directory would)."""
     from neox.checkpoint.manifest import read_manifest, write_manifest
 
-    path = tag_dir / "mp_rank_00_model_states.pt"
+    path = tag_dir / name
     state = torch.load(path, weights_only=False)
     state["extra"] = Payload(marker)
     torch.save(state, path)

@@ -120,28 +120,28 @@ def copy_run(tmp: Path, name: str, **overrides) -> tuple[Path, Path]:
 
 
 def test_a_planted_payload_is_refused_on_resume(saved):
-    """Fault: a pickle payload in mp_rank_00_model_states.pt (manifest updated to match).
+    """Fault: a pickle payload in state/client_state.pt (manifest updated to match).
     Promise: the run refuses it, naming the file and the opt-in; the payload never runs."""
     from tests.checkpoint.test_trust import plant
 
     marker = saved / "MARKER"
     cfg, ckpt = copy_run(saved, "planted", train_iters=9)
-    plant(ckpt / "global_step6", marker)
+    plant(ckpt / "global_step6", marker, "state/client_state.pt")
     r = deepy(cfg)
     out = r.stdout + r.stderr
     assert r.returncode != 0, out[-3000:]
-    assert f"{ckpt / 'global_step6' / 'mp_rank_00_model_states.pt'} holds objects" in out
+    assert f"{ckpt / 'global_step6' / 'state' / 'client_state.pt'} holds objects" in out
     assert "trust_checkpoint_code: true" in out and "GLOBAL posix.system" in out
     assert not marker.exists()
 
 
 def test_corrupt_bytes_fall_back_to_the_newest_good_checkpoint(saved):
-    """Fault: flipped bytes in the newest checkpoint's optimizer file, and garbage in `latest`.
+    """Fault: flipped bytes in the newest checkpoint's tensors, and garbage in `latest`.
     Promise: a warning names the file and the run resumes from the checkpoint before it."""
     from tests.checkpoint.test_trust import flip_byte
 
     cfg, ckpt = copy_run(saved, "flipped", train_iters=7)
-    bad = ckpt / "global_step6" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    bad = ckpt / "global_step6" / "state" / "rank_00000.safetensors"
     flip_byte(bad)
     (ckpt / "latest").write_bytes(b"\x00\xff../../global_step6")
     r = deepy(cfg)
@@ -202,10 +202,10 @@ def test_a_second_run_on_one_save_directory_is_refused_at_once(saved):
 
 @pytest.fixture
 def small_fs(tmp_path) -> Iterator[Path]:
-    """A 2 MiB tmpfs: room for one checkpoint of the tiny model (1.2 MB), not two."""
+    """A 1 MiB tmpfs: room for one checkpoint of the tiny model (0.55 MB), not two."""
     fs = tmp_path / "fs"
     fs.mkdir()
-    r = mount("-t", "tmpfs", "-o", "size=2m", "tmpfs", str(fs))
+    r = mount("-t", "tmpfs", "-o", "size=1m", "tmpfs", str(fs))
     if r.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here (needs root): {r.stderr.strip()}")
     try:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from neox.config import build_ds_config, derive, load_dict
+from neox.config import derive, load_dict
 from neox.config.model import ModelConfig
 from neox.model import build_model
 from neox.parallel.build import compile_blocks
@@ -98,7 +98,7 @@ def test_ranks_build_the_engine_the_plan_names(name):
     choice = engine_for(cfg, derived)
     assert choice.engine == expected
     model = build_model(cfg.model, 64, seed=0)
-    engine = make_engine(cfg, derived, build_ds_config(cfg, derived), model, None)
+    engine = make_engine(cfg, derived, model, None)
     assert isinstance(engine, FlatEngine if expected == "flat" else DeepSpeedAdapter)
     inner = engine.optimizer if expected == "flat" else engine.ds.basic_optimizer
     assert type(inner).__name__ == optimizer

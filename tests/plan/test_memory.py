@@ -240,9 +240,8 @@ def test_activation_memory_budget_scales_what_blocks_keep_beyond_their_input():
 def test_flat_engine_buffers_match_estimate_on_one_rank(precision):
     """The flat engine after a step, in process: its weight, gradient, master and moment
     buffers byte for byte, and the step's fp32 gradient copy it makes on CPU."""
-    from neox.config import build_ds_config
     from neox.training import flat_engine
-    from neox.training.flat_engine import FlatEngine
+    from neox.training.flat_engine import FlatEngine, FlatSettings
     from neox.training.optim import build_optimizer
 
     flat = dict(FLAT_MODEL, zero_optimization={"stage": 1})
@@ -254,7 +253,7 @@ def test_flat_engine_buffers_match_estimate_on_one_rank(precision):
     assert shape.engine == "flat" and shape.loss == "eager" and not shape.one_pass_adamw
     model = build_model(cfg.model, 512, seed=0)
     optimizer = build_optimizer(model, cfg.optimizer, derived.optimizer_type, derived.lr)
-    engine = FlatEngine(build_ds_config(cfg, derived), model, optimizer, None)
+    engine = FlatEngine(FlatSettings.of(cfg, derived), model, optimizer, None)
     ids = torch.randint(0, 512, (2, cfg.model.seq_length), generator=torch.Generator())
     engine.backward(engine(ids, labels=ids))
     engine.step()

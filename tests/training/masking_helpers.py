@@ -91,7 +91,7 @@ def reference_losses(poisoned: bool = False, per_micro_batch_of: int = 0) -> lis
 def _engine(case: dict, groups):
     from neox.parallel.build import engine_mpu, parallelize
     from neox.training.deepspeed_engine import DeepSpeedAdapter
-    from neox.training.flat_engine import FlatEngine
+    from neox.training.flat_engine import FlatEngine, FlatSettings
 
     gas = 2
     ds_config = {
@@ -107,7 +107,10 @@ def _engine(case: dict, groups):
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
     mpu = engine_mpu(model, groups)
     if case["engine"] == "flat":
-        return FlatEngine(ds_config, model, opt, mpu), gas
+        settings = FlatSettings(
+            ds_config["train_micro_batch_size_per_gpu"], gas, zero_stage=case["zero"]
+        )
+        return FlatEngine(settings, model, opt, mpu), gas
     return DeepSpeedAdapter(ds_config, model, opt, mpu), gas
 
 

@@ -13,7 +13,7 @@ import logging
 import pytest
 import torch
 
-from neox.config import build_ds_config, derive, load_dict
+from neox.config import derive, load_dict
 from neox.config.errors import ConfigError
 from neox.config.registry import KEYS, Reads
 from neox.model import build_model
@@ -191,7 +191,7 @@ def test_which_engine_runs_each_deepspeed_key(key, case, tmp_path, caplog, capfd
         pytest.skip("DeepSpeed refuses fp16 on this CPU (no mkldnn fp16): decided, not built")
     caplog.set_level(logging.DEBUG, logger="neox")
     model = build_model(cfg.model, VOCAB, seed=0)
-    engine = make_engine(cfg, derived, build_ds_config(cfg, derived), model, None)
+    engine = make_engine(cfg, derived, model, None)
     assert isinstance(engine, FlatEngine if expected == "flat" else DeepSpeedAdapter)
     try:
         stream = micro_batches()
@@ -220,7 +220,7 @@ def _reduce_in(index: int, world: int, port: int, out: str, overrides: dict) -> 
     derived = derive(cfg, world, VOCAB)
     groups = ProcessGroups(Topology(1, 1, world))
     model = build_model(cfg.model, VOCAB, seed=0)
-    engine = make_engine(cfg, derived, build_ds_config(cfg, derived), model, groups)
+    engine = make_engine(cfg, derived, model, groups)
     seen = []
     real = dist.all_reduce
 

@@ -4,7 +4,7 @@ config's hyperparameters and step with it; the dry run's engine line says so."""
 import pytest
 import torch
 
-from neox.config import build_ds_config, derive, load_dict
+from neox.config import derive, load_dict
 from neox.config.errors import ConfigError
 from neox.model import build_model
 from neox.plan.engine_choice import engine_for
@@ -53,7 +53,7 @@ def test_offload_steps_with_deepspeeds_cpu_adam(kind, stage):
     line = describe_engines(cfg, derived, VOCAB)
     assert "DeepSpeed's CPU Adam for zero_optimization.offload_optimizer" in line
     model = build_model(cfg.model, VOCAB, seed=0)
-    engine = make_engine(cfg, derived, build_ds_config(cfg, derived), model, None)
+    engine = make_engine(cfg, derived, model, None)
     try:
         adam = engine.ds.basic_optimizer
         assert isinstance(adam, DeepSpeedCPUAdam) and adam.adam_w_mode

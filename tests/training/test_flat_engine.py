@@ -1,4 +1,5 @@
-"""neox's flat engine on one rank against DeepSpeed's ZeRO-1 engine: same steps, same checkpoints."""
+"""neox's flat engine on one rank against DeepSpeed's ZeRO-1 engine: same steps, checkpoints that
+resume in either engine."""
 
 import copy
 import math
@@ -6,14 +7,14 @@ import math
 import pytest
 import torch
 
+from neox.checkpoint.io import save_plain_state
+from neox.checkpoint.plain_state import PlainState
 from neox.config.model import ModelConfig
 from neox.data.batch import build_batch
 from neox.model import build_model
-from neox.plan.engine_choice import choose_engine
 from neox.training.deepspeed_engine import DeepSpeedAdapter
-from neox.training.flat_engine import FlatEngine
+from neox.training.flat_engine import FlatEngine, FlatSettings
 from neox.training.optim import param_groups
-from neox.training.setup import build_engine
 
 CFG = ModelConfig(
     num_layers=2,
@@ -45,6 +46,13 @@ def ds_config(precision="bf16", accum=1, clip=0.05, stage=1):
     return cfg
 
 
+def flat_settings(precision="bf16", accum=1, clip=0.05, stage=1):
+    """ds_config's run in the flat engine's own settings."""
+    return FlatSettings(
+        micro_batch=2, grad_accum=accum, clip=clip, bf16=precision == "bf16", zero_stage=stage
+    )
+
+
 def engine(kind, model, **cfg):
     """The flat engine ("own"), or DeepSpeed's own engine ("ds", from behind the adapter), as
     build_engine makes them: their DeepSpeed-style calls compared one for one."""
@@ -55,8 +63,9 @@ def engine(kind, model, **cfg):
 def built_engine(kind, model, **cfg):
     model = copy.deepcopy(model)
     opt = torch.optim.AdamW(param_groups(model, 0.1), lr=LR, betas=(0.9, 0.95))
-    choice = choose_engine(ds_config(**cfg), "adamw", 1, 1, flat_engine=kind == "own")
-    return build_engine(choice, ds_config(**cfg), model, opt, None)
+    if kind == "own":
+        return FlatEngine(flat_settings(**cfg), model, opt, None)
+    return DeepSpeedAdapter(ds_config(**cfg), model, opt, None)
 
 
 def batches(n, seed=0):
@@ -198,41 +207,97 @@ def check_non_finite_skip(model):
 
 @pytest.mark.parametrize("writer,reader", [("own", "own"), ("own", "ds"), ("ds", "own")])
 def test_checkpoints_resume_across_engines(model, rank, tmp_path, writer, reader):
-    """A checkpoint of either engine resumes in the other: the continued steps equal those of
-    the writer going on uninterrupted (bit for bit when the same engine reads it back)."""
-    first = engine(writer, model)
-    train(first, 3, lr=3e-3)
-    first.save_checkpoint(str(tmp_path), tag="global_step3", client_state={"iteration": 3})
-    (tmp_path / "latest").write_text("global_step3")
-    going_on, _ = train(first, 3, seed=1, lr=1e-3)
+    """The state by plain name of either engine, written by neox's one writer, resumes in the
+    other: the continued steps equal those of the writer going on uninterrupted (bit for bit
+    when the same engine reads it back)."""
+    first = built_engine(writer, model)
+    train(getattr(first, "ds", first), 3, lr=3e-3)
+    save_plain_state(first, tmp_path, {"iteration": 3})
+    going_on, _ = train(getattr(first, "ds", first), 3, seed=1, lr=1e-3)
 
-    second = engine(reader, build_model(CFG, VOCAB, seed=77))  # other weights until loaded
-    path, state = second.load_checkpoint(
-        str(tmp_path), tag=None, load_optimizer_states=True, load_lr_scheduler_states=False
-    )
-    assert path is not None and state["iteration"] == 3
+    second = built_engine(reader, build_model(CFG, VOCAB, seed=77))  # other weights until loaded
+    state = PlainState(tmp_path)
+    second.load_plain(state, load_optimizer_states=True)
+    assert state.client_state == {"iteration": 3}
+    second = getattr(second, "ds", second)
     assert second.global_steps == 3 and second.skipped_steps == 0
     resumed, _ = train(second, 3, seed=1, lr=1e-3)
     if writer == reader:
         assert resumed == going_on
         assert all(
-            torch.equal(a, b) for a, b in zip(weights(first).values(), weights(second).values())
+            torch.equal(a, b)
+            for a, b in zip(weights(getattr(first, "ds", first)).values(), weights(second).values())
         )
     else:
         assert resumed == pytest.approx(going_on, rel=1e-3)
 
 
+def test_resumes_deepspeeds_zero1_files(model, rank, tmp_path):
+    """A checkpoint in DeepSpeed's own ZeRO-1 files (DeepSpeed's engine writes it, as gpt-neox
+    and neox before state/ did) resumes in the flat engine through Engine.load, with its
+    counters, client state and optimizer moments: the next steps are DeepSpeed's own."""
+    first = engine("ds", model)
+    train(first, 3, lr=3e-3)
+    first.save_checkpoint(str(tmp_path), tag="global_step3", client_state={"iteration": 3})
+    (tmp_path / "latest").write_text("global_step3")
+    going_on, _ = train(first, 3, seed=1, lr=1e-3)
+
+    second = engine("own", build_model(CFG, VOCAB, seed=77))
+    path, state = second.load(str(tmp_path), None, True, False)
+    assert path is not None and state["iteration"] == 3
+    assert second.global_steps == 3 and second.skipped_steps == 0
+    assert all(s["exp_avg"].abs().sum() > 0 for s in second.optimizer.state.values())
+    resumed, _ = train(second, 3, seed=1, lr=1e-3)
+    assert resumed == pytest.approx(going_on, rel=1e-3)
+    # Weights only (finetune): the module's weights, nothing of the run's counters or moments.
+    third = engine("own", build_model(CFG, VOCAB, seed=77))
+    third.load(str(tmp_path), "global_step3", True, True)
+    assert third.global_steps == 0 and not third.optimizer.state
+    loaded = {k: v.float() for k, v in weights(third).items()}
+    saved = torch.load(tmp_path / "global_step3" / "mp_rank_00_model_states.pt", weights_only=False)
+    assert all(torch.equal(loaded[k], v.float()) for k, v in saved["module"].items())
+
+
 def test_consolidate_reads_its_checkpoint(model, rank, tmp_path):
-    from neox.checkpoint.consolidate import read_shards
+    from neox.checkpoint.plain_state import plain_state_dict
 
     own = engine("own", model)
     train(own, 2)
-    own.save_checkpoint(str(tmp_path), tag="global_step2", client_state={"iteration": 2})
-    (tmp_path / "latest").write_text("global_step2")
-    [state] = read_shards(tmp_path / "global_step2", 1, CFG.num_layers)
+    save_plain_state(own, tmp_path, {"iteration": 2})
+    state = plain_state_dict(tmp_path)
     live = own.module.state_dict()
     assert state.keys() == live.keys()
     assert all(torch.equal(state[k].to(live[k].dtype), live[k]) for k in live)
+
+
+def test_settings_are_those_deepspeed_reads_of_the_same_config():
+    """FlatSettings.of reads neox's config as DeepSpeed's JSON, built from it, says: the alias
+    clip_grad, fp32_allreduce, communication_data_type, deepspeed_extra_args last."""
+    from neox.config import build_ds_config, derive, load_dict
+
+    base = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16)
+    base.update(max_position_embeddings=16, train_micro_batch_size_per_gpu=2)
+    cases = [
+        dict(gradient_accumulation_steps=2, clip_grad=0.3, zero_optimization={"stage": 1}),
+        dict(bf16={"enabled": True}, fp32_allreduce=True, steps_per_print=7),
+        dict(communication_data_type="bf16", precision="bfloat16", wall_clock_breakdown=True),
+        dict(deepspeed_extra_args={"gradient_clipping": 0.25, "communication_data_type": "fp16"}),
+    ]
+    for case in cases:
+        cfg = load_dict({**base, **case})
+        derived = derive(cfg, 2, 64)
+        ds, settings = build_ds_config(cfg, derived), FlatSettings.of(cfg, derived)
+        comm = ds.get("communication_data_type") or ("fp32" if ds.get("fp32_allreduce") else None)
+        assert settings == FlatSettings(
+            micro_batch=ds["train_micro_batch_size_per_gpu"],
+            grad_accum=ds["gradient_accumulation_steps"],
+            clip=ds["gradient_clipping"],
+            bf16=bool(ds.get("bf16", {}).get("enabled")),
+            zero_stage=ds["zero_optimization"]["stage"],
+            comm_dtype=comm,
+            steps_per_print=ds["steps_per_print"],
+            wall_clock_breakdown=ds["wall_clock_breakdown"],
+        ), case
 
 
 def micro_batches(seed=0):

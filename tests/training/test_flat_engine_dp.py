@@ -42,10 +42,11 @@ def test_two_ranks_train_as_deepspeed_zero1_does(runs):
         n: [r["grad_norm"] for r in records(tmp / n / "logs") if "grad_norm" in r] for n in out
     }
     assert norms["flat"] == pytest.approx(norms["ds"], rel=1e-4)
-    # Each rank wrote its optimizer partition in DeepSpeed's ZeRO-1 file names.
-    names = {p.name for p in (tmp / "flat" / "ckpt" / "global_step6").iterdir()}
-    assert {"zero_pp_rank_0_mp_rank_00_optim_states.pt", "mp_rank_00_model_states.pt"} <= names
-    assert "zero_pp_rank_1_mp_rank_00_optim_states.pt" in names
+    # The state by plain name alone, each tensor once: data-parallel rank 0 gathered and wrote it.
+    step = tmp / "flat" / "ckpt" / "global_step6"
+    assert not list(step.glob("*.pt"))
+    assert (step / "state" / "rank_00000.safetensors").is_file()
+    assert not (step / "state" / "rank_00001.safetensors").exists()
 
 
 def test_deepspeed_resumes_the_flat_engine_checkpoint(runs):

@@ -4,12 +4,15 @@ through found_inf) gives the CPU kernel's steps; a NaN step is skipped; resume i
 import pytest
 import torch
 
+from neox.checkpoint.io import save_plain_state
+from neox.checkpoint.plain_state import PlainState
 from neox.model import build_model
-from tests.training.test_flat_engine import (
+from tests.training.test_flat_engine import (  # noqa: F401  (rank: a fixture)
     CFG,
     VOCAB,
     check_non_finite_skip,
     engine,
+    rank,
     train,
     weights,
 )
@@ -38,13 +41,13 @@ def test_cuda_non_finite_step_is_skipped(cuda_model):
     check_non_finite_skip(cuda_model)
 
 
-def test_cuda_resume_is_bit_exact(cuda_model, tmp_path):
+def test_cuda_resume_is_bit_exact(cuda_model, rank, tmp_path):  # noqa: F811
     first = engine("own", cuda_model)
     train(first, 3)
-    first.save_checkpoint(str(tmp_path), tag="global_step3", client_state={"iteration": 3})
+    save_plain_state(first, tmp_path, {"iteration": 3})
     going_on, _ = train(first, 3, seed=1)
     second = engine("own", build_model(CFG, VOCAB, seed=77, device="cuda"))
-    second.load_checkpoint(str(tmp_path), tag="global_step3")
+    second.load_plain(PlainState(tmp_path), load_optimizer_states=True)
     resumed, _ = train(second, 3, seed=1)
     assert resumed == going_on
     assert all(torch.equal(a, b) for a, b in zip(weights(first).values(), weights(second).values()))

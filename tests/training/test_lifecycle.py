@@ -145,7 +145,7 @@ def test_checkpoint_is_complete_and_self_describing(ref):
     assert manifest["iteration"] == STEPS and manifest["padded_vocab_size"] == 512
     for name, size in manifest["files"].items():
         assert (step / name).stat().st_size == size
-    assert "mp_rank_00_model_states.pt" in manifest["files"]
+    assert {"state/meta.json", "state/rank_00000.safetensors"} <= set(manifest["files"])
     assert yaml.safe_load((step / "config.yml").read_text())["hidden_size"] == 32
 
 
@@ -184,14 +184,14 @@ def test_broken_checkpoints_fall_back_and_resume_exactly(ref):
     shutil.copytree(tmp / "ref" / "ckpt", ckpt)
     # The newest looks complete but fails to unpickle; the next is truncated.
     shutil.copytree(ckpt / "global_step6", ckpt / "global_step9")
-    corrupt_pickle(ckpt / "global_step9" / "mp_rank_00_model_states.pt")
+    corrupt_pickle(ckpt / "global_step9" / "state" / "client_state.pt")
     (ckpt / "latest").write_text("global_step9")
-    shard = ckpt / "global_step6" / "mp_rank_00_model_states.pt"
+    shard = ckpt / "global_step6" / "state" / "client_state.pt"
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
     r = run_here("train.py", write_config(tmp, "fallback", **BASE))
     out = r.stdout + r.stderr
     # The manifest's checksum catches it before anything is unpickled.
-    bad = ckpt / "global_step9" / "mp_rank_00_model_states.pt"
+    bad = ckpt / "global_step9" / "state" / "client_state.pt"
     assert f"skipping checkpoint global_step9: {bad} is corrupt" in out, out[-3000:]
     assert f"skipping checkpoint global_step6: {shard} is " in out and "truncated" in out
     resumed_line = next(ln for ln in out.splitlines() if "resumed from" in ln)

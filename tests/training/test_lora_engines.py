@@ -7,10 +7,17 @@ import torch
 from neox.config.lora import LoraConfig
 from neox.model import build_model
 from neox.model.transforms.lora import apply_lora, cast_lora_base
-from neox.plan.engine_choice import choose_engine
+from neox.training.deepspeed_engine import DeepSpeedAdapter
+from neox.training.flat_engine import FlatEngine
 from neox.training.optim import param_groups
-from neox.training.setup import build_engine
-from tests.training.test_flat_engine import CFG, VOCAB, ds_config, micro_batches, rank  # noqa: F401
+from tests.training.test_flat_engine import (  # noqa: F401  (rank: a fixture)
+    CFG,
+    VOCAB,
+    ds_config,
+    flat_settings,
+    micro_batches,
+    rank,
+)
 
 LORA = LoraConfig(lora_rank=4, lora_alpha=8.0, lora_dropout=0.1)
 
@@ -20,9 +27,14 @@ def lora_engine(kind, precision, stage, base_dtype=None):
     model = build_model(CFG, VOCAB, seed=3)
     apply_lora(model, lora, None, seed=3)
     opt = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-2)
-    ds = ds_config(precision=precision, stage=stage, accum=2)
-    choice = choose_engine(ds, "adamw", 1, 1, flat_engine=kind == "own")
-    engine = build_engine(choice, ds, model, opt, None)
+    if kind == "own":
+        engine = FlatEngine(
+            flat_settings(precision=precision, stage=stage, accum=2), model, opt, None
+        )
+    else:
+        engine = DeepSpeedAdapter(
+            ds_config(precision=precision, stage=stage, accum=2), model, opt, None
+        )
     cast_lora_base(engine.module, lora)
     return engine
 

@@ -11,7 +11,7 @@ import torch
 from neox.config import load_dict
 from neox.data.pairs import build_preference_dataset
 from neox.model import build_model
-from neox.plan.engine_choice import choose_engine
+from neox.training.flat_engine import FlatEngine, FlatSettings
 from neox.training.optim import param_groups
 from neox.training.preference import (
     REFERENCE_KEY,
@@ -21,7 +21,6 @@ from neox.training.preference import (
     needs_reference,
     token_logps,
 )
-from neox.training.setup import build_engine
 from tests.preference_helpers import VOCAB, pair_keys, rewarded_keys
 
 MODEL = dict(
@@ -60,16 +59,8 @@ def setup(cfg, lr=1e-2):
     reference = copy.deepcopy(model) if needs_reference(cfg) else None
     objective = build_objective(cfg, None, reference)
     opt = torch.optim.AdamW(param_groups(model, 0.0), lr=lr, betas=(0.9, 0.95))
-    ds = {
-        "train_batch_size": 8,
-        "train_micro_batch_size_per_gpu": 8,
-        "gradient_accumulation_steps": 1,
-        "gradient_clipping": 1.0,
-        "zero_optimization": {"stage": 1},
-        "steps_per_print": 10**6,
-    }
-    choice = choose_engine(ds, "adamw", 1, 1, flat_engine=True)
-    engine = build_engine(choice, ds, model, opt, None, objective)
+    settings = FlatSettings(micro_batch=8, clip=1.0, zero_stage=1)
+    engine = FlatEngine(settings, model, opt, None, objective)
     objective.start(engine.module, None)
     return engine, objective
 

@@ -83,6 +83,16 @@ def test_tensor_parallel_equals_one_rank(tmp_path, impl):
     assert one[3] != one[1]
     for step in (1, 2, 3):
         assert tp[step] == pytest.approx(one[step], rel=1e-4, abs=1e-5), step
+    if impl == "dpo":
+        # Stopped after step 2 and resumed at tp=2: each tensor-parallel rank takes its own
+        # shard of the reference weights back from its own client state file.
+        part = dict(train_impl=impl, train_iters=3, checkpoint_factor=2, do_test=False)
+        train(dpo_config(tmp_path, "tp_part", model_parallel_size=2, exit_interval=2, **part))
+        shutil.rmtree(tmp_path / "tp_part" / "logs")
+        train(dpo_config(tmp_path, "tp_part", model_parallel_size=2, **part))
+        resumed = losses(tmp_path / "tp_part" / "logs")
+        assert sorted(resumed) == [3]
+        assert resumed[3] == pytest.approx(one[3], rel=1e-4, abs=1e-5)
 
 
 def test_kto_through_train_py(tmp_path):

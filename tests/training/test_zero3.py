@@ -13,11 +13,18 @@ from torch._dynamo.utils import counters
 
 from neox.config.ds_config import ZERO3_DEFAULTS
 from neox.model import build_model
-from neox.plan.engine_choice import choose_engine
+from neox.training.deepspeed_engine import DeepSpeedAdapter
+from neox.training.flat_engine import FlatEngine
 from neox.training.optim import param_groups
-from neox.training.setup import build_engine
 from tests.parallel.rank_helpers import run_ranks
-from tests.training.test_flat_engine import CFG, VOCAB, ds_config, rank, train  # noqa: F401
+from tests.training.test_flat_engine import (  # noqa: F401  (rank: a fixture)
+    CFG,
+    VOCAB,
+    ds_config,
+    flat_settings,
+    rank,
+    train,
+)
 from tests.training.zero3_release_helpers import CASES, run_cases
 
 DEEPSPEED_DEFAULTS = {"leaf_module": {"classes": []}}
@@ -33,7 +40,7 @@ def zero3_engine(zero: dict, compiled: bool = True):
     cfg = ds_config(precision="fp32", stage=3)
     cfg["zero_optimization"].update(zero)
     opt = torch.optim.AdamW(param_groups(model, 0.1), lr=3e-3, betas=(0.9, 0.95))
-    return build_engine(choose_engine(cfg, "adamw", 1, 1), cfg, model, opt, None)
+    return DeepSpeedAdapter(cfg, model, opt, None)
 
 
 @pytest.fixture
@@ -71,8 +78,7 @@ def test_zero3_trains_as_the_flat_engine_does(rank):  # noqa: F811
         engine.destroy()
     model = build_model(CFG, VOCAB, seed=3)
     opt = torch.optim.AdamW(param_groups(model, 0.1), lr=3e-3, betas=(0.9, 0.95))
-    cfg = ds_config(precision="fp32", stage=1)
-    flat = build_engine(choose_engine(cfg, "adamw", 1, 1), cfg, model, opt, None)
+    flat = FlatEngine(flat_settings(precision="fp32", stage=1), model, opt, None)
     own_losses, own_norms = train(flat, 4)
     assert ds_losses == pytest.approx(own_losses, rel=1e-5)
     assert ds_norms == pytest.approx(own_norms, rel=1e-5)

@@ -10,9 +10,8 @@ from torch import nn
 
 from neox.config.ds_config import ZERO3_DEFAULTS
 from neox.model import build_model
-from neox.plan.engine_choice import choose_engine
+from neox.training.deepspeed_engine import DeepSpeedAdapter
 from neox.training.optim import param_groups
-from neox.training.setup import build_engine
 from tests.training.test_flat_engine import CFG, VOCAB, batches, ds_config
 
 # Release every weight after its use: no reuse window, no prefetch, nothing kept whole.
@@ -39,7 +38,7 @@ def held_bytes(zero: dict, compiled: bool, world: int) -> int:
     cfg["train_batch_size"] = 2 * world
     cfg["zero_optimization"].update({**RELEASE, **zero})
     opt = torch.optim.AdamW(param_groups(model, 0.1), lr=3e-3)
-    engine = build_engine(choose_engine(cfg, "adamw", world, 1), cfg, model, opt, None)
+    engine = DeepSpeedAdapter(cfg, model, opt, None)
     params = list(engine.module.parameters())
     held = 0
     try:
