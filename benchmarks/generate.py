@@ -45,9 +45,9 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout, uninstalled
 
-from neox.checkpoint.hf_map import hf_config_for, to_hf_state_dict  # noqa: E402
 from neox.checkpoint.writer import write_checkpoint  # noqa: E402
 from neox.config import load_config  # noqa: E402
+from neox.hf.mapping import hf_config_for, to_hf_state_dict  # noqa: E402
 from neox.model import build_model  # noqa: E402
 from neox.tokenizer.char import CHAR_EOD, CHAR_VOCAB_SIZE  # noqa: E402
 

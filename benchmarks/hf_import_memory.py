@@ -174,10 +174,10 @@ def check_sample(hf_dir: Path, out: Path, tp: int) -> int:
     from the HF files, with the tp rank files read through torch.load(mmap=True) (so > 4 GB
     zip64 offsets are exercised); returns the number of tensors compared."""
     from neox.checkpoint.consolidate import partition_dim
-    from neox.checkpoint.hf_import import layer_groups
-    from neox.checkpoint.hf_map import from_hf_state_dict
-    from neox.checkpoint.hf_weights import HFWeights
     from neox.config import read_saved_config
+    from neox.hf.importer import layer_groups
+    from neox.hf.mapping import from_hf_state_dict
+    from neox.hf.weights import HFWeights
     from neox.parallel.layers import shard
 
     cfg = read_saved_config(out / "global_step0" / "config.yml")

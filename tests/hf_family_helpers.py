@@ -197,9 +197,9 @@ def hf_model(name: str, seed: int = 0):
 
 def neox_pair(name: str, seed: int = 0):
     """(arch, ModelConfig, neox GPTNeoX with the HF weights, HF model)."""
-    from neox.checkpoint.hf_import import neox_model_keys
-    from neox.checkpoint.hf_map import from_hf_state_dict
     from neox.config.model import ModelConfig
+    from neox.hf.importer import neox_model_keys
+    from neox.hf.mapping import from_hf_state_dict
     from neox.model import build_model
 
     arch, config, hf = hf_model(name, seed)

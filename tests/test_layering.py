@@ -20,7 +20,10 @@ Layers, lowest first:
                        what is applied to the built model from outside: tensor/pipeline
                        parallelism (and joining torch.distributed), and the transforms (LoRA,
                        FP8) that wrap its parallel linears
-    checkpoint         save/load, relayout, HF conversion
+    checkpoint adapters.base_record
+                       run checkpoints: save/load, the state by plain name, relayout, reading
+                       DeepSpeed's and gpt-neox's files; a LoRA checkpoint's record of its base
+    hf adapters        Hugging Face interop (import, export, verify); LoRA adapters' base
     training           the loop and its engines
     inference          generation and evaluation (reuses training's setup)
     entry cli console  the scripts' shared entry points, and what they print
@@ -45,7 +48,8 @@ LAYERS = [
     {"launcher"},
     {"model"},
     {"parallel", "model.transforms"},
-    {"checkpoint"},
+    {"checkpoint", "adapters.base_record"},
+    {"hf", "adapters"},
     {"training"},
     {"inference"},
     {"entry", "cli", "console", ""},

@@ -26,10 +26,10 @@ import sys
 from pathlib import Path
 
 from neox.checkpoint.consolidate import CheckpointError
-from neox.checkpoint.hf_import import DTYPES, HFImportError, convert_from_hf
-from neox.checkpoint.hf_weights import HFWeightsError
 from neox.checkpoint.staging import OutputDirError
 from neox.cli import tool_parser
+from neox.hf.importer import DTYPES, HFImportError, convert_from_hf
+from neox.hf.weights import HFWeightsError
 
 REFUSED = 2  # bad input, as deepy.py exits on a bad config
 
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
     if note:
         print(f"note: {note}")
     if args.verify:
-        from neox.checkpoint.verify import VerifyError, verify_export
+        from neox.hf.verify import VerifyError, verify_export
 
         try:
             agreement = verify_export(

@@ -16,7 +16,9 @@ import argparse
 from pathlib import Path
 
 from neox.checkpoint.consolidate import CheckpointError
-from neox.checkpoint.export import (
+from neox.checkpoint.staging import OutputDirError
+from neox.cli import CHECKPOINT_INPUT, add_directories, add_iteration, exit_on, tool_parser
+from neox.hf.export import (
     ARCHITECTURES,
     LORA_FORMATS,
     MAX_SHARD_SIZE,
@@ -24,8 +26,6 @@ from neox.checkpoint.export import (
     ExportError,
     export_to_hf,
 )
-from neox.checkpoint.staging import OutputDirError
-from neox.cli import CHECKPOINT_INPUT, add_directories, add_iteration, exit_on, tool_parser
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
     if note:
         print(f"note: {note}; only the model was written")
     if args.verify:
-        from neox.checkpoint.verify import VerifyError, verify_export
+        from neox.hf.verify import VerifyError, verify_export
 
         with exit_on("convert_to_hf", VerifyError, what="verification failed"):
             agreement = verify_export(

@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 import torch
 
-from neox.checkpoint.adapter import base_problem, read_reference
+from neox.adapters.base_record import base_problem, read_reference
 from neox.checkpoint.compat import read_checkpoint_config_file
 from neox.checkpoint.ds_files import (
     ANY_MODEL_FILES,
@@ -141,6 +141,13 @@ def resolve_checkpoint(
     if not allow_unverified and (problem := unverified_problem(tag_dir)):
         raise CheckpointError(problem)
     return tag_dir
+
+
+def lora_base_dir(cfg: NeoXConfig) -> Optional[Path]:
+    """The global_stepN directory `lora_base` names (None without lora_base)."""
+    base = cfg.lora.lora_base
+    allow = cfg.checkpoint.allow_unverified_checkpoint
+    return None if base is None else resolve_checkpoint(base, allow_unverified=allow)
 
 
 def verify_files(tag_dir: Path, paths: list[Path]) -> None:

@@ -14,9 +14,10 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from neox.adapters.base_record import base_reference, read_reference, write_reference
 from neox.checkpoint import async_save
-from neox.checkpoint.adapter import base_reference, read_reference, write_reference
 from neox.checkpoint.atomic import fsync_path, fsync_tree, kill_point, write_atomic
+from neox.checkpoint.consolidate import lora_base_dir
 from neox.checkpoint.ds_files import has_model_states
 from neox.checkpoint.errors import CheckpointError
 from neox.checkpoint.find import (
@@ -273,9 +274,7 @@ def finish_save(
     """Config, tokenizer files and manifest into the staged checkpoint, then rename it in place."""
     write_config(cfg, staging / "config.yml")
     if cfg.lora.lora_rank:
-        from neox.checkpoint.lora import base_dir
-
-        write_reference(staging, base_reference(cfg, base_dir(cfg), padded_vocab_size))
+        write_reference(staging, base_reference(cfg, lora_base_dir(cfg), padded_vocab_size))
     t = cfg.tokenizer
     for src in (t.vocab_file, t.merge_file):
         if src and Path(src).is_file():
@@ -361,7 +360,6 @@ def verified_on_rank0(step_dir: Path, trust: bool) -> Optional[str]:
 def check_adapter_base(step_dir: Path, cfg: NeoXConfig) -> None:
     """A resumed LoRA adapter must have been trained on the base (and adapter shape) this run
     loaded from lora_base."""
-    from neox.checkpoint.lora import base_dir
 
     saved = read_reference(step_dir)
     if saved is None:
@@ -369,7 +367,7 @@ def check_adapter_base(step_dir: Path, cfg: NeoXConfig) -> None:
             f"{step_dir} holds a full model, not a LoRA adapter; to train an adapter on it set "
             "lora_base to it and point load/save at a new directory"
         )
-    now = base_reference(cfg, base_dir(cfg), saved.get("padded_vocab_size"))
+    now = base_reference(cfg, lora_base_dir(cfg), saved.get("padded_vocab_size"))
     if saved != now:
         diffs = ", ".join(
             f"{k}: {saved.get(k)!r} -> {now.get(k)!r}"

@@ -22,7 +22,6 @@ from neox.checkpoint.consolidate import (
 )
 from neox.checkpoint.ds_files import ZERO3_FILE
 from neox.checkpoint.find import TAG_PREFIX, has_plain_state, read_latest
-from neox.checkpoint.hf_tokenizer import build_run_tokenizer
 from neox.checkpoint.staging import check_output_dir, staged_directory
 from neox.checkpoint.writer import (
     WEIGHTS_ONLY,
@@ -33,6 +32,7 @@ from neox.checkpoint.writer import (
 )
 from neox.config import NeoXConfig
 from neox.config.derived import padded_vocab
+from neox.tokenizer.build import build_run_tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,6 @@ import torch
 from neox.checkpoint.consolidate import CheckpointError, StateDict, partition_dim
 from neox.checkpoint.ds_files import layer_file, mp_file
 from neox.checkpoint.find import WEIGHTS_ONLY, tag_for
-from neox.checkpoint.hf_map import VOCAB_MODULES, resize_vocab
 from neox.checkpoint.manifest import write_manifest
 from neox.checkpoint.plain_state import copy_plain_state
 from neox.config import NeoXConfig, load_dict, write_config
@@ -26,6 +25,18 @@ from neox.parallel.layers import shard
 from neox.parallel.topology import Topology
 
 log = logging.getLogger(__name__)
+
+
+# The modules whose rows are the (padded) vocabulary.
+VOCAB_MODULES = ("embed_in", "embed_out")
+
+
+def resize_vocab(weight: torch.Tensor, rows: int) -> torch.Tensor:
+    """Keep the first `rows` rows, or append zero rows up to `rows` (padded vocabulary)."""
+    if weight.shape[0] >= rows:
+        return weight[:rows]
+    pad = weight.new_zeros(rows - weight.shape[0], *weight.shape[1:])
+    return torch.cat((weight, pad))
 
 
 def with_layout(cfg: NeoXConfig, tp: int, pp: int, **keys: Any) -> NeoXConfig:

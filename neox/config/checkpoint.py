@@ -6,7 +6,7 @@ from pydantic import Field
 
 from neox.config.base import MAX_COUNT, ConfigGroup, Reads, Refused
 
-# tools/convert_to_hf.py's --architecture names (neox/checkpoint/hf_map.py ARCH_NAMES).
+# tools/convert_to_hf.py's --architecture names (neox/hf/mapping.py ARCH_NAMES).
 HF_FAMILIES = ("neox", "llama", "mistral", "qwen2", "qwen3")
 HF_FAMILIES += ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe")  # mixtures of experts
 
@@ -87,7 +87,7 @@ class CheckpointConfig(ConfigGroup):
             "neox/checkpoint/compat.py",
             "neox/inference/loading.py",
             "neox/inference/evaluation.py",
-            "neox/checkpoint/lora.py",
+            "neox/adapters/load_base.py",
             "neox/checkpoint/relayout.py",
         ),
     ] = False
@@ -112,19 +112,19 @@ class CheckpointConfig(ConfigGroup):
 
     hf_architecture: Annotated[
         Optional[Literal[HF_FAMILIES]],
-        Reads("neox/checkpoint/export.py"),
+        Reads("neox/hf/export.py"),
     ] = None
     """The Hugging Face family the weights were imported from (tools/convert_from_hf.py sets
     it); tools/convert_to_hf.py exports as this family unless --architecture says otherwise
     (None: `neox`, GPTNeoXForCausalLM)."""
 
-    hf_files: Annotated[Optional[str], Reads("neox/checkpoint/hf_tokenizer.py")] = None
+    hf_files: Annotated[Optional[str], Reads("neox/hf/tokenizer_files.py")] = None
     """Directory of the Hugging Face files carried over by tools/convert_from_hf.py (tokenizer
     files, generation_config.json, chat template, the original config.json);
     tools/convert_to_hf.py writes them back beside the weights when the run still uses that
     tokenizer. Relative paths are read from the current directory, like vocab_file."""
 
-    hf_source: Annotated[Optional[str], Reads("neox/checkpoint/export.py")] = None
+    hf_source: Annotated[Optional[str], Reads("neox/hf/export.py")] = None
     """The Hugging Face model the weights were imported from: its hub name when
     tools/convert_from_hf.py read a hub cache snapshot, else the directory's absolute path.
     A `--lora_format peft` export of the same family names it as the adapter's

@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from neox.checkpoint.hf_map import VOCAB_MODULES, resize_vocab
+from neox.checkpoint.writer import VOCAB_MODULES, resize_vocab
 from neox.config import ConfigError, NeoXConfig
 from neox.model import build_model
 from neox.parallel.topology import ProcessGroups

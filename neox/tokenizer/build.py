@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import get_args
 
-from neox.config.data import TokenizerType
+from neox.config.data import TokenizerConfig, TokenizerType
 from neox.tokenizer.base import Tokenizer, require_file
 
 logger = logging.getLogger(__name__)
@@ -49,3 +50,15 @@ def build_tokenizer(
     from neox.tokenizer.named_tiktoken import TiktokenTokenizer
 
     return TiktokenTokenizer(vocab_file)
+
+
+def build_run_tokenizer(t: TokenizerConfig) -> Tokenizer:
+    """The run's tokenizer; a missing vocabulary file is a ValueError naming the key to fix."""
+    for key in ("vocab_file", "merge_file"):
+        path = getattr(t, key)
+        if path and t.tokenizer_type != "HFGPT2Tokenizer" and not Path(path).is_file():
+            raise ValueError(
+                f"the checkpoint's {key}={path!r} is not a file here ({Path.cwd()}); run from "
+                "the directory training ran in, or pass --config_file with that key fixed"
+            )
+    return build_tokenizer(t.tokenizer_type, t.vocab_file, t.merge_file)

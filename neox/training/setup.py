@@ -7,7 +7,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from neox.checkpoint.lora import load_lora_base
+from neox.adapters.load_base import load_lora_base
 from neox.config import Derived, NeoXConfig, build_ds_config, derive
 from neox.config.ds_config import activation_checkpointing_section
 from neox.data.loader import DataLoaders, ReadPlan, build_train_valid_test_loaders

@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from neox.checkpoint.adapter import REFERENCE_FILE, manifest_sha256
+from neox.adapters.base_record import REFERENCE_FILE, manifest_sha256
 from neox.checkpoint.consolidate import load_model, load_model_state
 from neox.checkpoint.plain_state import PlainState, plain_state_dict
 from tests.train_helpers import losses, make_dataset, train, write_config
@@ -126,7 +126,7 @@ def test_exports_merged_and_peft_give_the_lora_models_logits(runs, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from neox.checkpoint.export import export_to_hf
+    from neox.hf.export import export_to_hf
     from neox.tokenizer import build_tokenizer
 
     ckpt = runs / "full" / "ckpt"
@@ -167,7 +167,7 @@ def test_a_peft_export_of_an_import_names_the_imported_base(runs, tmp_path):
     shared alone; without a source, the export's directory, which holds the base."""
     import yaml
 
-    from neox.checkpoint.export import export_to_hf
+    from neox.hf.export import export_to_hf
 
     ckpt = runs / "full" / "ckpt"
     saved = yaml.safe_load((ckpt / (ckpt / "latest").read_text() / "config.yml").read_text())
@@ -218,9 +218,9 @@ def test_peft_adapter_for_llama_splits_the_fused_qkv(tmp_path):
     from peft import PeftModel
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from neox.checkpoint.export import write_peft_adapter
-    from neox.checkpoint.hf_map import hf_config_for, to_hf_state_dict, to_peft_state_dict
     from neox.config import NeoXConfig
+    from neox.hf.export import write_peft_adapter
+    from neox.hf.mapping import hf_config_for, to_hf_state_dict, to_peft_state_dict
     from neox.model import build_model
     from neox.model.transforms.lora import apply_lora
 

@@ -13,7 +13,7 @@ from neox.checkpoint.consolidate import CheckpointError, load_model, load_model_
 from neox.checkpoint.relayout import reshape_checkpoint
 from neox.checkpoint.writer import WEIGHTS_ONLY
 from neox.model import lm_loss
-from tests.checkpoint.test_hf_import import write_constant_dataset
+from tests.hf.test_hf_import import write_constant_dataset
 from tests.layout_helpers import LAYOUTS, MODEL
 from tests.train_helpers import ROOT, losses, make_dataset, train, write_config
 

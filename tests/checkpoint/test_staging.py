@@ -6,9 +6,9 @@ import stat
 
 import pytest
 
-from neox.checkpoint.export import export_to_hf
 from neox.checkpoint.writer import write_checkpoint
 from neox.config import load_dict
+from neox.hf.export import export_to_hf
 from neox.model import build_model
 from tests.checkpoint.test_trust import MODEL
 

@@ -54,7 +54,7 @@ def test_docs_are_fresh():
 @pytest.mark.parametrize("name", FAMILIES)
 def test_family_config_dry_runs_with_the_real_parameter_count(name, capsys, monkeypatch, tmp_path):
     """deepy.py --dry-run (in process) validates it, on 8 planned GPUs, and its estimate counts
-    exactly the parameters of the HF model (tests/checkpoint/test_hf_import.py checks the keys
+    exactly the parameters of the HF model (tests/hf/test_hf_import.py checks the keys
     against the real config.json)."""
     import sys
 

@@ -4,8 +4,8 @@ import pytest
 import torch
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from neox.checkpoint.hf_map import hf_config_for, to_hf_state_dict
 from neox.config.model import ModelConfig
+from neox.hf.mapping import hf_config_for, to_hf_state_dict
 from neox.inference.generator import Generator, left_pad
 from neox.inference.sampling import SamplingParams
 from neox.model import build_model

@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from neox.checkpoint.hf_import import neox_model_keys
-from neox.checkpoint.hf_map import from_hf_state_dict
 from neox.config.model import ModelConfig
+from neox.hf.importer import neox_model_keys
+from neox.hf.mapping import from_hf_state_dict
 from neox.inference.fused_step import FusedStep
 from neox.inference.generator import Generator
 from neox.inference.perplexity import score_texts

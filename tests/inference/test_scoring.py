@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
-from neox.checkpoint.hf_map import hf_config_for, to_hf_state_dict
 from neox.config.model import ModelConfig
+from neox.hf.mapping import hf_config_for, to_hf_state_dict
 from neox.inference.perplexity import TextSums, bits_per_byte, score_texts, text_metrics
 from neox.inference.scoring import (
     continuation_window,

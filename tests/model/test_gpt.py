@@ -8,9 +8,9 @@ import torch
 from safetensors.torch import save_file
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from neox.checkpoint.hf_map import hf_config_for, to_hf_state_dict
 from neox.config import load_config
 from neox.config.model import ModelConfig
+from neox.hf.mapping import hf_config_for, to_hf_state_dict
 from neox.model import build_model, count_parameters, lm_loss
 
 VOCAB, PADDED = 100, 128

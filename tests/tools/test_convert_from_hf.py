@@ -11,7 +11,7 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
-from tests.checkpoint.test_hf_import import random_hf_model
+from tests.hf.test_hf_import import random_hf_model
 from tools.convert_from_hf import main
 
 
@@ -231,7 +231,7 @@ def test_malformed_input_is_one_line_exit_2_and_nothing_written(hf_models, tmp_p
 
 @pytest.mark.parametrize("dtype", ["auto", "bf16"])
 def test_verify_compares_the_import_with_transformers(hf_models, tmp_path, capsys, dtype):
-    from neox.checkpoint.verify import VerifyError, verify_export
+    from neox.hf.verify import VerifyError, verify_export
 
     out = tmp_path / "neox"
     argv = ["--input_dir", str(hf_models / "one"), "--output_dir", str(out), "--dtype", dtype]
@@ -249,7 +249,7 @@ def test_verify_compares_the_import_with_transformers(hf_models, tmp_path, capsy
 
 
 def test_the_import_records_its_source(hf_models, tmp_path):
-    from neox.checkpoint.hf_import import hf_source
+    from neox.hf.importer import hf_source
 
     main(["--input_dir", str(hf_models / "one"), "--output_dir", str(tmp_path / "neox")])
     keys = yaml.safe_load((tmp_path / "neox" / "model.yml").read_text())

@@ -50,9 +50,9 @@ def test_a_malformed_config_file_is_one_line_exit_2(tmp_path, capsys, text):
 def test_a_refused_architecture_names_ones_that_fit_and_the_flag_takes_them():
     """A Llama-shaped model refused as GPTNeoX is pointed at --architecture values the flag
     accepts (never gpt_neox, HF's model_type, which it rejects)."""
-    from neox.checkpoint.export import ARCHITECTURES
-    from neox.checkpoint.hf_map import check_exportable
     from neox.config import NeoXConfig
+    from neox.hf.export import ARCHITECTURES
+    from neox.hf.mapping import check_exportable
     from tools.convert_to_hf import parse_args
 
     llama = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16)
@@ -72,7 +72,7 @@ def test_a_refused_architecture_names_ones_that_fit_and_the_flag_takes_them():
 
 def test_a_damaged_carried_config_is_one_line_exit_2(bpe_tokenizer, tmp_path, capsys):
     """The config.json an import carried (hf_files) no longer parses: refused in one line."""
-    from tests.checkpoint.test_hf_import import random_hf_model
+    from tests.hf.test_hf_import import random_hf_model
     from tools.convert_from_hf import main as import_hf
 
     random_hf_model("llama", bpe_tokenizer, tmp_path / "hf")

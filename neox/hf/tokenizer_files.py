@@ -16,7 +16,7 @@ from typing import Optional
 
 from neox.config import NeoXConfig
 from neox.config.data import TokenizerConfig
-from neox.tokenizer import Tokenizer, build_tokenizer
+from neox.tokenizer import Tokenizer
 from neox.tokenizer.hf import PADDING, _gpt2_from_files
 
 log = logging.getLogger(__name__)
@@ -28,18 +28,6 @@ NOT_EXPORTABLE = {
     "SPMTokenizer": "HF's SentencePiece tokenizers normalise text differently from ours",
     "TiktokenTokenizer": "tiktoken encodings have no tokenizers-library file",
 }
-
-
-def build_run_tokenizer(t: TokenizerConfig) -> Tokenizer:
-    """The run's tokenizer; a missing vocabulary file is a ValueError naming the key to fix."""
-    for key in ("vocab_file", "merge_file"):
-        path = getattr(t, key)
-        if path and t.tokenizer_type != "HFGPT2Tokenizer" and not Path(path).is_file():
-            raise ValueError(
-                f"the checkpoint's {key}={path!r} is not a file here ({Path.cwd()}); run from "
-                "the directory training ran in, or pass --config_file with that key fixed"
-            )
-    return build_tokenizer(t.tokenizer_type, t.vocab_file, t.merge_file)
 
 
 def export_problem(t: TokenizerConfig) -> Optional[str]:

@@ -17,7 +17,9 @@ from typing import Any, Union
 
 import torch
 
-from neox.checkpoint.hf_moe import (
+from neox.checkpoint.writer import VOCAB_MODULES, resize_vocab
+from neox.config.model import ModelConfig
+from neox.hf.moe_mapping import (
     ATTENTION_ARCH,
     MOE_ARCHS,
     MOE_KEYS,
@@ -27,7 +29,6 @@ from neox.checkpoint.hf_moe import (
     hub_name,
     moe_problems,
 )
-from neox.config.model import ModelConfig
 from neox.model.mlp import activation_name
 from neox.plan.attention_path import layer_window
 
@@ -112,8 +113,6 @@ HF_IGNORED = re.compile(r"(rotary_emb\.inv_freq|\.attention\.bias|\.attention\.m
 
 HF_ACTIVATIONS = {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "relu": "relu", "silu": "silu"}
 
-VOCAB_MODULES = ("embed_in", "embed_out")
-
 
 def split_qkv(
     qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int
@@ -137,14 +136,6 @@ def fuse_qkv(
     k = k.reshape(num_kv_heads, 1, -1, *rest)  # (nkv, 1, hs, ...)
     v = v.reshape(num_kv_heads, 1, -1, *rest)
     return torch.cat((q, k, v), dim=1).reshape(-1, *rest)  # ((nh + 2*nkv)*hs, ...)
-
-
-def resize_vocab(weight: torch.Tensor, rows: int) -> torch.Tensor:
-    """Keep the first `rows` rows, or append zero rows up to `rows` (padded vocabulary)."""
-    if weight.shape[0] >= rows:
-        return weight[:rows]
-    pad = weight.new_zeros(rows - weight.shape[0], *weight.shape[1:])
-    return torch.cat((weight, pad))
 
 
 def check_exportable(cfg: ModelConfig, arch: str) -> None:

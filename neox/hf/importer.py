@@ -24,7 +24,13 @@ import torch
 import yaml
 
 from neox.checkpoint.consolidate import check_state_dict
-from neox.checkpoint.hf_map import (
+from neox.checkpoint.staging import check_output_dir, staged_directory
+from neox.checkpoint.stream_writer import StreamingCheckpoint
+from neox.checkpoint.writer import VOCAB_MODULES, check_layout
+from neox.config import ConfigError, load_dict, pad_vocab_size
+from neox.config.shape import ROPE_SCALING_KEYS
+from neox.config.shape import ROPE_TYPES as SCALING_TYPES
+from neox.hf.mapping import (
     ARCH_NAMES,
     ARCHS,
     HF_ACTIVATIONS,
@@ -32,19 +38,12 @@ from neox.checkpoint.hf_map import (
     HF_IGNORED,
     HF_KEYS,
     LLAMA_FAMILY,
-    VOCAB_MODULES,
     check_exportable,
     from_hf_state_dict,
 )
-from neox.checkpoint.hf_moe import ATTENTION_ARCH, MOE_ARCHS, neox_moe_keys
-from neox.checkpoint.hf_moe import READ_FIELDS as MOE_FIELDS
-from neox.checkpoint.hf_weights import HFWeights, HFWeightsError
-from neox.checkpoint.staging import check_output_dir, staged_directory
-from neox.checkpoint.stream_writer import StreamingCheckpoint
-from neox.checkpoint.writer import check_layout
-from neox.config import ConfigError, load_dict, pad_vocab_size
-from neox.config.shape import ROPE_SCALING_KEYS
-from neox.config.shape import ROPE_TYPES as SCALING_TYPES
+from neox.hf.moe_mapping import ATTENTION_ARCH, MOE_ARCHS, neox_moe_keys
+from neox.hf.moe_mapping import READ_FIELDS as MOE_FIELDS
+from neox.hf.weights import HFWeights, HFWeightsError
 from neox.model import build_model
 from neox.tokenizer import build_tokenizer
 

@@ -11,8 +11,8 @@ import yaml
 from safetensors import safe_open
 
 from neox.checkpoint.consolidate import load_model
-from neox.checkpoint.export import ExportError, export_to_hf
 from neox.checkpoint.staging import OutputDirError
+from neox.hf.export import ExportError, export_to_hf
 from neox.tokenizer import HFTokenizer
 from tests.train_helpers import ROOT
 

@@ -8,16 +8,16 @@ import re
 import pytest
 import torch
 
-from neox.checkpoint.hf_import import HFImportError, neox_model_keys
-from neox.checkpoint.hf_map import (
+from neox.config.derived import pad_vocab_size
+from neox.config.model import ModelConfig
+from neox.hf.importer import HFImportError, neox_model_keys
+from neox.hf.mapping import (
     MOE_ARCHS,
     check_exportable,
     from_hf_state_dict,
     hf_config_for,
     to_hf_state_dict,
 )
-from neox.config.derived import pad_vocab_size
-from neox.config.model import ModelConfig
 from neox.model import count_parameters
 from tests.hf_family_helpers import FAMILIES, PADDED, VOCAB, hf_model, neox_pair, token_ids
 

@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from neox.checkpoint.adapter import read_reference
+from neox.adapters.base_record import read_reference
 from neox.checkpoint.consolidate import (
     CheckpointError,
     Source,
@@ -36,7 +36,10 @@ from neox.checkpoint.consolidate import (
     read_sources,
     resolve_checkpoint,
 )
-from neox.checkpoint.hf_map import (
+from neox.checkpoint.staging import check_output_dir, staged_directory
+from neox.config import ConfigError, NeoXConfig, read_saved_config
+from neox.config.derived import precision_of
+from neox.hf.mapping import (
     ARCH_NAMES,
     HF_KEYS,
     check_exportable,
@@ -45,17 +48,14 @@ from neox.checkpoint.hf_map import (
     to_hf_state_dict,
     to_peft_state_dict,
 )
-from neox.checkpoint.hf_tokenizer import (
-    build_run_tokenizer,
+from neox.hf.tokenizer_files import (
     carried_files,
     copy_carried_files,
     export_problem,
     imported_files,
     save_hf_tokenizer,
 )
-from neox.checkpoint.staging import check_output_dir, staged_directory
-from neox.config import ConfigError, NeoXConfig, read_saved_config
-from neox.config.derived import precision_of
+from neox.tokenizer.build import build_run_tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -12,10 +12,10 @@ import pytest
 from safetensors.torch import save_file
 
 from neox.checkpoint.consolidate import load_model_state
-from neox.checkpoint.export import export_dtype, export_to_hf, shard_bytes
-from neox.checkpoint.hf_map import to_hf_state_dict
 from neox.checkpoint.writer import write_checkpoint
 from neox.config import load_dict
+from neox.hf.export import export_dtype, export_to_hf, shard_bytes
+from neox.hf.mapping import to_hf_state_dict
 from neox.model import build_model
 from tests.train_helpers import ROOT
 
@@ -117,7 +117,7 @@ CHILD = textwrap.dedent(
     """
     import json, sys
     from pathlib import Path
-    from neox.checkpoint.export import export_to_hf
+    from neox.hf.export import export_to_hf
     work, shard = Path(sys.argv[1]), sys.argv[2]
     export_to_hf(work / "tiny", work / "warm", architecture="llama", max_shard_size=shard)
     def status(key):

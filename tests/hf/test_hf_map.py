@@ -4,7 +4,8 @@ import pytest
 import torch
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from neox.checkpoint.hf_map import (
+from neox.config.model import ModelConfig
+from neox.hf.mapping import (
     check_exportable,
     from_hf_state_dict,
     fuse_qkv,
@@ -12,7 +13,6 @@ from neox.checkpoint.hf_map import (
     split_qkv,
     to_hf_state_dict,
 )
-from neox.config.model import ModelConfig
 from neox.model import build_model
 
 TINY = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, pos_emb="rotary")

@@ -3,26 +3,18 @@
 from __future__ import annotations
 
 import logging
-from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import nn
 
-from neox.checkpoint.adapter import base_reference
-from neox.checkpoint.consolidate import load_model_state, resolve_checkpoint
+from neox.adapters.base_record import base_reference
+from neox.checkpoint.consolidate import load_model_state, lora_base_dir
 from neox.checkpoint.errors import CheckpointError
 from neox.checkpoint.writer import resize_vocab_rows, shard_tensor_parallel
 from neox.config import NeoXConfig
 
 log = logging.getLogger(__name__)
-
-
-def base_dir(cfg: NeoXConfig) -> Optional[Path]:
-    """The global_stepN directory `lora_base` names (None without lora_base)."""
-    base = cfg.lora.lora_base
-    allow = cfg.checkpoint.allow_unverified_checkpoint
-    return None if base is None else resolve_checkpoint(base, allow_unverified=allow)
 
 
 @torch.no_grad()
@@ -32,7 +24,7 @@ def load_lora_base(
     """Copy the base's weights (any layout: consolidated, then this tp rank's shard taken)
     into `model` before its adapters are added; returns the reference checkpoints record.
     Without lora_base the model keeps the weights it was initialised with."""
-    tag_dir = base_dir(cfg)
+    tag_dir = lora_base_dir(cfg)
     reference = base_reference(cfg, tag_dir, padded_vocab_size)
     if tag_dir is None:
         return reference

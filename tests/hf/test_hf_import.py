@@ -15,9 +15,9 @@ import yaml
 from safetensors.torch import load_file
 
 from neox.checkpoint.consolidate import load_model, load_model_state
-from neox.checkpoint.export import export_to_hf
-from neox.checkpoint.hf_import import HFImportError, convert_from_hf
 from neox.data.indexed import IndexedDatasetBuilder
+from neox.hf.export import export_to_hf
+from neox.hf.importer import HFImportError, convert_from_hf
 from neox.model import lm_loss
 from neox.plan.estimate import active_parameters, count_parameters
 from tests.train_helpers import ROOT, losses, run_deepy, write_config
@@ -269,7 +269,7 @@ def test_finetune_from_import_then_export(bpe_tokenizer, tmp_path):
         )
 
 
-# The real config.json of each shipped family config (public values, tests/checkpoint/hf_configs).
+# The real config.json of each shipped family config (public values, tests/hf/hf_configs).
 SHIPPED = {
     "Llama-3.2-1B": "configs/llama3/1B.yml",
     "Llama-3.2-3B": "configs/llama3/3B.yml",
@@ -294,9 +294,9 @@ def test_shipped_config_is_what_importing_the_real_model_gives(model):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from neox.checkpoint.consolidate import check_state_dict
-    from neox.checkpoint.hf_import import neox_model_keys, without_neutral_values
-    from neox.checkpoint.hf_map import from_hf_state_dict
     from neox.config import load_config
+    from neox.hf.importer import neox_model_keys, without_neutral_values
+    from neox.hf.mapping import from_hf_state_dict
     from neox.model import build_model
 
     hf = json.loads((Path(__file__).parent / "hf_configs" / f"{model}.json").read_text())

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from neox.checkpoint.hf_weights import HFWeights, HFWeightsError
+from neox.hf.weights import HFWeights, HFWeightsError
 
 
 def sharded(tmp_path):

@@ -1,0 +1,1 @@
+"""LoRA adapters: the base an adapter run trains on, recorded and loaded."""

@@ -1,0 +1,1 @@
+"""Hugging Face interop: neox checkpoints to and from transformers' model directories."""
