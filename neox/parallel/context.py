@@ -5,7 +5,8 @@ its own chunk of T / cp tokens. Attention is the one place a token reads other t
 cp ranks swap a head split for the sequence split with one all-to-all (DeepSpeed-Ulysses): each
 rank then holds heads / cp heads over the *whole* sequence, runs the layer's usual kernel (the
 causal, sliding-window and packed-document masks, GQA and ALiBi unchanged, since it sees every
-key), and a second all-to-all brings its chunk's tokens back with all heads. The attention is
+key), and a second all-to-all brings its chunk's tokens back with all heads. q, k and v travel
+packed in one buffer, so a layer makes two all-to-alls forward and two backward. The attention is
 exact and every rank does the same work, so no causal load balancing is needed. Its limit is
 heads: (heads per tensor-parallel rank) must divide by cp, checked with the config; key/value
 heads that do not divide are replicated to one per query head before the exchange.
@@ -19,7 +20,9 @@ gradient group) and each rank's loss weight counts its own trained tokens over t
 Why our own all-to-all rather than DeepSpeed's DistributedAttention: that wraps one local
 attention callable over (batch, seq, heads, dim) tensors, while neox's attention chooses among
 four kernels per layer on (B, nh, T, hs) tensors after rotary; the exchange itself is one
-collective (torch.distributed.all_to_all_single, which gloo has on CPU ranks too).
+collective (torch.distributed.all_to_all_single, which gloo has on CPU ranks too). Inside a
+compiled block it is the functional all_to_all_single instead, which dynamo traces into the
+block's graph (as neox/parallel/mappings.py does for tensor parallelism): no graph break.
 """
 
 from __future__ import annotations
@@ -28,53 +31,42 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch import nn
 
 from neox.data.batch import Batch
 from neox.model.attention import Attention
-from neox.model.eager import eager_only
 
 
-def _all_to_all(x: torch.Tensor, group: Any, scatter: int, gather: int) -> torch.Tensor:
-    """Cut x into cp pieces along `scatter`, send piece i to rank i of `group`, and join the
-    pieces received, in rank order, along `gather`."""
-    cp = dist.get_world_size(group)
-    send = torch.stack(x.chunk(cp, dim=scatter)).contiguous()  # (cp, *piece)
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
-    return torch.cat(recv.unbind(0), dim=gather)
+def _all_to_all(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """x (cp, ...): piece i goes to rank i of `group`; the result's piece j came from rank j."""
+    x = x.contiguous()  # a no-op for the packed buffers; a gradient may come strided
+    if torch.compiler.is_compiling():
+        # Functional (out-of-place) collective: traced into the compiled graph, no break.
+        return funcol.wait_tensor(funcol.all_to_all_single(x, None, None, group))
+    recv = torch.empty_like(x)
+    dist.all_to_all_single(recv, x, group=group)
+    return recv
 
 
-class _SeqAllToAll(torch.autograd.Function):
-    """Forward: scatter dim `scatter`, gather dim `gather`; backward: the inverse exchange."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Any, scatter: int, gather: int) -> torch.Tensor:
-        ctx.group, ctx.scatter, ctx.gather = group, scatter, gather
-        return _all_to_all(x, group, scatter, gather)
+class _AllToAll(torch.autograd.Function):
+    """The exchange of a (cp, ...) buffer; it is its own adjoint, so backward exchanges the
+    gradient the same way (each piece goes back to the rank it came from)."""
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _all_to_all(grad, ctx.group, ctx.gather, ctx.scatter), None, None, None
+    def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return _all_to_all(x, group)
 
-
-# Compiled blocks (torch_compile) break their graph around the exchange: dynamo would otherwise
-# trace a process-group collective inside an autograd.Function.
-@eager_only
-def heads_to_sequence(x: torch.Tensor, group: Any) -> torch.Tensor:
-    """(B, H, T/cp, hs) on each rank -> (B, H/cp, T, hs): the whole sequence, a share of heads."""
-    return _SeqAllToAll.apply(x, group, 1, 2)
-
-
-@eager_only
-def sequence_to_heads(x: torch.Tensor, group: Any) -> torch.Tensor:
-    """(B, H/cp, T, hs) -> (B, H, T/cp, hs): this rank's chunk of the tokens, every head."""
-    return _SeqAllToAll.apply(x, group, 2, 1)
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _all_to_all(grad, ctx.group), None
 
 
 class UlyssesExchange:
     """What an Attention calls around its kernel under context parallelism (Attention's
-    `context_parallel` attribute)."""
+    `context_parallel` attribute). A layer's forward makes two all-to-alls (q, k and v packed
+    in one, the output in the other), its backward two; each packs or unpacks with one copy."""
 
     def __init__(self, group: Any, cp: int) -> None:
         self.group, self.cp = group, cp
@@ -82,17 +74,35 @@ class UlyssesExchange:
     def scatter_heads(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q (B, nh, T/cp, hs), k and v (B, nkv, T/cp, hs) -> the full sequence, heads / cp."""
-        nh, nkv = q.shape[1], k.shape[1]
-        if nkv % self.cp:
+        """q (B, nh, T/cp, hs), k and v (B, nkv, T/cp, hs) -> the full sequence, heads / cp.
+
+        Rank i is sent its share of q's heads, then of k's, then of v's, in one buffer
+        (cp, B, (nh + 2 nkv) / cp, T/cp, hs): GQA with nkv divisible by cp sends only its kv
+        heads."""
+        cp = self.cp
+        B, nh, t, hs = q.shape
+        nkv = k.shape[1]
+        if nkv % cp:
             # Too few kv heads to share out (GQA/MQA): one per query head, as MHA.
             k = k.repeat_interleave(nh // nkv, dim=1)
             v = v.repeat_interleave(nh // nkv, dim=1)
-        return tuple(heads_to_sequence(t, self.group) for t in (q, k, v))
+            nkv = nh
+        shares = [z.view(B, cp, z.shape[1] // cp, t, hs).transpose(0, 1) for z in (q, k, v)]
+        send = torch.cat(shares, dim=2)  # (cp, B, (nh + 2 nkv) / cp, t, hs): the one copy in
+        recv = _AllToAll.apply(send, self.group)  # piece j: rank j's tokens, my heads
+        heads = recv.shape[2]
+        whole = recv.permute(1, 2, 0, 3, 4).reshape(B, heads, cp * t, hs)  # the one copy out
+        return tuple(whole.split([nh // cp, nkv // cp, nkv // cp], dim=1))  # type: ignore
 
     def gather_heads(self, y: torch.Tensor) -> torch.Tensor:
-        """The kernel's output (B, nh/cp, T, hs) -> (B, nh, T/cp, hs)."""
-        return sequence_to_heads(y, self.group)
+        """The kernel's output (B, nh/cp, T, hs) -> (B, nh, T/cp, hs), a transposed view of a
+        contiguous (B, T/cp, nh, hs), so the layer's reshape to (B, T/cp, nh * hs) is free."""
+        cp = self.cp
+        B, h, T, hs = y.shape
+        send = y.view(B, h, cp, T // cp, hs).permute(2, 0, 1, 3, 4)  # (cp, B, h, T/cp, hs)
+        recv = _AllToAll.apply(send, self.group)  # piece j: rank j's heads
+        out = recv.permute(1, 3, 0, 2, 4).reshape(B, T // cp, cp * h, hs)  # (B, T/cp, nh, hs)
+        return out.transpose(1, 2)
 
 
 def apply_context_parallel(model: nn.Module, groups: Any) -> None:

@@ -4,6 +4,8 @@ the whole batch in one process."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
@@ -86,3 +88,57 @@ def check_case(rank: int, world: int, name: str) -> None:
 def check_all(rank: int, world: int) -> None:
     for name in CASES:
         check_case(rank, world, name)
+
+
+def check_compiled_block(rank: int, world: int) -> None:
+    """A transformer block compiled under cp: dynamo traces the exchange (no graph break, no
+    eager collective in its forward or backward), the compiled block's output and gradients
+    equal the eager block's, and a layer's eager forward and backward each make two all-to-alls
+    (q, k, v packed; the output): MHA, GQA with kv heads divisible by cp sending only those, and
+    MQA with its kv heads replicated."""
+    torch.manual_seed(0)
+    calls: list[torch.Size] = []  # the received buffer's shape, per eager all-to-all
+    collective = dist.all_to_all_single
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape)
+        return collective(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def counting():
+        calls.clear()
+        dist.all_to_all_single = counted
+        try:
+            yield
+        finally:
+            dist.all_to_all_single = collective
+
+    for kv in (4, 2, 1):  # MHA, GQA that shares out, MQA (replicated)
+        cfg = ModelConfig(**{**BASE, "num_kv_heads": kv})
+        model = build_model(cfg, VOCAB, seed=3)
+        apply_context_parallel(model, ProcessGroups(Topology(cp=world)))
+        block = model.layers[0]
+        t = BASE["seq_length"] // world
+        x = torch.randn(2, t, BASE["hidden_size"], generator=torch.Generator().manual_seed(rank))
+        positions = (torch.arange(t) + rank * t).expand(2, t)
+
+        x_eager = x.clone().requires_grad_()
+        with counting():
+            want = block(x_eager, position_ids=positions)
+            forward_calls = len(calls)
+            want.square().sum().backward()
+        assert (forward_calls, len(calls)) == (2, 4), (kv, calls)
+        kv_heads = BASE["num_attention_heads"] if kv % world else kv  # MQA: one per q head
+        assert calls[0][2] == (BASE["num_attention_heads"] + 2 * kv_heads) // world, calls
+
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(block)(x, position_ids=positions)
+        assert explained.graph_break_count == 0, explained.break_reasons
+        compiled = torch.compile(block, backend="aot_eager")
+        x_compiled = x.clone().requires_grad_()
+        with counting():
+            got = compiled(x_compiled, position_ids=positions)
+            got.square().sum().backward()
+        assert calls == [], "the compiled block (forward or backward) left its graph to exchange"
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(x_compiled.grad, x_eager.grad, rtol=1e-5, atol=1e-6)

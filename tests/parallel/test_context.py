@@ -16,7 +16,7 @@ from neox.config.errors import ConfigError
 from neox.data.batch import build_batch
 from neox.parallel.context import context_chunk
 from neox.parallel.topology import Topology
-from tests.parallel.context_helpers import CASES, check_case
+from tests.parallel.context_helpers import CASES, check_case, check_compiled_block
 from tests.parallel.rank_helpers import run_ranks
 from tests.train_helpers import SHORT_RUN, losses, make_dataset, run_deepy, run_here, write_config
 
@@ -100,6 +100,13 @@ def test_ulysses_gives_the_one_process_loss_and_gradients():
     sliding window, MQA with replicated kv heads and ALiBi, scaled rotary with a masked SFT
     prompt, plain): loss and every gradient equal the whole batch's in one process."""
     run_ranks(_check_cases, 2, list(CASES))
+
+
+@pytest.mark.slow
+def test_compiled_block_traces_the_exchange():
+    """Two gloo ranks: a compiled transformer block has no graph break at the all-to-all,
+    matches the eager block, and a layer makes two all-to-alls each way (context_helpers)."""
+    run_ranks(check_compiled_block, 2)
 
 
 # ---- train.py end to end: CP ranks against one rank on the same global batch ----
