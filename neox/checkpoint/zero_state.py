@@ -19,16 +19,13 @@ import torch
 
 from neox.checkpoint.ds_files import ENGINE_KEYS, mp_file, optim_file
 from neox.checkpoint.errors import CheckpointError
-from neox.checkpoint.plain_state import Layout
 from neox.checkpoint.trust import load_file
 
 
 class ZeroState:
-    """`step_dir`'s DeepSpeed files as PlainState reads: `has`, `read`, `scalars`,
-    `client_state`. With `weights_only` the weights come from the module (the optimizer files
-    are not read and need not exist)."""
-
-    layout = Layout("deepspeed", 1, 1, 0, 0)
+    """`step_dir`'s DeepSpeed files read as a PlainState is (`read`, `scalars`, `client_state`,
+    what an engine's load_plain takes). With `weights_only` the weights come from the module
+    (the optimizer files are not read and need not exist)."""
 
     def __init__(self, step_dir: Path, trust: bool = False, weights_only: bool = False) -> None:
         self.dir = Path(step_dir)
@@ -95,9 +92,6 @@ class ZeroState:
                 )
             parts.append(load_file(found, trust)["optimizer_state_dict"])
         return parts
-
-    def has(self, kind: str, name: str) -> bool:
-        return f"{kind}/{name}" in self.full or (kind == "fp32" and name in self.module)
 
     def read(
         self, kind: str, name: str, shape: tuple[int, ...], dim: Optional[int], start: int
