@@ -7,7 +7,8 @@
 #            (tests/parallel/test_multigpu.py)
 #   tier2    the same for configs/20B.yml and Llama-2 7B; FP8, LoRA SFT and DPO on 4 GPUs
 #   tier3    the same for Llama-3 8B, Mistral 7B, Qwen2.5 7B; two "nodes" of 2 GPUs over ssh
-#            (tests/launcher/test_multigpu_two_nodes.py; skipped without /usr/sbin/sshd)
+#            (tests/launcher/test_multigpu_two_nodes.py; skipped without /usr/sbin/sshd) and
+#            through mpirun (tests/launcher/test_two_nodes_mpirun.py)
 #   speed1   benchmarks/train_multi_gpu.py --plan 4gpu: 1.4B one GPU vs DP=4; 6.9B TP2 x PP2,
 #            TP4; 20B at 12 layers TP2 x PP2 (ratios within this one command)
 #   speed2   6.9B TP2 x DP2 bf16 vs FP8, DP=4 ZeRO-1 vs ZeRO-3 (activation checkpointing)
@@ -71,7 +72,7 @@ case $part in
   tier1) tier tests/parallel/test_multigpu.py -k "pythia" ;;
   tier2) tier tests/parallel/test_multigpu.py -k "neox or llama2 or fp8 or lora or dpo" ;;
   tier3) tier tests/parallel/test_multigpu.py tests/launcher/test_multigpu_two_nodes.py \
-           -k "llama3 or mistral or qwen or two_nodes" ;;
+           tests/launcher/test_two_nodes_mpirun.py -k "llama3 or mistral or qwen or two_nodes" ;;
   speed1) bench --plan 4gpu --runs 1gpu dp4 tp2_pp2 tp4 --iters 16 --first 8 --timeout 240 ;;
   speed2) bench --plan 4gpu --runs tp2_dp2 tp2_dp2_fp8 dp4_ckpt dp4_zero3_ckpt \
             --iters 16 --first 8 --timeout 240 ;;

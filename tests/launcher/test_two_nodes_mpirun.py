@@ -1,0 +1,114 @@
+"""Two "nodes" on one host through mpirun (`launcher: openmpi`), the multi-node path that runs
+on an image without sshd: two names of this machine in /etc/hosts on loopback aliases
+(127.0.0.2, 127.0.0.3), a hostfile of those names with 2 slots each (launcher: openmpi refuses
+`include`), and Open MPI's remote-launch agent (`plm_rsh_agent`) replaced by a script that starts
+the "remote" daemon here, giving each name 2 of the GPUs through CUDA_VISIBLE_DEVICES. mpirun then starts one orted and one neox agent per name (checked with Open MPI
+4.1.4); the losses must equal the one-node run's."""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.port_helpers import free_port
+from tests.train_helpers import ROOT, SHORT_RUN, deepy_env, losses, make_dataset, write_config
+
+pytestmark = pytest.mark.slow
+
+NODES = {"neox-node-a": "127.0.0.2", "neox-node-b": "127.0.0.3"}
+HOSTS = Path("/etc/hosts")
+
+
+@pytest.fixture
+def node_names():
+    """Add the two names to /etc/hosts if missing; restore the file afterwards."""
+    if shutil.which("mpirun") is None:
+        pytest.skip("needs mpirun (Open MPI) on PATH")
+    if os.geteuid() != 0:
+        pytest.skip("needs root to add neox-node-a/b (127.0.0.2/3) to /etc/hosts")
+    before = HOSTS.read_text()
+    missing = [f"{ip} {name}\n" for name, ip in NODES.items() if name not in before.split()]
+    if missing:
+        HOSTS.write_text(before + ("" if before.endswith("\n") else "\n") + "".join(missing))
+    yield
+    if missing:
+        HOSTS.write_text(before)
+
+
+def rsh_agent(tmp_path: Path) -> Path:
+    """plm_rsh_agent stand-in: log the host, drop it, run the orted command on this machine with
+    that node's GPUs (the agent keeps a CUDA_VISIBLE_DEVICES it was started with)."""
+    agent = tmp_path / "rsh_agent.sh"
+    agent.write_text(
+        f'#!/bin/sh\necho "$1" >> {tmp_path}/rsh.log\n'
+        'case "$1" in neox-node-a) export CUDA_VISIBLE_DEVICES=0,1;; '
+        "*) export CUDA_VISIBLE_DEVICES=2,3;; esac\n"
+        'shift\nexec sh -c "$*"\n'
+    )
+    agent.chmod(0o755)
+    return agent
+
+
+def deepy(cfg: Path, cpu: bool, **env: str) -> str:
+    r = subprocess.run(
+        [sys.executable, "deepy.py", "train.py", str(cfg)],
+        cwd=ROOT,
+        env=deepy_env(cpu=cpu, **env),
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r.stdout
+
+
+@pytest.mark.parametrize(
+    "cpu",
+    [True, pytest.param(False, marks=pytest.mark.multigpu)],
+    ids=["cpu_ranks", "gpus"],
+)
+def test_two_nodes_mpirun_match_one_node(node_names, cpu, tmp_path):
+    # fp32, TP2 x DP2, same reduction layout: the losses agree to rounding.
+    run = dict(
+        SHORT_RUN,
+        model_parallel_size=2,
+        distributed_backend="gloo" if cpu else "nccl",
+        zero_optimization={},
+        gradient_accumulation_steps=1,
+    )
+    make_dataset(tmp_path / "data" / "chars")
+    deepy(write_config(tmp_path, "one", num_gpus=4, **run), cpu)
+
+    a, b = NODES
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text(f"{a} slots=2\n{b} slots=2\n")
+    two = write_config(
+        tmp_path,
+        "two",
+        num_gpus=None,
+        hostfile=str(hostfile),
+        launcher="openmpi",
+        master_port=free_port(),
+        no_ssh_check=True,
+        **run,
+    )
+    out = deepy(
+        two,
+        cpu,
+        OMPI_ALLOW_RUN_AS_ROOT="1",
+        OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+        OMPI_MCA_plm_rsh_agent=str(rsh_agent(tmp_path)),
+        OMPI_MCA_oob_tcp_if_include="lo",
+        OMPI_MCA_btl_tcp_if_include="lo",
+    )
+    started = (tmp_path / "rsh.log").read_text().split() if (tmp_path / "rsh.log").exists() else []
+    assert sorted(started) == [a, b], (
+        f"mpirun must start one daemon per name through plm_rsh_agent; it started {started}"
+    )
+    one, both = losses(tmp_path / "one" / "logs"), losses(tmp_path / "two" / "logs")
+    assert sorted(both) == [1, 2, 3, 4, 5], out[-3000:]
+    for step, loss in one.items():
+        assert both[step] == pytest.approx(loss, rel=1e-4), (step, one, both)
