@@ -189,7 +189,10 @@ class MoE(nn.Module):
         # capacity drops later choices and later tokens first (DeepSpeed-MoE's order).
         flat = experts.t().reshape(-1)  # (k N,)
         order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=e)  # (E,)
+        # A count of fixed shape (E,): bincount's output shape depends on the data, which
+        # breaks a compiled block's graph at every MoE layer.
+        counts = torch.zeros(e, dtype=torch.long, device=flat.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat))  # (E,)
         kept = counts
         cap = self.capacity(n)
         if cap is not None:
