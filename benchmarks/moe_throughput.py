@@ -195,7 +195,7 @@ def hf_olmoe_step(cfg, micro_batch: int, vocab: int, device, compile_: bool, exp
         intermediate_size=m.moe_ffn_hidden_size,
         num_hidden_layers=m.num_layers,
         num_attention_heads=m.num_attention_heads,
-        num_key_value_heads=m.num_kv_heads or m.num_attention_heads,
+        num_key_value_heads=m.shape.kv_heads,
         max_position_embeddings=m.max_position_embeddings,
         rms_norm_eps=m.rms_norm_epsilon,
         num_experts=m.moe_num_experts,

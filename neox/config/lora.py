@@ -90,7 +90,7 @@ class LoraConfig(ConfigGroup):
     here: target `query_key_value`."""
 
     lora_base: Annotated[
-        Optional[str], Reads("neox/adapters/load_base.py", "neox/plan/preflight.py")
+        Optional[str], Reads("neox/checkpoint/consolidate.py", "neox/plan/preflight.py")
     ] = None
     """The base model: a neox checkpoint (a save directory, whose `latest` is used, or one
     global_stepN directory; an HF model imported with tools/convert_from_hf.py first), of any
