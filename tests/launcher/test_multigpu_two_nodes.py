@@ -3,13 +3,10 @@ for this machine, `include` giving each 2 of the GPUs, and `launcher: pdsh` (an 
 a neox agent per node, through the private sshd of tests/launcher/conftest.py) trains TP=2 x
 DP=2 with the losses of the same run on one node."""
 
-import subprocess
-import sys
-
 import pytest
 
 from tests.port_helpers import free_port
-from tests.train_helpers import ROOT, SHORT_RUN, deepy_env, losses, make_dataset, write_config
+from tests.train_helpers import SHORT_RUN, losses, make_dataset, run_deepy, write_config
 
 pytestmark = [pytest.mark.multigpu, pytest.mark.slow]
 
@@ -18,22 +15,10 @@ pytestmark = [pytest.mark.multigpu, pytest.mark.slow]
 RUN = dict(SHORT_RUN, model_parallel_size=2, distributed_backend="nccl", zero_optimization={})
 
 
-def deepy(cfg, **env: str) -> subprocess.CompletedProcess:
-    r = subprocess.run(
-        [sys.executable, "deepy.py", "train.py", str(cfg)],
-        cwd=ROOT,
-        env=deepy_env(cpu=False, **env),
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    return r
-
-
 def test_two_nodes_of_two_gpus_match_one_node_of_four(sshd, tmp_path):
     make_dataset(tmp_path / "data" / "chars")
-    deepy(write_config(tmp_path, "one", num_gpus=4, gradient_accumulation_steps=1, **RUN))
+    one = write_config(tmp_path, "one", num_gpus=4, gradient_accumulation_steps=1, **RUN)
+    run_deepy("train.py", one, cpu=False)
 
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("localhost slots=4\n127.0.0.1 slots=4\n")
@@ -51,7 +36,7 @@ def test_two_nodes_of_two_gpus_match_one_node_of_four(sshd, tmp_path):
         no_ssh_check=True,
         **RUN,
     )
-    out = deepy(two, PDSH_SSH_ARGS_APPEND=sshd.ssh_args).stdout
+    out = run_deepy("train.py", two, cpu=False, PDSH_SSH_ARGS_APPEND=sshd.ssh_args).stdout
     one, both = losses(tmp_path / "one" / "logs"), losses(tmp_path / "two" / "logs")
     assert sorted(both) == [1, 2, 3, 4, 5], out[-3000:]
     for step, loss in one.items():

@@ -7,14 +7,12 @@ the "remote" daemon here, giving each name 2 of the GPUs through CUDA_VISIBLE_DE
 
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.port_helpers import free_port
-from tests.train_helpers import ROOT, SHORT_RUN, deepy_env, losses, make_dataset, write_config
+from tests.train_helpers import SHORT_RUN, losses, make_dataset, run_deepy, write_config
 
 pytestmark = pytest.mark.slow
 
@@ -52,19 +50,6 @@ def rsh_agent(tmp_path: Path) -> Path:
     return agent
 
 
-def deepy(cfg: Path, cpu: bool, **env: str) -> str:
-    r = subprocess.run(
-        [sys.executable, "deepy.py", "train.py", str(cfg)],
-        cwd=ROOT,
-        env=deepy_env(cpu=cpu, **env),
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    return r.stdout
-
-
 @pytest.mark.parametrize(
     "cpu",
     [True, pytest.param(False, marks=pytest.mark.multigpu)],
@@ -80,7 +65,7 @@ def test_two_nodes_mpirun_match_one_node(node_names, cpu, tmp_path):
         gradient_accumulation_steps=1,
     )
     make_dataset(tmp_path / "data" / "chars")
-    deepy(write_config(tmp_path, "one", num_gpus=4, **run), cpu)
+    run_deepy("train.py", write_config(tmp_path, "one", num_gpus=4, **run), cpu=cpu)
 
     a, b = NODES
     hostfile = tmp_path / "hostfile"
@@ -95,15 +80,16 @@ def test_two_nodes_mpirun_match_one_node(node_names, cpu, tmp_path):
         no_ssh_check=True,
         **run,
     )
-    out = deepy(
+    out = run_deepy(
+        "train.py",
         two,
-        cpu,
+        cpu=cpu,
         OMPI_ALLOW_RUN_AS_ROOT="1",
         OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
         OMPI_MCA_plm_rsh_agent=str(rsh_agent(tmp_path)),
         OMPI_MCA_oob_tcp_if_include="lo",
         OMPI_MCA_btl_tcp_if_include="lo",
-    )
+    ).stdout
     started = (tmp_path / "rsh.log").read_text().split() if (tmp_path / "rsh.log").exists() else []
     assert sorted(started) == [a, b], (
         f"mpirun must start one daemon per name through plm_rsh_agent; it started {started}"
