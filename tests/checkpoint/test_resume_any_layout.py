@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from neox.checkpoint.plain_state import PlainState
 from tests.layout_helpers import DP2
@@ -48,6 +49,13 @@ GPU_LAYOUTS = {
     "flat_dp4": dict(DP4),
     "ds_zero3_dp4": dict(DP4, flat_engine=False, zero_optimization={"stage": 3}),
 }
+# On 2 GPUs (`pytest -m gpu`, NCCL): each engine saves and loads once on CUDA.
+TWO_GPU_CASES = [
+    ("tp2", "ds_zero3_dp2"),
+    ("ds_zero3_dp2", "pp2"),
+    ("pp2", "flat_dp2"),
+    ("flat_dp2", "one"),
+]
 GPU_CASES = [
     ("tp2_pp2", "ds_zero3_dp4"),
     ("ds_zero3_dp4", "tp4"),
@@ -90,13 +98,18 @@ def runs(tmp_path_factory) -> Runs:
     return Runs(tmp_path_factory.mktemp("any_layout"))
 
 
+def _on_gpus(config: Path):
+    return run_deepy("train.py", config, cpu=False)
+
+
 @pytest.fixture(scope="module")
 def gpu_runs(tmp_path_factory) -> Runs:
-    return Runs(
-        tmp_path_factory.mktemp("any_layout_gpu"),
-        GPU_LAYOUTS,
-        lambda config: run_deepy("train.py", config, cpu=False),
-    )
+    return Runs(tmp_path_factory.mktemp("any_layout_gpu"), GPU_LAYOUTS, _on_gpus)
+
+
+@pytest.fixture(scope="module")
+def two_gpu_runs(tmp_path_factory) -> Runs:
+    return Runs(tmp_path_factory.mktemp("any_layout_2gpu"), LAYOUTS, _on_gpus)
 
 
 @pytest.mark.slow
@@ -110,6 +123,16 @@ def test_resume_at_another_layout_continues_the_run(runs, saved, resumed):
 @pytest.mark.parametrize("saved,resumed", GPU_CASES, ids=[f"{a}-to-{b}" for a, b in GPU_CASES])
 def test_resume_at_another_layout_on_four_gpus(gpu_runs, saved, resumed):
     _resume_and_compare(gpu_runs, saved, resumed)
+
+
+@pytest.mark.slow
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.parametrize(
+    "saved,resumed", TWO_GPU_CASES, ids=[f"{a}-to-{b}" for a, b in TWO_GPU_CASES]
+)
+def test_resume_at_another_layout_on_two_gpus(two_gpu_runs, saved, resumed):
+    _resume_and_compare(two_gpu_runs, saved, resumed)
 
 
 def _resume_and_compare(runs: Runs, saved: str, resumed: str) -> None:
