@@ -49,6 +49,11 @@ GPU_LAYOUTS = {
     "flat_dp4": dict(DP4),
     "ds_zero3_dp4": dict(DP4, flat_engine=False, zero_optimization={"stage": 3}),
 }
+# On one GPU (`pytest -m gpu`): the flat engine and DeepSpeed's ZeRO-3 save and load on CUDA.
+ONE_GPU_LAYOUTS = dict(
+    LAYOUTS, ds_zero3_one=dict(num_gpus=1, flat_engine=False, zero_optimization={"stage": 3})
+)
+ONE_GPU_CASES = [("one", "ds_zero3_one"), ("ds_zero3_one", "one")]
 # On 2 GPUs (`pytest -m gpu`, NCCL): each engine saves and loads once on CUDA.
 TWO_GPU_CASES = [
     ("tp2", "ds_zero3_dp2"),
@@ -108,8 +113,8 @@ def gpu_runs(tmp_path_factory) -> Runs:
 
 
 @pytest.fixture(scope="module")
-def two_gpu_runs(tmp_path_factory) -> Runs:
-    return Runs(tmp_path_factory.mktemp("any_layout_2gpu"), LAYOUTS, _on_gpus)
+def cuda_runs(tmp_path_factory) -> Runs:
+    return Runs(tmp_path_factory.mktemp("any_layout_2gpu"), ONE_GPU_LAYOUTS, _on_gpus)
 
 
 @pytest.mark.slow
@@ -131,8 +136,17 @@ def test_resume_at_another_layout_on_four_gpus(gpu_runs, saved, resumed):
 @pytest.mark.parametrize(
     "saved,resumed", TWO_GPU_CASES, ids=[f"{a}-to-{b}" for a, b in TWO_GPU_CASES]
 )
-def test_resume_at_another_layout_on_two_gpus(two_gpu_runs, saved, resumed):
-    _resume_and_compare(two_gpu_runs, saved, resumed)
+def test_resume_at_another_layout_on_two_gpus(cuda_runs, saved, resumed):
+    _resume_and_compare(cuda_runs, saved, resumed)
+
+
+@pytest.mark.slow
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "saved,resumed", ONE_GPU_CASES, ids=[f"{a}-to-{b}" for a, b in ONE_GPU_CASES]
+)
+def test_resume_at_another_engine_on_one_gpu(cuda_runs, saved, resumed):
+    _resume_and_compare(cuda_runs, saved, resumed)
 
 
 def _resume_and_compare(runs: Runs, saved: str, resumed: str) -> None:
