@@ -218,9 +218,14 @@ class DeepSpeedAdapter:
         if not base.state and self._moments():  # a fresh engine: Adam makes it in its first step
             # ZeRO-3 hands its fp32 partitions to the optimizer only during the step.
             flats = getattr(opt, "fp32_partitioned_groups_flat", None)
+            # torch's fused and capturable Adam keep `step` on the parameter's device, the others
+            # on the host (as torch.optim.Adam._init_group makes it).
+            on_device = base.defaults.get("fused") or base.defaults.get("capturable")
             for p in flats or [p for g in base.param_groups for p in g["params"]]:
                 base.state[p] = {
-                    "step": torch.zeros((), dtype=torch.float32),
+                    "step": torch.zeros(
+                        (), dtype=torch.float32, device=p.device if on_device else "cpu"
+                    ),
                     "exp_avg": torch.zeros_like(p),
                     "exp_avg_sq": torch.zeros_like(p),
                 }
