@@ -559,6 +559,9 @@ def main(argv: list[str] | None = None) -> int:
         for m, r in PLANS.get(args.plan, DEFAULT_PLAN)
         if (args.models is None or m in args.models) and (args.runs is None or r in args.runs)
     ]
+    if args.models and args.runs and not args.plan:
+        # Both named: every model under every run (a plan of its own).
+        plan = [(m, r) for m in args.models for r in args.runs]
     for extra in EXTRA if not args.plan else ():
         if args.runs and extra in args.runs:
             plan += [(m, extra) for m in args.models or MICRO_BATCH if (m, extra) not in plan]
