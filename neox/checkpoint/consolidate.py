@@ -356,15 +356,18 @@ def read_sources(
 ) -> StateDict:
     """The merged tensors `names` (tp slices joined as merge_tensor_parallel joins them), each
     slice cast to `dtype` (None: as saved) as it is read, in memory of their own. Each file is
-    memory-mapped for one slice at a time, so the pages resident are those of one slice, not
-    the file's."""
+    memory-mapped once per call (callers pass one block's names: layer_groups), so the pages
+    resident are those of the block's slices, not the file's; mapping it once per slice instead
+    would parse a whole-model file's index once per tensor."""
+    mapped: dict[Path, Any] = {}
     out = {}
     for name in names:
         parts = []
         for path, container, key in sources[name]:
-            loaded = _mapped(path, trust)
+            if path not in mapped:
+                mapped[path] = _mapped(path, trust)
+            loaded = mapped[path]
             part = (loaded if container is None else loaded[container])[key]
-            del loaded  # the mapping lives on only in `part`, and not at all once cast
             cast = dtype is not None and part.dtype != dtype
             parts.append(part.to(dtype) if cast else part)
             del part
@@ -375,6 +378,7 @@ def read_sources(
             # of it read so far, resident for as long as the tensor lives.
             out[name] = parts[0] if cast else parts[0].clone()
         del parts
+    del mapped  # the block's pages go with the mappings: `out` holds copies
     return out
 
 

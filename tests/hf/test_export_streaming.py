@@ -109,6 +109,26 @@ def test_streamed_export_is_byte_identical_to_the_whole_model_one(case, tmp_path
     assert not [p for p in (tmp_path / "hf").iterdir() if "partial" in p.name]
 
 
+def test_each_file_is_mapped_once_per_block(tmp_path, monkeypatch):
+    """A one-file checkpoint (tp=1: every tensor in one file) is mapped once per block, not once
+    per tensor: each mapping unpickles the whole file's index, which per tensor made the time
+    grow with the square of the tensor count."""
+    from neox.checkpoint import consolidate
+
+    cfg = load_dict(KEYS)
+    write_checkpoint(build_model(cfg.model, 512, seed=5).state_dict(), cfg, tmp_path / "ckpt")
+    mapped = []
+    real = consolidate._mapped
+    monkeypatch.setattr(
+        consolidate, "_mapped", lambda path, trust: mapped.append(path) or real(path, trust)
+    )
+    export_to_hf(tmp_path / "ckpt", tmp_path / "hf", architecture="llama")
+    names = [n for n in load_model_state(tmp_path / "ckpt")[1]]
+    blocks = len(consolidate.layer_groups(names))
+    assert len(set(mapped)) == 1 and len(names) > 2 * blocks
+    assert len(mapped) == 1 + blocks, (len(mapped), blocks, len(names))  # 1: the plan's read
+
+
 # A child process: a tiny export first (the imports and first-call costs), then the peak RSS
 # of exporting the real model over what was resident before it. Large allocations are
 # mmap'd so that freed memory leaves the process and the peak counts only live bytes (and
@@ -135,9 +155,7 @@ CHILD = textwrap.dedent(
 def test_peak_memory_stays_near_one_shard(tmp_path):
     """A 39 MB model (16 blocks of 2.4 MB, tp=2 so each block is joined from two files) exported
     in 8 MB shards: the export holds the shard being filled, one block and the few MB of the
-    plan (names, shapes, file offsets), not the model (the whole-model read held twice it).
-    Few blocks: each slice read unpickles its whole file's index, so the time grows with the
-    square of the tensor count (64 blocks took a minute)."""
+    plan (names, shapes, file offsets), not the model (the whole-model read held twice it)."""
     big = load_dict(
         dict(KEYS, num_layers=16, hidden_size=256, intermediate_size=1536, model_parallel_size=2)
     )
