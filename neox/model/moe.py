@@ -147,6 +147,48 @@ def _padded_bmm(counts: torch.Tensor):
     return mm
 
 
+def _rows(x: torch.Tensor, row: torch.Tensor, dropping: bool) -> torch.Tensor:
+    """x[row]; when dropping, row x.shape[0] (one past the end) reads zeros."""
+    if dropping:
+        x = torch.cat([x, x.new_zeros(1, x.shape[-1])])
+    return x[row]
+
+
+# Both directions of the dispatch and of the combine are gathers: the scatter-adds autograd
+# would make of an index (atomics on GPUs, k of them into each token's row, summed in bf16 in
+# no fixed order) become gathers and a sum over the k choices (fp32 accumulation, one order).
+class _Dispatch(torch.autograd.Function):
+    """tokens (N, C) -> rows `token` (M, C); backward sums each token's k copies, found by
+    `row` (each assignment's row, choice-major)."""
+
+    @staticmethod
+    def forward(ctx, tokens, token, row, dropping):
+        ctx.save_for_backward(row)
+        ctx.dropping, ctx.n = dropping, tokens.shape[0]
+        return tokens[token]
+
+    @staticmethod
+    def backward(ctx, grad):
+        (row,) = ctx.saved_tensors
+        copies = _rows(grad, row, ctx.dropping).view(-1, ctx.n, grad.shape[-1])  # (k, N, C)
+        return copies.sum(0), None, None, None
+
+
+class _Combine(torch.autograd.Function):
+    """Expert outputs (M, C) in expert order -> one row per assignment (k N, C), choice-major,
+    zeros for dropped ones; backward takes each output's row back by `order`."""
+
+    @staticmethod
+    def forward(ctx, out, order, row, dropping):
+        ctx.save_for_backward(order)
+        return _rows(out, row, dropping)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (order,) = ctx.saved_tensors
+        return grad[order], None, None, None
+
+
 class MoE(nn.Module):
     """x -> shared_experts(x) + sum over the top-k experts e of weight_e * expert_e(x)."""
 
@@ -203,13 +245,18 @@ class MoE(nn.Module):
             )
             order = order[slot < cap]
             kept = counts.clamp(max=cap)
-        token = order % n
+        dropping = cap is not None
+        # Each assignment's row in expert order, (k N,): order's inverse (M where dropped).
+        m = order.numel()
+        row = torch.full_like(flat, m) if dropping else torch.empty_like(flat)
+        row.scatter_(0, order, torch.arange(m, device=x.device))
+        routed = _Dispatch.apply(tokens, order % n, row, dropping)  # (M, C), grouped by expert
         if self.dispatch is None:
-            out = self.experts(tokens[token], kept)  # (M, C), grouped by expert
+            out = self.experts(routed, kept)
         else:
-            out = self.dispatch(self.experts, tokens[token], kept)
-        w = weights.t().reshape(-1)[order]
-        y = torch.zeros_like(tokens).index_add_(0, token, out * w[:, None])
+            out = self.dispatch(self.experts, routed, kept)
+        combined = _Combine.apply(out, order, row, dropping).view(self.top_k, n, -1)  # (k, N, C)
+        y = (combined * weights.t().unsqueeze(-1)).sum(0)
         if self.shared_experts is not None:
             shared = self.shared_experts(tokens)
             if self.shared_expert_gate is not None:

@@ -1,4 +1,5 @@
-"""The MoE MLP against a per-token, per-expert loop; router, capacity and auxiliary losses."""
+"""The MoE MLP against a per-token, per-expert loop; router, capacity and auxiliary losses; the
+compiled block: no graph break on the GPU path, the same values as eager."""
 
 import copy
 
@@ -8,6 +9,7 @@ import torch.nn.functional as F
 
 from neox.config import ConfigError, load_dict
 from neox.model import build_model
+from neox.model import moe as moe_module
 from neox.model.moe import MoE, moe_aux_loss, sinkhorn
 
 BASE = {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "seq_length": 16}
@@ -41,6 +43,13 @@ def reference(moe: MoE, x: torch.Tensor, capacity=None) -> torch.Tensor:
     return out.view(x.shape)
 
 
+def assert_grads_close(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
+    """Gradients equal to float32 rounding, relative to each one's scale (the input's are
+    ~1e-4 at init, under any fixed atol)."""
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-5 * float(w.detach().abs().max()), rtol=1e-4)
+
+
 @pytest.mark.parametrize(
     "keys",
     [
@@ -59,9 +68,7 @@ def test_moe_matches_per_expert_loop(keys):
     torch.testing.assert_close(y, want, atol=1e-5, rtol=1e-5)
     # Gradients reach every expert weight the same way as through the loop.
     grads = torch.autograd.grad(y.square().sum(), [x, *moe.parameters()])
-    want_grads = torch.autograd.grad(want.square().sum(), [x, *moe.parameters()])
-    for got, exp in zip(grads, want_grads):
-        torch.testing.assert_close(got, exp, atol=1e-4, rtol=1e-4)
+    assert_grads_close(grads, torch.autograd.grad(want.square().sum(), [x, *moe.parameters()]))
 
 
 def test_parameter_names_and_layout():
@@ -104,11 +111,16 @@ def test_token_dropping_keeps_first_choices_up_to_capacity():
         moe_eval_capacity_factor=0.5,
         moe_min_capacity=1,
     ).eval()
-    x = torch.randn(1, 16, 32)
+    x = torch.randn(1, 16, 32, requires_grad=True)
     cap = moe.capacity(16)
     assert cap == 4  # ceil(0.5 * 16 tokens * 2 choices / 4 experts)
-    torch.testing.assert_close(moe(x), reference(moe, x, capacity=cap), atol=1e-5, rtol=1e-5)
+    y, want = moe(x), reference(moe, x, capacity=cap)
+    torch.testing.assert_close(y, want, atol=1e-5, rtol=1e-5)
     assert moe.stats.dropped > 0
+    # A dropped assignment passes no gradient: the same as the loop that skips it.
+    params = [x, *moe.parameters()]
+    grads = torch.autograd.grad(y.square().sum(), params)
+    assert_grads_close(grads, torch.autograd.grad(want.square().sum(), params))
     # The dropless layer with the same weights differs: something was dropped.
     moe.capacity_factors = None
     assert not torch.allclose(moe(x), reference(moe, x, capacity=cap))
@@ -211,3 +223,56 @@ def test_experts_on_cuda_in_bf16_run_grouped_mm_like_the_float32_bmm():
     torch.testing.assert_close(
         fast.dense_h_to_4h.grad.float(), experts.dense_h_to_4h.grad, atol=5e-2, rtol=5e-2
     )
+
+
+OLMOE_LIKE = {
+    "activation": "swiglu",
+    "norm": "rmsnorm",
+    "use_bias_in_mlp": False,
+    "moe_router_type": "topk",
+    "moe_ffn_hidden_size": 16,
+    "moe_z_loss_coeff": 0.001,
+}
+
+
+@pytest.mark.skipif(not hasattr(F, "grouped_mm"), reason="torch without grouped_mm")
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize(
+    "keys",
+    [{}, {"moe_num_shared_experts": 1, "moe_shared_expert_gate": True, "moe_jitter_eps": 0.01}],
+    ids=["olmoe", "shared-jitter"],
+)
+def test_compiled_block_on_the_gpu_path_is_one_graph(monkeypatch, training, keys):
+    """The path GPUs run (bf16, grouped GEMM) traces an MoE block into one graph: the router,
+    its losses and statistics, the dispatch and the combine break nothing. torch runs grouped_mm's
+    forward on CPU, so dynamo runs that path here."""
+    monkeypatch.setattr(moe_module, "grouped_mm_runs", lambda x: True)
+    cfg = load_dict({**BASE, "moe_num_experts": 8, "moe_top_k": 2, **OLMOE_LIKE, **keys}).model
+    block = build_model(cfg, 64).bfloat16().train(training).layers[0]
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(block)(torch.randn(2, 16, 32, dtype=torch.bfloat16))
+    assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
+    assert explained.graph_count == 1
+
+
+@pytest.mark.parametrize(
+    "keys",
+    [
+        {"moe_num_experts": 8, "moe_top_k": 2},
+        {"moe_type": "deepspeed", "moe_token_dropping": True, "moe_train_capacity_factor": 0.5},
+    ],
+    ids=["dropless", "dropping"],
+)
+def test_compiled_moe_matches_eager(keys):
+    """The compiled layer (dispatch and combine traced as their own autograd functions)
+    computes the eager layer's output, losses and gradients."""
+    moe = moe_layer(**{**OLMOE_LIKE, **keys}).train()
+    x = torch.randn(2, 8, 32, requires_grad=True)
+    torch._dynamo.reset()
+    compiled = torch.compile(moe, backend="aot_eager")
+    results = []
+    for run in (moe, compiled):
+        y = run(x)
+        loss = y.square().sum() + moe.aux_loss()
+        results.append([y, *torch.autograd.grad(loss, [x, *moe.parameters()])])
+    assert_grads_close(*results)
