@@ -40,14 +40,24 @@ def sinkhorn(logits: torch.Tensor, iters: int = 100, tol: float = 1e-4) -> torch
     the same total (Sinkhorn-Knopp); only its ranking per row is used."""
     cost = torch.exp(logits - logits.max())
     n, e = cost.shape
-    col = torch.ones(e, dtype=cost.dtype, device=cost.device)
-    for _ in range(iters):
+
+    def going(i, col, row, done):
+        return (i < iters) & ~done
+
+    def step(i, col, row, done):
         row = 1.0 / (n * (cost @ col + 1e-8))
         new_col = 1.0 / (e * (row @ cost + 1e-8))
-        done = (new_col - col).abs().mean() < tol
-        col = new_col
-        if done:
-            break
+        return i + 1, new_col, row, (new_col - col).abs().mean() < tol
+
+    # A loop that stops on a device value: torch.while_loop keeps it inside a compiled block's
+    # graph (a Python `if` on the tensor would break the graph at every iteration).
+    start = (
+        torch.zeros((), dtype=torch.long, device=cost.device),
+        torch.ones(e, dtype=cost.dtype, device=cost.device),
+        torch.zeros(n, dtype=cost.dtype, device=cost.device),
+        torch.zeros((), dtype=torch.bool, device=cost.device),
+    )
+    _, col, row, _ = torch.while_loop(going, step, start)
     return cost * row[:, None] * col[None, :]
 
 

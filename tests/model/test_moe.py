@@ -138,6 +138,29 @@ def test_sinkhorn_balances_the_experts():
     assert plan.argmax(-1).bincount(minlength=4).max() < 32
 
 
+def test_sinkhorn_stops_where_the_plain_loop_does():
+    """sinkhorn's while_loop gives what a Python loop that stops on the same test gives, to
+    the bit: the same iterations, the same arithmetic."""
+
+    def plain_loop(logits, iters=100, tol=1e-4):
+        cost = torch.exp(logits - logits.max())
+        n, e = cost.shape
+        col = torch.ones(e)
+        for _ in range(iters):
+            row = 1.0 / (n * (cost @ col + 1e-8))
+            new_col = 1.0 / (e * (row @ cost + 1e-8))
+            done = (new_col - col).abs().mean() < tol
+            col = new_col
+            if done:
+                break
+        return cost * row[:, None] * col[None, :]
+
+    g = torch.Generator().manual_seed(1)
+    for scale, iters in ((0.1, 100), (3.0, 100), (3.0, 2)):  # quick, slow, cut short
+        logits = torch.randn(48, 6, generator=g) * scale
+        assert torch.equal(sinkhorn(logits, iters), plain_loop(logits, iters))
+
+
 def test_auxiliary_losses():
     moe = moe_layer(moe_router_type="topk", moe_z_loss_coeff=0.01).train()
     with torch.no_grad():
@@ -239,8 +262,12 @@ OLMOE_LIKE = {
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
 @pytest.mark.parametrize(
     "keys",
-    [{}, {"moe_num_shared_experts": 1, "moe_shared_expert_gate": True, "moe_jitter_eps": 0.01}],
-    ids=["olmoe", "shared-jitter"],
+    [
+        {},
+        {"moe_num_shared_experts": 1, "moe_shared_expert_gate": True, "moe_jitter_eps": 0.01},
+        {"moe_router_type": "sinkhorn"},  # its loop stops on a device value
+    ],
+    ids=["olmoe", "shared-jitter", "sinkhorn"],
 )
 def test_compiled_block_on_the_gpu_path_is_one_graph(monkeypatch, training, keys):
     """The path GPUs run (bf16, grouped GEMM) traces an MoE block into one graph: the router,
@@ -259,9 +286,10 @@ def test_compiled_block_on_the_gpu_path_is_one_graph(monkeypatch, training, keys
     "keys",
     [
         {"moe_num_experts": 8, "moe_top_k": 2},
+        {"moe_num_experts": 8, "moe_top_k": 2, "moe_router_type": "sinkhorn"},
         {"moe_type": "deepspeed", "moe_token_dropping": True, "moe_train_capacity_factor": 0.5},
     ],
-    ids=["dropless", "dropping"],
+    ids=["dropless", "sinkhorn", "dropping"],
 )
 def test_compiled_moe_matches_eager(keys):
     """The compiled layer (dispatch and combine traced as their own autograd functions)
