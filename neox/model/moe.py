@@ -33,6 +33,9 @@ class RouterStats:
     z_loss: torch.Tensor  # mean logsumexp(logits)^2
     load: torch.Tensor  # (E,) fraction of assignments per expert, detached
     dropped: torch.Tensor  # fraction of assignments dropped past capacity, detached
+    # moe_loss_coeff x balance_loss + moe_z_loss_coeff x z_loss, with grad: weighed here, inside
+    # a compiled block's graph, not in eager kernels of their own for every layer.
+    aux: torch.Tensor
 
 
 def sinkhorn(logits: torch.Tensor, iters: int = 100, tol: float = 1e-4) -> torch.Tensor:
@@ -284,13 +287,13 @@ class MoE(nn.Module):
         balance = self.num_experts * (load * probs.mean(dim=0)).sum()
         z = torch.logsumexp(logits, dim=-1).square().mean()
         dropped = 1.0 - kept.sum().float() / total
-        return RouterStats(balance, z, load.detach(), dropped.detach())
+        aux = self.loss_coeff * balance + self.z_loss_coeff * z
+        return RouterStats(balance, z, load.detach(), dropped.detach(), aux)
 
     def aux_loss(self) -> torch.Tensor:
         """This layer's weighted auxiliary loss from its last forward."""
-        s = self.stats
-        assert s is not None, "aux_loss before forward"
-        return self.loss_coeff * s.balance_loss + self.z_loss_coeff * s.z_loss
+        assert self.stats is not None, "aux_loss before forward"
+        return self.stats.aux
 
 
 def moe_aux_loss(layers: Iterable[nn.Module]) -> torch.Tensor:
