@@ -400,8 +400,9 @@ def targets(by: dict[str, dict[str, Any]]) -> list[str]:
 
 def print_table(records: list[dict[str, Any]]) -> None:
     print(
-        f"{'run':>8} {'gpus':>4} {'accum':>5} {'tok/s':>9} {'ms/step':>8} {'TFLOPS/gpu':>10} {'MFU':>6} "
-        f"{'peak GB':>8} {'total M':>8} {'active M':>8} {'experts GiB':>11} {'a2a GiB':>7}"
+        f"{'run':>8} {'gpus':>4} {'accum':>5} {'tok/s':>9} {'ms/step':>8} {'TFLOPS/gpu':>10} "
+        f"{'MFU':>6} {'peak GB':>8} {'total M':>8} {'active M':>8} {'experts GiB':>11} "
+        f"{'a2a GiB':>7}"
     )
     for r in records:
         if "tokens_per_s" not in r:
@@ -411,8 +412,8 @@ def print_table(records: list[dict[str, Any]]) -> None:
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "-"
         mem = f"{r['peak_mem_gb']:.1f}" if r.get("peak_mem_gb") is not None else "-"
         print(
-            f"{r['run']:>8} {r['num_gpus']:>4} {r['accum']:>5} {r['tokens_per_s']:>9.0f} {r['step_ms']:>8.1f} "
-            f"{r['tflops_per_gpu'] or 0:>10.1f} {mfu:>6} {mem:>8} "
+            f"{r['run']:>8} {r['num_gpus']:>4} {r['accum']:>5} {r['tokens_per_s']:>9.0f} "
+            f"{r['step_ms']:>8.1f} {r['tflops_per_gpu'] or 0:>10.1f} {mfu:>6} {mem:>8} "
             f"{r['total_params'] / 1e6:>8.1f} {r['active_params'] / 1e6:>8.1f} "
             f"{r['expert_weight_gib_per_rank']:>11.2f} {r['all_to_all_gib_per_step']:>7.2f}"
         )
@@ -440,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
         "--accum",
         type=int,
         default=None,
-        help=f"micro batches a step (default: {STEP_TOKENS:,}+ tokens a GPU; {TINY_ACCUM} on --tiny)",
+        help=f"micro batches a step (default: {STEP_TOKENS:,}+ tokens a GPU, {TINY_ACCUM} --tiny)",
     )
     p.add_argument("--vocab-file", default="data/20B_tokenizer.json")
     p.add_argument("--hf-experts", default=None, help="hf1's experts_implementation")
