@@ -114,7 +114,9 @@ class GroupedExperts(nn.Module):
         self.dense_4h_to_h = nn.Parameter(torch.empty(e, h, ffn))
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor, first: int = 0) -> torch.Tensor:
-        """x (M, C) sorted by expert, counts (n,) tokens for experts first..first+n-1 -> (M, C)."""
+        """x (M, C) sorted by expert, counts (n,) tokens for experts first..first+n-1 -> (M, C).
+        Rows past counts.sum() (assignments dropped past capacity) belong to no expert: their
+        outputs are undefined (zeros on the padded path), and nothing reads them."""
         ffn = self.dense_h_to_4h.shape[1]
         if grouped_mm_runs(x) and ffn % 8 == 0 and x.shape[-1] % 8 == 0:
             offsets = counts.cumsum(0).to(torch.int32)
@@ -154,8 +156,10 @@ def _padded_bmm(counts: torch.Tensor):
 
     def mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         buf = x.new_zeros(e, rows, x.shape[-1])
-        buf[expert, slot] = x
-        return torch.bmm(buf, w.transpose(-2, -1))[expert, slot]
+        buf[expert, slot] = x[: expert.numel()]
+        out = x.new_zeros(x.shape[0], w.shape[1])
+        out[: expert.numel()] = torch.bmm(buf, w.transpose(-2, -1))[expert, slot]
+        return out
 
     return mm
 
@@ -250,20 +254,20 @@ class MoE(nn.Module):
         counts.scatter_add_(0, flat, torch.ones_like(flat))  # (E,)
         kept = counts
         cap = self.capacity(n)
+        m = order.numel()  # k N
+        position = torch.arange(m, device=x.device)
         if cap is not None:
-            sorted_expert = flat[order]
-            slot = (
-                torch.arange(order.numel(), device=x.device)
-                - (counts.cumsum(0) - counts)[sorted_expert]
-            )
-            order = order[slot < cap]
+            slot = position - (counts.cumsum(0) - counts)[flat[order]]  # within its expert
+            # The assignments within capacity first (by expert, as before), the dropped ones
+            # after them, outside every expert's rows: a fixed shape, where keeping only the
+            # first would make the graph's shapes depend on the data.
+            order = order[torch.argsort((slot >= cap).to(torch.uint8), stable=True)]
             kept = counts.clamp(max=cap)
+            position = torch.where(position < kept.sum(), position, m)  # m: dropped
         dropping = cap is not None
-        # Each assignment's row in expert order, (k N,): order's inverse (M where dropped).
-        m = order.numel()
-        row = torch.full_like(flat, m) if dropping else torch.empty_like(flat)
-        row.scatter_(0, order, torch.arange(m, device=x.device))
-        routed = _Dispatch.apply(tokens, order % n, row, dropping)  # (M, C), grouped by expert
+        # Each assignment's row in expert order (k N,): order's inverse, m where dropped.
+        row = torch.empty_like(flat).scatter_(0, order, position)
+        routed = _Dispatch.apply(tokens, order % n, row, dropping)  # (k N, C), by expert
         if self.dispatch is None:
             out = self.experts(routed, kept)
         else:

@@ -222,6 +222,13 @@ def test_grouped_mm_and_padded_bmm_agree():
     counts = torch.tensor([3, 0, 9, 8])
     grouped = _grouped_mm(counts.cumsum(0).to(torch.int32))(x, w)
     torch.testing.assert_close(grouped, _padded_bmm(counts)(x, w), atol=1e-5, rtol=1e-5)
+    # Rows past the counts (dropped assignments) belong to no expert: both paths compute the
+    # others alike; the padded one leaves zeros there.
+    counts = torch.tensor([3, 0, 6, 5])
+    grouped = _grouped_mm(counts.cumsum(0).to(torch.int32))(x, w)
+    padded = _padded_bmm(counts)(x, w)
+    torch.testing.assert_close(grouped[:14], padded[:14], atol=1e-5, rtol=1e-5)
+    assert not padded[14:].any()
 
 
 @pytest.mark.gpu
@@ -266,13 +273,14 @@ OLMOE_LIKE = {
         {},
         {"moe_num_shared_experts": 1, "moe_shared_expert_gate": True, "moe_jitter_eps": 0.01},
         {"moe_router_type": "sinkhorn"},  # its loop stops on a device value
+        {"moe_type": "deepspeed", "moe_token_dropping": True, "moe_train_capacity_factor": 0.5},
     ],
-    ids=["olmoe", "shared-jitter", "sinkhorn"],
+    ids=["olmoe", "shared-jitter", "sinkhorn", "dropping"],
 )
 def test_compiled_block_on_the_gpu_path_is_one_graph(monkeypatch, training, keys):
     """The path GPUs run (bf16, grouped GEMM) traces an MoE block into one graph: the router,
-    its losses and statistics, the dispatch and the combine break nothing. torch runs grouped_mm's
-    forward on CPU, so dynamo runs that path here."""
+    its losses and statistics, the dispatch (capacity included) and the combine break nothing.
+    torch runs grouped_mm's forward on CPU, so dynamo runs that path here."""
     monkeypatch.setattr(moe_module, "grouped_mm_runs", lambda x: True)
     cfg = load_dict({**BASE, "moe_num_experts": 8, "moe_top_k": 2, **OLMOE_LIKE, **keys}).model
     block = build_model(cfg, 64).bfloat16().train(training).layers[0]
