@@ -72,6 +72,8 @@ class ExpertDispatch:
         out = experts(arrived[order], recv_counts.sum(0), first=self.rank * local)
         back = torch.empty_like(out).index_copy_(0, order, out)
         out = all_to_all(back, recv, send, self.group)
+        if rows == out.shape[0]:  # nothing dropped: no copy
+            return out
         return torch.cat([out, out.new_zeros(rows - out.shape[0], out.shape[1])])
 
 
