@@ -231,6 +231,42 @@ def test_grouped_mm_and_padded_bmm_agree():
     assert not padded[14:].any()
 
 
+def reference_grouped_mm(mat_a, mat_b, *, offs, bias=None, out_dtype=None):
+    """torch's grouped_mm (2D x 3D) in differentiable plain ops, in any dtype and device; the
+    rows past offs[-1], which the kernel leaves undefined, are NaN here."""
+    out = torch.full((mat_a.shape[0], mat_b.shape[-1]), float("nan"), dtype=mat_a.dtype)
+    start = 0
+    for group, end in enumerate(offs.tolist()):
+        out[start:end] = mat_a[start:end] @ mat_b[group]
+        start = end
+    return out
+
+
+@pytest.mark.parametrize(
+    "keys",
+    [
+        {"moe_num_experts": 8, "moe_top_k": 2},
+        {"moe_type": "deepspeed", "moe_token_dropping": True, "moe_train_capacity_factor": 0.5},
+    ],
+    ids=["dropless", "dropping"],
+)
+def test_gpu_path_matches_the_padded_bmm(monkeypatch, keys):
+    """The GPU path's layer (grouped GEMM offsets; dropped assignments past them, in rows no
+    expert computes) gives the CPU path's output and gradients, with grouped_mm's semantics
+    stood in by plain ops, so that nothing undefined (NaN here) is read."""
+    moe = moe_layer(**{**OLMOE_LIKE, **keys}).train()
+    x = torch.randn(2, 8, 32, requires_grad=True)
+    results = []
+    for gpu_path in (False, True):
+        monkeypatch.setattr(moe_module, "grouped_mm_runs", lambda x, gpu=gpu_path: gpu)
+        monkeypatch.setattr(F, "grouped_mm", reference_grouped_mm)
+        loss = moe(x).square().sum() + moe.aux_loss()
+        results.append([loss, *torch.autograd.grad(loss, [x, *moe.parameters()])])
+    assert moe.stats.dropped > 0 if "moe_token_dropping" in keys else moe.stats.dropped == 0
+    assert all(t.isfinite().all() for t in results[1])
+    assert_grads_close(*results)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_experts_on_cuda_in_bf16_run_grouped_mm_like_the_float32_bmm():
