@@ -155,11 +155,13 @@ def _padded_bmm(counts: torch.Tensor):
     rows = int(counts.max()) if expert.numel() else 0
 
     def mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        m = expert.numel()  # rows past these were dropped: zeros
         buf = x.new_zeros(e, rows, x.shape[-1])
-        buf[expert, slot] = x[: expert.numel()]
-        out = x.new_zeros(x.shape[0], w.shape[1])
-        out[: expert.numel()] = torch.bmm(buf, w.transpose(-2, -1))[expert, slot]
-        return out
+        buf[expert, slot] = x[:m]
+        out = torch.bmm(buf, w.transpose(-2, -1))[expert, slot]
+        if m == x.shape[0]:
+            return out
+        return torch.cat([out, out.new_zeros(x.shape[0] - m, out.shape[1])])
 
     return mm
 
