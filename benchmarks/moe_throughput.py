@@ -9,7 +9,7 @@ python benchmarks/moe_throughput.py --runs moe1 ep4 --profile   # router/dispatc
 python benchmarks/moe_throughput.py --tiny          # the same paths on CPU ranks, tiny shape
 
 Runs (RUNS; bf16, ZeRO-1 = the flat engine, no activation checkpointing, NUM_LAYERS layers,
-micro batch MICRO_BATCH of SEQ tokens per GPU):
+micro batch MICRO_BATCH of SEQ tokens per GPU, --accum micro batches a step):
   moe1     one GPU, 64 experts of width 1024, top-8 (all 16 of OLMoE's layers do not fit with
            Adam: NUM_LAYERS is the depth the dry run's estimate fits under ~70 GiB)
   dense1   one GPU, the same blocks with a dense SwiGLU MLP of width 8 x 1024 = 8192: the
@@ -19,6 +19,13 @@ micro batch MICRO_BATCH of SEQ tokens per GPU):
            benchmarks/train_throughput.py times HF: steps after warm-up, back to back
   ep4      4 GPUs, moe_expert_parallel_size 4 (16 experts a rank, all-to-all dispatch)
   dp4_moe  4 GPUs, data parallel only (every rank runs all 64 experts)
+Accumulation: a step is --accum micro batches (default: STEP_TOKENS or more per GPU, 8 at
+the device shape), the config's gradient_accumulation_steps for neox's runs (the path users run)
+and the same micro batches summed before hf1's optimizer step; tokens/s and MFU count every
+micro batch. Why: the optimizer's step reads and writes every weight, gradient and moment (28
+bytes a parameter), ~100 GB a step at moe1's 3.56B parameters (~25 ms on an H200) against
+~20 GB at dense1's 0.74B. At one 4,096-token micro batch a step that is a quarter of moe1's step
+and a property of the tiny step, not of MoE: MoE runs step millions of tokens (OLMoE: 4M).
 neox's tokens/s, TFLOPS and MFU come from the run's metrics.jsonl (MFU on active FLOPs: 6 x
 active parameters + attention, neox.plan.estimate.train_flops_per_token), the mean of logged
 steps --first..--iters (with --profile, up to the profiled two). The table prints the issue's ratios: moe1/dense1 MFU (>= 0.8),
@@ -61,6 +68,9 @@ MODEL_FILE = ROOT / "configs" / "olmoe" / "1B-7B.yml"
 # Depth, micro batch and sequence of every run: 8 of OLMoE's 16 layers fit one 80 GB H100 with
 # Adam and no recompute (the dry run's estimate: tests/benchmarks/test_moe_throughput.py).
 NUM_LAYERS, MICRO_BATCH, SEQ = 8, 1, 4096
+# Tokens a GPU trains per optimizer step at least, unless --accum says otherwise.
+STEP_TOKENS = 32 * 1024
+TINY_ACCUM = 2  # --tiny: accumulation on the smoke path, kept short
 
 
 def dense_intermediate_size(width: int) -> int:
@@ -112,9 +122,19 @@ TINY_RUNS: dict[str, dict[str, Any]] = {
 }
 
 
+def accumulation(args) -> int:
+    """Micro batches a step: --accum, else enough for STEP_TOKENS a GPU (TINY_ACCUM on --tiny)."""
+    if args.accum:
+        return args.accum
+    if args.tiny:
+        return TINY_ACCUM
+    return -(-STEP_TOKENS // ((args.micro_batch or MICRO_BATCH) * SEQ))
+
+
 def run_keys(args, run: str) -> dict[str, Any]:
     """The overlay's keys of a neox run."""
     keys = {**OVERLAY, "train_iters": args.iters, "lr_decay_iters": args.iters}
+    keys["gradient_accumulation_steps"] = accumulation(args)
     if args.micro_batch:
         keys["train_micro_batch_size_per_gpu"] = args.micro_batch
     if args.num_layers:
@@ -180,9 +200,13 @@ def plan_estimate(args, run: str) -> dict[str, Any]:
     }
 
 
-def hf_olmoe_step(cfg, micro_batch: int, vocab: int, device, compile_: bool, experts: str | None):
+def hf_olmoe_step(
+    cfg, micro_batch: int, accum: int, vocab: int, device, compile_: bool, experts: str | None
+):
     """transformers' OlmoeForCausalLM at cfg's shape: SDPA, bf16 autocast, fused AdamW, its
-    own expert modules (`experts`: transformers' experts_implementation, None for its default)."""
+    own expert modules (`experts`: transformers' experts_implementation, None for its default);
+    a step sums the gradients of `accum` micro batches (each loss / accum, as neox's engines
+    weigh them) before the optimizer's step."""
     import torch
     from transformers import OlmoeConfig, OlmoeForCausalLM
 
@@ -218,14 +242,17 @@ def hf_olmoe_step(cfg, micro_batch: int, vocab: int, device, compile_: bool, exp
     bf16 = device.type == "cuda"
 
     def step(i: int) -> Any:
-        tokens = batches[i % len(batches)]
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-            out = fwd(input_ids=tokens[:, :-1], labels=tokens[:, :-1])  # HF shifts them
-        out.loss.backward()
+        losses = []
+        for j in range(accum):
+            tokens = batches[(i * accum + j) % len(batches)]
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+                out = fwd(input_ids=tokens[:, :-1], labels=tokens[:, :-1])  # HF shifts them
+            (out.loss / accum).backward()
+            losses.append(out.loss.detach())
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return out.loss.detach()
+        return torch.stack(losses).mean()
 
     return step, getattr(hf_cfg, "_experts_implementation", None)  # transformers >= 5
 
@@ -245,15 +272,18 @@ def measure_hf(args) -> dict[str, Any]:
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     compile_ = not args.tiny  # the smoke run checks the path, not inductor on CPU
     try:
-        step, experts = hf_olmoe_step(cfg, d.micro_batch, vocab, device, compile_, args.hf_experts)
+        step, experts = hf_olmoe_step(
+            cfg, d.micro_batch, d.grad_accum, vocab, device, compile_, args.hf_experts
+        )
         times = time_steps(step, args.iters, args.first, device)
     except torch.OutOfMemoryError as e:
         # fp32 weights, gradients and AdamW states leave transformers' activations less room
         # than neox's: the record says so, and a shallower --num-layers for both runs fits.
         return {"run": "hf1", "exit_code": 1, "error": f"out of memory: {str(e)[:300]}"}
     mean = sum(times) / len(times)
-    tokens = d.micro_batch * cfg.model.seq_length
+    tokens = d.micro_batch * d.grad_accum * cfg.model.seq_length  # every micro batch
     rec: dict[str, Any] = {"run": "hf1", "exit_code": 0, "compile": compile_}
+    rec["accum"] = d.grad_accum
     rec |= {"experts_implementation": experts, "step_ms": 1000 * mean}
     rec["tokens_per_s"] = tokens / mean
     flops = plan_estimate(args, "hf1")["flops_per_token"]
@@ -339,6 +369,7 @@ def measure(args, run: str, work: Path, data: Path) -> dict[str, Any]:
     log = work / f"{run}.log"
     code, seconds, _ = launch(args, MODEL_FILE, overlay, log)
     rec: dict[str, Any] = {"run": run, "exit_code": code, "wall_s": seconds}
+    rec["accum"] = accumulation(args)
     metrics = work / run / "metrics.jsonl"
     if code == 0 and metrics.is_file():
         # Profiled steps run slower: timed are those before them.
@@ -369,8 +400,9 @@ def targets(by: dict[str, dict[str, Any]]) -> list[str]:
 
 def print_table(records: list[dict[str, Any]]) -> None:
     print(
-        f"{'run':>8} {'gpus':>4} {'tok/s':>9} {'ms/step':>8} {'TFLOPS/gpu':>10} {'MFU':>6} "
-        f"{'peak GB':>8} {'total M':>8} {'active M':>8} {'experts GiB':>11} {'a2a GiB':>7}"
+        f"{'run':>8} {'gpus':>4} {'accum':>5} {'tok/s':>9} {'ms/step':>8} {'TFLOPS/gpu':>10} "
+        f"{'MFU':>6} {'peak GB':>8} {'total M':>8} {'active M':>8} {'experts GiB':>11} "
+        f"{'a2a GiB':>7}"
     )
     for r in records:
         if "tokens_per_s" not in r:
@@ -380,8 +412,8 @@ def print_table(records: list[dict[str, Any]]) -> None:
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "-"
         mem = f"{r['peak_mem_gb']:.1f}" if r.get("peak_mem_gb") is not None else "-"
         print(
-            f"{r['run']:>8} {r['num_gpus']:>4} {r['tokens_per_s']:>9.0f} {r['step_ms']:>8.1f} "
-            f"{r['tflops_per_gpu'] or 0:>10.1f} {mfu:>6} {mem:>8} "
+            f"{r['run']:>8} {r['num_gpus']:>4} {r['accum']:>5} {r['tokens_per_s']:>9.0f} "
+            f"{r['step_ms']:>8.1f} {r['tflops_per_gpu'] or 0:>10.1f} {mfu:>6} {mem:>8} "
             f"{r['total_params'] / 1e6:>8.1f} {r['active_params'] / 1e6:>8.1f} "
             f"{r['expert_weight_gib_per_rank']:>11.2f} {r['all_to_all_gib_per_step']:>7.2f}"
         )
@@ -405,6 +437,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--first", type=int, default=8, help="first logged step averaged")
     p.add_argument("--num-layers", type=int, default=None, help=f"default {NUM_LAYERS}")
     p.add_argument("--micro-batch", type=int, default=None, help=f"default {MICRO_BATCH}")
+    p.add_argument(
+        "--accum",
+        type=int,
+        default=None,
+        help=f"micro batches a step (default: {STEP_TOKENS:,}+ tokens a GPU, {TINY_ACCUM} --tiny)",
+    )
     p.add_argument("--vocab-file", default="data/20B_tokenizer.json")
     p.add_argument("--hf-experts", default=None, help="hf1's experts_implementation")
     p.add_argument("--profile", action="store_true", help="router/dispatch op table (above)")
@@ -426,7 +464,8 @@ def main(argv: list[str] | None = None) -> int:
     seq = run_keys(args, "moe1")["seq_length"]
     batch = run_keys(args, "moe1")["train_micro_batch_size_per_gpu"]
     # Every run's tokens, 4 GPUs' worth, twice over.
-    write_random_tokens(data, 256 if args.tiny else 50277, 8 * batch * (seq + 1) * args.iters)
+    tokens = 8 * batch * accumulation(args) * (seq + 1) * args.iters
+    write_random_tokens(data, 256 if args.tiny else 50277, tokens)
     print(f"work dir: {work}", flush=True)
     records = []
     for run in runs:

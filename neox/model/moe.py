@@ -33,6 +33,9 @@ class RouterStats:
     z_loss: torch.Tensor  # mean logsumexp(logits)^2
     load: torch.Tensor  # (E,) fraction of assignments per expert, detached
     dropped: torch.Tensor  # fraction of assignments dropped past capacity, detached
+    # moe_loss_coeff x balance_loss + moe_z_loss_coeff x z_loss, with grad: weighed here, inside
+    # a compiled block's graph, not in eager kernels of their own for every layer.
+    aux: torch.Tensor
 
 
 def sinkhorn(logits: torch.Tensor, iters: int = 100, tol: float = 1e-4) -> torch.Tensor:
@@ -40,14 +43,24 @@ def sinkhorn(logits: torch.Tensor, iters: int = 100, tol: float = 1e-4) -> torch
     the same total (Sinkhorn-Knopp); only its ranking per row is used."""
     cost = torch.exp(logits - logits.max())
     n, e = cost.shape
-    col = torch.ones(e, dtype=cost.dtype, device=cost.device)
-    for _ in range(iters):
+
+    def going(i, col, row, done):
+        return (i < iters) & ~done
+
+    def step(i, col, row, done):
         row = 1.0 / (n * (cost @ col + 1e-8))
         new_col = 1.0 / (e * (row @ cost + 1e-8))
-        done = (new_col - col).abs().mean() < tol
-        col = new_col
-        if done:
-            break
+        return i + 1, new_col, row, (new_col - col).abs().mean() < tol
+
+    # A loop that stops on a device value: torch.while_loop keeps it inside a compiled block's
+    # graph (a Python `if` on the tensor would break the graph at every iteration).
+    start = (
+        torch.zeros((), dtype=torch.long, device=cost.device),
+        torch.ones(e, dtype=cost.dtype, device=cost.device),
+        torch.zeros(n, dtype=cost.dtype, device=cost.device),
+        torch.zeros((), dtype=torch.bool, device=cost.device),
+    )
+    _, col, row, _ = torch.while_loop(going, step, start)
     return cost * row[:, None] * col[None, :]
 
 
@@ -101,7 +114,9 @@ class GroupedExperts(nn.Module):
         self.dense_4h_to_h = nn.Parameter(torch.empty(e, h, ffn))
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor, first: int = 0) -> torch.Tensor:
-        """x (M, C) sorted by expert, counts (n,) tokens for experts first..first+n-1 -> (M, C)."""
+        """x (M, C) sorted by expert, counts (n,) tokens for experts first..first+n-1 -> (M, C).
+        Rows past counts.sum() (assignments dropped past capacity) belong to no expert: their
+        outputs are undefined (zeros on the padded path), and nothing reads them."""
         ffn = self.dense_h_to_4h.shape[1]
         if grouped_mm_runs(x) and ffn % 8 == 0 and x.shape[-1] % 8 == 0:
             offsets = counts.cumsum(0).to(torch.int32)
@@ -140,11 +155,57 @@ def _padded_bmm(counts: torch.Tensor):
     rows = int(counts.max()) if expert.numel() else 0
 
     def mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        m = expert.numel()  # rows past these were dropped: zeros
         buf = x.new_zeros(e, rows, x.shape[-1])
-        buf[expert, slot] = x
-        return torch.bmm(buf, w.transpose(-2, -1))[expert, slot]
+        buf[expert, slot] = x[:m]
+        out = torch.bmm(buf, w.transpose(-2, -1))[expert, slot]
+        if m == x.shape[0]:
+            return out
+        return torch.cat([out, out.new_zeros(x.shape[0] - m, out.shape[1])])
 
     return mm
+
+
+def _rows(x: torch.Tensor, row: torch.Tensor, dropping: bool) -> torch.Tensor:
+    """x[row]; when dropping, row x.shape[0] (one past the end) reads zeros."""
+    if dropping:
+        x = torch.cat([x, x.new_zeros(1, x.shape[-1])])
+    return x[row]
+
+
+# Both directions of the dispatch and of the combine are gathers: the scatter-adds autograd
+# would make of an index (atomics on GPUs, k of them into each token's row, summed in bf16 in
+# no fixed order) become gathers and a sum over the k choices (fp32 accumulation, one order).
+class _Dispatch(torch.autograd.Function):
+    """tokens (N, C) -> rows `token` (M, C); backward sums each token's k copies, found by
+    `row` (each assignment's row, choice-major)."""
+
+    @staticmethod
+    def forward(ctx, tokens, token, row, dropping):
+        ctx.save_for_backward(row)
+        ctx.dropping, ctx.n = dropping, tokens.shape[0]
+        return tokens[token]
+
+    @staticmethod
+    def backward(ctx, grad):
+        (row,) = ctx.saved_tensors
+        copies = _rows(grad, row, ctx.dropping).view(-1, ctx.n, grad.shape[-1])  # (k, N, C)
+        return copies.sum(0), None, None, None
+
+
+class _Combine(torch.autograd.Function):
+    """Expert outputs (M, C) in expert order -> one row per assignment (k N, C), choice-major,
+    zeros for dropped ones; backward takes each output's row back by `order`."""
+
+    @staticmethod
+    def forward(ctx, out, order, row, dropping):
+        ctx.save_for_backward(order)
+        return _rows(out, row, dropping)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (order,) = ctx.saved_tensors
+        return grad[order], None, None, None
 
 
 class MoE(nn.Module):
@@ -195,21 +256,26 @@ class MoE(nn.Module):
         counts.scatter_add_(0, flat, torch.ones_like(flat))  # (E,)
         kept = counts
         cap = self.capacity(n)
+        m = order.numel()  # k N
+        position = torch.arange(m, device=x.device)
         if cap is not None:
-            sorted_expert = flat[order]
-            slot = (
-                torch.arange(order.numel(), device=x.device)
-                - (counts.cumsum(0) - counts)[sorted_expert]
-            )
-            order = order[slot < cap]
+            slot = position - (counts.cumsum(0) - counts)[flat[order]]  # within its expert
+            # The assignments within capacity first (by expert, as before), the dropped ones
+            # after them, outside every expert's rows: a fixed shape, where keeping only the
+            # first would make the graph's shapes depend on the data.
+            order = order[torch.argsort((slot >= cap).to(torch.uint8), stable=True)]
             kept = counts.clamp(max=cap)
-        token = order % n
+            position = torch.where(position < kept.sum(), position, m)  # m: dropped
+        dropping = cap is not None
+        # Each assignment's row in expert order (k N,): order's inverse, m where dropped.
+        row = torch.empty_like(flat).scatter_(0, order, position)
+        routed = _Dispatch.apply(tokens, order % n, row, dropping)  # (k N, C), by expert
         if self.dispatch is None:
-            out = self.experts(tokens[token], kept)  # (M, C), grouped by expert
+            out = self.experts(routed, kept)
         else:
-            out = self.dispatch(self.experts, tokens[token], kept)
-        w = weights.t().reshape(-1)[order]
-        y = torch.zeros_like(tokens).index_add_(0, token, out * w[:, None])
+            out = self.dispatch(self.experts, routed, kept)
+        combined = _Combine.apply(out, order, row, dropping).view(self.top_k, n, -1)  # (k, N, C)
+        y = (combined * weights.t().unsqueeze(-1)).sum(0)
         if self.shared_experts is not None:
             shared = self.shared_experts(tokens)
             if self.shared_expert_gate is not None:
@@ -227,13 +293,13 @@ class MoE(nn.Module):
         balance = self.num_experts * (load * probs.mean(dim=0)).sum()
         z = torch.logsumexp(logits, dim=-1).square().mean()
         dropped = 1.0 - kept.sum().float() / total
-        return RouterStats(balance, z, load.detach(), dropped.detach())
+        aux = self.loss_coeff * balance + self.z_loss_coeff * z
+        return RouterStats(balance, z, load.detach(), dropped.detach(), aux)
 
     def aux_loss(self) -> torch.Tensor:
         """This layer's weighted auxiliary loss from its last forward."""
-        s = self.stats
-        assert s is not None, "aux_loss before forward"
-        return self.loss_coeff * s.balance_loss + self.z_loss_coeff * s.z_loss
+        assert self.stats is not None, "aux_loss before forward"
+        return self.stats.aux
 
 
 def moe_aux_loss(layers: Iterable[nn.Module]) -> torch.Tensor:

@@ -52,7 +52,8 @@ class ExpertDispatch:
         self.group, self.size, self.rank = group, size, rank
 
     def __call__(self, experts: GroupedExperts, x: torch.Tensor, counts: torch.Tensor):
-        """x (M, C) sorted by expert, counts (E,) -> the experts' outputs (M, C), same order."""
+        """x (M, C) sorted by expert, counts (E,) -> the experts' outputs (M, C), same order;
+        rows past counts.sum() (dropped past capacity) are not sent, and come back as zeros."""
         ep = self.size
         local = counts.numel() // ep
         # recv_counts[s, j]: rows rank s sends to this rank's local expert j.
@@ -61,6 +62,8 @@ class ExpertDispatch:
         recv_counts = recv_counts.view(ep, local)
         send = counts.view(ep, local).sum(1).tolist()
         recv = recv_counts.sum(1).tolist()
+        rows = x.shape[0]
+        x = x[: sum(send)]
         arrived = all_to_all(x, send, recv, self.group)  # by source rank, then local expert
         expert = torch.repeat_interleave(
             torch.arange(local, device=x.device).repeat(ep), recv_counts.flatten()
@@ -68,7 +71,10 @@ class ExpertDispatch:
         order = torch.argsort(expert, stable=True)  # by local expert, then source rank
         out = experts(arrived[order], recv_counts.sum(0), first=self.rank * local)
         back = torch.empty_like(out).index_copy_(0, order, out)
-        return all_to_all(back, recv, send, self.group)
+        out = all_to_all(back, recv, send, self.group)
+        if rows == out.shape[0]:  # nothing dropped: no copy
+            return out
+        return torch.cat([out, out.new_zeros(rows - out.shape[0], out.shape[1])])
 
 
 def expert_group_ranks(groups: ProcessGroups, ep: int) -> list[list[int]]:

@@ -1,7 +1,8 @@
 """benchmarks/moe_throughput.py: the device plan's overlays dry-run and fit one H100 by neox's
-estimate, moe1 and dense1 log the same FLOPs per token (active ones), the profile's op parts
-are told apart by name, and --tiny runs every path (deepy.py launches on 1 and 2 CPU ranks,
-transformers' OLMoE) end to end."""
+estimate, with 8 micro batches a step; moe1 and dense1 log the same FLOPs per token (active
+ones); hf1 accumulates as neox's runs do; the profile's op parts are told apart by name, and
+--tiny runs every path (deepy.py launches on 1 and 2 CPU ranks, transformers' OLMoE) end to
+end."""
 
 import argparse
 import json
@@ -17,7 +18,13 @@ FIT_GIB = 70  # the plan's margin under an 80 GB H100 (79.6 GiB as torch reports
 
 def device_args() -> argparse.Namespace:
     return argparse.Namespace(
-        iters=20, num_layers=None, micro_batch=None, vocab_file=None, tiny=False, profile=False
+        iters=20,
+        num_layers=None,
+        micro_batch=None,
+        accum=None,
+        vocab_file=None,
+        tiny=False,
+        profile=False,
     )
 
 
@@ -36,7 +43,8 @@ def test_device_runs_dry_run_and_fit_an_h100(run, tmp_path, capsys, monkeypatch)
     assert deepy.main(["train.py", str(bench.MODEL_FILE), str(overlay), "--dry-run"]) == 0
     out = capsys.readouterr().out
     gpus = bench.RUNS[run]["num_gpus"]
-    assert f"layout: {gpus} GPU(s) = tp 1 x pp 1 x dp {gpus}; micro batch 1 x seq 4096" in out
+    layout = f"layout: {gpus} GPU(s) = tp 1 x pp 1 x dp {gpus}; micro batch 1 x seq 4096"
+    assert f"{layout}, accumulation 8," in out  # 32k tokens a GPU a step
     assert "flat_engine: true" in out
     header = next(line for line in out.splitlines() if "ZeRO-0" in line).split()
     total = next(line for line in out.splitlines() if line.startswith("total incl. CUDA"))
@@ -61,6 +69,48 @@ def test_moe_and_dense_runs_log_the_same_active_flops():
     assert moe["total_params"] > 4 * moe["active_params"]  # 64 experts, 8 active
     assert ep4["expert_params_computed"] * 4 == moe["expert_params_held"]
     assert moe["all_to_all_gib_per_step"] == 0 < ep4["all_to_all_gib_per_step"]
+
+
+def test_accumulation_is_the_same_for_every_run():
+    """--accum (else 32k tokens a GPU) reaches every neox run's config and hf1's step."""
+    args = device_args()
+    assert bench.accumulation(args) == 8
+    args.micro_batch = 2
+    assert bench.accumulation(args) == 4
+    args.accum = 3
+    for run in bench.RUNS:
+        assert bench.load_run(args, run)[1].grad_accum == 3
+
+
+def test_hf_step_accumulates_its_micro_batches(monkeypatch):
+    """One hf1 step of `accum` micro batches hands its optimizer the mean of the micro batches'
+    gradients (each loss / accum, as neox's engines weigh them), in one optimizer step."""
+    import torch
+
+    args = device_args()
+    args.tiny = True
+    cfg, _, vocab = bench.load_run(args, "hf1")
+    handed = []
+    # Record what the optimizer is given; without clipping (not linear in the gradients).
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", lambda *a, **k: None)
+    monkeypatch.setattr(
+        torch.optim.AdamW,
+        "step",
+        lambda opt: handed.append([p.grad.clone() for g in opt.param_groups for p in g["params"]]),
+    )
+
+    def gradients(accum: int, i: int) -> list[torch.Tensor]:
+        torch.manual_seed(0)  # the same initial weights every time
+        step, _ = bench.hf_olmoe_step(cfg, 1, accum, vocab, torch.device("cpu"), False, None)
+        step(i)
+        return handed[-1]
+
+    together = gradients(3, 0)  # micro batches 0, 1, 2
+    alone = [gradients(1, j) for j in range(3)]  # one each
+    assert len(handed) == 4  # one optimizer step per call
+    for got, *parts in zip(together, *alone):
+        torch.testing.assert_close(got, sum(parts) / 3, atol=1e-6, rtol=1e-5)
+    assert not torch.equal(alone[0][0], alone[1][0])  # the micro batches differ
 
 
 def test_profile_parts_are_told_apart_by_name():
@@ -92,6 +142,9 @@ def test_tiny_runs_every_path(tmp_path):
         assert rec["exit_code"] == 0 and rec["tokens_per_s"] > 0
     assert records["ep4"]["num_gpus"] == 2 and records["hf1"]["compile"] is False
     assert "moe_expert_parallel_size: 2" in (tmp_path / "work" / "ep4.yml").read_text()
+    # Every run accumulates TINY_ACCUM micro batches; neox's through the config's key.
+    assert {rec["accum"] for rec in records.values()} == {bench.TINY_ACCUM}
+    assert "gradient_accumulation_steps: 2" in (tmp_path / "work" / "moe1.yml").read_text()
     moe, dense, ep = records["moe1"]["profile"], records["dense1"]["profile"], records["ep4"]
     assert min(moe["router_ms"], moe["dispatch_ms"], moe["grouped gemm_ms"]) > 0
     assert dense["grouped gemm_ms"] == dense["router_ms"] == 0 == moe["all-to-all_ms"]
