@@ -1,5 +1,6 @@
 """Checks against the filesystem before launch: data, vocab files, the checkpoint to resume."""
 
+import functools
 import importlib.util
 import logging
 import os
@@ -207,11 +208,10 @@ TOKENIZER_FILES = {
 
 def tokenizer_vocab_size(loaded: LoadedConfig) -> Optional[int]:
     """The tokenizer's vocabulary size (loads the tokenizer files; no torch)."""
-    from neox.tokenizer import build_tokenizer
-
     t = loaded.config.tokenizer
+    files = (t.vocab_file, t.merge_file)
     try:
-        return build_tokenizer(t.tokenizer_type, t.vocab_file, t.merge_file).vocab_size
+        return _vocab_size(t.tokenizer_type, *files, *map(_file_stamp, files))
     except Exception as e:  # each tokenizer library raises its own types for a foreign file
         files = ", ".join(
             f"{k}={getattr(t, k)!r} ({loaded.source_of(k)})"
@@ -224,6 +224,23 @@ def tokenizer_vocab_size(loaded: LoadedConfig) -> Optional[int]:
             f"{type(e).__name__}: {str(e)[:200]}; {t.tokenizer_type} needs {wants}; fix "
             "tokenizer_type or the file"
         ) from None
+
+
+@functools.lru_cache(maxsize=8)
+def _vocab_size(kind: str, vocab_file, merge_file, *stamps) -> Optional[int]:
+    """Built once per process for the same unchanged files (the stamps): a process that checks
+    many configs (tools/gpt_neox_compat.py, tests) reads the 20B tokenizer once, not per file."""
+    from neox.tokenizer import build_tokenizer
+
+    return build_tokenizer(kind, vocab_file, merge_file).vocab_size
+
+
+def _file_stamp(path: Optional[str]) -> Optional[tuple[int, int]]:
+    try:
+        st = os.stat(path)
+    except (OSError, TypeError):  # no file (the build names it) or none configured
+        return None
+    return st.st_mtime_ns, st.st_size
 
 
 def check_eval(loaded: LoadedConfig) -> None:

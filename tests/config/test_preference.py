@@ -1,10 +1,12 @@
 """train_impl and its keys: gpt-neox's post-training configs dry-run; wrong combinations are
 refused before launch, naming the fix."""
 
+import sys
+
 import pytest
 
 from neox.config import ConfigError, derive, load_dict
-from tests.test_deepy import ROOT, deepy
+from tests.test_deepy import ROOT
 
 PAIRS = {
     "dataset_impl": "pairwise",
@@ -16,11 +18,18 @@ PAIRS = {
 
 
 @pytest.mark.parametrize("impl", ["sft", "dpo", "kto", "rm"])
-def test_gpt_neox_post_training_configs_dry_run(impl):
-    r = deepy("train.py", ROOT / f"configs/post-training/llama3-8b-{impl}.yml", "--dry-run")
-    assert r.returncode == 0, r.stderr
-    assert f"train_impl: {impl if impl != 'sft' else 'normal'}" in r.stdout
-    assert "model_parallel_size: 4" in r.stdout
+def test_gpt_neox_post_training_configs_dry_run(impl, capsys, monkeypatch):
+    """deepy.py --dry-run in process (tests/test_deepy.py runs deepy.py's own process)."""
+    monkeypatch.syspath_prepend(str(ROOT))
+    monkeypatch.chdir(ROOT)
+    sys.modules.pop("deepy", None)
+    import deepy
+
+    config = ROOT / f"configs/post-training/llama3-8b-{impl}.yml"
+    assert deepy.main(["train.py", str(config), "--dry-run"]) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert f"train_impl: {impl if impl != 'sft' else 'normal'}" in out
+    assert "model_parallel_size: 4" in out
 
 
 def test_dpo_keys_are_read():

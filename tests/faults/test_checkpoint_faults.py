@@ -52,6 +52,13 @@ def deepy(cfg: Path) -> subprocess.CompletedProcess:
     return run_deepy("train.py", cfg, check=False)
 
 
+def resume(cfg: Path) -> subprocess.CompletedProcess:
+    """train.py's rank started from here, with deepy.py's resume line first (run_here): for the
+    faults the rank meets while it loads or saves (deepy.py's own part: the tests above and
+    tests/training/test_lifecycle.py)."""
+    return run_here("train.py", cfg, check=False)
+
+
 def test_read_only_checkpoint_dir_fails_before_launch(trained):
     """Fault: the checkpoint file system is read-only. Promise: exit 2 naming it, before launch."""
     tmp, fs = trained
@@ -127,7 +134,7 @@ def test_a_planted_payload_is_refused_on_resume(saved):
     marker = saved / "MARKER"
     cfg, ckpt = copy_run(saved, "planted", train_iters=9)
     plant(ckpt / "global_step6", marker, "state/client_state.pt")
-    r = deepy(cfg)
+    r = resume(cfg)
     out = r.stdout + r.stderr
     assert r.returncode != 0, out[-3000:]
     assert f"{ckpt / 'global_step6' / 'state' / 'client_state.pt'} holds objects" in out
@@ -144,7 +151,7 @@ def test_corrupt_bytes_fall_back_to_the_newest_good_checkpoint(saved):
     bad = ckpt / "global_step6" / "state" / "rank_00000.safetensors"
     flip_byte(bad)
     (ckpt / "latest").write_bytes(b"\x00\xff../../global_step6")
-    r = deepy(cfg)
+    r = resume(cfg)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-3000:]
     assert f"ignoring {ckpt / 'latest'} is not text" in out
@@ -170,7 +177,7 @@ def test_no_checkpoint_is_saved_during_a_run_of_nonfinite_steps(saved):
     import shutil
 
     shutil.rmtree(ckpt / "global_step6")
-    r = deepy(cfg)
+    r = resume(cfg)
     out = r.stdout + r.stderr
     assert r.returncode != 0, out[-3000:]
     saved_steps = sorted(p.name for p in ckpt.iterdir() if p.name.startswith("global_step"))
@@ -306,20 +313,30 @@ def test_a_save_dir_deleted_mid_run_stops_the_run_at_its_next_save(saved):
     and a second run shared it. Now the next save stops every rank with one line, and the
     directory is not re-created."""
     import shutil
-
-    from tests.training.lifecycle_helpers import BackgroundRun
+    import threading
+    import time
 
     # Resumed at step 6, the next save is at step 200: the folder is gone long before it.
     cfg, ckpt = copy_run(saved, "deleted", train_iters=400, checkpoint_factor=200)
-    run = BackgroundRun(cfg, saved / "deleted.out")
+    logs = saved / "deleted" / "logs" / "train-ranks"  # run_here's rank output
+    ended = threading.Event()
+
+    def delete_once_resumed() -> None:
+        while not ended.is_set():
+            if any("resumed from" in f.read_text() for f in logs.glob("0.*")):
+                shutil.rmtree(ckpt)
+                return
+            time.sleep(0.05)
+
+    deleter = threading.Thread(target=delete_once_resumed)
+    deleter.start()
     try:
-        run.wait_for("resumed from")
-        shutil.rmtree(ckpt)
-        code = run.wait()
+        r = resume(cfg)
     finally:
-        run.kill_all()
-    out = run.text()
-    assert code != 0, out[-3000:]
+        ended.set()
+        deleter.join()
+    out = r.stdout + r.stderr
+    assert r.returncode != 0, out[-3000:]
     assert f"train.py: save={str(ckpt)!r} was deleted while this run held it" in out, out[-3000:]
     assert "Traceback" not in out, out[-3000:]
     assert not ckpt.exists()

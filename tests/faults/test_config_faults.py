@@ -1,6 +1,7 @@
 """Bad configs, files and command lines given to deepy.py: one clear message, exit 2, no traceback,
 nothing launched or written. Each case: the fault, the promise, the assertion."""
 
+import logging
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -192,8 +193,21 @@ FAULTS = [
 ]
 
 
+def deepy_here(argv: list[str], monkeypatch, capsys, caplog) -> tuple[int, str, str]:
+    """(exit status, stdout, stderr with the log) of deepy.main in this process: the faults
+    are refused before anything starts (deepy.py's own process: the tests after these)."""
+    import deepy
+
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    with caplog.at_level(logging.INFO):  # deepy.py's own level: its `launching` line included
+        code = deepy.main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err + caplog.text
+
+
 @pytest.mark.parametrize("fault", FAULTS, ids=[f.name for f in FAULTS])
-def test_config_fault(fault: Fault, tmp_path):
+def test_config_fault(fault: Fault, tmp_path, monkeypatch, capsys, caplog):
     make_dataset(tmp_path / "chars")
     (tmp_path / "merges.txt").write_text("#version: 0.2\nh e\n")
     idx = tmp_path / "chars.idx"
@@ -213,11 +227,11 @@ def test_config_fault(fault: Fault, tmp_path):
         names.append(str(tmp_path / "ok.yml"))
     script = fault.args[0] if fault.args else "train.py"
     argv = ["configs/tiny.yml", *names] + (["--dry-run"] if fault.dry_run else [])
-    r = run_deepy(script, *argv, check=False)
-    assert r.returncode == fault.code, r.stdout[-2000:] + r.stderr[-2000:]
-    assert fault.message in r.stderr, r.stderr
-    assert "Traceback" not in r.stderr + r.stdout
-    assert "# launch command" not in r.stdout and "launching" not in r.stderr
+    code, out, err = deepy_here([script, *argv], monkeypatch, capsys, caplog)
+    assert code == fault.code, out[-2000:] + err[-2000:]
+    assert fault.message in err, err
+    assert "Traceback" not in err + out
+    assert "# launch command" not in out and "launching" not in err
     # Nothing of a run was created: no logs, metrics, tensorboard files or save directory.
     assert not (tmp_path / "logs").exists() and not (tmp_path / "tb").exists()
     assert not (tmp_path / "ckpt").exists()
@@ -234,13 +248,14 @@ def test_foreign_vocab_in_a_dry_run_is_a_warning_not_a_traceback(tmp_path):
     assert "Traceback" not in r.stderr
 
 
-def test_master_addr_without_hostfile_is_reported(tmp_path):
+def test_master_addr_without_hostfile_is_reported(tmp_path, monkeypatch, capsys, caplog):
     """Fault: master_addr with no hostfile. Promise: a warning that it is unused, not silence."""
     cfg = tmp_path / "addr.yml"
     cfg.write_text("master_addr: 10.1.2.3\n")
-    r = run_deepy("train.py", "configs/tiny.yml", cfg, "--dry-run", check=False)
-    assert r.returncode == 0, r.stderr
-    assert "master_addr=10.1.2.3 is not used" in r.stderr
+    argv = ["train.py", "configs/tiny.yml", str(cfg), "--dry-run"]
+    code, _, err = deepy_here(argv, monkeypatch, capsys, caplog)
+    assert code == 0, err
+    assert "master_addr=10.1.2.3 is not used" in err
 
 
 def test_bad_export_env_name_is_a_config_error():
@@ -251,7 +266,7 @@ def test_bad_export_env_name_is_a_config_error():
         load_dict({"export_env": ["OK_NAME", "X; rm -rf /"]})
 
 
-def test_fp16_on_cpu_ranks_is_refused_before_launch(tmp_path):
+def test_fp16_on_cpu_ranks_is_refused_before_launch(tmp_path, monkeypatch, capsys, caplog):
     """Fault: fp16 (every stock gpt-neox config) on CPU ranks, which DeepSpeed's CPU accelerator
     refuses on every rank. Promise: before launch, naming the fix; a warning in a dry run."""
     import torch
@@ -266,14 +281,21 @@ def test_fp16_on_cpu_ranks_is_refused_before_launch(tmp_path):
     assert r.returncode == 2 and message in r.stderr, r.stderr
     assert "configs/cpu.yml" in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "logs").exists() and not (tmp_path / "ckpt").exists()
-    r = run_deepy("train.py", "configs/tiny.yml", bad, "--dry-run", check=False)
-    assert r.returncode == 0 and message in r.stderr, r.stderr
+    # The dry runs in this process (the refusal above: deepy.py's own).
+    dry = ["train.py", "configs/tiny.yml", str(bad), "--dry-run"]
+    code, _, err = deepy_here(dry, monkeypatch, capsys, caplog)
+    assert code == 0 and message in err, err
     # The fix the message names works: configs/cpu.yml layered last turns fp16 off.
-    r = run_deepy("train.py", "configs/tiny.yml", bad, "configs/cpu.yml", "--dry-run")
-    assert "precision fp16" not in r.stderr
+    caplog.clear()
+    code, _, err = deepy_here(
+        [*dry[:3], "configs/cpu.yml", "--dry-run"], monkeypatch, capsys, caplog
+    )
+    assert code == 0 and "precision fp16" not in err, err
 
 
-def test_skip_memory_check_lets_an_oversized_estimate_through(tmp_path):
+def test_skip_memory_check_lets_an_oversized_estimate_through(
+    tmp_path, monkeypatch, capsys, caplog
+):
     """Fault: an estimate over the machine's memory that the user means to run. Promise: the
     override key named in the refusal turns the refusal off."""
     make_dataset(tmp_path / "chars")
@@ -281,11 +303,15 @@ def test_skip_memory_check_lets_an_oversized_estimate_through(tmp_path):
     big.write_text(
         data_config(tmp_path, hidden_size=65536, num_attention_heads=64, num_layers=1024)
     )
-    r = run_deepy("train.py", "configs/tiny.yml", big, "--dry-run", check=False)
-    assert r.returncode == 0 and "set skip_memory_check: true" in r.stderr, r.stderr
+    dry = ["train.py", "configs/tiny.yml", str(big), "--dry-run"]
+    code, _, err = deepy_here(dry, monkeypatch, capsys, caplog)
+    assert code == 0 and "set skip_memory_check: true" in err, err
     (tmp_path / "skip.yml").write_text("skip_memory_check: true\n")
-    r = run_deepy("train.py", "configs/tiny.yml", big, tmp_path / "skip.yml", "--dry-run")
-    assert "per rank is over" not in r.stderr, r.stderr
+    caplog.clear()
+    code, _, err = deepy_here(
+        [*dry[:3], str(tmp_path / "skip.yml"), "--dry-run"], monkeypatch, capsys, caplog
+    )
+    assert code == 0 and "per rank is over" not in err, err
 
 
 @pytest.mark.parametrize(

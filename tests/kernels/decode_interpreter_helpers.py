@@ -31,10 +31,12 @@ from tests.hf_family_helpers import FAMILIES, PADDED, VOCAB, neox_pair  # noqa: 
 from tests.inference.test_generator import tiny_pair  # noqa: E402
 
 PROMPTS = [[(7 * i + 3) % VOCAB for i in range(20)], [8, 1, 50], [61, 2, 2, 70, 33], [4]]
-NEW = 10
-# Each interpreted step costs seconds: the steps compared run at positions 20-24, past every
-# window and original RoPE length of the families, as later steps would.
-COMPARED = 5
+# Each interpreted step costs seconds. The greedy rows: two end after their second token, the
+# other two run on past them (the ended rows must stay ended).
+NEW = 4
+# The prefill, then two fused steps (the second reads a slot the first wrote) at positions 20-22
+# of the longest row: past every window and original RoPE length of the families.
+COMPARED = 3
 
 
 def both(model, prompts, new=COMPARED):
@@ -252,5 +254,6 @@ def test_fused_greedy_rows_end_at_the_end_of_document_as_eager_rows_do():
     got = fused.generate(PROMPTS, NEW, return_logits=True)
     assert [(c.tokens, c.finished) for c in got] == [(c.tokens, c.finished) for c in want]
     assert got[0].finished and len(got[0].tokens) == 2
+    assert not got[1].finished and len(got[1].tokens) == NEW  # ran on past row 0's end
     for a, b in zip(got, want):
         torch.testing.assert_close(a.logits, b.logits, rtol=1e-4, atol=1e-4)

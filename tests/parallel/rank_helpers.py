@@ -13,9 +13,23 @@ from tests.port_helpers import free_port
 
 # Ranks are forked from a server process that imported these once, so a rank starts without
 # importing torch and DeepSpeed afresh. Not forked from pytest itself: a child of a process that
-# has run OpenMP work can hang in its own.
+# has run OpenMP work can hang in its own. What every training rank imports later is preloaded
+# too (about 2 s a rank on 2 busy cores): torch.compile's machinery (a model built under a
+# device context reaches it through torch._refs; DeepSpeed's optimizer check through its Muon).
 RANKS = multiprocessing.get_context("forkserver")
-RANKS.set_forkserver_preload(["deepspeed", "neox.training.loop", "tests.train_helpers"])
+RANKS.set_forkserver_preload(
+    [
+        "deepspeed",
+        "neox.training.loop",
+        "tests.train_helpers",
+        "torch._dynamo",
+        "torch._inductor.compile_fx",
+        "deepspeed.runtime.zero.muon.muon_optimizer",
+        "neox.entry",
+        "neox.parallel.build",
+        "torch.utils.tensorboard",
+    ]
+)
 
 
 def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple) -> None:

@@ -236,12 +236,14 @@ def test_kill_during_save_leaves_latest_loadable_and_resume_is_exact(ref):
 
 
 def test_kill_after_rename_keeps_latest_on_a_complete_checkpoint(runs):
+    """One rank, started from here (deepy.py's report of a killed rank: the test above)."""
     tmp = runs
-    cfg = write_config(tmp, "renamed", **BASE)
-    r = run_train(cfg, NEOX_SAVE_KILL_AT="renamed@0:6")
+    cfg = write_config(tmp, "renamed", num_gpus=1, **BASE)
+    r = run_here("train.py", cfg, check=False, NEOX_SAVE_KILL_AT="renamed@0:6")
     out = r.stdout + r.stderr
-    assert r.returncode != 0 and "rank 0 on" in out and "saved checkpoint" in out, out[-3000:]
+    assert r.returncode == -9 and "saved checkpoint" in out, out[-3000:]
     ckpt = tmp / "renamed" / "ckpt"
+    assert (ckpt / "global_step6").is_dir()  # renamed, then killed before `latest` moved
     assert (ckpt / "latest").read_text() == "global_step3"
     dry = subprocess.run(
         [sys.executable, "deepy.py", "train.py", str(cfg), "--dry-run"],
@@ -298,10 +300,31 @@ def test_nonfinite_steps_are_skipped_then_the_run_stops_unsaved(runs):
     assert not (tmp / "nan" / "ckpt" / "latest").exists()
 
 
+def test_stop_signals_ask_once_then_abort():
+    """deepy.py's handler (neox/launcher/signals.py), called as the signal would call it: the
+    first SIGTERM or SIGINT forwards the stop once, a second of either kind aborts; a clean
+    stop exits 0 after SIGTERM, 130 after Ctrl-C. Each signal's way through deepy.py: SIGINT
+    and a rank's SIGTERM below, a second SIGTERM in the test after them."""
+    from functools import partial
+
+    from neox.launcher.signals import AbortLaunch, StopRequest
+
+    for first, code in ((signal.SIGTERM, 0), (signal.SIGINT, 130)):
+        for second in (signal.SIGTERM, signal.SIGINT):
+            forwarded = []
+            stop = StopRequest(partial(forwarded.append, True))
+            stop._handle(first, None)
+            assert forwarded == [True] and stop.signum == first and stop.exit_code == code
+            with pytest.raises(AbortLaunch, match=f"second stop signal \\({second.name}\\)"):
+                stop._handle(second, None)
+            assert forwarded == [True]  # the second is not forwarded: the ranks are killed
+
+
 @pytest.mark.parametrize(
     "target,sig,code",
     [
-        ("deepy", signal.SIGTERM, 0),
+        # deepy.py's SIGTERM takes the same path (StopRequest, above), its clean stop through
+        # deepy.py in tests/faults/test_checkpoint_faults.py (a stop during non-finite steps).
         ("deepy", signal.SIGINT, 130),
         ("rank1", signal.SIGTERM, 0),  # as a cluster scheduler sends it
     ],
@@ -342,7 +365,9 @@ def test_stop_signal_saves_once_and_leaves_no_process(runs, target, sig, code):
     assert "step/s" not in out and "%|" not in out and "\r" not in out
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+# SIGTERM twice: SIGINT's way through deepy.py is the test above; either second signal aborts
+# (test_stop_signals_ask_once_then_abort).
+@pytest.mark.parametrize("sig", [signal.SIGTERM])
 def test_second_signal_stops_at_once_and_claims_no_checkpoint(runs, sig):
     """Two stop signals (a double Ctrl-C): the ranks are killed unsaved; deepy.py says so, names
     the checkpoint saved before (where the run resumes) and exits 137, not a clean stop's 0/130."""

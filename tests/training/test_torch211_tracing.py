@@ -11,20 +11,18 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[2]
 MARK = "SIM211: autograd.Function forwards traced as in torch 2.11"
 
 
-@pytest.mark.parametrize(
-    "test",
-    [
-        "tests/training/test_zero3.py::test_zero3_trains_as_the_flat_engine_does",
-        "tests/training/test_speed_options.py::test_compiled_blocks_under_tensor_and_pipeline_parallelism",
-    ],
-)
-def test_losses_hold_under_torch_2_11_tracing(test, tmp_path):
+# Both in one pytest process: one interpreter and one rank server started, not two.
+TESTS = [
+    "tests/training/test_zero3.py::test_zero3_trains_as_the_flat_engine_does",
+    "tests/training/test_speed_options.py::test_compiled_blocks_under_tensor_and_pipeline_parallelism",
+]
+
+
+def test_losses_hold_under_torch_2_11_tracing(tmp_path):
     # The processes that compile (the test's own, or ranks forked from a server whose output
     # goes to files) mark a file when they load the edited tracer.
     mark = tmp_path / "sim211_loaded"
@@ -34,9 +32,11 @@ def test_losses_hold_under_torch_2_11_tracing(test, tmp_path):
         "SIM211_MARK": str(mark),
         "PYTHONPATH": os.pathsep.join([str(ROOT / "benchmarks" / "torch211_sim"), str(ROOT)]),
     }
-    args = [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", test]
+    args = [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", *TESTS]
     run = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert mark.is_file(), (
         f"the simulation did not load ({MARK!r} never printed):\n" + (run.stderr[-2000:])
     )
     assert run.returncode == 0, run.stdout[-4000:]
+    # Each test ran (and passed): none deselected or skipped on the way.
+    assert "3 passed" in run.stdout and "skipped" not in run.stdout, run.stdout[-4000:]
