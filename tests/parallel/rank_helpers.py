@@ -13,9 +13,12 @@ from tests.port_helpers import free_port
 
 # Ranks are forked from a server process that imported these once, so a rank starts without
 # importing torch and DeepSpeed afresh. Not forked from pytest itself: a child of a process that
-# has run OpenMP work can hang in its own.
+# has run OpenMP work can hang in its own. torch._dynamo too: every torch optimizer imports it
+# (2-3 s) as it is built, in each rank otherwise.
 RANKS = multiprocessing.get_context("forkserver")
-RANKS.set_forkserver_preload(["deepspeed", "neox.training.loop", "tests.train_helpers"])
+RANKS.set_forkserver_preload(
+    ["deepspeed", "neox.training.loop", "tests.train_helpers", "torch._dynamo"]
+)
 
 
 def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple) -> None:
