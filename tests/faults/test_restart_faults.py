@@ -1,6 +1,7 @@
 """Automatic restart (`max_restarts`, `hang_timeout_s`) through deepy.py: a rank killed between
 two checkpoints, a rank stopped (SIGSTOP) and a rank that dies at start every time, on real CPU
-ranks, one node and two nodes over pdsh (a real sshd)."""
+ranks, one node and two nodes over pdsh (a real sshd). That a stop under max_restarts is never
+restarted: tests/launcher/test_launchers_mpi_slurm.py (SIGTERM saves, openmpi and slurm)."""
 
 import atexit
 import functools
@@ -26,7 +27,6 @@ from tests.train_helpers import (
     train,
     write_config,
 )
-from tests.training.lifecycle_helpers import BackgroundRun
 
 pytestmark = pytest.mark.slow
 
@@ -160,22 +160,6 @@ def test_a_rank_that_dies_at_start_every_time_is_restarted_n_times_then_named(tm
     assert "rank 1 on" in last and "was killed by SIGKILL" in last, last
     assert last.endswith("once it is fixed, the same command starts over: no checkpoint saved yet")
     assert "Traceback" not in out
-
-
-def test_a_stop_signal_saves_and_stops_without_a_restart(tmp_path):
-    make_dataset(tmp_path / "data" / "chars")
-    keys = {**RUN, "train_iters": 1000}
-    cfg = write_config(tmp_path, "stopped", max_restarts=1, hang_timeout_s=600, **keys)
-    run = BackgroundRun(cfg, tmp_path / "stopped.out")
-    try:
-        run.wait_for("iter 2/1000")
-        os.kill(run.proc.pid, signal.SIGTERM)
-        assert run.wait() == 0, run.text()[-3000:]
-    finally:
-        run.kill_all()
-    out = run.text()
-    assert out.count("launching 2 rank(s)") == 1 and "restart 1/1" not in out, out[-3000:]
-    assert "deepy: stopped by SIGTERM; checkpoint saved in" in out
 
 
 def test_an_error_a_relaunch_would_meet_again_is_not_restarted(tmp_path):

@@ -205,10 +205,11 @@ def parent(pid: int) -> int:
     return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
 
-def training(tmp_path: Path, launcher: str, host: str, env: dict) -> BackgroundRun:
-    """deepy.py train.py, a tiny run of 1000 steps on 2 ranks, once its step 2 is logged."""
+def training(tmp_path: Path, launcher: str, host: str, env: dict, **extra) -> BackgroundRun:
+    """deepy.py train.py, a tiny run of 1000 steps on 2 ranks, once its step 2 is logged; extra
+    config keys."""
     make_dataset(tmp_path / "data" / "chars")
-    keys = dict(checkpoint_factor=None, eval_interval=1000, do_test=False)
+    keys = dict(checkpoint_factor=None, eval_interval=1000, do_test=False, **extra)
     node = one_node(tmp_path, launcher, host)
     run = BackgroundRun(write_config(tmp_path, launcher, train_iters=1000, **keys, **node),
                         tmp_path / "run.out", **env)  # fmt: skip
@@ -218,7 +219,8 @@ def training(tmp_path: Path, launcher: str, host: str, env: dict) -> BackgroundR
 
 def test_ranks_are_the_agents_children_and_sigterm_saves(launcher, tmp_path):
     name, host, env = launcher
-    run = training(tmp_path, name, host, env)
+    # Under max_restarts, with the agents watching heartbeats: a stop is never restarted.
+    run = training(tmp_path, name, host, env, max_restarts=1, hang_timeout_s=600)
     try:
         for rank in (0, 1):
             agent = parent(run.rank_pid(rank))
@@ -232,6 +234,7 @@ def test_ranks_are_the_agents_children_and_sigterm_saves(launcher, tmp_path):
     out = run.text()
     # mpirun/srun passed the stop on to the agent (SIGUSR1), which passed SIGTERM to its ranks.
     assert "stop requested by deepy.py: SIGTERM to 2 rank(s)" in out, out[-3000:]
+    assert out.count("launching 2 rank(s)") == 1 and "restart 1/1" not in out, out[-3000:]
     ckpt = tmp_path / name / "ckpt"
     tag = (ckpt / "latest").read_text()
     assert f"deepy: stopped by SIGTERM; checkpoint saved in {ckpt / tag}" in out.splitlines()
