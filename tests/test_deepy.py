@@ -1,6 +1,8 @@
-"""deepy.py end to end: dry runs, config errors before launch, real CPU ranks, rank death."""
+"""deepy.py: dry runs and config errors (its main, in this process); end to end, a missing data
+file before launch, real CPU ranks, rank death."""
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -24,8 +26,29 @@ def deepy(*args, timeout=240, cwd=ROOT):
     )
 
 
-def test_dry_run_of_20b_with_local_setup():
-    r = deepy("train.py", "configs/20B.yml", "configs/local_setup.yml", "--dry-run")
+@pytest.fixture
+def dry_run(capsys, monkeypatch):
+    """deepy.py's main in this process (a dry run launches nothing): its exit status, stdout and
+    stderr."""
+    monkeypatch.syspath_prepend(str(ROOT))
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    import deepy
+
+    def run(*args) -> subprocess.CompletedProcess:
+        capsys.readouterr()
+        code = deepy.main([*map(str, args), "--dry-run"])
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(args, code, out, err)
+
+    neox_log = logging.getLogger("neox")
+    level = neox_log.level
+    yield run
+    neox_log.setLevel(level)  # --verbose set it to debug, for this process's later tests too
+
+
+def test_dry_run_of_20b_with_local_setup(dry_run):
+    r = dry_run("train.py", "configs/20B.yml", "configs/local_setup.yml")
     assert r.returncode == 0, r.stderr
     out = r.stdout
     assert "# deepspeed config" in out and "# launch command" in out
@@ -41,25 +64,25 @@ def test_dry_run_of_20b_with_local_setup():
     assert "tokens/s" in estimate
 
 
-def test_verbose_sets_log_level_debug():
-    r = deepy("train.py", "configs/tiny.yml", "--verbose", "--dry-run")
+def test_verbose_sets_log_level_debug(dry_run):
+    r = dry_run("train.py", "configs/tiny.yml", "--verbose")
     assert r.returncode == 0, r.stderr
     assert "log_level: debug" in r.stdout.split("# merged config", 1)[1]
 
 
-def test_dry_run_plans_a_bigger_layout_from_num_gpus(tmp_path):
+def test_dry_run_plans_a_bigger_layout_from_num_gpus(tmp_path, dry_run):
     cfg = tmp_path / "layout.yml"
     cfg.write_text("num_gpus: 16\nmodel_parallel_size: 2\ntrain_micro_batch_size_per_gpu: 4\n")
-    r = deepy("train.py", "configs/tiny.yml", cfg, "--dry-run")
+    r = dry_run("train.py", "configs/tiny.yml", cfg)
     assert r.returncode == 0, r.stderr
     assert "world_size: 16" in r.stdout and "data_parallel: 8" in r.stdout
     assert "global_batch: 32" in r.stdout
 
 
-def test_bad_config_fails_before_launch_naming_file_and_key(tmp_path):
+def test_bad_config_fails_before_launch_naming_file_and_key(tmp_path, dry_run):
     cfg = tmp_path / "bad.yml"
     cfg.write_text("num_attention_heads: 5\n")
-    r = deepy("train.py", "configs/tiny.yml", cfg, "--dry-run")
+    r = dry_run("train.py", "configs/tiny.yml", cfg)
     assert r.returncode != 0
     assert "hidden_size=64 is not divisible by num_attention_heads=5" in r.stderr
     assert "# launch command" not in r.stdout

@@ -117,7 +117,8 @@ def run_lm_eval_tasks(
 ) -> dict[str, Any]:
     """Run cfg.eval.eval_tasks through lm_eval.simple_evaluate; the metrics of each task."""
     import lm_eval
-    from lm_eval.tasks import TaskManager
+
+    from neox.plan.preflight import lm_eval_task_manager
 
     e = cfg.eval
     lm = NeoXLM(
@@ -136,6 +137,6 @@ def run_lm_eval_tasks(
         limit=e.eval_limit,
         log_samples=False,
         bootstrap_iters=0,
-        task_manager=TaskManager(include_path=e.eval_include_path),
+        task_manager=lm_eval_task_manager(list(e.eval_tasks), e.eval_include_path),
     )
     return {} if out is None else out["results"]

@@ -4,7 +4,8 @@ A rank touches its heartbeat file (NEOX_HEARTBEAT, set by its agent when `hang_t
 on) after each finished step, evaluation and save; the agent reads the files' modification
 times and takes a rank whose file is older than the timeout for hung. A rank that has not
 finished its first step has no file yet and is not timed: building, compiling and loading a
-checkpoint take as long as they take. NEOX_RESTART ("k/N") marks the k-th of at most N
+checkpoint take as long as they take; nor is one past its last step and save (its file removed),
+whose leaving does. NEOX_RESTART ("k/N") marks the k-th of at most N
 relaunches deepy.py made after a failure.
 """
 
@@ -23,6 +24,12 @@ def beat() -> None:
     """This rank finished a step (or an evaluation or save): a no-op unless its agent watches."""
     if _heartbeat:
         Path(_heartbeat).touch()
+
+
+def rest() -> None:
+    """This rank's steps and saves are done, only leaving is left: its agent stops timing it."""
+    if _heartbeat:
+        Path(_heartbeat).unlink(missing_ok=True)
 
 
 def restart() -> Optional[tuple[int, int]]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from neox.config.model import ModelConfig
 from neox.model.gpt import GPTNeoX
@@ -28,10 +29,24 @@ def build_model(
     """
     device = torch.device("cpu" if device is None else device)
     # Build on meta so nn.Linear's own init (thrown away below) costs no time or memory.
-    with torch.device("meta"):
+    with torch.device("meta"), _NoNormalOnMeta():
         model = GPTNeoX(cfg, vocab_size)
     if device.type == "meta":
         return model
     model.to_empty(device=device)
     model.reset_parameters(seed)
     return model
+
+
+class _NoNormalOnMeta(TorchFunctionMode):
+    """Skips normal_ on meta tensors (nn.Embedding's own init): they hold no values, and the meta
+    kernel imports torch._dynamo, seconds that generate.py and eval.py would wait for on every
+    rank (neox/model/eager.py)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.nn.init.normal_, torch.Tensor.normal_):
+            tensor = args[0] if args else kwargs["tensor"]
+            if tensor.is_meta:
+                return tensor
+        return func(*args, **kwargs)

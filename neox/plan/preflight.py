@@ -5,7 +5,7 @@ import importlib.util
 import logging
 import os
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from neox.checkpoint.ds_files import has_model_states
 from neox.checkpoint.find import has_plain_state
@@ -297,9 +297,7 @@ def unknown_lm_eval_tasks(tasks: list[str], include_path: Optional[str]) -> list
     task index is torch-free, so this runs before launch)."""
     if importlib.util.find_spec("lm_eval") is None:
         return [f"eval_tasks={tasks} needs lm-evaluation-harness: pip install 'neox[eval]'"]
-    from lm_eval.tasks import TaskManager
-
-    manager = TaskManager(include_path=include_path)
+    manager = lm_eval_task_manager(tasks, include_path)
     unknown = [t for t in tasks if not manager.match_tasks([t])]
     if not unknown:
         return []
@@ -307,6 +305,19 @@ def unknown_lm_eval_tasks(tasks: list[str], include_path: Optional[str]) -> list
         f"eval_tasks: lm-evaluation-harness has no task {', '.join(map(repr, unknown))}; see "
         "`lm_eval ls tasks`, or put a task YAML in a directory named by eval_include_path"
     ]
+
+
+def lm_eval_task_manager(tasks: list[str], include_path: Optional[str]) -> Any:
+    """lm-evaluation-harness's TaskManager for `tasks`: of eval_include_path alone when every
+    task is a plain task there, since indexing the harness's own ~15k task files takes 10 s or
+    more in each process (deepy.py's check and every rank)."""
+    from lm_eval.tasks import TaskManager
+
+    if include_path:
+        local = TaskManager(include_path=include_path, include_defaults=False)
+        if set(tasks) <= set(local.all_subtasks):  # a group may name the harness's tasks
+            return local
+    return TaskManager(include_path=include_path)
 
 
 def has_checkpoint(directory: Optional[str]) -> bool:

@@ -20,7 +20,7 @@ from neox.checkpoint.io import (
 from neox.config import write_config
 from neox.config.derived import consumed_samples
 from neox.data.batch import Batch, build_batch
-from neox.launcher.liveness import beat, restart
+from neox.launcher.liveness import beat, rest, restart
 from neox.model.moe import router_metrics
 from neox.parallel.context import context_chunk
 from neox.training.metrics import (
@@ -312,6 +312,7 @@ def run_training(cfg, run: Optional[Run] = None) -> dict[str, float]:
     try:
         result = train(run, start, writer, stop)
         wait_for_saves()  # async_save: the last checkpoint is complete before the run ends
+        rest()  # leaving (a barrier, the process group's end) is not a hung step
         return result
     finally:
         writer.close()

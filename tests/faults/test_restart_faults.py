@@ -1,6 +1,7 @@
 """Automatic restart (`max_restarts`, `hang_timeout_s`) through deepy.py: a rank killed between
 two checkpoints, a rank stopped (SIGSTOP) and a rank that dies at start every time, on real CPU
-ranks, one node and two nodes over pdsh (a real sshd)."""
+ranks, one node and two nodes over pdsh (a real sshd). That a stop under max_restarts is never
+restarted: tests/launcher/test_launchers_mpi_slurm.py (SIGTERM saves, openmpi and slurm)."""
 
 import atexit
 import functools
@@ -26,7 +27,6 @@ from tests.train_helpers import (
     train,
     write_config,
 )
-from tests.training.lifecycle_helpers import BackgroundRun
 
 pytestmark = pytest.mark.slow
 
@@ -83,18 +83,28 @@ def reference_losses() -> dict[int, float]:
     return losses(folder / "reference" / "logs")
 
 
-def kill_9_between_checkpoints(tmp_path: Path, keys: dict, **env: str) -> str:
-    """deepy.py with max_restarts: 1; rank 1 kills itself (SIGKILL) after step 5 or 6. The job
-    ends with exit 0 and every step's loss equal to an uninterrupted run's; returns its output."""
+def restart_between_checkpoints(
+    tmp_path: Path, keys: dict, sig: int = signal.SIGKILL, **env: str
+) -> str:
+    """deepy.py with max_restarts: 1; rank 1 sends itself `sig` after step 5 or 6: SIGKILL, it
+    dies; SIGSTOP, it is alive but finishes no step (hang_timeout_s: 4 takes it for hung). The
+    job ends with exit 0 and every step's loss equal to an uninterrupted run's; returns its
+    output."""
     make_dataset(tmp_path / "data" / "chars")
     # The launcher's keys, and RUN's steps and checkpoints.
-    flat = {**keys, **RUN, "max_restarts": 1, "hang_timeout_s": 600}
+    hang_timeout_s = 4 if sig == signal.SIGSTOP else 600
+    flat = {**keys, **RUN, "max_restarts": 1, "hang_timeout_s": hang_timeout_s}
     cfg = write_config(tmp_path, "restarted", **flat)
-    r = run_train(cfg, PYTHONPATH=fault(tmp_path, "restarted", signal.SIGKILL), **env)
+    r = run_train(cfg, PYTHONPATH=fault(tmp_path, "restarted", sig), **env)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-3000:]
     [line] = [ln for ln in out.splitlines() if "restart 1/1 after" in ln]
-    assert "rank 1 on" in line and "was killed by SIGKILL" in line, line
+    assert line.split("restart 1/1 after: ")[1].startswith("rank 1 on"), line
+    if sig == signal.SIGSTOP:  # its peer, waiting in a collective, is killed with it: no error
+        assert "hung: no finished step for" in line and "hang_timeout_s=4" in line, line
+        assert "Traceback" not in out
+    else:
+        assert "was killed by SIGKILL" in line, line
     assert line.endswith("it resumes from " + str(tmp_path / "restarted" / "ckpt" / "global_step4"))
     # The relaunch is counted in the metrics of every step it logged.
     steps = [r for r in records(tmp_path / "restarted" / "logs") if r["split"] == "train"]
@@ -106,35 +116,22 @@ def kill_9_between_checkpoints(tmp_path: Path, keys: dict, **env: str) -> str:
     return out
 
 
-def test_kill_9_of_a_rank_between_checkpoints_restarts_and_matches_an_uninterrupted_run(
-    tmp_path,
-):
-    kill_9_between_checkpoints(tmp_path, {})
+def test_a_stopped_rank_is_taken_for_hung_and_restarted(tmp_path):
+    """A rank alive but finishing no step (SIGSTOP): its agent kills the ranks, deepy.py
+    relaunches them. (A rank killed, every node restarted: the pdsh test below, and openmpi and
+    slurm in tests/launcher/test_launchers_mpi_slurm.py.)"""
+    restart_between_checkpoints(tmp_path, {}, signal.SIGSTOP)
 
 
 def test_kill_9_of_a_rank_on_a_pdsh_node_restarts_every_node(sshd, tmp_path):  # noqa: F811
     keys = two_node_training(sshd, tmp_path)
     # One thread per rank on both nodes, as the reference's ranks have: the same sums.
     keys["export_env"] = ["OMP_NUM_THREADS"]
-    out = kill_9_between_checkpoints(
+    out = restart_between_checkpoints(
         tmp_path, keys, PDSH_SSH_ARGS_APPEND=sshd.ssh_args, OMP_NUM_THREADS="1"
     )
     # Both nodes' agents were told to end their ranks, then both started again.
     assert out.count("launching 2 rank(s) on localhost, 127.0.0.1") == 2, out[-3000:]
-
-
-def test_a_stopped_rank_is_taken_for_hung_and_restarted(tmp_path):
-    make_dataset(tmp_path / "data" / "chars")
-    cfg = write_config(tmp_path, "hung", max_restarts=1, hang_timeout_s=4, **RUN)
-    # Rank 1 stops itself (SIGSTOP) after step 5 or 6: alive, but no step finishes any more.
-    r = run_train(cfg, PYTHONPATH=fault(tmp_path, "hung", signal.SIGSTOP))
-    out = r.stdout + r.stderr
-    assert r.returncode == 0, out[-3000:]
-    [line] = [ln for ln in out.splitlines() if "restart 1/1 after" in ln]
-    assert line.split("restart 1/1 after: ")[1].startswith("rank 1 on"), line
-    assert "hung: no finished step for" in line and "hang_timeout_s=4" in line, line
-    assert losses(tmp_path / "hung" / "logs").keys() == set(range(1, 13))
-    assert "Traceback" not in out
 
 
 def test_a_rank_that_dies_at_start_every_time_is_restarted_n_times_then_named(tmp_path):
@@ -160,22 +157,6 @@ def test_a_rank_that_dies_at_start_every_time_is_restarted_n_times_then_named(tm
     assert "rank 1 on" in last and "was killed by SIGKILL" in last, last
     assert last.endswith("once it is fixed, the same command starts over: no checkpoint saved yet")
     assert "Traceback" not in out
-
-
-def test_a_stop_signal_saves_and_stops_without_a_restart(tmp_path):
-    make_dataset(tmp_path / "data" / "chars")
-    keys = {**RUN, "train_iters": 1000}
-    cfg = write_config(tmp_path, "stopped", max_restarts=1, hang_timeout_s=600, **keys)
-    run = BackgroundRun(cfg, tmp_path / "stopped.out")
-    try:
-        run.wait_for("iter 2/1000")
-        os.kill(run.proc.pid, signal.SIGTERM)
-        assert run.wait() == 0, run.text()[-3000:]
-    finally:
-        run.kill_all()
-    out = run.text()
-    assert out.count("launching 2 rank(s)") == 1 and "restart 1/1" not in out, out[-3000:]
-    assert "deepy: stopped by SIGTERM; checkpoint saved in" in out
 
 
 def test_an_error_a_relaunch_would_meet_again_is_not_restarted(tmp_path):

@@ -68,12 +68,16 @@ def test_cpu_tensor_parallel_and_recompute_take_the_eager_paths():
 
 def test_a_generate_process_imports_no_compiler_before_it_compiles():
     """torch._dynamo takes seconds to import; a generate.py that decodes through the fused or
-    eager step (nothing compiled) never needs it, and its first token waits for every import."""
+    eager step (nothing compiled) never needs it, and its first token waits for every import.
+    Building the model on meta, as loading a checkpoint does, imports none either."""
     import subprocess
     import sys
 
     probe = (
         "import sys, neox.entry, neox.inference.modes, neox.inference.loading, neox.model; "
+        "from neox.config.model import ModelConfig; "
+        "neox.model.build_model(ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=4,"
+        " pos_emb='learned', no_weight_tying=True), 64, device='meta'); "
         "print(sorted(m for m in ('torch._dynamo', 'torch._inductor', 'deepspeed', "
         "'transformers') if m in sys.modules))"
     )

@@ -272,3 +272,18 @@ def test_a_rank_with_no_finished_step_for_hang_timeout_s_is_named_and_the_ranks_
     assert r.returncode == 128 + signal.SIGKILL
     # The heartbeat files' folder goes with the ranks.
     assert not Path((tmp_path / "beat1").read_text()).parent.exists()
+
+
+def test_a_rank_past_its_last_step_is_not_timed(tmp_path):
+    """A rank that has rested (training over, only leaving left) may take longer than
+    hang_timeout_s to leave: the job ends well."""
+    script = tmp_path / "rests.py"
+    script.write_text(
+        "import time\nfrom neox.launcher.liveness import beat, rest\n"
+        "beat()\nrest()\ntime.sleep(3)\n"  # 3 x hang_timeout_s
+    )
+    argv = agent_argv(tmp_path, "", free_port(), control=False)[:-3]
+    argv = [*argv[:-1], "--hang_timeout_s=1", argv[-1], str(script), str(tmp_path)]
+    r = subprocess.run(argv, env=env(), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert json.loads(r.stdout.split(REPORT_PREFIX, 1)[1])["failure"] is None

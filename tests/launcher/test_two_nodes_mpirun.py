@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.port_helpers import free_port
-from tests.train_helpers import SHORT_RUN, losses, make_dataset, run_deepy, write_config
+from tests.train_helpers import SHORT_RUN, losses, make_dataset, run_deepy, train, write_config
 
 pytestmark = pytest.mark.slow
 
@@ -65,7 +65,11 @@ def test_two_nodes_mpirun_match_one_node(node_names, cpu, tmp_path):
         gradient_accumulation_steps=1,
     )
     make_dataset(tmp_path / "data" / "chars")
-    run_deepy("train.py", write_config(tmp_path, "one", num_gpus=4, **run), cpu=cpu)
+    one = write_config(tmp_path, "one", num_gpus=4, **run)
+    if cpu:  # its CPU ranks started from this process (deepy.py on one node: tests/test_demo.py)
+        train(one)
+    else:
+        run_deepy("train.py", one, cpu=False)
 
     a, b = NODES
     hostfile = tmp_path / "hostfile"
