@@ -33,13 +33,14 @@ from __future__ import annotations
 import math
 import types
 from collections import defaultdict
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 from torch import nn
 
+from neox.checkpoint.host_staging import HostStaging
 from neox.data.batch import Batch
 from neox.training.engine import LossFn, StepResult, forward_loss, take, weigh_micro_batches
 
@@ -71,6 +72,7 @@ class DeepSpeedAdapter:
             # compiles the whole module with ZeRO's gathers scheduled in the graph.
             self.ds.compile()
         self.loss_fn = loss_fn
+        self.staging = HostStaging()  # checkpoints' host copies, reused save to save
         self.pipeline = isinstance(self.ds, PipelineEngine)
         self.fp16 = self.ds.fp16_enabled()
         self.grad_accum = int(
@@ -265,26 +267,93 @@ class DeepSpeedAdapter:
             )
 
     @torch.no_grad()
-    def plain_pieces(self) -> tuple[list, dict[str, Any]]:
-        """Each parameter's fp32 master and moments as this rank's TP slice (gathered over the
-        data-parallel ranks by DeepSpeed's accessors), and the engine's scalars."""
+    def plain_pieces(self) -> tuple[Callable[[], list], dict[str, Any]]:
+        """This rank's part of the fp32 masters and moments copied to host memory (the run's
+        reused staging), a function that cuts it into pieces by name (the background writer
+        calls it), and the engine's scalars. ZeRO-1/2 and the bf16 optimizer: each rank's own
+        flat partitions, one copy per group and kind, no collective; otherwise each
+        parameter whole through DeepSpeed's accessors (gathered over the data-parallel group
+        under ZeRO-3), kept on data-parallel rank 0."""
+        self._link_states()
+        kinds = ("fp32", *self._moments())
+        partitions = self._own_partitions()
+        if partitions is not None:
+            return self._partition_pieces(partitions, kinds), self._scalars()
+        return self._gathered_pieces(kinds), self._scalars()
+
+    def _own_partitions(self) -> Optional[list[torch.Tensor]]:
+        """ZeRO-1/2's (or the bf16 optimizer's) fp32 partition of each parameter group, when
+        every trainable parameter maps into them (DeepSpeed's _hp_mapping); else None."""
+        opt = self.ds.optimizer
+        flats = getattr(opt, "single_partition_of_fp32_groups", None)
+        flats = flats if flats is not None else getattr(opt, "fp32_groups_flat_partition", None)
+        if not flats or hasattr(opt, "fp32_partitioned_groups_flat"):
+            return None
+        if not all(hasattr(p, "_hp_mapping") for _, p in self._plain_params(writing=True)):
+            return None
+        return list(flats)
+
+    def _partition_pieces(
+        self, partitions: list[torch.Tensor], kinds: tuple[str, ...]
+    ) -> Callable[[], list]:
+        """Host copies of this rank's partitions; the function cutting each parameter's
+        fragment in them (tensor-replicated parameters from tensor-parallel rank 0)."""
+        from neox.checkpoint.consolidate import partition_dim
+        from neox.checkpoint.plain_state import fragment
+
+        tp_rank, tp, _, _, _, _ = self._coords()
+        state = self._base_optimizer().state
+        flat = [{k: f if k == "fp32" else state[f][k] for k in kinds} for f in partitions]
+        self.staging.reserve(
+            sum(t.numel() for ts in flat for t in ts.values()), partitions[0].device
+        )
+        host = [{k: self.staging.put(t) for k, t in ts.items()} for ts in flat]
+        self.staging.wait()
+        params = list(self._plain_params(writing=True))
+
+        def pieces() -> list:
+            out = []
+            for name, p in params:
+                owned, dim = p._hp_mapping, partition_dim(name)
+                if owned is None or not (tp_rank == 0 or dim is not None):
+                    continue
+                hp, lp = owned.hp_fragment_address, owned.lp_fragment_address
+                held = host[owned.param_group_index]
+                mine = {k: t[hp.start : hp.start + hp.numel] for k, t in held.items()}
+                lo, hi = lp.start, lp.start + lp.numel
+                out.append(fragment(name, self._shape(p), lo, hi, mine, dim, tp_rank, tp))
+            return out
+
+        return pieces
+
+    def _gathered_pieces(self, kinds: tuple[str, ...]) -> Callable[[], list]:
+        """Each parameter whole through DeepSpeed's accessors (collective under ZeRO-3), copied
+        to host memory on the rank that writes it."""
         from neox.checkpoint.consolidate import partition_dim
         from neox.checkpoint.plain_state import tp_piece
 
         tp_rank, tp, _, _, dp_rank, _ = self._coords()
-        self._link_states()
-        pieces = []
-        for name, p in self._plain_params(writing=True):
+        params = list(self._plain_params(writing=True))
+        writes = [
+            dp_rank == 0 and (tp_rank == 0 or partition_dim(n) is not None) for n, _ in params
+        ]
+        numel = sum(math.prod(self._shape(p)) for (_, p), w in zip(params, writes) if w)
+        self.staging.reserve(numel * len(kinds), self.ds.device)
+        held = []
+        for (name, p), write in zip(params, writes):
             local = {}
-            for kind in ("fp32", *self._moments()):
-                t = self._get(p, kind)  # collective over the data-parallel group under ZeRO
-                if t is not None:
-                    # Host copies: an async save writes them while the next steps run.
-                    local[kind] = t.to("cpu", torch.float32, copy=True).reshape(self._shape(p))
-            dim = partition_dim(name)
-            if dp_rank == 0 and (tp_rank == 0 or dim is not None):
-                pieces.append(tp_piece(name, local, dim, tp_rank, tp))
-        return pieces, self._scalars()
+            for kind in kinds:
+                t = self._get(p, kind)  # collective over the data-parallel group under ZeRO-3
+                if t is not None and write:
+                    local[kind] = self.staging.put(t.reshape(self._shape(p)))
+            if write:
+                held.append((name, local))
+        self.staging.wait()
+
+        def pieces() -> list:
+            return [tp_piece(n, local, partition_dim(n), tp_rank, tp) for n, local in held]
+
+        return pieces
 
     @staticmethod
     def _shape(p: nn.Parameter) -> tuple[int, ...]:
