@@ -332,11 +332,9 @@ class DeepSpeedAdapter:
         from neox.checkpoint.consolidate import partition_dim
         from neox.checkpoint.plain_state import tp_piece
 
-        tp_rank, tp, _, _, dp_rank, _ = self._coords()
+        tp_rank, tp, _, _, _, _ = self._coords()
         params = list(self._plain_params(writing=True))
-        writes = [
-            dp_rank == 0 and (tp_rank == 0 or partition_dim(n) is not None) for n, _ in params
-        ]
+        writes = self._writes(params)
         numel = sum(math.prod(self._shape(p)) for (_, p), w in zip(params, writes) if w)
         self.staging.reserve(numel * len(kinds), self.ds.device)
         held = []
@@ -354,6 +352,28 @@ class DeepSpeedAdapter:
             return [tp_piece(n, local, partition_dim(n), tp_rank, tp) for n, local in held]
 
         return pieces
+
+    def _writes(self, params: list[tuple[str, nn.Parameter]]) -> list[bool]:
+        """Whether this rank writes each parameter gathered whole: data-parallel rank 0, and
+        tensor-parallel rank 0 for tensors the TP layers do not split."""
+        from neox.checkpoint.consolidate import partition_dim
+
+        tp_rank, _, _, _, dp_rank, _ = self._coords()
+        return [dp_rank == 0 and (tp_rank == 0 or partition_dim(n) is not None) for n, _ in params]
+
+    def prepare_save(self) -> None:
+        """Allocate the next save's host staging in the background (after the first step: the
+        optimizer's moments exist)."""
+        kinds = len(self._moments()) + 1
+        partitions = self._own_partitions()
+        if partitions is not None:
+            numel, device = kinds * sum(f.numel() for f in partitions), partitions[0].device
+        else:
+            params = list(self._plain_params(writing=True))
+            written = zip(params, self._writes(params))
+            numel = kinds * sum(math.prod(self._shape(p)) for (_, p), w in written if w)
+            device = self.ds.device
+        self.staging.prepare(numel, device)
 
     @staticmethod
     def _shape(p: nn.Parameter) -> tuple[int, ...]:

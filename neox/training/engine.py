@@ -99,6 +99,11 @@ class Engine(Protocol):
         collective)."""
         ...
 
+    def prepare_save(self) -> None:
+        """Allocate the host staging plain_pieces will copy into, in the background (the loop
+        calls it after a saving run's first step)."""
+        ...
+
     def load_plain(self, state: Any, load_optimizer_states: bool) -> None:
         """Set this rank's parameters (and optimizer state) from a PlainState saved at any
         layout."""

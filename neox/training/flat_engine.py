@@ -444,15 +444,9 @@ class FlatEngine:
         copy each, into the run's reused staging), a function that cuts them into pieces by
         name (each parameter's part in this partition: the background writer calls it), and
         the engine's scalars. No collective: every data-parallel rank writes what it owns."""
-        from neox.checkpoint.plain_state import KINDS, fragment
+        from neox.checkpoint.plain_state import fragment
 
-        step, parts = None, []
-        for g in self.groups:
-            state = self.optimizer.state.get(g.master, {})
-            if "step" in state:
-                step = float(state["step"])
-            kinds = {k: g.master if k == "fp32" else state.get(k) for k in KINDS}
-            parts.append((g, {k: t for k, t in kinds.items() if t is not None}))
+        parts = self._saved_partitions()
         self.staging.reserve(sum(t.numel() for _, ts in parts for t in ts.values()), self.device)
         host = [(g, {k: self.staging.put(t) for k, t in ts.items()}) for g, ts in parts]
         self.staging.wait()
@@ -467,7 +461,27 @@ class FlatEngine:
                         out.append(fragment(name, tuple(p.shape), lo - off, hi - off, mine))
             return out
 
+        steps = [self.optimizer.state.get(g.master, {}).get("step") for g in self.groups]
+        step = next((float(s) for s in reversed(steps) if s is not None), None)
         return pieces, self._scalars(step)
+
+    def _saved_partitions(self) -> list[tuple[FlatGroup, dict[str, torch.Tensor]]]:
+        """Each group with this rank's partition of every kind a checkpoint keeps (the moments
+        once the optimizer has made them)."""
+        from neox.checkpoint.plain_state import KINDS
+
+        parts = []
+        for g in self.groups:
+            state = self.optimizer.state.get(g.master, {})
+            kinds = {k: g.master if k == "fp32" else state.get(k) for k in KINDS}
+            parts.append((g, {k: t for k, t in kinds.items() if t is not None}))
+        return parts
+
+    def prepare_save(self) -> None:
+        """Allocate the next save's host staging in the background (after the first step: the
+        moments exist)."""
+        parts = self._saved_partitions()
+        self.staging.prepare(sum(t.numel() for _, ts in parts for t in ts.values()), self.device)
 
     def _scalars(self, step: Optional[float]) -> dict[str, Any]:
         return {

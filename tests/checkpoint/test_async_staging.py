@@ -43,7 +43,7 @@ def test_the_buffer_is_reused_and_holds_copies(caplog):
         staging.reserve(a.numel() + b.numel(), torch.device("cpu"))
         held = [staging.put(a), staging.put(b)]
         staging.wait()
-        first = staging.buffer.data_ptr()
+        first = staging.buffer
         assert not staging.buffer.is_pinned()  # CPU ranks: plain host memory
         assert [t.shape for t in held] == [a.shape, b.shape]
         assert torch.equal(held[0], a) and torch.equal(held[1], b)
@@ -51,13 +51,19 @@ def test_the_buffer_is_reused_and_holds_copies(caplog):
         assert not torch.equal(held[0], a)
         # The next save of the same size: the same memory, and its size said once.
         staging.reserve(a.numel() + b.numel(), torch.device("cpu"))
-        assert staging.buffer.data_ptr() == first
+        assert staging.buffer is first and staging.buffer.data_ptr() == first.data_ptr()
         assert torch.equal(staging.put(a), a)
     said = [r.getMessage() for r in caplog.records if "checkpoint staging" in r.getMessage()]
-    assert len(said) == 1 and "0.00 GB of plain host memory" in said[0]
+    assert len(said) == 1 and "0.0 MB of plain host memory" in said[0]
     staging.reserve(2, torch.device("cpu"))
     with pytest.raises(ValueError, match="do not fit"):
         staging.put(torch.zeros(3))
+    # Allocated ahead in the background; the save of that size takes it as it is.
+    staging.prepare(7, torch.device("cpu"))
+    staging._join()
+    ahead = staging.buffer
+    staging.reserve(7, torch.device("cpu"))
+    assert staging.buffer is ahead and ahead.numel() == 7
 
 
 def write_fragments(step_dir, full: dict, tp: int, dp: int) -> None:
@@ -123,6 +129,17 @@ def rank():
         groups._WORLD_GROUP = groups._DATA_PARALLEL_GROUP = None
 
 
+@pytest.fixture
+def restore_linear():
+    """ZeRO-3 installs its memory-efficient linear as torch.nn.functional.linear for the
+    process: put torch's back for the tests after."""
+    import torch.nn.functional as F
+
+    linear = F.linear
+    yield
+    F.linear = linear
+
+
 def built(kind: str, stage: int):
     torch.manual_seed(0)
     model = build_model(CFG, VOCAB)
@@ -159,16 +176,23 @@ def state_files(step_dir) -> dict[str, bytes]:
 
 @pytest.mark.parametrize(
     "kind,stage",
-    [("flat", 1), ("deepspeed", 1), ("deepspeed", 0)],
-    ids=["flat-bf16", "deepspeed-zero1-bf16", "deepspeed-zero0-fp32"],
+    [("flat", 1), ("deepspeed", 1), ("deepspeed", 0), ("deepspeed", 3)],
+    ids=["flat-bf16", "deepspeed-zero1-bf16", "deepspeed-zero0-fp32", "deepspeed-zero3-bf16"],
 )
-def test_staged_state_is_the_synchronous_save_byte_for_byte_and_reused(rank, tmp_path, kind, stage):
+def test_staged_state_is_the_synchronous_save_byte_for_byte_and_reused(
+    rank, restore_linear, tmp_path, kind, stage
+):
     engine = built(kind, stage)
-    if kind == "deepspeed":  # ZeRO-1 copies its flat partitions; ZeRO-0 each parameter
+    if kind == "deepspeed":  # ZeRO-1 copies its flat partitions; ZeRO-0 and 3 each parameter
         assert (engine._own_partitions() is not None) == (stage == 1)
-    for seed in range(2):
-        step(engine, seed)
+    step(engine, 0)
+    engine.prepare_save()  # as the loop does after a saving run's first step
+    step(engine, 1)
+    engine.staging._join()
+    prepared = engine.staging.buffer
     save_plain_state(engine, tmp_path / "sync", {"iteration": 2})
+    # The save used the buffer allocated ahead (prepare_save sized it exactly).
+    assert engine.staging.buffer is prepared
     # async_save's part on the training thread: the copy; the writer cuts and writes it later,
     # after the next step has changed every master weight and moment in place.
     pieces, _ = engine.plain_pieces()
@@ -178,7 +202,7 @@ def test_staged_state_is_the_synchronous_save_byte_for_byte_and_reused(rank, tmp
     assert state_files(tmp_path / "async") == state_files(tmp_path / "sync")
     # The next save reuses the same host memory, and holds the new step.
     save_plain_state(engine, tmp_path / "later", {"iteration": 3})
-    assert engine.staging.buffer.data_ptr() == buffer.data_ptr()
+    assert engine.staging.buffer is buffer and buffer.data_ptr() == prepared.data_ptr()
     later = state_files(tmp_path / "later")
     assert later.keys() == state_files(tmp_path / "sync").keys()
     assert (
