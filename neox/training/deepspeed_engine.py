@@ -271,15 +271,68 @@ class DeepSpeedAdapter:
         """This rank's part of the fp32 masters and moments copied to host memory (the run's
         reused staging), a function that cuts it into pieces by name (the background writer
         calls it), and the engine's scalars. ZeRO-1/2 and the bf16 optimizer: each rank's own
-        flat partitions, one copy per group and kind, no collective; otherwise each
-        parameter whole through DeepSpeed's accessors (gathered over the data-parallel group
-        under ZeRO-3), kept on data-parallel rank 0."""
+        flat partitions, one copy per group and kind; ZeRO-3: each parameter's partition on
+        this rank; no collective in either. ZeRO-0: each parameter whole, kept on
+        data-parallel rank 0."""
         self._link_states()
         kinds = ("fp32", *self._moments())
         partitions = self._own_partitions()
         if partitions is not None:
             return self._partition_pieces(partitions, kinds), self._scalars()
+        if self._zero3_ranges() is not None:
+            return self._zero3_pieces(kinds), self._scalars()
         return self._gathered_pieces(kinds), self._scalars()
+
+    def _zero3_ranges(self) -> Optional[list[tuple[str, nn.Parameter, int, int]]]:
+        """ZeRO-3: (name, parameter, first, end) of the flattened elements this rank's partition
+        holds of each parameter it writes (rank r holds [r x size, (r + 1) x size), padded
+        past the end, as DeepSpeed partitions); None when any parameter is not ZeRO-3's."""
+        from neox.checkpoint.consolidate import partition_dim
+
+        params = list(self._plain_params(writing=True))
+        if not params or not all(hasattr(p, "ds_id") for _, p in params):
+            return None
+        tp_rank = self._coords()[0]
+        ranges = []
+        for name, p in params:
+            if tp_rank != 0 and partition_dim(name) is None:
+                continue  # replicated over tensor-parallel ranks: rank 0's
+            size = p.ds_tensor.ds_numel
+            lo = size * torch.distributed.get_rank(group=p.ds_process_group)
+            if lo < p.ds_numel:
+                ranges.append((name, p, lo, min(lo + size, p.ds_numel)))
+        return ranges
+
+    def _zero3_pieces(self, kinds: tuple[str, ...]) -> Callable[[], list]:
+        """ZeRO-3: this rank's partition of each parameter (DeepSpeed's local accessors, no
+        collective) copied to host memory; the function cutting their fragments."""
+        from deepspeed.utils import safe_get_local_fp32_param, safe_get_local_optimizer_state
+
+        from neox.checkpoint.consolidate import partition_dim
+        from neox.checkpoint.plain_state import fragment
+
+        tp_rank, tp, _, _, _, _ = self._coords()
+        ranges = self._zero3_ranges() or []
+        self.staging.reserve(len(kinds) * sum(hi - lo for _, _, lo, hi in ranges), self.ds.device)
+        held = []
+        for name, p, lo, hi in ranges:
+            local = {}
+            for kind in kinds:
+                if kind == "fp32":
+                    t = safe_get_local_fp32_param(p)
+                else:
+                    t = safe_get_local_optimizer_state(p, kind)
+                local[kind] = self.staging.put(t.reshape(-1)[: hi - lo])
+            held.append((name, p, lo, hi, local))
+        self.staging.wait()
+
+        def pieces() -> list:
+            return [
+                fragment(n, self._shape(p), lo, hi, t, partition_dim(n), tp_rank, tp)
+                for n, p, lo, hi, t in held
+            ]
+
+        return pieces
 
     def _own_partitions(self) -> Optional[list[torch.Tensor]]:
         """ZeRO-1/2's (or the bf16 optimizer's) fp32 partition of each parameter group, when
@@ -327,8 +380,8 @@ class DeepSpeedAdapter:
         return pieces
 
     def _gathered_pieces(self, kinds: tuple[str, ...]) -> Callable[[], list]:
-        """Each parameter whole through DeepSpeed's accessors (collective under ZeRO-3), copied
-        to host memory on the rank that writes it."""
+        """Each parameter whole (ZeRO-0: its own master, or DeepSpeed's accessors where it has
+        no own partitions), copied to host memory on the rank that writes it."""
         from neox.checkpoint.consolidate import partition_dim
         from neox.checkpoint.plain_state import tp_piece
 
@@ -365,9 +418,11 @@ class DeepSpeedAdapter:
         """Allocate the next save's host staging in the background (after the first step: the
         optimizer's moments exist)."""
         kinds = len(self._moments()) + 1
-        partitions = self._own_partitions()
+        partitions, ranges = self._own_partitions(), self._zero3_ranges()
         if partitions is not None:
             numel, device = kinds * sum(f.numel() for f in partitions), partitions[0].device
+        elif ranges is not None:
+            numel, device = kinds * sum(hi - lo for _, _, lo, hi in ranges), self.ds.device
         else:
             params = list(self._plain_params(writing=True))
             written = zip(params, self._writes(params))

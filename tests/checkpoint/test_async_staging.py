@@ -183,8 +183,9 @@ def test_staged_state_is_the_synchronous_save_byte_for_byte_and_reused(
     rank, restore_linear, tmp_path, kind, stage
 ):
     engine = built(kind, stage)
-    if kind == "deepspeed":  # ZeRO-1/2 copy their flat partitions; ZeRO-0/3 each parameter
+    if kind == "deepspeed":  # ZeRO-1/2 copy their flat partitions, ZeRO-3 each partition
         assert (engine._own_partitions() is not None) == (stage in (1, 2))
+        assert (engine._zero3_ranges() is not None) == (stage == 3)
     step(engine, 0)
     engine.prepare_save()  # as the loop does after a saving run's first step
     step(engine, 1)
