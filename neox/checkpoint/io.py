@@ -392,14 +392,15 @@ def save_in_background(
     """async_save: the state by plain name copied to host memory now, written and published by
     a background thread (neox.checkpoint.async_save)."""
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    pieces, scalars = engine.plain_pieces()  # collective; host copies the step may not touch
+    # Host copies the step may not touch (neox.checkpoint.host_staging); cut by name below.
+    pieces, scalars = engine.plain_pieces()
     layout, state = engine.layout(), copy.deepcopy(state)
     mp_rank, dp_rank = engine.parallel_rank()
     save_dir, tag = staging.parent, staging.name.removesuffix(STAGING_SUFFIX)
 
     def write() -> None:
         try:
-            files = write_pieces(staging, rank, pieces)
+            files = write_pieces(staging, rank, pieces())
             if dp_rank == 0:
                 files += write_client_state(staging, mp_rank, state)
             if rank == 0:
@@ -429,10 +430,10 @@ def wait_for_saves() -> None:
 
 def save_plain_state(engine, staging: Path, client_state: dict[str, Any]) -> None:
     """This rank's part of the training state by plain name (neox.checkpoint.plain_state)."""
-    pieces, scalars = engine.plain_pieces()  # collective: every rank
+    pieces, scalars = engine.plain_pieces()  # every rank (collective under ZeRO-3)
     rank = torch.distributed.get_rank()
     mp_rank, dp_rank = engine.parallel_rank()
-    write_pieces(staging, rank, pieces)
+    write_pieces(staging, rank, pieces())
     if dp_rank == 0:
         write_client_state(staging, mp_rank, client_state)
     if rank == 0:

@@ -12,8 +12,12 @@ Each writing rank stores its pieces, whole TP slices of the logical tensors, in
 `state/rank_RRRRR.safetensors` and describes them in `state/rank_RRRRR.json`: for each key
 `<kind>/<name>`, the logical shape, the dim TP splits (None: whole) and where the slice starts.
 Replicated tensors are written once (data-parallel rank 0; tensor-parallel rank 0 for
-unsplit ones). A loading rank reads only the slices its own parameters need (safe_open's
-get_slice), so any TP/PP/DP split of the same model reads the same files. The client state
+unsplit ones). An engine whose data-parallel ranks each own a contiguous range of the flattened
+state (ZeRO-1/2, the flat engine) writes each rank's own range instead, a fragment: its entry adds
+`flat` ([first, end) element of the flattened TP slice) and `local` (the TP slice's shape), and
+the fragments of a slice together cover it exactly. A loading rank reads only the slices its own
+parameters need (safe_open's get_slice; a fragmented slice is joined first), so any TP/PP/DP
+split of the same model reads the same files. The client state
 (counters, RNG states, DPO/KTO's reference weights) is kept per model-parallel rank, as
 DeepSpeed kept it: `client_state.pt` for model-parallel rank 0, `client_state_mpRRRRR.pt` for
 the others; a run at the saved TP/PP reads its own, any other rank 0's.
@@ -22,6 +26,7 @@ the others; a run at the saved TP/PP reads its own, any other rank 0's.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -48,6 +53,11 @@ class Piece:
     dim: Optional[int]
     start: int
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    flat: Optional[tuple[int, int]] = None
+    """A fragment: elements [first, end) of the flattened TP slice (tensors are 1-D); None:
+    the whole slice."""
+    local: Optional[tuple[int, ...]] = None
+    """A fragment's TP slice shape."""
 
 
 @dataclass
@@ -66,16 +76,41 @@ class Layout:
         )
 
 
+def tp_place(
+    local_shape: tuple[int, ...], dim: Optional[int], rank: int, tp: int
+) -> tuple[tuple[int, ...], Optional[int], int]:
+    """(logical shape, split dim or None, start) of a tensor-parallel rank's slice."""
+    shape = list(local_shape)
+    if dim is None or tp == 1:
+        return tuple(shape), None, 0
+    shape[dim] *= tp
+    return tuple(shape), dim, rank * local_shape[dim]
+
+
 def tp_piece(name: str, local: dict[str, torch.Tensor], dim: Optional[int], rank: int, tp: int):
     """The Piece of a tensor-parallel rank's `local` tensors of parameter `name`."""
     some = next(iter(local.values()))
-    shape = list(some.shape)
-    if dim is not None and tp > 1:
-        shape[dim] *= tp
-        start = rank * some.shape[dim]
-    else:
-        dim, start = None, 0
-    return Piece(name, tuple(shape), dim, start, local)
+    return Piece(name, *tp_place(tuple(some.shape), dim, rank, tp), local)
+
+
+def fragment(
+    name: str,
+    local_shape: tuple[int, ...],
+    lo: int,
+    hi: int,
+    tensors: dict[str, torch.Tensor],
+    dim: Optional[int] = None,
+    rank: int = 0,
+    tp: int = 1,
+) -> Piece:
+    """The Piece of elements [lo, hi) of the flattened TP slice (of `local_shape`) of parameter
+    `name`, as one data-parallel rank owns them (`tensors` 1-D); a whole slice is written as
+    tp_piece writes it."""
+    local_shape = tuple(local_shape)
+    if (lo, hi) == (0, math.prod(local_shape)):
+        tensors = {k: t.view(local_shape) for k, t in tensors.items()}
+        return Piece(name, *tp_place(local_shape, dim, rank, tp), tensors)
+    return Piece(name, *tp_place(local_shape, dim, rank, tp), tensors, (lo, hi), local_shape)
 
 
 def write_pieces(step_dir: Path, rank: int, pieces: list[Piece]) -> list[Path]:
@@ -93,6 +128,8 @@ def write_pieces(step_dir: Path, rank: int, pieces: list[Piece]) -> list[Path]:
             key = f"{kind}/{p.name}"
             tensors[key] = t.detach().to("cpu", torch.float32).contiguous()
             index[key] = {"shape": list(p.shape), "dim": p.dim, "start": p.start}
+            if p.flat is not None:
+                index[key].update(flat=list(p.flat), local=list(p.local))
     stem = f"rank_{rank:05d}"
     save_file(tensors, out / f"{stem}.safetensors")
     (out / f"{stem}.json").write_text(json.dumps(index, indent=0) + "\n")
@@ -175,12 +212,15 @@ class PlainState:
             for key, entry in json.loads(index.read_text()).items():
                 self.entries.setdefault(key, []).append((data, entry))
         for key, entries in self.entries.items():
-            # A split tensor has one piece per saving tensor-parallel rank, all of them.
-            if entries[0][1]["dim"] is not None and len(entries) != self.layout.tp:
+            slices = tp_slices(entries)
+            # A split tensor has one slice per saving tensor-parallel rank, all of them.
+            if entries[0][1]["dim"] is not None and len(slices) != self.layout.tp:
                 raise CheckpointError(
-                    f"{self.dir} holds {len(entries)} of the {self.layout.tp} tensor-parallel "
+                    f"{self.dir} holds {len(slices)} of the {self.layout.tp} tensor-parallel "
                     f"pieces of {key}: the checkpoint is incomplete"
                 )
+            for parts in slices:
+                check_fragments(self.dir, key, parts)
 
     def has(self, kind: str, name: str) -> bool:
         return f"{kind}/{name}" in self.entries
@@ -200,32 +240,81 @@ class PlainState:
                 "with the model config it was saved with"
             )
         out = torch.zeros(shape, dtype=torch.float32)
-        for data, entry in self.entries[key]:
-            saved = entry["shape"]
-            region = [(0, n) for n in shape]
-            if dim is not None:
-                region[dim] = (start, start + shape[dim])
-            # The saved piece covers `saved` along every dim but its own split dim.
-            piece_dim, piece_start = entry["dim"], entry["start"]
+        region = [(0, n) for n in shape]
+        if dim is not None:
+            region[dim] = (start, start + shape[dim])
+        for parts in tp_slices(self.entries[key]):
+            data, entry = parts[0]
+            if "flat" in entry:  # fragments: joined into the whole slice first
+                joined = _join_fragments(key, parts)
+                cut = _overlap(region, entry, joined.shape)
+                if cut is not None:
+                    out[cut[1]] = joined[cut[0]]
+                continue
             with safe_open(str(data), framework="pt") as f:
                 view = f.get_slice(key)
-                piece_len = view.get_shape()[piece_dim] if piece_dim is not None else None
-                slices, targets = [], []
-                empty = False
-                for d, (lo, hi) in enumerate(region):
-                    p_lo, p_hi = 0, saved[d]
-                    if d == piece_dim:
-                        p_lo, p_hi = piece_start, piece_start + piece_len
-                    a, b = max(lo, p_lo), min(hi, p_hi, saved[d])
-                    if a >= b:
-                        empty = True
-                        break
-                    slices.append(slice(a - p_lo, b - p_lo))
-                    targets.append(slice(a - lo, b - lo))
-                if empty:
-                    continue
-                out[tuple(targets)] = view[tuple(slices)].to(torch.float32)
+                cut = _overlap(region, entry, view.get_shape())
+                if cut is not None:
+                    out[cut[1]] = view[cut[0]].to(torch.float32)
         return out
+
+
+def tp_slices(entries: list[tuple[Path, dict]]) -> list[list[tuple[Path, dict]]]:
+    """A key's entries grouped by the tensor-parallel slice they hold (its start): one entry
+    per slice, or that slice's fragments."""
+    by_start: dict[int, list[tuple[Path, dict]]] = {}
+    for data, entry in entries:
+        by_start.setdefault(entry["start"], []).append((data, entry))
+    return list(by_start.values())
+
+
+def check_fragments(step_state: Path, key: str, parts: list[tuple[Path, dict]]) -> None:
+    """One whole slice, or fragments that cover their slice exactly once."""
+    if len(parts) == 1 and "flat" not in parts[0][1]:
+        return
+    ranges = sorted(tuple(entry.get("flat") or (-1, -1)) for _, entry in parts)
+    numel = math.prod(parts[0][1].get("local") or [0])
+    covered = 0
+    for lo, hi in ranges:
+        if lo != covered:
+            break
+        covered = hi
+    if covered != numel or numel == 0:
+        raise CheckpointError(
+            f"{step_state} holds {key} in pieces that do not cover it exactly (element ranges "
+            f"{ranges} of {numel}): the checkpoint is incomplete"
+        )
+
+
+def _join_fragments(key: str, parts: list[tuple[Path, dict]]) -> torch.Tensor:
+    """A tensor-parallel slice whole, from its fragments (check_fragments checked them)."""
+    from safetensors import safe_open
+
+    local = parts[0][1]["local"]
+    flat = torch.empty(math.prod(local), dtype=torch.float32)
+    for data, entry in parts:
+        lo, hi = entry["flat"]
+        with safe_open(str(data), framework="pt") as f:
+            flat[lo:hi] = f.get_tensor(key).reshape(-1).to(torch.float32)
+    return flat.view(local)
+
+
+def _overlap(region: list[tuple[int, int]], entry: dict, held: list[int]):
+    """(source index, target index) where the saved slice (`entry`, of shape `held`) meets
+    `region` of the logical tensor, or None. The slice covers the saved logical shape along
+    every dim but its own split dim; rows past that shape are left to the caller's zeros."""
+    saved, piece_dim, piece_start = entry["shape"], entry["dim"], entry["start"]
+    slices, targets = [], []
+    for d, (lo, hi) in enumerate(region):
+        p_lo, p_hi = 0, saved[d]
+        if d == piece_dim:
+            p_lo, p_hi = piece_start, piece_start + held[piece_dim]
+        a, b = max(lo, p_lo), min(hi, p_hi, saved[d])
+        if a >= b:
+            return None
+        slices.append(slice(a - p_lo, b - p_lo))
+        targets.append(slice(a - lo, b - lo))
+    return tuple(slices), tuple(targets)
 
 
 def weights_only(state: Any) -> Any:

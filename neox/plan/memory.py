@@ -481,6 +481,8 @@ def estimate_memory(cfg: ModelConfig, shape: TrainingShape) -> MemoryEstimate:
     if shape.async_save:
         # Data-parallel rank 0 copies its stage's tensor-parallel shard whole: the fp32 weight
         # and Adam's two moments of every trainable element (neox/checkpoint/plain_state.py).
+        # An upper bound but at ZeRO-0: under ZeRO 1-3 and the flat engine each rank copies
+        # only its own partitions (about 1/DP of it; neox/checkpoint/host_staging.py).
         trainable = shape.lora_parameters or max(
             sum(stage_tensor_sizes(cfg, shape.vocab_size, shape.tp, shape.pp, s))
             for s in range(shape.pp)

@@ -33,13 +33,14 @@ from __future__ import annotations
 import math
 import types
 from collections import defaultdict
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 from torch import nn
 
+from neox.checkpoint.host_staging import HostStaging
 from neox.data.batch import Batch
 from neox.training.engine import LossFn, StepResult, forward_loss, take, weigh_micro_batches
 
@@ -71,6 +72,7 @@ class DeepSpeedAdapter:
             # compiles the whole module with ZeRO's gathers scheduled in the graph.
             self.ds.compile()
         self.loss_fn = loss_fn
+        self.staging = HostStaging()  # checkpoints' host copies, reused save to save
         self.pipeline = isinstance(self.ds, PipelineEngine)
         self.fp16 = self.ds.fp16_enabled()
         self.grad_accum = int(
@@ -270,26 +272,168 @@ class DeepSpeedAdapter:
             )
 
     @torch.no_grad()
-    def plain_pieces(self) -> tuple[list, dict[str, Any]]:
-        """Each parameter's fp32 master and moments as this rank's TP slice (gathered over the
-        data-parallel ranks by DeepSpeed's accessors), and the engine's scalars."""
+    def plain_pieces(self) -> tuple[Callable[[], list], dict[str, Any]]:
+        """This rank's part of the fp32 masters and moments copied to host memory (the run's
+        reused staging), a function that cuts it into pieces by name (the background writer
+        calls it), and the engine's scalars. ZeRO-1/2 and the bf16 optimizer: each rank's own
+        flat partitions, one copy per group and kind; ZeRO-3: each parameter's partition on
+        this rank; no collective in either. ZeRO-0: each parameter whole, kept on
+        data-parallel rank 0."""
+        self._link_states()
+        kinds = ("fp32", *self._moments())
+        partitions = self._own_partitions()
+        if partitions is not None:
+            return self._partition_pieces(partitions, kinds), self._scalars()
+        if self._zero3_ranges() is not None:
+            return self._zero3_pieces(kinds), self._scalars()
+        return self._gathered_pieces(kinds), self._scalars()
+
+    def _zero3_ranges(self) -> Optional[list[tuple[str, nn.Parameter, int, int]]]:
+        """ZeRO-3: (name, parameter, first, end) of the flattened elements this rank's partition
+        holds of each parameter it writes (rank r holds [r x size, (r + 1) x size), padded
+        past the end, as DeepSpeed partitions); None when any parameter is not ZeRO-3's."""
+        from neox.checkpoint.consolidate import partition_dim
+
+        params = list(self._plain_params(writing=True))
+        if not params or not all(hasattr(p, "ds_id") for _, p in params):
+            return None
+        tp_rank = self._coords()[0]
+        ranges = []
+        for name, p in params:
+            if tp_rank != 0 and partition_dim(name) is None:
+                continue  # replicated over tensor-parallel ranks: rank 0's
+            size = p.ds_tensor.ds_numel
+            lo = size * torch.distributed.get_rank(group=p.ds_process_group)
+            if lo < p.ds_numel:
+                ranges.append((name, p, lo, min(lo + size, p.ds_numel)))
+        return ranges
+
+    def _zero3_pieces(self, kinds: tuple[str, ...]) -> Callable[[], list]:
+        """ZeRO-3: this rank's partition of each parameter (DeepSpeed's local accessors, no
+        collective) copied to host memory; the function cutting their fragments."""
+        from deepspeed.utils import safe_get_local_fp32_param, safe_get_local_optimizer_state
+
+        from neox.checkpoint.consolidate import partition_dim
+        from neox.checkpoint.plain_state import fragment
+
+        tp_rank, tp, _, _, _, _ = self._coords()
+        ranges = self._zero3_ranges() or []
+        self.staging.reserve(len(kinds) * sum(hi - lo for _, _, lo, hi in ranges), self.ds.device)
+        held = []
+        for name, p, lo, hi in ranges:
+            local = {}
+            for kind in kinds:
+                if kind == "fp32":
+                    t = safe_get_local_fp32_param(p)
+                else:
+                    t = safe_get_local_optimizer_state(p, kind)
+                local[kind] = self.staging.put(t.reshape(-1)[: hi - lo])
+            held.append((name, p, lo, hi, local))
+        self.staging.wait()
+
+        def pieces() -> list:
+            return [
+                fragment(n, self._shape(p), lo, hi, t, partition_dim(n), tp_rank, tp)
+                for n, p, lo, hi, t in held
+            ]
+
+        return pieces
+
+    def _own_partitions(self) -> Optional[list[torch.Tensor]]:
+        """ZeRO-1/2's (or the bf16 optimizer's) fp32 partition of each parameter group, when
+        every trainable parameter maps into them (DeepSpeed's _hp_mapping); else None."""
+        opt = self.ds.optimizer
+        flats = getattr(opt, "single_partition_of_fp32_groups", None)
+        flats = flats if flats is not None else getattr(opt, "fp32_groups_flat_partition", None)
+        if not flats or hasattr(opt, "fp32_partitioned_groups_flat"):
+            return None
+        if not all(hasattr(p, "_hp_mapping") for _, p in self._plain_params(writing=True)):
+            return None
+        return list(flats)
+
+    def _partition_pieces(
+        self, partitions: list[torch.Tensor], kinds: tuple[str, ...]
+    ) -> Callable[[], list]:
+        """Host copies of this rank's partitions; the function cutting each parameter's
+        fragment in them (tensor-replicated parameters from tensor-parallel rank 0)."""
+        from neox.checkpoint.consolidate import partition_dim
+        from neox.checkpoint.plain_state import fragment
+
+        tp_rank, tp, _, _, _, _ = self._coords()
+        state = self._base_optimizer().state
+        flat = [{k: f if k == "fp32" else state[f][k] for k in kinds} for f in partitions]
+        self.staging.reserve(
+            sum(t.numel() for ts in flat for t in ts.values()), partitions[0].device
+        )
+        host = [{k: self.staging.put(t) for k, t in ts.items()} for ts in flat]
+        self.staging.wait()
+        params = list(self._plain_params(writing=True))
+
+        def pieces() -> list:
+            out = []
+            for name, p in params:
+                owned, dim = p._hp_mapping, partition_dim(name)
+                if owned is None or not (tp_rank == 0 or dim is not None):
+                    continue
+                hp, lp = owned.hp_fragment_address, owned.lp_fragment_address
+                held = host[owned.param_group_index]
+                mine = {k: t[hp.start : hp.start + hp.numel] for k, t in held.items()}
+                lo, hi = lp.start, lp.start + lp.numel
+                out.append(fragment(name, self._shape(p), lo, hi, mine, dim, tp_rank, tp))
+            return out
+
+        return pieces
+
+    def _gathered_pieces(self, kinds: tuple[str, ...]) -> Callable[[], list]:
+        """Each parameter whole (ZeRO-0: its own master, or DeepSpeed's accessors where it has
+        no own partitions), copied to host memory on the rank that writes it."""
         from neox.checkpoint.consolidate import partition_dim
         from neox.checkpoint.plain_state import tp_piece
 
-        tp_rank, tp, _, _, dp_rank, _ = self._coords()
-        self._link_states()
-        pieces = []
-        for name, p in self._plain_params(writing=True):
+        tp_rank, tp, _, _, _, _ = self._coords()
+        params = list(self._plain_params(writing=True))
+        writes = self._writes(params)
+        numel = sum(math.prod(self._shape(p)) for (_, p), w in zip(params, writes) if w)
+        self.staging.reserve(numel * len(kinds), self.ds.device)
+        held = []
+        for (name, p), write in zip(params, writes):
             local = {}
-            for kind in ("fp32", *self._moments()):
-                t = self._get(p, kind)  # collective over the data-parallel group under ZeRO
-                if t is not None:
-                    # Host copies: an async save writes them while the next steps run.
-                    local[kind] = t.to("cpu", torch.float32, copy=True).reshape(self._shape(p))
-            dim = partition_dim(name)
-            if dp_rank == 0 and (tp_rank == 0 or dim is not None):
-                pieces.append(tp_piece(name, local, dim, tp_rank, tp))
-        return pieces, self._scalars()
+            for kind in kinds:
+                t = self._get(p, kind)  # collective over the data-parallel group under ZeRO-3
+                if t is not None and write:
+                    local[kind] = self.staging.put(t.reshape(self._shape(p)))
+            if write:
+                held.append((name, local))
+        self.staging.wait()
+
+        def pieces() -> list:
+            return [tp_piece(n, local, partition_dim(n), tp_rank, tp) for n, local in held]
+
+        return pieces
+
+    def _writes(self, params: list[tuple[str, nn.Parameter]]) -> list[bool]:
+        """Whether this rank writes each parameter gathered whole: data-parallel rank 0, and
+        tensor-parallel rank 0 for tensors the TP layers do not split."""
+        from neox.checkpoint.consolidate import partition_dim
+
+        tp_rank, _, _, _, dp_rank, _ = self._coords()
+        return [dp_rank == 0 and (tp_rank == 0 or partition_dim(n) is not None) for n, _ in params]
+
+    def prepare_save(self) -> None:
+        """Allocate the next save's host staging in the background (after the first step: the
+        optimizer's moments exist)."""
+        kinds = len(self._moments()) + 1
+        partitions, ranges = self._own_partitions(), self._zero3_ranges()
+        if partitions is not None:
+            numel, device = kinds * sum(f.numel() for f in partitions), partitions[0].device
+        elif ranges is not None:
+            numel, device = kinds * sum(hi - lo for _, _, lo, hi in ranges), self.ds.device
+        else:
+            params = list(self._plain_params(writing=True))
+            written = zip(params, self._writes(params))
+            numel = kinds * sum(math.prod(self._shape(p)) for (_, p), w in written if w)
+            device = self.ds.device
+        self.staging.prepare(numel, device)
 
     @staticmethod
     def _shape(p: nn.Parameter) -> tuple[int, ...]:

@@ -90,10 +90,18 @@ class Engine(Protocol):
         """neox.checkpoint.plain_state.Layout: engine, TP, PP, DP and ZeRO stage of this run."""
         ...
 
-    def plain_pieces(self) -> tuple[list, dict[str, Any]]:
-        """(pieces, scalars): this rank's part of the training state by plain parameter name
-        (neox.checkpoint.plain_state.Piece; none on ranks whose part another rank writes), and
-        the optimizer step, counters and loss scale. Collective: every rank calls it."""
+    def plain_pieces(self) -> tuple[Callable[[], list], dict[str, Any]]:
+        """(pieces, scalars): this rank's part of the training state copied to host memory
+        (neox.checkpoint.host_staging, reused save to save) and a function returning it by
+        plain parameter name (neox.checkpoint.plain_state.Piece; none on ranks whose part
+        another rank writes), called by the writer, in the background under async_save; and
+        the optimizer step, counters and loss scale. Every rank calls it (it may be
+        collective)."""
+        ...
+
+    def prepare_save(self) -> None:
+        """Allocate the host staging plain_pieces will copy into, in the background (the loop
+        calls it after a saving run's first step)."""
         ...
 
     def load_plain(self, state: Any, load_optimizer_states: bool) -> None:

@@ -32,7 +32,7 @@ gradients are one buffer, reduced by one collective.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from neox.checkpoint.host_staging import HostStaging
 from neox.data.batch import Batch
 from neox.plan.engine_choice import one_pass_adamw
 from neox.training.engine import LossFn, StepResult, forward_loss, take, weigh_micro_batches
@@ -231,6 +232,8 @@ class FlatEngine:
         # over tokens); None for DeepSpeed-style backward/step calls, whose losses are means.
         self._step_tokens: Optional[torch.Tensor] = None
         self._trained: Optional[torch.Tensor] = None  # the last step's global count
+        self.device = device
+        self.staging = HostStaging()  # checkpoints' host copies, reused save to save
 
     # -- forward, backward, step --------------------------------------------------------------
 
@@ -436,42 +439,49 @@ class FlatEngine:
         return Layout("flat", 1, 1, self.dp, self.zero_stage)
 
     @torch.no_grad()
-    def plain_pieces(self) -> tuple[list, dict[str, Any]]:
-        """Every parameter's fp32 master and moments, whole, on data-parallel rank 0 (the
-        partitions gathered there one kind at a time, each moved to host memory before the
-        next), and the engine's scalars."""
-        from neox.checkpoint.plain_state import KINDS, Piece
+    def plain_pieces(self) -> tuple[Callable[[], list], dict[str, Any]]:
+        """This rank's partitions of the fp32 masters and moments copied to host memory (one
+        copy each, into the run's reused staging), a function that cuts them into pieces by
+        name (each parameter's part in this partition: the background writer calls it), and
+        the engine's scalars. No collective: every data-parallel rank writes what it owns."""
+        from neox.checkpoint.plain_state import fragment
 
-        pieces, step = [], None
-        for g in self.groups:
-            state = self.optimizer.state.get(g.master, {})
-            if "step" in state:
-                step = float(state["step"])
-            tensors: list[dict[str, torch.Tensor]] = [{} for _ in g.params]
-            for kind in KINDS:
-                part = g.master if kind == "fp32" else state.get(kind)
-                if part is None:
-                    continue
-                full = self._gathered(part.float())
-                if full is None:
-                    continue
-                # Host copies: an async save writes them while the next steps run.
-                full = full.to("cpu", copy=True)
-                for mine, p, off in zip(tensors, g.params, g.offsets):
-                    mine[kind] = full[off : off + p.numel()].view(p.shape)
-            if self.dp_rank == 0:
-                for name, p, mine in zip(g.names, g.params, tensors):
-                    pieces.append(Piece(name, tuple(p.shape), None, 0, mine))
+        parts = self._saved_partitions()
+        self.staging.reserve(sum(t.numel() for _, ts in parts for t in ts.values()), self.device)
+        host = [(g, {k: self.staging.put(t) for k, t in ts.items()}) for g, ts in parts]
+        self.staging.wait()
+
+        def pieces() -> list:
+            out = []
+            for g, held in host:
+                for name, p, off in zip(g.names, g.params, g.offsets):
+                    lo, hi = max(off, g.start), min(off + p.numel(), g.start + g.size)
+                    if lo < hi:
+                        mine = {k: t[lo - g.start : hi - g.start] for k, t in held.items()}
+                        out.append(fragment(name, tuple(p.shape), lo - off, hi - off, mine))
+            return out
+
+        steps = [self.optimizer.state.get(g.master, {}).get("step") for g in self.groups]
+        step = next((float(s) for s in reversed(steps) if s is not None), None)
         return pieces, self._scalars(step)
 
-    def _gathered(self, part: torch.Tensor) -> Optional[torch.Tensor]:
-        """Every rank's partition joined, on data-parallel rank 0 (None elsewhere)."""
-        if self.dp == 1:
-            return part
-        root = dist.get_global_rank(self.dp_group, 0) if self.dp_group is not None else 0
-        parts = [torch.empty_like(part) for _ in range(self.dp)] if self.dp_rank == 0 else None
-        dist.gather(part.contiguous(), parts, dst=root, group=self.dp_group)
-        return torch.cat(parts) if parts is not None else None
+    def _saved_partitions(self) -> list[tuple[FlatGroup, dict[str, torch.Tensor]]]:
+        """Each group with this rank's partition of every kind a checkpoint keeps (the moments
+        once the optimizer has made them)."""
+        from neox.checkpoint.plain_state import KINDS
+
+        parts = []
+        for g in self.groups:
+            state = self.optimizer.state.get(g.master, {})
+            kinds = {k: g.master if k == "fp32" else state.get(k) for k in KINDS}
+            parts.append((g, {k: t for k, t in kinds.items() if t is not None}))
+        return parts
+
+    def prepare_save(self) -> None:
+        """Allocate the next save's host staging in the background (after the first step: the
+        moments exist)."""
+        parts = self._saved_partitions()
+        self.staging.prepare(sum(t.numel() for _, ts in parts for t in ts.values()), self.device)
 
     def _scalars(self, step: Optional[float]) -> dict[str, Any]:
         return {

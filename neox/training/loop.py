@@ -224,6 +224,8 @@ def train(
         profiler.step(iteration + 1)
         scalars = train_step(run, train_stream, iteration)
         iteration += 1
+        if iteration == start_iteration + 1 and cfg.checkpoint.save:
+            run.engine.prepare_save()  # the saves' host staging, allocated in the background
         records.queued(iteration, scalars)
         if valid_stream is not None and t.do_valid and iteration % t.eval_interval == 0:
             records.flush()
