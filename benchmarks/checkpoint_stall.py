@@ -124,15 +124,13 @@ def run_mode(configs: list[Path], out: Path, mode: str, args: argparse.Namespace
     wall = time.perf_counter() - start
     records = [json.loads(x) for x in (here / "logs" / "metrics.jsonl").read_text().splitlines()]
     saves = {r["step"]: r["save_time_s"] for r in records if r["split"] == "save"}
-    times = {r["step"]: r["time"] for r in records if r["split"] == "train"}
-    # A step's time: from the previous step's record to its own (the first has none).
+    # Each step's own time as the loop measured it (`step_time_s`), not the gap between two
+    # records: the loop writes a record a step late (it reads the loss without waiting), and
+    # flushes it before a save, so record gaps put parts of the neighbouring steps in.
+    took = {r["step"]: r["step_time_s"] for r in records if r["split"] == "train"}
     after, other = [], []
-    for step in sorted(times)[1:]:
-        took = times[step] - times[step - 1] if step - 1 in times else None
-        if took is None:
-            continue
-        # The save of step-1 happens after step-1's record: it is inside this interval too.
-        (after if step - 1 in saves else other).append(took - saves.get(step - 1, 0.0))
+    for step in sorted(took)[1:]:  # the first step compiles and warms up
+        (after if step - 1 in saves else other).append(took[step])
     latest = (here / "ckpt" / "latest").read_text().strip()
     size = sum(f.stat().st_size for f in (here / "ckpt" / latest).rglob("*") if f.is_file())
 
