@@ -1,5 +1,7 @@
 """deepy.py: dry runs and config errors (its main, in this process); end to end, a missing data
-file before launch, real CPU ranks, rank death."""
+file before launch and rank death. Its CPU ranks training on layered configs, a path with a space
+reaching them: tests/test_demo.py; the all-reduce and config on an agent's ranks:
+tests/launcher/test_launch.py."""
 
 import json
 import logging
@@ -110,21 +112,6 @@ def probe_config(tmp_path, **extra):
     path = tmp_path / "probe.yml"
     path.write_text("\n".join(f"{k}: {json.dumps(v)}" for k, v in lines.items()))
     return path
-
-
-@pytest.mark.slow
-def test_two_cpu_ranks_get_the_merged_config_and_all_reduce(tmp_path):
-    override = tmp_path / "override.yml"
-    override.write_text("seed: 4321\n")
-    r = deepy("tests/deepy_probe_helpers.py", probe_config(tmp_path), override, timeout=300)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    results = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(2)]
-    assert sorted(x["rank"] for x in results) == [0, 1]
-    for x in results:
-        assert x["world_size"] == 2
-        assert x["sum"] == 1.0 + 2.0
-        assert (x["hidden_size"], x["seed"]) == (96, 4321)
-        assert x["save"] == str(tmp_path / "dir with space")
 
 
 @pytest.mark.slow

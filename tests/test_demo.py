@@ -59,8 +59,8 @@ def test_demo_stages_train_evaluate_generate_and_export(tmp_path, bpe_tokenizer)
     paths = dict(
         data_path=str(tmp_path / "data" / "demo"),
         vocab_file=str(bpe_tokenizer),
-        save=str(tmp_path / "ckpt"),
-        load=str(tmp_path / "ckpt"),
+        save=str(tmp_path / "ckpt dir"),  # a space, on its way to the ranks and back
+        load=str(tmp_path / "ckpt dir"),
         log_dir=str(tmp_path / "logs"),
         tensorboard_dir=str(tmp_path / "tb"),
         sample_output_file=str(tmp_path / "samples.jsonl"),
@@ -72,7 +72,7 @@ def test_demo_stages_train_evaluate_generate_and_export(tmp_path, bpe_tokenizer)
     env = no_compiler(tmp_path)  # the launches compile nothing: DeepSpeed's shm op is never built
     r = said_once(run_deepy("train.py", *DEMO, here, **env))
     assert f"full config: {tmp_path / 'logs' / 'config.yml'}" in r.stderr
-    assert (tmp_path / "ckpt" / "latest").read_text() == "global_step4"
+    assert (tmp_path / "ckpt dir" / "latest").read_text() == "global_step4"
 
     r = said_once(run_deepy("eval.py", *DEMO, "configs/demo/eval.yml", here, **env))
     (results,) = (tmp_path / "logs").glob("demo_eval_results_*.json")
@@ -87,7 +87,7 @@ def test_demo_stages_train_evaluate_generate_and_export(tmp_path, bpe_tokenizer)
     assert all(0 < x["length"] <= 48 for x in rows)
 
     hf = tmp_path / "hf"
-    args = ["--input_dir", tmp_path / "ckpt", "--output_dir", hf, "--overwrite", "--verify"]
+    args = ["--input_dir", tmp_path / "ckpt dir", "--output_dir", hf, "--overwrite", "--verify"]
     r = subprocess.run(
         [sys.executable, str(ROOT / "tools" / "convert_to_hf.py"), *map(str, args)],
         capture_output=True,

@@ -8,11 +8,13 @@ from tests.benchmarks.bench_helpers import run_benchmark
 
 
 def test_tiny_run_reports_both_implementations(tmp_path):
+    """neox and HF at the tiny shape; with --grad-accum, each takes that many micro batches per
+    optimizer step, and tokens/s counts all of them."""
     out = tmp_path / "results.jsonl"
     r = run_benchmark(
         "train_throughput.py",
         *["--tiny", "--models", "160M", "--json", out, "--profile-dir", tmp_path / "prof"],
-        *["--attention", "flash", "triton"],
+        *["--attention", "flash", "triton", "--grad-accum", "3"],
         DS_ACCELERATOR="cpu",
     )
     records = {
@@ -21,9 +23,13 @@ def test_tiny_run_reports_both_implementations(tmp_path):
     }
     # neox once per attention kernel (Triton's falls back to its torch reference on CPU).
     assert set(records) == {("neox", "flash"), ("neox", "triton"), ("hf", "sdpa")}
-    assert records[("neox", "triton")]["neox_overrides"] == {"attention_impl": "triton"}
+    overrides = {"attention_impl": "triton", "gradient_accumulation_steps": 3}
+    assert records[("neox", "triton")]["neox_overrides"] == overrides
     for rec in records.values():
         assert rec["tokens_per_s"] > 0 and rec["tflops"] > 0 and rec["seq"] == 64
+        assert rec["grad_accum"] == 3
+        tokens = rec["tokens_per_s"] * rec["step_ms"] / 1000
+        assert abs(tokens - rec["micro_batch"] * 3 * rec["seq"]) < 1e-6 * tokens
     assert "160M: neox (flash) / hf =" in r.stdout
     assert "160M: neox triton / flash attention =" in r.stdout
     assert (tmp_path / "prof" / "neox_triton_160M.trace.json").stat().st_size > 0
@@ -73,26 +79,6 @@ def test_tiny_long_context_rows(tmp_path):
     first = records["2k"]
     assert first["grad_accum"] == 2 and first["micro_batch"] == 4  # LONG_CONTEXT's 2k row
     assert first["tokens_per_s"] == pytest.approx(4 * 2 * 64 / (first["step_ms"] / 1e3))
-
-
-def test_tiny_grad_accum_counts_every_micro_batch(tmp_path):
-    """--grad-accum: neox and HF each take that many micro batches per optimizer step, and
-    tokens/s counts all of them."""
-    out = tmp_path / "accum.jsonl"
-    run_benchmark(
-        "train_throughput.py",
-        *["--tiny", "--models", "160M", "--impls", "neox", "hf", "--grad-accum", "3"],
-        *["--json", out],
-        DS_ACCELERATOR="cpu",
-    )
-    records = [json.loads(line) for line in out.read_text().splitlines()]
-    assert {rec["impl"] for rec in records} == {"neox", "hf"}
-    for rec in records:
-        assert rec["grad_accum"] == 3
-        tokens = rec["tokens_per_s"] * rec["step_ms"] / 1000
-        assert abs(tokens - rec["micro_batch"] * 3 * rec["seq"]) < 1e-6 * tokens
-    neox = next(rec for rec in records if rec["impl"] == "neox")
-    assert neox["neox_overrides"]["gradient_accumulation_steps"] == 3
 
 
 def test_inductor_options_reach_inductor_config():
