@@ -6,7 +6,6 @@ layout trains the same tensors. The uninterrupted run and each saving run are tr
 shared by the cases (module-scoped caches); each case adds one resumed run.
 """
 
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import torch
 from neox.checkpoint.plain_state import PlainState
 from tests.layout_helpers import DP2
 from tests.layout_helpers import MODEL as LAYOUT_MODEL
-from tests.train_helpers import deepy_env, losses, make_dataset, run_deepy, train, write_config
+from tests.train_helpers import losses, make_dataset, run_deepy, train, write_config
 
 # The layout matrix's tiny model (tests/layout_helpers.py) on the char tokenizer, saved at step 2
 # of 4.
@@ -181,6 +180,23 @@ def write_deepspeed_files(rank: int, world: int, step_dir: str, out: str) -> Non
     engine.ds.save_checkpoint(out, tag=Path(step_dir).name, client_state=state.client_state)
 
 
+def write_universal_files(rank: int, world: int, step_dir: str, out: str, universal: str) -> None:
+    """Rank body: write_deepspeed_files, then DeepSpeed's own ds_to_universal on them, here
+    (its command line's main, one extract and merge worker: no process pools, and no second
+    interpreter importing DeepSpeed)."""
+    from deepspeed.checkpoint import ds_to_universal
+
+    write_deepspeed_files(rank, world, step_dir, out)
+    tag = Path(step_dir).name
+    sys.argv = [
+        "ds_to_universal",
+        *("--input_folder", str(Path(out) / tag), "--output_folder", f"{universal}/{tag}"),
+        *("--num_extract_workers", "1", "--num_merge_workers", "1"),
+        "--inject_missing_state",
+    ]
+    ds_to_universal.main(ds_to_universal.parse_arguments())
+
+
 @pytest.mark.slow
 def test_a_deepspeed_universal_checkpoint_resumes(runs):
     """DeepSpeed's own ds_to_universal turns a ZeRO-1 checkpoint of DeepSpeed's engine (the
@@ -188,24 +204,10 @@ def test_a_deepspeed_universal_checkpoint_resumes(runs):
     (zero/<name>/{fp32,exp_avg,exp_avg_sq}.pt); the flat engine resumes it."""
     from tests.parallel.rank_helpers import run_ranks
 
-    ds_files = runs.tmp / "deepspeed_files"
+    ds_files, universal = runs.tmp / "deepspeed_files", runs.tmp / "universal"
     step2 = runs.saved_at_2("ds_zero1_dp2") / "global_step2"
-    run_ranks(write_deepspeed_files, 1, str(step2), str(ds_files))
-    saved = ds_files / "global_step2"
-    universal = runs.tmp / "universal"
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "deepspeed.checkpoint.ds_to_universal",
-            *("--input_folder", str(saved), "--output_folder", str(universal / "global_step2")),
-            *("--num_extract_workers", "1", "--num_merge_workers", "1"),
-            "--inject_missing_state",
-        ],
-        check=True,
-        capture_output=True,
-        env=deepy_env(),
-    )
+    run_ranks(write_universal_files, 1, str(step2), str(ds_files), str(universal))
+    assert (ds_files / "global_step2").is_dir()  # DeepSpeed's own files, converted
     assert (universal / "global_step2" / "zero" / "embed_in.weight" / "exp_avg.pt").is_file()
     (universal / "latest").write_text("global_step2")
     name = "resume_universal"

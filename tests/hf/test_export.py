@@ -2,8 +2,6 @@
 greedy tokens; refusals happen before anything is written."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -14,7 +12,6 @@ from neox.checkpoint.consolidate import load_model
 from neox.checkpoint.staging import OutputDirError
 from neox.hf.export import ExportError, export_to_hf
 from neox.tokenizer import HFTokenizer
-from tests.train_helpers import ROOT
 
 pytestmark = pytest.mark.slow
 
@@ -68,19 +65,10 @@ def test_precision_and_tokenizer_that_cannot_be_exported(trained, tmp_path):
         assert f.get_tensor("embed_out.weight").dtype == torch.bfloat16
 
 
-def convert(*args):
-    return subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "convert_to_hf.py"), *map(str, args)],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-    )
-
-
 def test_cli_refuses_before_writing(trained, tmp_path):
+    """convert_to_hf.main in process (the tool's own process: tests/test_demo.py's export)."""
     from tools.convert_to_hf import main
 
-    # The refusal in process (the tool's own process: the export below).
     with pytest.raises(SystemExit) as e:
         main(["--input_dir", str(tmp_path / "missing"), "--output_dir", str(tmp_path / "out")])
     assert e.value.code != 0 and "does not exist; pass the directory a run saved to" in str(e.value)
@@ -99,8 +87,7 @@ def test_cli_refuses_before_writing(trained, tmp_path):
         export_to_hf(trained["dense"], out)
     assert (out / "keep.txt").read_text() == "mine"
 
-    r = convert("--input_dir", trained["dense"], "--output_dir", out, "--overwrite")
-    assert r.returncode == 0, r.stderr
+    main(["--input_dir", str(trained["dense"]), "--output_dir", str(out), "--overwrite"])
     assert not (out / "keep.txt").exists() and (out / "model.safetensors").is_file()
     assert [p.name for p in tmp_path.iterdir() if ".partial-" in p.name or ".old-" in p.name] == []
 

@@ -20,7 +20,7 @@ from neox.hf.export import export_to_hf
 from neox.hf.importer import HFImportError, convert_from_hf
 from neox.model import lm_loss
 from neox.plan.estimate import active_parameters, count_parameters
-from tests.train_helpers import ROOT, losses, run_deepy, write_config
+from tests.train_helpers import ROOT, losses, train, write_config
 
 SIZES = dict(
     vocab_size=320,
@@ -186,7 +186,7 @@ def convert_cli(*args) -> subprocess.CompletedProcess:
     )
 
 
-def test_unsupported_hf_models_are_refused_before_writing(bpe_tokenizer, tmp_path):
+def test_unsupported_hf_models_are_refused_before_writing(bpe_tokenizer, tmp_path, capsys):
     longrope = {
         "rope_type": "longrope",
         "factor": 2.0,
@@ -209,9 +209,15 @@ def test_unsupported_hf_models_are_refused_before_writing(bpe_tokenizer, tmp_pat
     assert "unknown field quantization_config={'quant_method': 'gptq'}" in r.stderr
     assert not (tmp_path / "out").exists()
 
-    r = convert_cli("--input_dir", tmp_path, "--output_dir", tmp_path / "out")
-    assert r.returncode == 2 and "Traceback" not in r.stderr
-    assert "has no config.json; pass a local Hugging Face model directory" in r.stderr
+    # The same exit in process (the tool's own process: the refusal above).
+    from tools.convert_from_hf import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--input_dir", str(tmp_path), "--output_dir", str(tmp_path / "out")])
+    assert e.value.code == 2
+    assert (
+        "has no config.json; pass a local Hugging Face model directory" in capsys.readouterr().err
+    )
     assert not (tmp_path / "out").exists()
 
 
@@ -226,9 +232,10 @@ def write_constant_dataset(prefix, doc: list[int]) -> None:
 
 @pytest.mark.slow
 def test_finetune_from_import_then_export(bpe_tokenizer, tmp_path):
-    """The one end-to-end launch: import a sharded Llama at tp 2, train 10 steps through
-    deepy.py (finetune: true) from exactly its weights, export without --architecture:
-    transformers loads a Llama with the run's logits and the imported tokenizer files."""
+    """The one end-to-end run: import a sharded Llama at tp 2, train 10 steps on 2 ranks
+    (train.py started from here, as deepy.py would: finetune: true) from exactly its weights,
+    export without --architecture: transformers loads a Llama with the run's logits and the
+    imported tokenizer files."""
     hf = random_hf_model("llama", bpe_tokenizer, tmp_path / "hf", max_shard_size="20KB")
     config, _ = convert_from_hf(tmp_path / "hf", tmp_path / "neox", tp=2)
     doc = torch.randint(1, 320, (31,), generator=torch.Generator().manual_seed(2)).tolist() + [0]
@@ -248,7 +255,7 @@ def test_finetune_from_import_then_export(bpe_tokenizer, tmp_path):
         seq_length=32,
         gpt_j_residual=False,  # write_config's default; model.yml leaves Llama's unset
     )
-    run_deepy("train.py", run, config)
+    train(run, config)
     sample = torch.tensor([doc + doc[:1]])
     with torch.no_grad():
         expected = lm_loss(hf(sample[:, :-1]).logits, sample[:, 1:]).item()

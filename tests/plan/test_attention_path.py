@@ -119,14 +119,23 @@ def test_describe_names_counts_windows_and_cpu_fallback():
         ),
     ],
 )
-def test_dry_run_reports_each_shipped_path(config, line):
+def test_dry_run_reports_each_shipped_path(config, line, monkeypatch, capsys):
     cfg = load_config([str(ROOT / config)]).config.model
     assert any(text.startswith(line) for text in describe_attention_paths(cfg))
     if config == "configs/20B.yml":  # one real dry run; the others share its code
-        r = deepy("train.py", config, "--dry-run")
-        assert r.returncode == 0, r.stderr
-        section = r.stdout.split("# attention per layer type", 1)[1].split("# estimate", 1)[0]
+        section = dry_run_attention(monkeypatch, capsys, config)
         assert line in section
+
+
+def dry_run_attention(monkeypatch, capsys, *configs: str) -> str:
+    """The attention section of deepy.main's --dry-run, in this process (deepy.py's own
+    process: the refused launch below)."""
+    import deepy
+
+    monkeypatch.chdir(ROOT)
+    assert deepy.main(["train.py", *configs, "--dry-run"]) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    return out.split("# attention per layer type", 1)[1].split("# estimate", 1)[0]
 
 
 def test_local_layers_without_a_window_stop_a_launch(tmp_path):
@@ -136,11 +145,9 @@ def test_local_layers_without_a_window_stop_a_launch(tmp_path):
     assert r.returncode == 2 and "sliding_window_width is unset" in r.stderr
 
 
-def test_dry_run_names_flex_for_packed_documents(tmp_path):
+def test_dry_run_names_flex_for_packed_documents(tmp_path, monkeypatch, capsys):
     packed = tmp_path / "packed.yml"
     packed.write_text("reset_attention_mask: true\n")
-    r = deepy("train.py", "configs/tiny.yml", packed, "--dry-run")
-    assert r.returncode == 0, r.stderr
-    section = r.stdout.split("# attention per layer type", 1)[1].split("# estimate", 1)[0]
+    section = dry_run_attention(monkeypatch, capsys, "configs/tiny.yml", str(packed))
     assert "FlexAttention (block-sparse) (why: attention_impl auto, packed documents" in section
     assert "attends within each packed document" in section
