@@ -291,7 +291,8 @@ class _SecondBatchDiesWhileSending:
         if batch.first_line == 1:
             while not self.pid_file.exists() or alive(int(self.pid_file.read_text())):
                 time.sleep(0.01)
-        else:
+        elif not self.pid_file.exists():  # the second batch; a later one (taken by the first
+            # batch's worker before the run stops) is encoded as usual
             written = self.pid_file.with_suffix(".tmp")
             written.write_text(str(os.getpid()))
             written.rename(self.pid_file)  # whole, never an empty file
