@@ -318,7 +318,7 @@ class DeepSpeedAdapter:
 
         tp_rank, tp, _, _, _, _ = self._coords()
         ranges = self._zero3_ranges() or []
-        self.staging.reserve(len(kinds) * sum(hi - lo for _, _, lo, hi in ranges), self.ds.device)
+        self.staging.reserve(*self._staging_size(len(kinds)))
         held = []
         for name, p, lo, hi in ranges:
             local = {}
@@ -362,9 +362,7 @@ class DeepSpeedAdapter:
         tp_rank, tp, _, _, _, _ = self._coords()
         state = self._base_optimizer().state
         flat = [{k: f if k == "fp32" else state[f][k] for k in kinds} for f in partitions]
-        self.staging.reserve(
-            sum(t.numel() for ts in flat for t in ts.values()), partitions[0].device
-        )
+        self.staging.reserve(*self._staging_size(len(kinds)))
         host = [{k: self.staging.put(t) for k, t in ts.items()} for ts in flat]
         self.staging.wait()
         params = list(self._plain_params(writing=True))
@@ -393,8 +391,7 @@ class DeepSpeedAdapter:
         tp_rank, tp, _, _, _, _ = self._coords()
         params = list(self._plain_params(writing=True))
         writes = self._writes(params)
-        numel = sum(math.prod(self._shape(p)) for (_, p), w in zip(params, writes) if w)
-        self.staging.reserve(numel * len(kinds), self.ds.device)
+        self.staging.reserve(*self._staging_size(len(kinds)))
         held = []
         for (name, p), write in zip(params, writes):
             local = {}
@@ -422,18 +419,21 @@ class DeepSpeedAdapter:
     def prepare_save(self) -> None:
         """Allocate the next save's host staging in the background (after the first step: the
         optimizer's moments exist)."""
-        kinds = len(self._moments()) + 1
-        partitions, ranges = self._own_partitions(), self._zero3_ranges()
+        self.staging.prepare(*self._staging_size(len(self._moments()) + 1))
+
+    def _staging_size(self, kinds: int) -> tuple[int, torch.device]:
+        """Elements and device of one save's host copies, as plain_pieces takes them: own
+        partitions, ZeRO-3 ranges, or whole parameters on the ranks that write them."""
+        partitions = self._own_partitions()
         if partitions is not None:
-            numel, device = kinds * sum(f.numel() for f in partitions), partitions[0].device
-        elif ranges is not None:
-            numel, device = kinds * sum(hi - lo for _, _, lo, hi in ranges), self.ds.device
-        else:
-            params = list(self._plain_params(writing=True))
-            written = zip(params, self._writes(params))
-            numel = kinds * sum(math.prod(self._shape(p)) for (_, p), w in written if w)
-            device = self.ds.device
-        self.staging.prepare(numel, device)
+            return kinds * sum(f.numel() for f in partitions), partitions[0].device
+        ranges = self._zero3_ranges()
+        if ranges is not None:
+            return kinds * sum(hi - lo for _, _, lo, hi in ranges), self.ds.device
+        params = list(self._plain_params(writing=True))
+        written = zip(params, self._writes(params))
+        numel = sum(math.prod(self._shape(p)) for (_, p), w in written if w)
+        return kinds * numel, self.ds.device
 
     @staticmethod
     def _shape(p: nn.Parameter) -> tuple[int, ...]:

@@ -447,7 +447,7 @@ class FlatEngine:
         from neox.checkpoint.plain_state import fragment
 
         parts = self._saved_partitions()
-        self.staging.reserve(sum(t.numel() for _, ts in parts for t in ts.values()), self.device)
+        self.staging.reserve(_numel(parts), self.device)
         host = [(g, {k: self.staging.put(t) for k, t in ts.items()}) for g, ts in parts]
         self.staging.wait()
 
@@ -480,8 +480,7 @@ class FlatEngine:
     def prepare_save(self) -> None:
         """Allocate the next save's host staging in the background (after the first step: the
         moments exist)."""
-        parts = self._saved_partitions()
-        self.staging.prepare(sum(t.numel() for _, ts in parts for t in ts.values()), self.device)
+        self.staging.prepare(_numel(self._saved_partitions()), self.device)
 
     def _scalars(self, step: Optional[float]) -> dict[str, Any]:
         return {
@@ -562,3 +561,8 @@ class _NoTimers:
 
 def _timers(enabled: bool) -> Any:
     return _Timers() if enabled else _NoTimers()
+
+
+def _numel(parts: list[tuple[Any, dict[str, torch.Tensor]]]) -> int:
+    """Elements of a save's host copies (FlatEngine._saved_partitions)."""
+    return sum(t.numel() for _, ts in parts for t in ts.values())
