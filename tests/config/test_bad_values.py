@@ -216,6 +216,8 @@ def run_dry(tmp: Path, flat: dict):
 
 
 # derandomize: the same examples on every run (seeded from the test's name), bounded for CI.
+# The figures test reads what the property test counted: both on one xdist worker, in order.
+@pytest.mark.xdist_group("bad_values")
 @settings(
     max_examples=2500,
     deadline=None,
@@ -256,6 +258,7 @@ def test_every_key_refuses_bad_values_by_name(tmp_path, data):
     )
 
 
+@pytest.mark.xdist_group("bad_values")
 def test_figures_of_the_property_run():
     """Runs after the property test (same module order): the figures docs/reliability.md quotes."""
     if not TRIED["values"]:
