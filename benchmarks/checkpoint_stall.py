@@ -10,7 +10,9 @@ python benchmarks/checkpoint_stall.py configs/pythia/1-4B.yml benchmarks/stall-1
 
 Each mode trains the same config from scratch, saving every --save-interval steps into its own
 directory under --out. Per mode it reports the stall (`save_time_s`: the time the training
-loop spent in the save call; async: the copy to host memory), the mean step time of the steps
+loop spent in the save call; async: the copy to host memory, plus `save_wait_s`, the wait for
+the previous save's write when saves come closer together than a write takes), the mean step
+time of the steps
 right after a save and of the others (a background write competing with training shows
 there), the wall time of the run, and the size of the last checkpoint. One JSON line per mode
 (--json appends them to a file). Results go in docs/benchmarks.md.
@@ -124,6 +126,8 @@ def run_mode(configs: list[Path], out: Path, mode: str, args: argparse.Namespace
     wall = time.perf_counter() - start
     records = [json.loads(x) for x in (here / "logs" / "metrics.jsonl").read_text().splitlines()]
     saves = {r["step"]: r["save_time_s"] for r in records if r["split"] == "save"}
+    # The part of each stall spent waiting for the previous save's background write.
+    waits = [r.get("save_wait_s", 0.0) for r in records if r["split"] == "save"]
     # Each step's own time as the loop measured it (`step_time_s`), not the gap between two
     # records: the loop writes a record a step late (it reads the loss without waiting), and
     # flushes it before a save, so record gaps put parts of the neighbouring steps in.
@@ -143,6 +147,8 @@ def run_mode(configs: list[Path], out: Path, mode: str, args: argparse.Namespace
         "saves": len(saves),
         "stall_mean_s": mean(list(saves.values())),
         "stall_max_s": max(saves.values()) if saves else None,
+        "stalls_s": [round(saves[k], 3) for k in sorted(saves)],
+        "wait_mean_s": mean(waits),
         "step_after_save_s": mean(after),
         "step_other_s": mean(other),
         "wall_s": wall,

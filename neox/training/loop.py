@@ -283,11 +283,17 @@ def step_metrics(
 
 def save(run: Run, iteration: int, writer: MetricsWriter) -> None:
     tick = time.perf_counter()
+    # async_save: a previous save still writing is waited for first, and timed apart
+    # (`save_wait_s`, part of `save_time_s`): saves closer together than a write takes stall
+    # the step for that wait, not for the copy.
+    wait_for_saves()
+    waited = time.perf_counter() - tick
     state = {"consumed_train_samples": iteration * run.derived.global_batch, **run.counters}
     if run.objective is not None:
         state.update(run.objective.checkpoint_state())  # the reference weights, for a resume
     save_checkpoint(run.engine, run.cfg, iteration, state, run.derived.padded_vocab_size)
-    writer.write(iteration, {"save_time_s": time.perf_counter() - tick}, prefix="save")
+    took = time.perf_counter() - tick
+    writer.write(iteration, {"save_time_s": took, "save_wait_s": waited}, prefix="save")
 
 
 def run_training(cfg, run: Optional[Run] = None) -> dict[str, float]:

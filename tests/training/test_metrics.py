@@ -130,3 +130,5 @@ def test_a_step_before_an_eval_a_save_or_the_end_is_timed_like_the_others(
     assert {r["split"] for r in records} >= {"valid", "save"}
     assert all(r["eval_time_s"] > 0 for r in records if r["split"] == "valid")
     assert all(r["save_time_s"] > 0 for r in records if r["split"] == "save")
+    # The wait for a previous save's write is part of the save's time (none here: sync saves).
+    assert all(0 <= r["save_wait_s"] <= r["save_time_s"] for r in records if r["split"] == "save")
