@@ -109,7 +109,7 @@ def _layout(tensors: dict[str, torch.Tensor], metadata: Optional[dict[str, str]]
 def _bytes(t: torch.Tensor) -> memoryview:
     """The tensor's own memory as bytes (no copy); the format is little-endian, as are the CPUs
     torch runs on."""
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy()).cast("B")
 
 
 def _chunks(buffers, chunk_bytes: int):
