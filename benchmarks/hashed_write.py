@@ -72,6 +72,7 @@ def main(argv: list[str] | None = None) -> None:
         record = {
             "benchmark": "hashed_write",
             "way": way,
+            "bytes": 4 * flat.numel(),
             "gb": round(gb, 3),
             "tensors": args.tensors,
             "seconds": round(seconds, 3),
