@@ -10,9 +10,11 @@ optional) padded with spaces to a multiple of 8, then the tensors' bytes back to
 `safetensors.safe_open` and `safetensors.torch.load_file` read what this writes.
 
 Each tensor's bytes are written from its own memory (no copy), in chunks that a second thread
-hashes while the next one is written: file writes and hashlib both release the GIL, so the hash
-overlaps the write instead of adding to it. Nothing here fsyncs: the save fsyncs the whole
-checkpoint once at publish (neox.checkpoint.atomic.fsync_tree).
+hashes while they are written: file writes and hashlib both release the GIL, so the hash
+overlaps the write instead of adding to it. The write and the hash read the same memory at
+slightly different times, so the tensors must not change until it returns: a save writes host
+copies that no step touches (neox/checkpoint/host_staging.py). Nothing here fsyncs: the save
+fsyncs the whole checkpoint once at publish (neox.checkpoint.atomic.fsync_tree).
 """
 
 from __future__ import annotations
