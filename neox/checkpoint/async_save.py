@@ -69,10 +69,15 @@ def marker(staging: Path, rank: int, kind: str) -> Path:
     return staging / PLAIN_STATE / f"rank_{rank:05d}.{kind}"
 
 
-def mark_done(staging: Path, rank: int, files: list[Path]) -> None:
-    """This rank's files are complete: their checksums, in a file written by rename."""
-    names = [str(f.relative_to(staging)) for f in files]
-    write_atomic(marker(staging, rank, "done"), json.dumps(digests(staging, names)))
+def mark_done(
+    staging: Path, rank: int, files: list[Path], known: Optional[dict[Path, str]] = None
+) -> None:
+    """This rank's files are complete: their checksums (those not `known` from the write
+    computed now), in a file written by rename."""
+    known = known or {}
+    sums = digests(staging, [str(f.relative_to(staging)) for f in files if f not in known])
+    sums.update({str(f.relative_to(staging)): known[f] for f in files if f in known})
+    write_atomic(marker(staging, rank, "done"), json.dumps(sums))
 
 
 def mark_failed(staging: Path, rank: int, error: BaseException) -> None:

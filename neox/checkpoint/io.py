@@ -140,13 +140,13 @@ def save_checkpoint(
         save_in_background(engine, cfg, iteration, state, staging, padded_vocab_size)
         return save_dir / tag
     try:
-        save_plain_state(engine, staging, state)  # no `latest`: written below, atomically
+        known = save_plain_state(engine, staging, state)  # no `latest`: written below
     except Exception as e:
         failed_save(e, save_dir, staging)
         raise
     kill_point("shards", rank, iteration)
     torch.distributed.barrier()  # every rank's shards are written
-    sums = shard_checksums(staging)
+    sums = shard_checksums(staging, known)
     if rank == 0:
         try:
             finish_save(cfg, staging, save_dir / tag, iteration, padded_vocab_size, sums)
@@ -254,11 +254,19 @@ def failed_save(error: Exception, save_dir: Path, staging: Path) -> None:
         ) from error
 
 
-def shard_checksums(staging: Path) -> dict[str, str]:
-    """Checksums of the staged shards, each rank hashing a share of the files (all ranks)."""
+def shard_checksums(staging: Path, known: dict[Path, str]) -> dict[str, str]:
+    """Checksums of the staged shards (all ranks): those the ranks computed as they wrote
+    (`known`, this rank's), then the other files', each rank hashing a share of them."""
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    mine = digests(staging, files_in(staging)[rank::world])
-    shares: list[Optional[dict[str, str]]] = [None] * world
+    sums = gathered({str(path.relative_to(staging)): digest for path, digest in known.items()})
+    rest = [name for name in files_in(staging) if name not in sums]
+    sums.update(gathered(digests(staging, rest[rank::world])))
+    return sums
+
+
+def gathered(mine: dict[str, str]) -> dict[str, str]:
+    """Every rank's `mine`, merged (all ranks)."""
+    shares: list[Optional[dict[str, str]]] = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(shares, mine)
     return {name: digest for share in shares for name, digest in (share or {}).items()}
 
@@ -400,13 +408,14 @@ def save_in_background(
 
     def write() -> None:
         try:
-            files = write_pieces(staging, rank, pieces())
+            known = write_pieces(staging, rank, pieces())
+            files = list(known)
             if dp_rank == 0:
                 files += write_client_state(staging, mp_rank, state)
             if rank == 0:
                 files += write_meta(staging, layout, scalars)
             kill_point("async_write", rank, iteration)
-            async_save.mark_done(staging, rank, files)
+            async_save.mark_done(staging, rank, files, known)
             if rank == 0:
                 sums = async_save.gather_done(staging, world)
                 finish_save(cfg, staging, save_dir / tag, iteration, padded_vocab_size, sums)
@@ -428,16 +437,18 @@ def wait_for_saves() -> None:
     async_save.wait_for_save()
 
 
-def save_plain_state(engine, staging: Path, client_state: dict[str, Any]) -> None:
-    """This rank's part of the training state by plain name (neox.checkpoint.plain_state)."""
+def save_plain_state(engine, staging: Path, client_state: dict[str, Any]) -> dict[Path, str]:
+    """This rank's part of the training state by plain name (neox.checkpoint.plain_state); the
+    checksums computed as it was written (its tensors' files)."""
     pieces, scalars = engine.plain_pieces()  # every rank (collective under ZeRO-3)
     rank = torch.distributed.get_rank()
     mp_rank, dp_rank = engine.parallel_rank()
-    write_pieces(staging, rank, pieces())
+    known = write_pieces(staging, rank, pieces())
     if dp_rank == 0:
         write_client_state(staging, mp_rank, client_state)
     if rank == 0:
         write_meta(staging, engine.layout(), scalars)
+    return known
 
 
 def read_by_name(engine, step_dir: Path, finetune: bool) -> Optional[Layout]:

@@ -25,6 +25,11 @@ def file_digest(path: Path) -> str:
         return f"{ALGORITHM}:{hashlib.file_digest(f, ALGORITHM).hexdigest()}"
 
 
+def bytes_digest(data: bytes) -> str:
+    """file_digest of a file holding `data`."""
+    return f"{ALGORITHM}:{hashlib.new(ALGORITHM, data).hexdigest()}"
+
+
 def digests(root: Path, names: Iterable[str]) -> dict[str, str]:
     """name -> checksum of root/name, several files at a time (hashlib releases the GIL)."""
     names = list(names)

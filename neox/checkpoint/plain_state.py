@@ -113,15 +113,17 @@ def fragment(
     return Piece(name, *tp_place(local_shape, dim, rank, tp), tensors, (lo, hi), local_shape)
 
 
-def write_pieces(step_dir: Path, rank: int, pieces: list[Piece]) -> list[Path]:
+def write_pieces(step_dir: Path, rank: int, pieces: list[Piece]) -> dict[Path, str]:
     """This rank's pieces (may be none) into step_dir/state; every rank calls it. Returns the
-    files written."""
-    from safetensors.torch import save_file
+    files written with their checksums, computed as they were written (the manifest's, without
+    reading the files back: neox.checkpoint.hashed_write)."""
+    from neox.checkpoint.hashed_write import save_hashed
+    from neox.checkpoint.manifest import bytes_digest
 
     out = Path(step_dir) / STATE_DIR
     out.mkdir(parents=True, exist_ok=True)
     if not pieces:
-        return []
+        return {}
     tensors, index = {}, {}
     for p in pieces:
         for kind, t in p.tensors.items():
@@ -131,9 +133,11 @@ def write_pieces(step_dir: Path, rank: int, pieces: list[Piece]) -> list[Path]:
             if p.flat is not None:
                 index[key].update(flat=list(p.flat), local=list(p.local))
     stem = f"rank_{rank:05d}"
-    save_file(tensors, out / f"{stem}.safetensors")
-    (out / f"{stem}.json").write_text(json.dumps(index, indent=0) + "\n")
-    return [out / f"{stem}.safetensors", out / f"{stem}.json"]
+    data, text = out / f"{stem}.safetensors", (json.dumps(index, indent=0) + "\n").encode()
+    sums = {data: save_hashed(tensors, data)}
+    (out / f"{stem}.json").write_bytes(text)
+    sums[out / f"{stem}.json"] = bytes_digest(text)
+    return sums
 
 
 def client_file(mp_rank: int) -> str:
