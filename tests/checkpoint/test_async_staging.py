@@ -37,6 +37,35 @@ CFG = ModelConfig(
 VOCAB = 64
 
 
+@pytest.mark.gpu
+def test_the_pinned_buffer_is_exactly_the_asked_size_and_takes_asynchronous_copies():
+    import threading
+
+    from neox.checkpoint import host_staging
+
+    cuda = torch.device("cuda", torch.cuda.current_device())
+    numel = (1 << 28) + 3  # 1 GiB and 12 bytes: torch's pinned allocator would lock 2 GiB
+    stats = getattr(torch.cuda, "host_memory_stats", dict)  # torch's pinned allocator's
+    before = stats().get("allocated_bytes.current", 0)
+    staging = HostStaging()
+    done = threading.Event()
+    # Allocated as prepare_save does it, off the training thread.
+    threading.Thread(target=lambda: (staging.reserve(numel, cuda), done.set())).start()
+    assert done.wait(120)
+    buf = staging.buffer
+    assert buf.numel() == numel and buf.is_pinned()
+    assert buf.data_ptr() in host_staging._locked  # the driver's lock, not torch's allocator
+    assert stats().get("allocated_bytes.current", 0) == before
+    x = torch.randn(numel, device=cuda)
+    staging.reserve(numel, cuda)
+    held = staging.put(x)
+    staging.wait()
+    assert staging.buffer is buf and torch.equal(held, x.cpu())
+    staging.reserve(numel - 1, cuda)  # another size: the old buffer unlocked, a new one locked
+    assert buf.data_ptr() not in host_staging._locked and staging.buffer.is_pinned()
+    host_staging.unlock(staging.buffer)
+
+
 def test_the_buffer_is_reused_and_holds_copies(caplog):
     staging = HostStaging()
     a, b = torch.randn(3, 4), torch.randn(5)
