@@ -302,18 +302,22 @@ def measure_hf(args) -> dict[str, Any]:
 
 
 # Op and kernel names -> part of an MoE step (first match wins). aten names are the eager (CPU)
-# ops; CUDA kernels of compiled code carry the fused ops in their names (triton_..._topk_...).
+# ops; a CUDA kernel is named with the aten op that launched it where there is one (the grouped
+# GEMM's CUTLASS kernel names no "grouped"), and kernels of compiled code carry the fused ops in
+# their own names (triton_..._topk_...).
 OP_PARTS: list[tuple[str, str]] = [
     ("all-to-all", r"all_to_all|alltoall|SendRecv"),
     ("grouped gemm", r"(?i)grouped|aten::bmm\b"),
-    # The router's softmax; not the loss's log_softmax (attention's runs inside flash kernels).
-    ("router", r"(?i)topk|(?<!log_)(?<!log)softmax"),
-    # Also the embedding's index kernels, a small part beside the dispatch's; not the engine's
-    # all-gather and reduce-scatter.
+    # The router's softmax; not the loss's log_softmax, whose fused kernels also name an online
+    # softmax (attention's runs inside flash kernels).
+    ("router", r"(?i)topk|^(?!.*log_?softmax).*softmax"),
+    # Not the norms' and rotary's fused kernels (their cat and index), nor the engine's
+    # all-gather and reduce-scatter; the embedding's index and sort kernels are in here (a dense
+    # model's share of this part is that).
     (
         "dispatch",
-        r"(?i)sort|bincount|histc|index|(?<!reduce_)(?<!reduce)scatter|(?<!all)gather"
-        r"|cumsum",
+        r"(?i)^(?!.*rms_norm)(?:.*(?:sort|bincount|histc|index|(?<!reduce_)(?<!reduce)scatter"
+        r"|(?<!all)gather|cumsum))",
     ),
 ]
 
@@ -340,11 +344,27 @@ def self_times(ops: list[dict[str, Any]]) -> list[tuple[str, float]]:
     return [(name, own) for _, _, name, own in out.values()]
 
 
+def kernel_names(events: list[dict[str, Any]]) -> list[tuple[str, float]]:
+    """(name, microseconds) of each device kernel, its name after the aten op that launched it
+    where one did (the trace links them by "External id")."""
+    ops = {
+        e.get("args", {}).get("External id"): e["name"]
+        for e in events
+        if e.get("cat") == "cpu_op" and e["name"].startswith("aten::")
+    }
+    out = []
+    for e in events:
+        if e.get("cat") == "kernel":
+            op = ops.get(e.get("args", {}).get("External id"))
+            out.append((f"{op} {e['name']}" if op else e["name"], e["dur"]))
+    return out
+
+
 def profile_parts(trace: Path) -> dict[str, Any]:
     """ms per step of each OP_PARTS part and of everything, from a neox profile trace of two
     steps: the device kernels on GPUs, the host ops' own time on CPU ranks."""
     events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"]
-    timed = [(e["name"], e["dur"]) for e in events if e.get("cat") == "kernel"]
+    timed = kernel_names(events)
     if not timed:
         timed = self_times([e for e in events if e.get("cat") == "cpu_op"])
     parts = {part: Counter() for part, _ in OP_PARTS}

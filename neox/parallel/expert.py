@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from neox.model.moe import GroupedExperts, MoE
+from neox.model.moe import GroupedExperts, MoE, narrow_ids
 from neox.parallel.topology import ProcessGroups
 
 
@@ -68,7 +68,8 @@ class ExpertDispatch:
         expert = torch.repeat_interleave(
             torch.arange(local, device=x.device).repeat(ep), recv_counts.flatten()
         )
-        order = torch.argsort(expert, stable=True)  # by local expert, then source rank
+        # By local expert, then source rank.
+        order = torch.argsort(narrow_ids(expert, local), stable=True)
         out = experts(arrived[order], recv_counts.sum(0), first=self.rank * local)
         back = torch.empty_like(out).index_copy_(0, order, out)
         out = all_to_all(back, recv, send, self.group)

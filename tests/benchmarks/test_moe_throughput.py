@@ -127,8 +127,40 @@ def test_profile_parts_are_told_apart_by_name():
         "void cutlass::Kernel2<cutlass_80_GemmGrouped>": "grouped gemm",
         "aten::bmm": "grouped gemm",  # the padded batched matmul off CUDA
         "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT": None,
+        # The loss's fused kernels name an online softmax; the norms' and rotary's a cat/index.
+        "triton_red_fused__log_softmax__to_copy__unsafe_view_prepare_softmax_online_view_1": None,
+        "triton_red_fused__fused_rms_norm__to_copy__unsafe_view_add_cat_clone_index_mul": None,
+        "triton_per_fused__softmax__to_copy_div_exp_logsumexp_sum_3": "router",
+        "triton_per_fused_add_index_sum_view_5": "dispatch",
     }
     assert {n: bench.op_part(n) for n in names} == names
+
+
+def test_a_kernel_is_named_after_the_aten_op_that_launched_it():
+    events = [
+        {"ph": "X", "cat": "cpu_op", "name": "aten::_grouped_mm", "args": {"External id": 7}},
+        {"ph": "X", "cat": "cpu_op", "name": "## Call CompiledFxGraph", "args": {"External id": 8}},
+        {
+            "ph": "X",
+            "cat": "kernel",
+            "name": "cutlass::device_kernel<GemmUniversal>",
+            "dur": 30,
+            "args": {"External id": 7},
+        },
+        {
+            "ph": "X",
+            "cat": "kernel",
+            "name": "triton_poi_fused_topk_2",
+            "dur": 5,
+            "args": {"External id": 8},
+        },
+    ]
+    named = bench.kernel_names(events)
+    assert named == [
+        ("aten::_grouped_mm cutlass::device_kernel<GemmUniversal>", 30),
+        ("triton_poi_fused_topk_2", 5),
+    ]
+    assert [bench.op_part(n) for n, _ in named] == ["grouped gemm", "router"]
 
 
 @pytest.mark.slow

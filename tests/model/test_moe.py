@@ -351,3 +351,15 @@ def test_compiled_moe_matches_eager(keys):
         loss = y.square().sum() + moe.aux_loss()
         results.append([y, *torch.autograd.grad(loss, [x, *moe.parameters()])])
     assert_grads_close(*results)
+
+
+@pytest.mark.parametrize(
+    "n,dtype", [(64, torch.uint8), (256, torch.uint8), (300, torch.int16), (40_000, torch.int64)]
+)
+def test_narrow_ids_sort_in_the_same_stable_order(n, dtype):
+    from neox.model.moe import narrow_ids
+
+    ids = torch.randint(0, n, (5_000,), generator=torch.Generator().manual_seed(n))
+    narrow = narrow_ids(ids, n)
+    assert narrow.dtype == dtype
+    assert torch.equal(torch.argsort(narrow, stable=True), torch.argsort(ids, stable=True))
