@@ -164,6 +164,29 @@ RUNS: dict[str, dict[str, Any]] = {
         "pipe_parallel_size": 2,
         "gradient_accumulation_steps": 8,
     },
+    # Without recompute at a step of 16 sequences a GPU: DP=4 at micro batch 2 (69 GiB by the
+    # estimate at 6.9B: an H100 holds it), ZeRO-3 at 4 (72 GiB), and TP2 x PP2 at micro batch 4 x 16
+    # (the bubble 1/17 of the step, 38 GiB at 20B-12L). Each leaves the per-step work (gradient
+    # reduction, optimizer) to 4x the tokens of a 4 x 1 step.
+    "dp4_accum8": {
+        "num_gpus": 4,
+        **DP_ONLY,
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 8,
+    },
+    "dp4_zero3_accum4": {
+        "num_gpus": 4,
+        **DP_ONLY,
+        "zero_optimization": {"stage": 3},
+        "gradient_accumulation_steps": 4,
+    },
+    "tp2_pp2_accum16": {
+        "num_gpus": 4,
+        "model_parallel_size": 2,
+        "pipe_parallel_size": 2,
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 16,
+    },
     "tp2_dp2": {"num_gpus": 4, "model_parallel_size": 2},
     "tp2_dp2_ckpt": {"num_gpus": 4, "model_parallel_size": 2, "checkpoint_activations": True},
     "tp4": {"num_gpus": 4, "model_parallel_size": 4},
@@ -226,6 +249,9 @@ PLANS = {
         ("6-9B", "dp4_zero3_ckpt"),
         ("6-9B", "tp2_dp2_fp8"),
         ("20B-12L", "tp2_pp2"),
+        ("6-9B", "dp4_accum8"),
+        ("6-9B", "dp4_zero3_accum4"),
+        ("20B-12L", "tp2_pp2_accum16"),
     ],
     "8gpu": [("6-9B", "tp2_pp2_dp2"), ("20B", "stock8")],
     "long-context": [
@@ -478,9 +504,14 @@ def targets(by: dict[tuple[str, str], dict[str, Any]]) -> list[str]:
         if tps("6-9B", base):
             ratio = tps("6-9B", fp8) / tps("6-9B", base)
             out.append(f"6-9B: FP8 {fp8} / bf16 {base} = {ratio:.2f}x (target >= 1.25x)")
-    if ("20B-12L", "tp2_pp2") in by and by[("20B-12L", "tp2_pp2")]["mfu"]:
-        mfu20 = by[("20B-12L", "tp2_pp2")]["mfu"]
-        out.append(f"20B at 12 layers: TP2 x PP2 at {mfu20:.1%} MFU (target >= 45%)")
+    mfu20 = {
+        r: by[(m, r)]["mfu"]
+        for m, r in by
+        if m == "20B-12L" and r.startswith("tp2_pp2") and by[(m, r)]["mfu"]
+    }
+    if mfu20:
+        best = max(mfu20, key=mfu20.get)
+        out.append(f"20B at 12 layers: TP2 x PP2 ({best}) at {mfu20[best]:.1%} MFU (target >= 45%)")
     if ("6-9B", "tp2_pp2_dp2") in by and by[("6-9B", "tp2_pp2_dp2")]["mfu"]:
         mfu8 = by[("6-9B", "tp2_pp2_dp2")]["mfu"]
         out.append(f"6-9B: TP2 x PP2 x DP2 on 8 GPUs at {mfu8:.1%} MFU (target >= 45%)")
