@@ -86,6 +86,12 @@ def activation_checkpointing_section(cfg: NeoXConfig) -> dict[str, Any]:
     return section
 
 
+# DeepSpeed's pipeline sends 1/tp of a stage's output from each tp rank and all-gathers it on
+# the next stage, which assumes the tp ranks hold the same activations; under sequence
+# parallelism each holds its own chunk of the sequence, so each sends the whole of it.
+SEQUENCE_PARALLEL_PIPELINE = {"pipe_partitioned": False, "grad_partitioned": False}
+
+
 def build_ds_config(cfg: NeoXConfig, d: Derived) -> dict[str, Any]:
     """DeepSpeed config for deepspeed.initialize; the optimizer and LR schedule are neox's own."""
     t, ds, lg = cfg.training, cfg.deepspeed, cfg.logging
@@ -108,6 +114,8 @@ def build_ds_config(cfg: NeoXConfig, d: Derived) -> dict[str, Any]:
         "activation_checkpointing": activation_checkpointing_section(cfg),
         **precision_sections(cfg, d),
     }
+    if cfg.parallel.sequence_parallel and d.tensor_parallel > 1 and d.pipe_parallel > 1:
+        out["pipeline"] = SEQUENCE_PARALLEL_PIPELINE
     if cfg.precision.fp32_allreduce:
         out["fp32_allreduce"] = True
     if cfg.precision.communication_data_type:
