@@ -83,6 +83,9 @@ def activation_checkpointing_section(cfg: NeoXConfig) -> dict[str, Any]:
         "profile": t.profile_backward,
     }
     section.update(cfg.deepspeed.activation_checkpointing or {})
+    if cfg.parallel.sequence_parallel and cfg.parallel.model_parallel_size > 1:
+        # Block inputs are already split by sequence (neox/parallel/activation_checkpointing.py).
+        section["partition_activations"] = False
     return section
 
 

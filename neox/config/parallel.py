@@ -40,14 +40,13 @@ class ParallelConfig(ConfigGroup):
         Reads("neox/training/setup.py", "neox/plan/memory.py"),
         Restricted(
             "With model_parallel_size > 1, needs seq_length divisible by it, and is not with "
-            "context_parallel_size > 1, MoE (moe_num_experts > 1), LoRA (lora_rank > 0), "
-            "partition_activations or train_impl other than normal.",
+            "context_parallel_size > 1, MoE (moe_num_experts > 1), LoRA (lora_rank > 0) or "
+            "train_impl other than normal.",
             example={"sequence_parallel": True, "model_parallel_size": 2},
             broken_by=(
                 {"seq_length": 2047},
                 {"moe_num_experts": 2},
                 {"lora_rank": 8},
-                {"partition_activations": True},
                 {
                     "train_impl": "dpo",
                     "pos_train_data_paths": ["p"],
@@ -64,7 +63,10 @@ class ParallelConfig(ConfigGroup):
     which divides their activation memory by model_parallel_size; all-reduces become an
     all-gather before the column-parallel linears and a reduce-scatter after the row-parallel
     ones (the same bytes). Training only (train.py, with or without pipeline parallelism, any
-    ZeRO stage); generation and evaluation load the same weights without it. Off at
+    ZeRO stage); generation and evaluation load the same weights without it. It turns
+    partition_activations off: a checkpointed block input already is this rank's 1/tp of the
+    sequence (the memory that key would save), and DeepSpeed's partitioning assumes the tp ranks
+    hold the same input. Off at
     model_parallel_size 1, as in Megatron (one rank's chunk would be the whole sequence), so a
     config that sets it for its tensor-parallel layouts also runs on one GPU."""
 
@@ -89,7 +91,6 @@ class ParallelConfig(ConfigGroup):
         train_impl: str,
         model: ModelConfig,
         lora_rank: int = 0,
-        partition_activations: bool = False,
     ) -> None:
         """context_parallel_size against the objective, sequence_parallel against the model and
         the other features (run when a NeoXConfig is validated)."""
@@ -101,11 +102,9 @@ class ParallelConfig(ConfigGroup):
                 "context_parallel_size 1"
             )
         if self.sequence_parallel and self.model_parallel_size > 1:
-            self._check_sequence_parallel(train_impl, model, lora_rank, partition_activations)
+            self._check_sequence_parallel(train_impl, model, lora_rank)
 
-    def _check_sequence_parallel(
-        self, train_impl: str, model: ModelConfig, lora_rank: int, partition_activations: bool
-    ) -> None:
+    def _check_sequence_parallel(self, train_impl: str, model: ModelConfig, lora_rank: int) -> None:
         tp, T = self.model_parallel_size, model.seq_length
         what = f"sequence_parallel: true with model_parallel_size={tp}"
         if T % tp:
@@ -118,12 +117,6 @@ class ParallelConfig(ConfigGroup):
             (cp > 1, f"context_parallel_size={cp} (both split the sequence: use one of them)"),
             (experts > 1, f"moe_num_experts={experts} (its token routing is not sharded)"),
             (lora_rank > 0, f"lora_rank={lora_rank} (its adapters' linears are not sharded)"),
-            (
-                partition_activations,
-                "partition_activations (DeepSpeed splits each checkpointed input over the tp "
-                "ranks as if it were the same on all of them; here each holds its own chunk of "
-                "the sequence already)",
-            ),
             (
                 train_impl != "normal",
                 f"train_impl={train_impl!r} (its losses read whole sequences)",

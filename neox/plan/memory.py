@@ -238,6 +238,7 @@ def training_shape(
     zero = zero_section(cfg, derived.data_parallel * cp, zero_stage)
     t, spec = cfg.training, cfg.optimizer.optimizer
     tp, pp = derived.tensor_parallel, derived.pipe_parallel
+    sp = cfg.parallel.sequence_parallel and tp > 1  # it turns partition_activations off
     compiled = torch_compile_enabled(t.torch_compile, device)
     pref = cfg.preference
     # DPO and RM run each pair's two answers as two rows, over full (eager) logits.
@@ -249,7 +250,7 @@ def training_shape(
         pp=pp,
         dp=derived.data_parallel * cp,
         cp=cp,
-        sp=cfg.parallel.sequence_parallel and tp > 1,
+        sp=sp,
         micro_batch=derived.micro_batch * rows,
         grad_accum=derived.grad_accum,
         precision=derived.precision,
@@ -259,7 +260,7 @@ def training_shape(
         sgd_momentum=bool(spec.params.get("momentum", 0)),
         checkpoint_activations=t.checkpoint_activations,
         checkpoint_num_layers=t.checkpoint_num_layers,
-        partition_activations=t.partition_activations,
+        partition_activations=t.partition_activations and not sp,
         activation_memory_budget=t.activation_memory_budget if compiled else 1.0,
         engine=engine_for(cfg, derived, zero_stage).engine,
         loss="eager" if preference else loss_path(compiled, tp, pp, cfg.model.lm_loss_chunk_size),

@@ -60,9 +60,9 @@ CASES = {
     "tp2_pp2": dict(model="B", tp=2, pp=2, dp=1, zero=1),
     "tp2_dp2_zero1": dict(model="B", tp=2, pp=1, dp=2, zero=1),
     # Sequence parallelism (sp): the same losses as the dense run, with activation checkpointing
-    # (its recompute re-runs the collectives), ZeRO-3 and compiled blocks (aot_eager: the
+    # (its recompute re-runs the collectives; partition_activations is turned off), ZeRO-3 and compiled blocks (aot_eager: the
     # functional collectives traced, no C compiler needed).
-    "tp2_sp": dict(model="A", tp=2, pp=1, dp=1, zero=0, checkpoint=True, sp=True),
+    "tp2_sp": dict(model="A", tp=2, pp=1, dp=1, zero=0, checkpoint=True, partition=True, sp=True),
     "tp2_sp_llama_zero3": dict(model="C", tp=2, pp=1, dp=1, zero=3, sp=True),
     "tp2_sp_llama_compiled": dict(model="C", tp=2, pp=1, dp=1, zero=1, sp=True, compile=True),
     "tp2_pp2_sp": dict(model="C", tp=2, pp=2, dp=1, zero=1, checkpoint=True, sp=True),

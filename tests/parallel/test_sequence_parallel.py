@@ -39,7 +39,6 @@ def _config(**keys):
         ({"context_parallel_size": 2}, "context_parallel_size=2"),
         ({"moe_num_experts": 4}, "moe_num_experts=4"),
         ({"lora_rank": 8}, "lora_rank=8"),
-        ({"partition_activations": True}, "partition_activations"),
         (
             {
                 "train_impl": "dpo",
@@ -67,6 +66,18 @@ def test_off_at_tensor_parallel_one():
     d = derive(cfg, 2, 256)
     assert not training_shape(cfg, d, 256).sp
     assert "pipeline" not in build_ds_config(cfg, d)
+
+
+def test_it_turns_partition_activations_off():
+    """A block input already is this rank's chunk; DeepSpeed would mix the ranks' chunks."""
+    from neox.config.ds_config import build_ds_config
+    from neox.plan.memory import training_shape
+
+    for sp in (True, False):
+        cfg = _config(sequence_parallel=sp, checkpoint_activations=True, partition_activations=True)
+        d = derive(cfg, 2, 256)
+        assert build_ds_config(cfg, d)["activation_checkpointing"]["partition_activations"] != sp
+        assert training_shape(cfg, d, 256).partition_activations != sp
 
 
 def test_estimate_counts_a_chunk_between_the_linears():
