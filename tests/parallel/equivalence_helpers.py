@@ -64,6 +64,7 @@ CASES = {
     # functional collectives traced, no C compiler needed).
     "tp2_sp": dict(model="A", tp=2, pp=1, dp=1, zero=0, checkpoint=True, partition=True, sp=True),
     "tp2_sp_llama_zero3": dict(model="C", tp=2, pp=1, dp=1, zero=3, sp=True),
+    "tp2_sp_zero2": dict(model="B", tp=2, pp=1, dp=1, zero=2, sp=True),
     "tp2_sp_llama_compiled": dict(model="C", tp=2, pp=1, dp=1, zero=1, sp=True, compile=True),
     "tp2_pp2_sp": dict(model="C", tp=2, pp=2, dp=1, zero=1, checkpoint=True, sp=True),
     "tp2_dp2_zero1_sp": dict(model="B", tp=2, pp=1, dp=2, zero=1, sp=True),

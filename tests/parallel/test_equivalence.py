@@ -31,7 +31,7 @@ def _check(out_dir, names):
 @pytest.mark.slow
 def test_two_rank_layouts_match_dense(tmp_path):
     names = ["tp2", "pp2", "dp2_zero1", "dp2_zero2", "dp2_zero3"]
-    names += ["tp2_sp", "tp2_sp_llama_zero3", "tp2_sp_llama_compiled"]  # sequence parallel
+    names += ["tp2_sp", "tp2_sp_zero2", "tp2_sp_llama_zero3", "tp2_sp_llama_compiled"]
     run_ranks(run_cases, 2, names, str(tmp_path))
     _check(tmp_path, names)
 
