@@ -170,8 +170,8 @@ def _shard_attention(attn: nn.Module, rank: int, tp: int) -> None:
 def _shard_sequence(model: nn.Module, group: Any) -> None:
     """Sequence parallelism around the swapped layers: each block's norms hand their attention
     and MLP the whole sequence, learned positions are cut to this rank's chunk (the token
-    embedding's reduce-scatter already is), and dropout on a chunk draws from the tp rank's
-    own stream (the same stream on every rank would repeat one mask over the t chunks)."""
+    embedding's reduce-scatter already is), and dropout on a chunk is marked to draw from the
+    tp rank's own stream (use_tensor_parallel_rng)."""
 
     def gathered(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> torch.Tensor:
         return gather_from_sequence_parallel(forward(*args, **kwargs), group)
@@ -182,22 +182,17 @@ def _shard_sequence(model: nn.Module, group: Any) -> None:
                 if norm is not None:
                     _wrap_forward(norm, gathered)
                     _mark_partial(norm)
-            _fork_dropout(module.hidden_dropout)
+            module.hidden_dropout.on_sequence_chunk = True
     pos = getattr(model, "embed_pos", None)
     if pos is not None:
         _wrap_forward(pos, lambda fwd, *a, **k: scatter_to_sequence_parallel(fwd(*a, **k), group))
     if getattr(model, "emb_dropout", None) is not None:
-        _fork_dropout(model.emb_dropout)
+        model.emb_dropout.on_sequence_chunk = True
 
 
 def _mark_partial(module: nn.Module) -> None:
     """Its parameters see one chunk of the tokens on each tp rank: their gradients are partial."""
     module.tp_partial_grads = tuple(name for name, _ in module.named_parameters())
-
-
-def _fork_dropout(dropout: nn.Module) -> None:
-    if getattr(dropout, "p", 0.0) > 0:
-        _wrap_forward(dropout, _forward_in_tp_rng)
 
 
 def sum_partial_grads(model: nn.Module, group: Any) -> None:
@@ -288,13 +283,18 @@ def fork_tensor_parallel_rng() -> contextlib.AbstractContextManager:
 
 def use_tensor_parallel_rng(model: nn.Module) -> None:
     """Run every attention forward (whose only randomness, attention dropout, acts on this
-    rank's heads) under the tp rank's own RNG stream; hidden dropout outside stays shared.
+    rank's heads) under the tp rank's own RNG stream, and under sequence parallelism the dropout
+    on a chunk of the sequence (the same stream on every rank would repeat one mask over the tp
+    chunks); other hidden dropout stays shared.
 
-    Without attention dropout there is nothing to draw, and no fork: swapping RNG states is a
-    graph break that would split every compiled block in three."""
+    Without dropout there is nothing to draw, and no fork: swapping RNG states is a graph
+    break that would split every compiled block in three."""
     for _, module in model.named_modules():
         is_attention = hasattr(module, "query_key_value") and hasattr(module, "num_kv_heads")
         if is_attention and getattr(module, "dropout", 0.0) > 0:
+            _wrap_forward(module, _forward_in_tp_rng)
+        chunked = getattr(module, "on_sequence_chunk", False)
+        if chunked and isinstance(module, nn.Dropout) and module.p > 0:
             _wrap_forward(module, _forward_in_tp_rng)
 
 

@@ -12,28 +12,44 @@ import torch.distributed as dist
 
 from neox.config.model import ModelConfig
 from neox.model import build_model, lm_loss
-from neox.parallel.tensor import apply_tensor_parallel
+from neox.parallel.tensor import apply_tensor_parallel, seed_parallel_rng, use_tensor_parallel_rng
 from neox.parallel.topology import ProcessGroups, Topology
 from tests.parallel.equivalence_helpers import MODELS, SEQ, VOCAB
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 
 
+# Beside equivalence_helpers.MODELS: one norm feeding both branches (GPT-J tied), q/k norms
+# (their own tp hook) and ALiBi, with hidden dropout under the tp rank's stream (in eval mode
+# here: the gradients are compared, not the masks).
+EXTRA_MODELS = {
+    "tied_qk_alibi": dict(
+        MODELS["B"], gpt_j_tied=True, use_qk_layernorm=True, pos_emb="alibi", hidden_dropout=0.1
+    ),
+}
+
+
 def check_model_grads(rank: int, world: int, name: str) -> None:
     """Loss and every gradient (a sharded parameter's: its shard of the plain one's) of model
-    MODELS[name] under tp = world with sequence parallelism equal the plain model's."""
+    `name` under tp = world with sequence parallelism equal the plain model's."""
     torch.manual_seed(0)
-    cfg = ModelConfig(**MODELS[name])
+    cfg = ModelConfig(**{**MODELS, **EXTRA_MODELS}[name])
     plain = build_model(cfg, VOCAB, seed=3)
     g = torch.Generator().manual_seed(5)
     tokens = torch.randint(0, VOCAB, (2, SEQ + 1), generator=g)
     ids, labels = tokens[:, :-1], tokens[:, 1:]
+    plain.eval()  # no dropout: the ranks' masks differ from one process's by design
     model = copy.deepcopy(plain)
     want = lm_loss(plain(ids), labels, None)
     want.backward()
 
     groups = ProcessGroups(Topology(tp=world), sequence_parallel=True)
     apply_tensor_parallel(model, groups, cfg)
+    seed_parallel_rng(3, groups)
+    use_tensor_parallel_rng(model)
+    # Dropout on a chunk draws from the tp rank's stream; none is forked where none draws.
+    forked = ["forward" in vars(b.hidden_dropout) for b in model.layers]
+    assert forked == [cfg.hidden_dropout > 0] * cfg.num_layers, forked
     got = model(ids, labels=labels)
     got.backward()
     torch.testing.assert_close(got, want, **TOL)

@@ -23,7 +23,7 @@ def test_collectives_and_gradients_on_two_ranks():
     biases) and a Llama-style model (RMSNorm, SwiGLU, GQA, rotary, untied head) give the plain
     model's loss and gradients at tp 2, the norms' and row-parallel biases' included (each
     rank saw half the tokens: the hook's all-reduce makes them whole)."""
-    run_ranks(check_sequence_ranks, 2, ["A", "B", "C"])
+    run_ranks(check_sequence_ranks, 2, ["A", "B", "C", "tied_qk_alibi"])
 
 
 def _config(**keys):
