@@ -107,6 +107,12 @@ RUNS: dict[str, dict[str, Any]] = {
     # 2026-11-26: tp2_compile is what neox runs).
     "tp2": {"num_gpus": 2, "model_parallel_size": 2, "torch_compile": False},
     "tp2_compile": {"num_gpus": 2, "model_parallel_size": 2, "torch_compile": True},
+    "tp2_sp_compile": {
+        "num_gpus": 2,
+        "model_parallel_size": 2,
+        "torch_compile": True,
+        "sequence_parallel": True,
+    },
     # Loss diagnosis beside tp2_compile: the traced graphs run by aot_eager (no generated code).
     "tp2_compile_aot_eager": {
         "num_gpus": 2,
@@ -188,6 +194,9 @@ RUNS: dict[str, dict[str, Any]] = {
         "gradient_accumulation_steps": 16,
     },
     "tp2_dp2": {"num_gpus": 4, "model_parallel_size": 2},
+    # Sequence parallelism beside tp2_dp2 (issue 34): the same bytes as reduce-scatters and
+    # all-gathers, norms and dropout on half the tokens.
+    "tp2_dp2_sp": {"num_gpus": 4, "model_parallel_size": 2, "sequence_parallel": True},
     "tp2_dp2_ckpt": {"num_gpus": 4, "model_parallel_size": 2, "checkpoint_activations": True},
     "tp4": {"num_gpus": 4, "model_parallel_size": 4},
     # FP8 at its fastest one-GPU setting (every block, the output layer, fast backward).
@@ -235,7 +244,7 @@ ONE_GPU_EXTRA = (
     "1gpu_zero3_accum8",
     "1gpu_zero3_offload",
 )
-TWO_GPU_EXTRA = ("dp2_zero3", "dp2_accum8", "dp2_zero3_accum8")
+TWO_GPU_EXTRA = ("dp2_zero3", "dp2_accum8", "dp2_zero3_accum8", "tp2_sp_compile")
 DIAGNOSTIC = ("tp2_compile_aot_eager",)
 # Issue 34's 4-GPU table and issue 10's 8-GPU targets, in order (--plan 4gpu / 8gpu).
 PLANS = {

@@ -83,7 +83,16 @@ def activation_checkpointing_section(cfg: NeoXConfig) -> dict[str, Any]:
         "profile": t.profile_backward,
     }
     section.update(cfg.deepspeed.activation_checkpointing or {})
+    if cfg.parallel.sequence_parallel and cfg.parallel.model_parallel_size > 1:
+        # Block inputs are already split by sequence (neox/parallel/activation_checkpointing.py).
+        section["partition_activations"] = False
     return section
+
+
+# DeepSpeed's pipeline sends 1/tp of a stage's output from each tp rank and all-gathers it on
+# the next stage, which assumes the tp ranks hold the same activations; under sequence
+# parallelism each holds its own chunk of the sequence, so each sends the whole of it.
+SEQUENCE_PARALLEL_PIPELINE = {"pipe_partitioned": False, "grad_partitioned": False}
 
 
 def build_ds_config(cfg: NeoXConfig, d: Derived) -> dict[str, Any]:
@@ -108,6 +117,8 @@ def build_ds_config(cfg: NeoXConfig, d: Derived) -> dict[str, Any]:
         "activation_checkpointing": activation_checkpointing_section(cfg),
         **precision_sections(cfg, d),
     }
+    if cfg.parallel.sequence_parallel and d.tensor_parallel > 1 and d.pipe_parallel > 1:
+        out["pipeline"] = SEQUENCE_PARALLEL_PIPELINE
     if cfg.precision.fp32_allreduce:
         out["fp32_allreduce"] = True
     if cfg.precision.communication_data_type:

@@ -4,7 +4,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
 
-from neox.config.base import MAX_RANKS, ConfigGroup, Reads, Refused
+from neox.config.base import MAX_RANKS, ConfigGroup, Reads, Restricted
 from neox.config.errors import ConfigError
 from neox.config.model import ModelConfig
 
@@ -37,14 +37,38 @@ class ParallelConfig(ConfigGroup):
 
     sequence_parallel: Annotated[
         bool,
-        Refused(
-            feature="sequence_parallel is not implemented",
-            example=True,
-            allowed=(False,),
-            message=("sequence_parallel is not implemented in neox; set it to false"),
+        Reads("neox/training/setup.py", "neox/plan/memory.py"),
+        Restricted(
+            "With model_parallel_size > 1, needs seq_length divisible by it, and is not with "
+            "context_parallel_size > 1, MoE (moe_num_experts > 1), LoRA (lora_rank > 0) or "
+            "train_impl other than normal.",
+            example={"sequence_parallel": True, "model_parallel_size": 2},
+            broken_by=(
+                {"seq_length": 2047},
+                {"moe_num_experts": 2},
+                {"lora_rank": 8},
+                {
+                    "train_impl": "dpo",
+                    "pos_train_data_paths": ["p"],
+                    "neg_train_data_paths": ["n"],
+                    "do_valid": False,
+                    "do_test": False,
+                },
+            ),
         ),
     ] = False
-    """Megatron sequence parallelism (not implemented: must stay false)."""
+    """Megatron's sequence parallelism: under tensor parallelism the layers between the
+    tensor-parallel linears (norms, residual adds, dropout, the embedding's output) hold
+    seq_length / model_parallel_size tokens on each tensor-parallel rank instead of all of them,
+    which divides their activation memory by model_parallel_size; all-reduces become an
+    all-gather before the column-parallel linears and a reduce-scatter after the row-parallel
+    ones (the same bytes). Training only (train.py, with or without pipeline parallelism, any
+    ZeRO stage); generation and evaluation load the same weights without it. It turns
+    partition_activations off: a checkpointed block input already is this rank's 1/tp of the
+    sequence (the memory that key would save), and DeepSpeed's partitioning assumes the tp ranks
+    hold the same input. Off at
+    model_parallel_size 1, as in Megatron (one rank's chunk would be the whole sequence), so a
+    config that sets it for its tensor-parallel layouts also runs on one GPU."""
 
     distributed_backend: Annotated[
         Literal["nccl", "gloo", "mpi"], Reads("neox/parallel/distributed.py")
@@ -62,8 +86,14 @@ class ParallelConfig(ConfigGroup):
             )
         return v
 
-    def check_with(self, train_impl: str) -> None:
-        """context_parallel_size against the objective (run when a NeoXConfig is validated)."""
+    def check_with(
+        self,
+        train_impl: str,
+        model: ModelConfig,
+        lora_rank: int = 0,
+    ) -> None:
+        """context_parallel_size against the objective, sequence_parallel against the model and
+        the other features (run when a NeoXConfig is validated)."""
         cp = self.context_parallel_size
         if cp > 1 and train_impl != "normal":
             raise ValueError(
@@ -71,6 +101,32 @@ class ParallelConfig(ConfigGroup):
                 "loss reads whole sequences' log-probabilities on one rank; use "
                 "context_parallel_size 1"
             )
+        if self.sequence_parallel and self.model_parallel_size > 1:
+            self._check_sequence_parallel(train_impl, model, lora_rank)
+
+    def _check_sequence_parallel(self, train_impl: str, model: ModelConfig, lora_rank: int) -> None:
+        tp, T = self.model_parallel_size, model.seq_length
+        what = f"sequence_parallel: true with model_parallel_size={tp}"
+        if T % tp:
+            raise ValueError(
+                f"{what} needs seq_length divisible by it (each tensor-parallel rank holds an "
+                f"equal chunk), got seq_length={T}; use a seq_length that is a multiple of {tp}"
+            )
+        cp, experts = self.context_parallel_size, model.moe_num_experts
+        refusals = [
+            (cp > 1, f"context_parallel_size={cp} (both split the sequence: use one of them)"),
+            (experts > 1, f"moe_num_experts={experts} (its token routing is not sharded)"),
+            (lora_rank > 0, f"lora_rank={lora_rank} (its adapters' linears are not sharded)"),
+            (
+                train_impl != "normal",
+                f"train_impl={train_impl!r} (its losses read whole sequences)",
+            ),
+        ]
+        for refused, reason in refusals:
+            if refused:
+                raise ValueError(
+                    f"{what} is not supported with {reason}; set sequence_parallel to false"
+                )
 
     @property
     def pp(self) -> int:

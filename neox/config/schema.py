@@ -83,7 +83,7 @@ class NeoXConfig(BaseModel):
         """The rules of a group's keys that read other groups' keys (each group's own rules ran
         when it was validated; the run's, which need its layout and batch, run in `derive`)."""
         self.preference.check_with(self.data, self.parallel.pp)
-        self.parallel.check_with(self.preference.train_impl)
+        self.parallel.check_with(self.preference.train_impl, self.model, self.lora.lora_rank)
         self.lora.check_with(
             self.model, self.parallel, self.deepspeed, self.training, self.preference, self.float8
         )

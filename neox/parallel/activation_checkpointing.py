@@ -2,7 +2,9 @@
 
 DeepSpeed's checkpoint saves and restores the default and the tensor-parallel RNG streams
 around the recomputation (so dropout masks repeat) and, with partition_activations, keeps only
-this tp rank's 1/tp slice of each saved block input.
+this tp rank's 1/tp slice of each saved block input. Under sequence parallelism a block input
+already is this rank's 1/tp of the sequence, and different on each tp rank, which DeepSpeed's
+partitioning (it all-gathers the slices back as one tensor) cannot hold: it is off there.
 """
 
 from __future__ import annotations
@@ -28,9 +30,10 @@ def configure_checkpointing(
     import deepspeed
 
     o = options or {}
+    partition = o.get("partition_activations", partition_activations)
     deepspeed.checkpointing.configure(
         groups,
-        partition_activations=o.get("partition_activations", partition_activations),
+        partition_activations=partition and not getattr(groups, "sequence_parallel", False),
         contiguous_checkpointing=o.get("contiguous_memory_optimization"),
         num_checkpoints=o.get("number_checkpoints"),
         checkpoint_in_cpu=o.get("cpu_checkpointing"),

@@ -54,6 +54,13 @@ def parallelize(
     same seed, whatever the layout; no rank materialises more than its own shard.
     """
     groups.topo.check_model(model_cfg)
+    if getattr(groups, "sequence_parallel", False):
+        tp = groups.get_tensor_model_parallel_world_size()
+        logger.info(
+            "sequence parallel: %d of %d tokens per tensor-parallel rank between the linears",
+            model_cfg.seq_length // tp,
+            model_cfg.seq_length,
+        )
     seed_parallel_rng(seed, groups)
     if checkpoint_activations:
         configure_checkpointing(groups, partition_activations, checkpointing_options)

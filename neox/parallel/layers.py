@@ -18,6 +18,7 @@ from neox.parallel.mappings import (
     copy_to_tensor_parallel,
     gather_from_tensor_parallel,
     reduce_from_tensor_parallel,
+    reduce_scatter_to_sequence_parallel,
     scatter_to_tensor_parallel,
 )
 
@@ -61,6 +62,9 @@ class ColumnParallelLinear(nn.Module):
     """Y = XA + b with A split by columns, A = [A_1 ... A_p]: rank i computes Y_i = X A_i + b_i.
 
     The input is replicated; the output stays split along its last dim unless gather_output.
+    With sequence_parallel the input arrives already gathered over the sequence (the norm before
+    the layer all-gathers it, and that gather's backward reduce-scatters the input gradient), so
+    the layer adds no collective of its own.
     """
 
     PARTITION_DIMS = {"weight": 0, "bias": 0}
@@ -76,10 +80,12 @@ class ColumnParallelLinear(nn.Module):
         gather_output: bool = False,
         device: Any = None,
         dtype: Optional[torch.dtype] = None,
+        sequence_parallel: bool = False,
     ) -> None:
         super().__init__()
         self.group = group
         self.rank, self.world = _rank_world(group)
+        self.sequence_parallel = sequence_parallel
         if out_features % self.world:
             raise ValueError(f"out_features={out_features} is not divisible by tp={self.world}")
         self.in_features, self.out_features = in_features, out_features
@@ -100,7 +106,9 @@ class ColumnParallelLinear(nn.Module):
             self.bias.copy_(shard(bias, 0, self.rank, self.world))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.linear(copy_to_tensor_parallel(x, self.group), self.weight, self.bias)
+        if not self.sequence_parallel:
+            x = copy_to_tensor_parallel(x, self.group)
+        y = self.linear(x, self.weight, self.bias)
         return gather_from_tensor_parallel(y, self.group) if self.gather_output else y
 
     def extra_repr(self) -> str:
@@ -112,6 +120,9 @@ class RowParallelLinear(nn.Module):
 
     Rank i holds A_i and (when input_is_parallel) receives X_i from a column-parallel layer; the
     partial products are all-reduced and the replicated bias is added once, after the sum.
+    With sequence_parallel they are reduce-scattered along the sequence instead: each rank keeps
+    the sum for its 1/p of the tokens, so the bias sees only those (its gradient is partial,
+    summed over the tp ranks by apply_tensor_parallel's hooks: `tp_partial_grads`).
     """
 
     PARTITION_DIMS = {"weight": 1}
@@ -126,10 +137,12 @@ class RowParallelLinear(nn.Module):
         input_is_parallel: bool = True,
         device: Any = None,
         dtype: Optional[torch.dtype] = None,
+        sequence_parallel: bool = False,
     ) -> None:
         super().__init__()
         self.group = group
         self.rank, self.world = _rank_world(group)
+        self.sequence_parallel = sequence_parallel
         if in_features % self.world:
             raise ValueError(f"in_features={in_features} is not divisible by tp={self.world}")
         self.in_features, self.out_features = in_features, out_features
@@ -139,6 +152,8 @@ class RowParallelLinear(nn.Module):
             _param((out_features, self.in_per_rank), device, dtype), 1
         )
         self.bias = _param((out_features,), device, dtype) if bias else None
+        if sequence_parallel and bias:
+            self.tp_partial_grads = ("bias",)
 
     @torch.no_grad()
     def load_full_(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> None:
@@ -150,7 +165,12 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel(x, self.group)
-        y = reduce_from_tensor_parallel(self.linear(x, self.weight), self.group)
+        reduce = (
+            reduce_scatter_to_sequence_parallel
+            if self.sequence_parallel
+            else reduce_from_tensor_parallel
+        )
+        y = reduce(self.linear(x, self.weight), self.group)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
@@ -159,7 +179,8 @@ class RowParallelLinear(nn.Module):
 
 class VocabParallelEmbedding(nn.Module):
     """E[ids] with the table split by vocab rows: rank i looks up ids in [iV/p, (i+1)V/p), zeros
-    elsewhere, and the all-reduce sums the one non-zero row per token."""
+    elsewhere, and the all-reduce sums the one non-zero row per token (with sequence_parallel a
+    reduce-scatter: each rank keeps its 1/p of the tokens)."""
 
     PARTITION_DIMS = {"weight": 0}
 
@@ -170,10 +191,12 @@ class VocabParallelEmbedding(nn.Module):
         group: Any,
         device: Any = None,
         dtype: Optional[torch.dtype] = None,
+        sequence_parallel: bool = False,
     ) -> None:
         super().__init__()
         self.group = group
         self.rank, self.world = _rank_world(group)
+        self.sequence_parallel = sequence_parallel
         if num_embeddings % self.world:
             raise ValueError(
                 f"vocabulary {num_embeddings} is not divisible by tp={self.world}; pad it with "
@@ -196,6 +219,8 @@ class VocabParallelEmbedding(nn.Module):
         outside = (local < 0) | (local >= self.per_rank)
         out = F.embedding(local.masked_fill(outside, 0), self.weight)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence_parallel(out, self.group)
         return reduce_from_tensor_parallel(out, self.group)
 
     def extra_repr(self) -> str:

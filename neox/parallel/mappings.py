@@ -49,6 +49,42 @@ def _gather_last(x: torch.Tensor, group: Any) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
+def _seq_dim(x: torch.Tensor) -> int:
+    return x.dim() - 2  # T of (B, T, C), or of a (T, C) position table; positive for funcol
+
+
+def _split_sequence(x: torch.Tensor, group: Any) -> torch.Tensor:
+    world, dim = _world(group), _seq_dim(x)
+    if x.shape[dim] % world:
+        raise ValueError(
+            f"sequence of {x.shape[dim]} tokens is not divisible by tensor-parallel size {world}"
+        )
+    return x.chunk(world, dim=dim)[dist.get_rank(group=group)].contiguous()
+
+
+def _gather_sequence(x: torch.Tensor, group: Any) -> torch.Tensor:
+    dim = _seq_dim(x)
+    if torch.compiler.is_compiling():
+        return funcol.all_gather_tensor(x.contiguous(), dim, group)
+    parts = [torch.empty_like(x) for _ in range(_world(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def _reduce_scatter_sequence(x: torch.Tensor, group: Any) -> torch.Tensor:
+    world, dim = _world(group), _seq_dim(x)
+    if x.shape[dim] % world:
+        raise ValueError(
+            f"sequence of {x.shape[dim]} tokens is not divisible by tensor-parallel size {world}"
+        )
+    if torch.compiler.is_compiling():
+        return funcol.reduce_scatter_tensor(x.contiguous(), "sum", dim, group)
+    parts = [p.contiguous() for p in x.chunk(world, dim=dim)]
+    out = torch.empty_like(parts[0])
+    dist.reduce_scatter(out, parts, group=group)
+    return out
+
+
 class _CopyToTensorParallel(torch.autograd.Function):
     """Forward: identity (x enters every rank's shard). Backward: all-reduce dL/dx."""
 
@@ -100,6 +136,47 @@ class _GatherFromTensorParallel(torch.autograd.Function):
         return _split_last(grad, ctx.group), None
 
 
+class _GatherFromSequenceParallel(torch.autograd.Function):
+    """Forward: all-gather the ranks' sequence chunks. Backward: reduce-scatter dL/dy (every
+    rank's full-sequence gradient is partial; each keeps the sum over its own chunk)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return _gather_sequence(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _reduce_scatter_sequence(grad, ctx.group), None
+
+
+class _ReduceScatterToSequenceParallel(torch.autograd.Function):
+    """Forward: sum the ranks' partial results, each rank keeping its sequence chunk.
+    Backward: all-gather the chunks of dL/dy (the sum's gradient is a copy)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return _reduce_scatter_sequence(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _gather_sequence(grad, ctx.group), None
+
+
+class _ScatterToSequenceParallel(torch.autograd.Function):
+    """Forward: keep this rank's sequence chunk. Backward: all-gather the chunks."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return _split_sequence(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _gather_sequence(grad, ctx.group), None
+
+
 def copy_to_tensor_parallel(x: torch.Tensor, group: Any) -> torch.Tensor:
     """y = x on every rank; dL/dx = sum over ranks of dL/dy."""
     return x if _world(group) == 1 else _CopyToTensorParallel.apply(x, group)
@@ -118,3 +195,20 @@ def scatter_to_tensor_parallel(x: torch.Tensor, group: Any) -> torch.Tensor:
 def gather_from_tensor_parallel(x: torch.Tensor, group: Any) -> torch.Tensor:
     """y = concat over ranks of x along the last dim; dL/dx = this rank's slice of dL/dy."""
     return x if _world(group) == 1 else _GatherFromTensorParallel.apply(x, group)
+
+
+def gather_from_sequence_parallel(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """y = concat over ranks of x along T (dim -2); dL/dx = this rank's chunk of the sum over
+    ranks of dL/dy."""
+    return x if _world(group) == 1 else _GatherFromSequenceParallel.apply(x, group)
+
+
+def reduce_scatter_to_sequence_parallel(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """y = this rank's chunk along T (dim -2) of the sum over ranks of x; dL/dx = concat over
+    ranks of dL/dy."""
+    return x if _world(group) == 1 else _ReduceScatterToSequenceParallel.apply(x, group)
+
+
+def scatter_to_sequence_parallel(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """y = x[..., rank-th of tp equal chunks of T, :]; dL/dx = concat of the ranks' dL/dy."""
+    return x if _world(group) == 1 else _ScatterToSequenceParallel.apply(x, group)

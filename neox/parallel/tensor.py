@@ -5,6 +5,14 @@ with Megatron's column/row/vocab-parallel layers, sets each attention's per-rank
 and makes the tied (or column-split) output head produce vocab-sharded logits. Initialising
 with `init_tensor_parallel` slices every sharded parameter out of the full init_parameter
 tensor of the same name, so a tp=2 model starts from exactly the tp=1 weights.
+
+With `groups.sequence_parallel` (Megatron's sequence parallelism) the regions between the
+tensor-parallel linears (norms, residual adds, dropout, the embedding's output) hold 1/tp of the
+sequence on each tp rank: the embedding and the row-parallel linears reduce-scatter along the
+sequence instead of all-reducing, and each norm that feeds a tensor-parallel region (attention,
+MLP, head) all-gathers its output, whose backward reduce-scatters. The parameters used on a
+chunk of the tokens (norm weights and biases, row-parallel biases) get their gradients summed
+over the tp ranks by a hook. The weights are those of the model without it.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from neox.config.model import ModelConfig
+from neox.model.block import Block
 from neox.model.init import init_parameter
 from neox.model.loss import masked_mean
 from neox.parallel.layers import (
@@ -30,7 +39,11 @@ from neox.parallel.layers import (
     shard,
     vocab_parallel_cross_entropy,
 )
-from neox.parallel.mappings import copy_to_tensor_parallel
+from neox.parallel.mappings import (
+    copy_to_tensor_parallel,
+    gather_from_sequence_parallel,
+    scatter_to_sequence_parallel,
+)
 from neox.parallel.topology import ProcessGroups
 
 logger = logging.getLogger(__name__)
@@ -52,11 +65,15 @@ TENSOR_PARALLEL_PLAN: dict[str, str] = {
 MODEL_PARALLEL_RNG = "model-parallel-rng"
 
 
-def _parallel_module(kind: str, module: nn.Module, group: Any) -> nn.Module:
+def _parallel_module(
+    kind: str, module: nn.Module, group: Any, sequence_parallel: bool
+) -> nn.Module:
     """The tp counterpart of one plain module, with the same shapes, on the same device."""
     if kind == "vocab":
         w = module.weight
-        return VocabParallelEmbedding(*w.shape, group, device=w.device, dtype=w.dtype)
+        return VocabParallelEmbedding(
+            *w.shape, group, device=w.device, dtype=w.dtype, sequence_parallel=sequence_parallel
+        )
     assert isinstance(module, nn.Linear), f"{kind}-parallel needs nn.Linear, got {module!r}"
     cls = ColumnParallelLinear if kind == "column" else RowParallelLinear
     w = module.weight
@@ -67,6 +84,7 @@ def _parallel_module(kind: str, module: nn.Module, group: Any) -> nn.Module:
         bias=module.bias is not None,
         device=w.device,
         dtype=w.dtype,
+        sequence_parallel=sequence_parallel,
     )
 
 
@@ -83,7 +101,8 @@ def apply_tensor_parallel(
     cfg: Optional[ModelConfig] = None,
     copy_weights: bool = True,
 ) -> nn.Module:
-    """Shard `model` (a GPTNeoX, a Block or any part of one) over groups.tensor, in place.
+    """Shard `model` (a GPTNeoX, a Block or any part of one) over groups.tensor, in place;
+    over the sequence too between the linears when groups.sequence_parallel.
 
     Args:
         copy_weights: slice the current full weights into the shards (off for meta models,
@@ -94,6 +113,7 @@ def apply_tensor_parallel(
         return model
     group = groups.tensor
     rank = groups.get_tensor_model_parallel_rank()
+    sequence_parallel = getattr(groups, "sequence_parallel", False)
     cfg = cfg if cfg is not None else getattr(model, "cfg", None)
     if cfg is not None and cfg.output_layer_parallelism != "column":
         raise ValueError(
@@ -104,7 +124,7 @@ def apply_tensor_parallel(
     for name, module in targets:
         if module is None:
             continue
-        new = _parallel_module(_plan_kind(name), module, group)
+        new = _parallel_module(_plan_kind(name), module, group, sequence_parallel)
         if copy_weights and module.weight.device.type != "meta":
             if isinstance(new, VocabParallelEmbedding):
                 new.load_full_(module.weight)
@@ -116,15 +136,21 @@ def apply_tensor_parallel(
     for _, module in model.named_modules():
         if hasattr(module, "query_key_value") and hasattr(module, "num_kv_heads"):
             _shard_attention(module, rank, tp)
-    if not any(p.is_meta for p in model.parameters()):
-        sum_shared_norm_grads(model, group)  # meta models: init_tensor_parallel does it
+    if sequence_parallel:
+        _shard_sequence(model, group)
 
     # The head reads embed_in.weight (tied) or embed_out.weight as F.linear(norm(x), W): with
     # W split by vocab rows the hidden state enters every rank, so its gradient is the sum
-    # over ranks; the copy on the final norm's output supplies that all-reduce.
+    # over ranks; the copy on the final norm's output supplies that all-reduce (under sequence
+    # parallelism the gather's reduce-scatter does, and each rank gets its chunk's sum).
     norm = getattr(model, "final_layer_norm", None)
     if norm is not None:
-        _wrap_forward(norm, lambda fwd, *a, **k: copy_to_tensor_parallel(fwd(*a, **k), group))
+        enter = gather_from_sequence_parallel if sequence_parallel else copy_to_tensor_parallel
+        _wrap_forward(norm, lambda fwd, *a, **k: enter(fwd(*a, **k), group))
+        if sequence_parallel:
+            _mark_partial(norm)
+    if not any(p.is_meta for p in model.parameters()):
+        sum_partial_grads(model, group)  # meta models: init_tensor_parallel does it
     if hasattr(model, "lm_loss"):
         # The head now yields this rank's vocab slice of the logits.
         model.lm_loss = functools.partial(lm_loss_parallel, group=group)
@@ -141,17 +167,51 @@ def _shard_attention(attn: nn.Module, rank: int, tp: int) -> None:
         attn.alibi_slopes = list(slopes)[rank * n : (rank + 1) * n]
 
 
-def sum_shared_norm_grads(model: nn.Module, group: Any) -> None:
-    """The q/k norms of each attention (use_qk_layernorm), one weight shared by all heads, see
-    only this rank's heads: their gradients are summed over the tp ranks, so every rank holds
-    the dense model's gradient (and the same weights after the step). Call on materialised
-    parameters: a hook on a meta parameter is lost when `to_empty` replaces it."""
+def _shard_sequence(model: nn.Module, group: Any) -> None:
+    """Sequence parallelism around the swapped layers: each block's norms hand their attention
+    and MLP the whole sequence, learned positions are cut to this rank's chunk (the token
+    embedding's reduce-scatter already is), and dropout on a chunk is marked to draw from the
+    tp rank's own stream (use_tensor_parallel_rng)."""
+
+    def gathered(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> torch.Tensor:
+        return gather_from_sequence_parallel(forward(*args, **kwargs), group)
+
+    for module in model.modules():
+        if isinstance(module, Block):
+            for norm in (module.input_layernorm, module.post_attention_layernorm):
+                if norm is not None:
+                    _wrap_forward(norm, gathered)
+                    _mark_partial(norm)
+            module.hidden_dropout.on_sequence_chunk = True
+    pos = getattr(model, "embed_pos", None)
+    if pos is not None:
+        _wrap_forward(pos, lambda fwd, *a, **k: scatter_to_sequence_parallel(fwd(*a, **k), group))
+    if getattr(model, "emb_dropout", None) is not None:
+        model.emb_dropout.on_sequence_chunk = True
+
+
+def _mark_partial(module: nn.Module) -> None:
+    """Its parameters see one chunk of the tokens on each tp rank: their gradients are partial."""
+    module.tp_partial_grads = tuple(name for name, _ in module.named_parameters())
+
+
+def sum_partial_grads(model: nn.Module, group: Any) -> None:
+    """Parameters whose gradient on each tp rank is only part of the dense model's get it summed
+    over the tp ranks, so every rank holds the dense model's gradient (and the same weights after
+    the step): the q/k norms of each attention (use_qk_layernorm), one weight shared by all
+    heads, which see only this rank's heads; under sequence parallelism the parameters a module
+    names in `tp_partial_grads` (norms, row-parallel biases), which see only this rank's tokens.
+    Call on materialised parameters: a hook on a meta parameter is lost when `to_empty`
+    replaces it."""
+    hook = functools.partial(_sum_over_ranks, group=group)
     for _, module in model.named_modules():
         for name in ("q_layernorm", "k_layernorm"):
             norm = getattr(module, name, None)
             if isinstance(norm, nn.Module) and hasattr(module, "num_kv_heads"):
                 for param in norm.parameters():
-                    param.register_hook(functools.partial(_sum_over_ranks, group=group))
+                    param.register_hook(hook)
+        for name in getattr(module, "tp_partial_grads", ()):
+            getattr(module, name).register_hook(hook)
 
 
 def _sum_over_ranks(grad: torch.Tensor, group: Any) -> torch.Tensor:
@@ -186,7 +246,7 @@ def init_tensor_parallel(
         module.to_empty(device=device)
         remark_tensor_parallel(module)
         if tp > 1:
-            sum_shared_norm_grads(module, groups.tensor)
+            sum_partial_grads(module, groups.tensor)
     rank = 0 if groups is None else groups.get_tensor_model_parallel_rank()
     for name, param in module.named_parameters():
         dim = getattr(param, "partition_dim", None)
@@ -223,13 +283,18 @@ def fork_tensor_parallel_rng() -> contextlib.AbstractContextManager:
 
 def use_tensor_parallel_rng(model: nn.Module) -> None:
     """Run every attention forward (whose only randomness, attention dropout, acts on this
-    rank's heads) under the tp rank's own RNG stream; hidden dropout outside stays shared.
+    rank's heads) under the tp rank's own RNG stream, and under sequence parallelism the dropout
+    on a chunk of the sequence (the same stream on every rank would repeat one mask over the tp
+    chunks); other hidden dropout stays shared.
 
-    Without attention dropout there is nothing to draw, and no fork: swapping RNG states is a
-    graph break that would split every compiled block in three."""
+    Without dropout there is nothing to draw, and no fork: swapping RNG states is a graph
+    break that would split every compiled block in three."""
     for _, module in model.named_modules():
         is_attention = hasattr(module, "query_key_value") and hasattr(module, "num_kv_heads")
         if is_attention and getattr(module, "dropout", 0.0) > 0:
+            _wrap_forward(module, _forward_in_tp_rng)
+        chunked = getattr(module, "on_sequence_chunk", False)
+        if chunked and isinstance(module, nn.Dropout) and module.p > 0:
             _wrap_forward(module, _forward_in_tp_rng)
 
 

@@ -166,9 +166,14 @@ class ProcessGroups:
     'model parallel' follows DeepSpeed's meaning (all ranks of one replica, pipe x tensor), which
     is what its engine reduces gradient norms and overflow flags over; Megatron's meaning is the
     `tensor` group. Pass it explicitly: layers take `groups.tensor`, the engine takes the object.
+
+    `sequence_parallel`: outside the tensor-parallel linears each tp rank holds 1/tp of the
+    sequence (apply_tensor_parallel reads it; meaningless at tp 1, so it is off there).
     """
 
-    def __init__(self, topo: Topology, rank: Optional[int] = None) -> None:
+    def __init__(
+        self, topo: Topology, rank: Optional[int] = None, sequence_parallel: bool = False
+    ) -> None:
         import torch.distributed as dist
 
         if not dist.is_initialized():
@@ -184,6 +189,7 @@ class ProcessGroups:
                 f"= {topo.world_size}"
             )
         self.topo = topo
+        self.sequence_parallel = sequence_parallel and topo.tp > 1
         self.global_rank = dist.get_rank() if rank is None else rank
         self.coord = topo.coord(self.global_rank)
 

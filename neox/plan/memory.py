@@ -124,6 +124,7 @@ class TrainingShape:
     pp: int = 1
     dp: int = 1  # ranks ZeRO partitions over: data x context parallel
     cp: int = 1  # context_parallel_size: ranks that share each sequence, a chunk each
+    sp: bool = False  # sequence_parallel at tp > 1: norms and dropout on 1/tp of the tokens
     micro_batch: int = 1
     grad_accum: int = 1
     precision: str = "bf16"
@@ -237,6 +238,7 @@ def training_shape(
     zero = zero_section(cfg, derived.data_parallel * cp, zero_stage)
     t, spec = cfg.training, cfg.optimizer.optimizer
     tp, pp = derived.tensor_parallel, derived.pipe_parallel
+    sp = cfg.parallel.sequence_parallel and tp > 1  # it turns partition_activations off
     compiled = torch_compile_enabled(t.torch_compile, device)
     pref = cfg.preference
     # DPO and RM run each pair's two answers as two rows, over full (eager) logits.
@@ -248,6 +250,7 @@ def training_shape(
         pp=pp,
         dp=derived.data_parallel * cp,
         cp=cp,
+        sp=sp,
         micro_batch=derived.micro_batch * rows,
         grad_accum=derived.grad_accum,
         precision=derived.precision,
@@ -257,7 +260,7 @@ def training_shape(
         sgd_momentum=bool(spec.params.get("momentum", 0)),
         checkpoint_activations=t.checkpoint_activations,
         checkpoint_num_layers=t.checkpoint_num_layers,
-        partition_activations=t.partition_activations,
+        partition_activations=t.partition_activations and not sp,
         activation_memory_budget=t.activation_memory_budget if compiled else 1.0,
         engine=engine_for(cfg, derived, zero_stage).engine,
         loss="eager" if preference else loss_path(compiled, tp, pp, cfg.model.lm_loss_chunk_size),
@@ -296,6 +299,7 @@ def block_activation_bytes(
     k: int,
     tp: int = 1,
     cp: int = 1,
+    sp: bool = False,
 ) -> int:
     """Bytes autograd saves in one block's forward for backward, as neox's Block runs it.
 
@@ -304,7 +308,8 @@ def block_activation_bytes(
     the MLP's inner activations; plus whole-sequence terms for materialised scores and masks.
     Under context parallelism (cp) a rank holds s / cp tokens, and its attention kernel the
     whole sequence for heads / cp (the same bytes per q, k, v, output; scores of s x s for
-    heads / cp).
+    heads / cp). Under sequence parallelism (sp) the norms and the dropout masks hold s / tp
+    tokens; the linears still save the gathered (whole-sequence) input.
     """
     shape = cfg.shape
     h, hs = cfg.hidden_size, shape.head_dim
@@ -317,10 +322,12 @@ def block_activation_bytes(
     shared, own = norm_activation_bytes(cfg, k, h)
     if cfg.gpt_j_residual:
         # x + attn(ln1(x)) + mlp(ln2(x)): both norms read the same x.
-        per_token = shared + own * (1 if cfg.gpt_j_tied else 2)
+        chunked = shared + own * (1 if cfg.gpt_j_tied else 2)
     else:
-        per_token = 2 * (shared + own)
-    per_token += (1 if cfg.gpt_j_tied else 2) * k * h
+        chunked = 2 * (shared + own)
+    if cfg.hidden_dropout > 0:
+        chunked += 2 * h  # bool masks of the two residual branches
+    per_token = (1 if cfg.gpt_j_tied else 2) * k * h
     mha = shape.kv_heads == cfg.num_attention_heads
     rotary, qk_norm = cfg.pos_emb == "rotary", cfg.use_qk_layernorm
     kv = hkv if mha else hq  # GQA repeats k and v over the query group
@@ -352,9 +359,7 @@ def block_activation_bytes(
         per_token += k * ffn  # relu saves its output, which the down projection also saves
     else:
         per_token += 2 * k * ffn  # up out (activation input), activation out
-    if cfg.hidden_dropout > 0:
-        per_token += 2 * h  # bool masks of the two residual branches
-    total = per_token * tokens
+    total = per_token * tokens + chunked * tokens // (tp if sp else 1)
     # Whole-sequence terms (Ulysses: the whole sequence for heads / cp).
     nh //= cp
     scores = micro_batch * nh * seq * seq
@@ -379,25 +384,27 @@ def activation_bytes(cfg: ModelConfig, shape: TrainingShape, stage: int = 0) -> 
     counts = blocks_per_stage(cfg.num_layers, pp)
     first = sum(counts[:stage])
     types = cfg.shape.layer_types[first : first + counts[stage]]
-    per_block = [block_activation_bytes(cfg, t, s, b, k, tp, shape.cp) for t in types]
+    per_block = [block_activation_bytes(cfg, t, s, b, k, tp, shape.cp, shape.sp) for t in types]
     s //= shape.cp  # the tokens of this rank's chunk, from here on
+    # Sequence parallelism: the tokens between the blocks (their inputs, the final norm's).
+    between = s // tp if shape.sp else s
     if shape.checkpoint_activations:
         # Only each chunk's input survives forward; backward recomputes one chunk at a time.
-        chunk = max(1, shape.checkpoint_num_layers)
-        kept = s * b * cfg.hidden_size * k // (tp if shape.partition_activations else 1)
-        total = -(-len(types) // chunk) * kept + max(per_block[:chunk])
+        layers = max(1, shape.checkpoint_num_layers)
+        kept = between * b * cfg.hidden_size * k // (tp if shape.partition_activations else 1)
+        total = -(-len(types) // layers) * kept + max(per_block[:layers])
     else:
         # A budget below 1 keeps that fraction of what a block saves beyond its input, which
         # even recomputing everything keeps (torch's partitioner interpolates between the two).
-        kept = s * b * cfg.hidden_size * k
+        kept = between * b * cfg.hidden_size * k
         budget = shape.activation_memory_budget
         total = sum(kept + int(budget * max(0, block - kept)) for block in per_block)
     if stage == 0 and cfg.hidden_dropout > 0:
-        total += s * b * cfg.hidden_size  # embedding dropout mask
+        total += between * b * cfg.hidden_size  # embedding dropout mask
     if stage == pp - 1:
-        # The head: final norm input and the output layer's input.
+        # The head: final norm input and the output layer's (gathered) input.
         shared, own = norm_activation_bytes(cfg, k, cfg.hidden_size)
-        total += s * b * (shared + own + k * cfg.hidden_size)
+        total += between * b * (shared + own) + s * b * k * cfg.hidden_size
     return total * min(pp - stage, shape.grad_accum)
 
 

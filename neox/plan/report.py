@@ -147,8 +147,11 @@ def estimate_report(
     configured = training_shape(cfg, derived, vocab_size).zero_stage
     ckpt = cfg.training.checkpoint_activations
     cp = f"cp {d.context_parallel} (a chunk of {m.seq_length // d.context_parallel} tokens each) x "
+    tp = f"tp {d.tensor_parallel}"
+    if cfg.parallel.sequence_parallel and d.tensor_parallel > 1:
+        tp += f" (sequence parallel: {m.seq_length // d.tensor_parallel} tokens between layers)"
     lines = [
-        f"layout: {d.world_size} GPU(s) = tp {d.tensor_parallel} x pp {d.pipe_parallel} x "
+        f"layout: {d.world_size} GPU(s) = {tp} x pp {d.pipe_parallel} x "
         f"{cp if d.context_parallel > 1 else ''}"
         f"dp {d.data_parallel}; micro batch {d.micro_batch} x seq {m.seq_length}, "
         f"accumulation {d.grad_accum}, {d.precision}; padded vocab {vocab_size}",

@@ -77,7 +77,8 @@ def build_run(cfg: NeoXConfig) -> Run:
             derived.pipe_parallel,
             derived.data_parallel,
             derived.context_parallel,
-        )
+        ),
+        sequence_parallel=cfg.parallel.sequence_parallel,
     )
     tr = cfg.training
 

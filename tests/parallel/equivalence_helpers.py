@@ -30,6 +30,20 @@ MODELS = {
         activation="swiglu",
         gpt_j_residual=True,
     ),
+    # C: Llama-style: RMSNorm, SwiGLU, grouped-query attention, rotary, untied head.
+    "C": dict(
+        num_layers=4,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_kv_heads=2,
+        seq_length=SEQ,
+        pos_emb="rotary",
+        norm="rmsnorm",
+        activation="swiglu",
+        no_weight_tying=True,
+        use_bias_in_attn_linear=False,
+        use_bias_in_mlp=False,
+    ),
 }
 
 # name -> layout, ZeRO stage, features; world size = tp * pp * dp.
@@ -45,6 +59,15 @@ CASES = {
     "dp2_zero3": dict(model="A", tp=1, pp=1, dp=2, zero=3),
     "tp2_pp2": dict(model="B", tp=2, pp=2, dp=1, zero=1),
     "tp2_dp2_zero1": dict(model="B", tp=2, pp=1, dp=2, zero=1),
+    # Sequence parallelism (sp): the same losses as the dense run, with activation checkpointing
+    # (its recompute re-runs the collectives; partition_activations is turned off), ZeRO-3 and compiled blocks (aot_eager: the
+    # functional collectives traced, no C compiler needed).
+    "tp2_sp": dict(model="A", tp=2, pp=1, dp=1, zero=0, checkpoint=True, partition=True, sp=True),
+    "tp2_sp_llama_zero3": dict(model="C", tp=2, pp=1, dp=1, zero=3, sp=True),
+    "tp2_sp_zero2": dict(model="B", tp=2, pp=1, dp=1, zero=2, sp=True),
+    "tp2_sp_llama_compiled": dict(model="C", tp=2, pp=1, dp=1, zero=1, sp=True, compile=True),
+    "tp2_pp2_sp": dict(model="C", tp=2, pp=2, dp=1, zero=1, checkpoint=True, sp=True),
+    "tp2_dp2_zero1_sp": dict(model="B", tp=2, pp=1, dp=2, zero=1, sp=True),
 }
 
 
@@ -79,8 +102,12 @@ def reference_losses(model: str) -> list[float]:
 
 
 def _ds_config(case: dict) -> dict:
+    from neox.config.ds_config import SEQUENCE_PARALLEL_PIPELINE
+
     gas = 2 if case["pp"] > 1 else 1  # the pipeline runs two micro-batches per step
+    pipeline = {"pipeline": SEQUENCE_PARALLEL_PIPELINE} if case.get("sp") else {}
     return {
+        **pipeline,
         "train_batch_size": BATCH,
         "train_micro_batch_size_per_gpu": BATCH // case["dp"] // gas,
         "gradient_accumulation_steps": gas,
@@ -95,9 +122,10 @@ def _run_case(case: dict) -> list[float]:
     import deepspeed
 
     from neox.parallel.build import engine_mpu, parallelize, pipeline_batch
-    from neox.parallel.topology import Topology
+    from neox.parallel.topology import ProcessGroups, Topology
 
-    groups = Topology(case["tp"], case["pp"], case["dp"]).build_groups()
+    topo = Topology(case["tp"], case["pp"], case["dp"])
+    groups = ProcessGroups(topo, sequence_parallel=case.get("sp", False))
     cfg = ModelConfig(**MODELS[case["model"]])
     model = parallelize(
         cfg,
@@ -107,6 +135,8 @@ def _run_case(case: dict) -> list[float]:
         checkpoint_activations=case.get("checkpoint", False),
         checkpoint_num_layers=2 if case["pp"] == 1 else 1,
         partition_activations=case.get("partition", False),
+        torch_compile=case.get("compile", False),
+        torch_compile_backend="aot_eager",
     )
     opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=LR)
     engine, *_ = deepspeed.initialize(

@@ -1,4 +1,5 @@
-"""Tensor, pipeline and data parallel training (ZeRO 1-3) reproduce the dense single-process run.
+"""Tensor, pipeline and data parallel training (ZeRO 1-3), with and without sequence parallelism,
+reproduce the dense single-process run.
 
 Real gloo ranks, the real DeepSpeed engine, 5 Adam steps with gradient clipping on fixed batches,
 fp32: every step's loss must match the dense run to rel 1e-5.
@@ -30,12 +31,13 @@ def _check(out_dir, names):
 @pytest.mark.slow
 def test_two_rank_layouts_match_dense(tmp_path):
     names = ["tp2", "pp2", "dp2_zero1", "dp2_zero2", "dp2_zero3"]
+    names += ["tp2_sp", "tp2_sp_zero2", "tp2_sp_llama_zero3", "tp2_sp_llama_compiled"]
     run_ranks(run_cases, 2, names, str(tmp_path))
     _check(tmp_path, names)
 
 
 @pytest.mark.slow
 def test_four_rank_layouts_match_dense(tmp_path):
-    names = ["tp2_pp2", "tp2_dp2_zero1"]
+    names = ["tp2_pp2", "tp2_dp2_zero1", "tp2_pp2_sp", "tp2_dp2_zero1_sp"]
     run_ranks(run_cases, 4, names, str(tmp_path))
     _check(tmp_path, names)

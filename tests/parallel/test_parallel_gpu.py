@@ -1,4 +1,5 @@
-"""On GPUs with NCCL: TP=2 and PP=2 training through deepy.py match one GPU; fp16 and bf16 train."""
+"""On GPUs with NCCL: TP=2 (with and without sequence parallelism) and PP=2 training through
+deepy.py match one GPU; fp16 and bf16 train."""
 
 import math
 
@@ -25,13 +26,17 @@ def test_tensor_and_pipeline_parallel_match_one_gpu(data):
         "dense": dict(num_gpus=1, master_port=29661),
         "tp2": dict(num_gpus=2, model_parallel_size=2, master_port=29662),
         "pp2": dict(num_gpus=2, pipe_parallel_size=2, master_port=29663),
+        # Sequence parallelism on NCCL, its collectives compiled (torch_compile's default).
+        "tp2_sp": dict(
+            num_gpus=2, model_parallel_size=2, sequence_parallel=True, master_port=29665
+        ),
     }
     result = {}
     for name, layout in runs.items():
         run_deepy("train.py", write_config(data, name, **COMMON, **layout), cpu=False)
         result[name] = losses(data / name / "logs")
         print(name, result[name])
-    for name in ("tp2", "pp2"):
+    for name in ("tp2", "pp2", "tp2_sp"):
         for step, loss in result["dense"].items():
             assert result[name][step] == pytest.approx(loss, rel=1e-4), (name, step)
 
