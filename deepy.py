@@ -191,9 +191,9 @@ def main(argv: list[str]) -> int:
         vocab_size, problems = preflight(loaded, args.script)
         try:
             derived = derive(cfg, plan.world_size, vocab_size)
+            ds_config = build_ds_config(cfg, derived)
         except ConfigError as e:
             raise loaded.explain(e) from None
-        ds_config = build_ds_config(cfg, derived)
         problems += derived_problems(loaded, derived, args.script, cpu_ranks=plan.cpu)
         problems += deepspeed_section_problems(loaded, ds_config)
         if problem := restart_problem(cfg, args.script):

@@ -3,6 +3,7 @@
 from typing import Any, Optional
 
 from neox.config.derived import Derived
+from neox.config.errors import ConfigError
 from neox.config.schema import NeoXConfig
 
 # ZeRO-3's defaults that neox changes where the config is silent (docs/benchmarks.md, "ZeRO-3 at
@@ -117,8 +118,6 @@ def build_ds_config(cfg: NeoXConfig, d: Derived) -> dict[str, Any]:
         "activation_checkpointing": activation_checkpointing_section(cfg),
         **precision_sections(cfg, d),
     }
-    if cfg.parallel.sequence_parallel and d.tensor_parallel > 1 and d.pipe_parallel > 1:
-        out["pipeline"] = SEQUENCE_PARALLEL_PIPELINE
     if cfg.precision.fp32_allreduce:
         out["fp32_allreduce"] = True
     if cfg.precision.communication_data_type:
@@ -138,4 +137,12 @@ def build_ds_config(cfg: NeoXConfig, d: Derived) -> dict[str, Any]:
         if section is not None:
             out[name] = section
     out.update(ds.deepspeed_extra_args or {})
+    if cfg.parallel.sequence_parallel and d.tensor_parallel > 1 and d.pipe_parallel > 1:
+        given = out.get("pipeline") or {}
+        if clash := {k: v for k, v in given.items() if SEQUENCE_PARALLEL_PIPELINE.get(k, v) != v}:
+            raise ConfigError(
+                f"deepspeed_extra_args.pipeline {clash} cannot hold with sequence_parallel: true "
+                "(each tensor-parallel rank sends its own chunk of the sequence whole); remove it"
+            )
+        out["pipeline"] = {**given, **SEQUENCE_PARALLEL_PIPELINE}
     return out

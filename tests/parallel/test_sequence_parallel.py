@@ -106,6 +106,16 @@ def test_pipeline_stages_send_whole_chunks():
     assert build_ds_config(cfg, derive(cfg, 4, 256))["pipeline"] == SEQUENCE_PARALLEL_PIPELINE
     cfg = _config(pipe_parallel_size=2, sequence_parallel=False)
     assert "pipeline" not in build_ds_config(cfg, derive(cfg, 4, 256))
+    # A pipeline section of the user's keeps its other keys; partitioning back on is refused.
+    extra = {"pipeline": {"activation_checkpoint_interval": 1}}
+    cfg = _config(pipe_parallel_size=2, deepspeed_extra_args=extra)
+    pipeline = build_ds_config(cfg, derive(cfg, 4, 256))["pipeline"]
+    assert pipeline == {"activation_checkpoint_interval": 1, **SEQUENCE_PARALLEL_PIPELINE}
+    cfg = _config(
+        pipe_parallel_size=2, deepspeed_extra_args={"pipeline": {"pipe_partitioned": True}}
+    )
+    with pytest.raises(ConfigError, match="pipe_partitioned.*sequence_parallel: true"):
+        build_ds_config(cfg, derive(cfg, 4, 256))
 
 
 @pytest.mark.slow
