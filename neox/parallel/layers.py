@@ -112,7 +112,7 @@ class ColumnParallelLinear(nn.Module):
         linear = self.linear
         if not self.sequence_parallel:
             x = copy_to_tensor_parallel(x, self.group)
-        elif linear is F.linear:  # a float8 matmul (transforms/float8.py) saves its own input
+        elif linear is ColumnParallelLinear.linear:  # not float8's, which saves its own input
             linear = functools.partial(sequence_parallel_linear, group=self.group)
         y = linear(x, self.weight, self.bias)
         return gather_from_tensor_parallel(y, self.group) if self.gather_output else y
