@@ -7,6 +7,7 @@ weights of the dense one.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional
 
 import torch
@@ -21,6 +22,7 @@ from neox.parallel.mappings import (
     reduce_scatter_to_sequence_parallel,
     scatter_to_tensor_parallel,
 )
+from neox.parallel.sequence_linear import sequence_parallel_linear
 
 
 def mark_tensor_parallel(param: nn.Parameter, dim: int) -> nn.Parameter:
@@ -63,8 +65,9 @@ class ColumnParallelLinear(nn.Module):
 
     The input is replicated; the output stays split along its last dim unless gather_output.
     With sequence_parallel the input arrives already gathered over the sequence (the norm before
-    the layer all-gathers it, and that gather's backward reduce-scatters the input gradient), so
-    the layer adds no collective of its own.
+    the layer all-gathers it, and that gather's backward reduce-scatters the input gradient); the
+    layer saves only this rank's chunk of it and re-gathers that in backward
+    (neox/parallel/sequence_linear.py).
     """
 
     PARTITION_DIMS = {"weight": 0, "bias": 0}
@@ -106,9 +109,12 @@ class ColumnParallelLinear(nn.Module):
             self.bias.copy_(shard(bias, 0, self.rank, self.world))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        linear = self.linear
         if not self.sequence_parallel:
             x = copy_to_tensor_parallel(x, self.group)
-        y = self.linear(x, self.weight, self.bias)
+        elif linear is ColumnParallelLinear.linear:  # not float8's, which saves its own input
+            linear = functools.partial(sequence_parallel_linear, group=self.group)
+        y = linear(x, self.weight, self.bias)
         return gather_from_tensor_parallel(y, self.group) if self.gather_output else y
 
     def extra_repr(self) -> str:

@@ -15,13 +15,13 @@ from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from neox.config.model import ModelConfig
 from neox.model.block import Block
 from neox.model.gpt import GPTNeoX
 from neox.model.norms import build_norm
+from neox.parallel.sequence_linear import sequence_parallel_linear
 from neox.parallel.tensor import (
     apply_tensor_parallel,
     init_tensor_parallel,
@@ -80,7 +80,8 @@ class EmbeddingPipe(nn.Module):
 
 def tied_head(module: EmbeddingPipe, hidden: torch.Tensor) -> torch.Tensor:
     """logits shard = hidden @ (this rank's vocab rows of embed_in)^T."""
-    return F.linear(hidden, module.embed_in.weight)
+    group = getattr(module.embed_in, "group", None)
+    return sequence_parallel_linear(hidden, module.embed_in.weight, group=group)
 
 
 class PipeBlock(Block):
@@ -133,7 +134,8 @@ class OutputPipe(nn.Module):
         _finish(self, cfg, groups, seed, "", device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.embed_out.weight)
+        group = getattr(self.embed_out, "group", None)
+        return sequence_parallel_linear(x, self.embed_out.weight, group=group)
 
 
 def pipeline_loss_fn(groups: ProcessGroups) -> Callable[[torch.Tensor, Any], torch.Tensor]:

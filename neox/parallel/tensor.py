@@ -10,7 +10,8 @@ With `groups.sequence_parallel` (Megatron's sequence parallelism) the regions be
 tensor-parallel linears (norms, residual adds, dropout, the embedding's output) hold 1/tp of the
 sequence on each tp rank: the embedding and the row-parallel linears reduce-scatter along the
 sequence instead of all-reducing, and each norm that feeds a tensor-parallel region (attention,
-MLP, head) all-gathers its output, whose backward reduce-scatters. The parameters used on a
+MLP, head) all-gathers its output, whose backward reduce-scatters; the column-parallel linears
+(and the head) reading it save only this rank's chunk (sequence_linear.py). The parameters used on a
 chunk of the tokens (norm weights and biases, row-parallel biases) get their gradients summed
 over the tp ranks by a hook. The weights are those of the model without it.
 """
@@ -44,6 +45,7 @@ from neox.parallel.mappings import (
     gather_from_sequence_parallel,
     scatter_to_sequence_parallel,
 )
+from neox.parallel.sequence_linear import mark_gathered, sequence_parallel_linear
 from neox.parallel.topology import ProcessGroups
 
 logger = logging.getLogger(__name__)
@@ -145,10 +147,13 @@ def apply_tensor_parallel(
     # parallelism the gather's reduce-scatter does, and each rank gets its chunk's sum).
     norm = getattr(model, "final_layer_norm", None)
     if norm is not None:
-        enter = gather_from_sequence_parallel if sequence_parallel else copy_to_tensor_parallel
-        _wrap_forward(norm, lambda fwd, *a, **k: enter(fwd(*a, **k), group))
         if sequence_parallel:
+            _wrap_forward(norm, _gathered(group))
             _mark_partial(norm)
+            if getattr(model, "head_linear", False) is None:  # float8's saves its own input
+                model.head_linear = functools.partial(sequence_parallel_linear, group=group)
+        else:
+            _wrap_forward(norm, lambda fwd, *a, **k: copy_to_tensor_parallel(fwd(*a, **k), group))
     if not any(p.is_meta for p in model.parameters()):
         sum_partial_grads(model, group)  # meta models: init_tensor_parallel does it
     if hasattr(model, "lm_loss"):
@@ -173,9 +178,7 @@ def _shard_sequence(model: nn.Module, group: Any) -> None:
     embedding's reduce-scatter already is), and dropout on a chunk is marked to draw from the
     tp rank's own stream (use_tensor_parallel_rng)."""
 
-    def gathered(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> torch.Tensor:
-        return gather_from_sequence_parallel(forward(*args, **kwargs), group)
-
+    gathered = _gathered(group)
     for module in model.modules():
         if isinstance(module, Block):
             for norm in (module.input_layernorm, module.post_attention_layernorm):
@@ -188,6 +191,17 @@ def _shard_sequence(model: nn.Module, group: Any) -> None:
         _wrap_forward(pos, lambda fwd, *a, **k: scatter_to_sequence_parallel(fwd(*a, **k), group))
     if getattr(model, "emb_dropout", None) is not None:
         model.emb_dropout.on_sequence_chunk = True
+
+
+def _gathered(group: Any) -> Callable[..., torch.Tensor]:
+    """A forward wrapper: the module's output (this rank's chunk) all-gathered over the
+    sequence, tagged with the chunk so the column-parallel linears reading it save only that."""
+
+    def gathered(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> torch.Tensor:
+        chunk = forward(*args, **kwargs)
+        return mark_gathered(gather_from_sequence_parallel(chunk, group), chunk)
+
+    return gathered
 
 
 def _mark_partial(module: nn.Module) -> None:

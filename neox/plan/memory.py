@@ -308,8 +308,9 @@ def block_activation_bytes(
     the MLP's inner activations; plus whole-sequence terms for materialised scores and masks.
     Under context parallelism (cp) a rank holds s / cp tokens, and its attention kernel the
     whole sequence for heads / cp (the same bytes per q, k, v, output; scores of s x s for
-    heads / cp). Under sequence parallelism (sp) the norms and the dropout masks hold s / tp
-    tokens; the linears still save the gathered (whole-sequence) input.
+    heads / cp). Under sequence parallelism (sp) the norms, the dropout masks and the
+    column-parallel linears' saved inputs (this rank's chunk of the gathered norm output) hold
+    s / tp tokens.
     """
     shape = cfg.shape
     h, hs = cfg.hidden_size, shape.head_dim
@@ -318,7 +319,7 @@ def block_activation_bytes(
     tokens = seq * micro_batch // cp
     kernel = select_attention_path(cfg, layer_type, "cuda").impl
 
-    # Norms and the inputs of qkv and of the MLP (width h, whole on every tp rank).
+    # The norms (under sp on this rank's chunk of the tokens, as is all of `chunked`).
     shared, own = norm_activation_bytes(cfg, k, h)
     if cfg.gpt_j_residual:
         # x + attn(ln1(x)) + mlp(ln2(x)): both norms read the same x.
@@ -327,7 +328,11 @@ def block_activation_bytes(
         chunked = 2 * (shared + own)
     if cfg.hidden_dropout > 0:
         chunked += 2 * h  # bool masks of the two residual branches
-    per_token = (1 if cfg.gpt_j_tied else 2) * k * h
+    # The inputs of qkv and of the MLP (gate and up read one): under sp each saves its chunk.
+    linear_inputs = (1 if cfg.gpt_j_tied else 2) * k * h
+    if sp:
+        chunked += linear_inputs
+    per_token = 0 if sp else linear_inputs
     mha = shape.kv_heads == cfg.num_attention_heads
     rotary, qk_norm = cfg.pos_emb == "rotary", cfg.use_qk_layernorm
     kv = hkv if mha else hq  # GQA repeats k and v over the query group
@@ -402,9 +407,9 @@ def activation_bytes(cfg: ModelConfig, shape: TrainingShape, stage: int = 0) -> 
     if stage == 0 and cfg.hidden_dropout > 0:
         total += between * b * cfg.hidden_size  # embedding dropout mask
     if stage == pp - 1:
-        # The head: final norm input and the output layer's (gathered) input.
+        # The head: final norm input and the output layer's input (under sp its saved chunk).
         shared, own = norm_activation_bytes(cfg, k, cfg.hidden_size)
-        total += between * b * (shared + own) + s * b * k * cfg.hidden_size
+        total += between * b * (shared + own + k * cfg.hidden_size)
     return total * min(pp - stage, shape.grad_accum)
 
 

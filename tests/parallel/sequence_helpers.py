@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 
 import torch
 import torch.distributed as dist
 
 from neox.config.model import ModelConfig
 from neox.model import build_model, lm_loss
+from neox.parallel.layers import ColumnParallelLinear
 from neox.parallel.tensor import apply_tensor_parallel, seed_parallel_rng, use_tensor_parallel_rng
 from neox.parallel.topology import ProcessGroups, Topology
 from tests.parallel.equivalence_helpers import MODELS, SEQ, VOCAB
@@ -111,9 +113,12 @@ def check_sequence_mappings(rank: int, world: int) -> None:
 
 def check_compiled_block(rank: int, world: int) -> None:
     """A Llama-style block (two gathered norms, SwiGLU's gate and up reading one gather) makes
-    one all-gather per tensor-parallel region and one reduce-scatter per row-parallel linear,
-    forward and backward alike; compiled, dynamo traces them (no graph break, no eager
-    collective) and the block's output and input gradient equal the eager block's."""
+    one all-gather per tensor-parallel region and one reduce-scatter per row-parallel linear in
+    forward; in backward each row-parallel linear all-gathers, each norm's gather
+    reduce-scatters, and each column-parallel linear (qkv, gate, up) re-gathers its saved chunk.
+    Compiled, dynamo traces them (no graph break, no eager collective), the graph saves the
+    chunks, not the gathered tensors, and the block's output and input gradient equal the eager
+    block's."""
     torch.manual_seed(0)
     calls: list[str] = []
     originals = {name: getattr(dist, name) for name in ("all_gather", "reduce_scatter")}
@@ -143,24 +148,71 @@ def check_compiled_block(rank: int, world: int) -> None:
         forward = list(calls)
         want.square().sum().backward()
     assert forward == ["all_gather", "reduce_scatter"] * 2, forward
-    assert sorted(calls[len(forward) :]) == sorted(forward), calls
+    backward = sorted(calls[len(forward) :])
+    # Two row-parallel linears' all-gathers, qkv's, gate's and up's re-gathers; two norms'.
+    assert backward == ["all_gather"] * 5 + ["reduce_scatter"] * 2, calls
 
     torch._dynamo.reset()
     explained = torch._dynamo.explain(block)(x, position_ids=positions)
     assert explained.graph_break_count == 0, explained.break_reasons
     compiled = torch.compile(block, backend="aot_eager")
     x_compiled = x.clone().requires_grad_()
+    saved: list[tuple[int, ...]] = []
     with counting():
-        got = compiled(x_compiled, position_ids=positions)
+        weights = {p.untyped_storage().data_ptr() for p in block.parameters()}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if t.untyped_storage().data_ptr() not in weights:
+                saved.append(tuple(t.shape))
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            got = compiled(x_compiled, position_ids=positions)
         got.square().sum().backward()
     assert calls == [], f"the compiled block left its graph for {calls}"
+    # The compiled graph saves the norms' chunks, never their gathered outputs (as (B, T, C) or
+    # (B * T, C)): the partitioner would hoist a backward re-gather into forward and save it.
+    whole = [s for s in saved if s[-1] == cfg.hidden_size and math.prod(s) == x.numel() * world]
+    assert not whole and (2, t, cfg.hidden_size) in saved, saved
     torch.testing.assert_close(got, want, **TOL)
     torch.testing.assert_close(x_compiled.grad, x_eager.grad, **TOL)
+
+
+def check_saved_chunks(rank: int, world: int) -> None:
+    """The column-parallel linears save this rank's chunk of their gathered input: the blocks
+    save less than with F.linear (which saves the gathered tensor) by exactly each block's two
+    gathered norm outputs less their chunks (SwiGLU's gate and up share one chunk), and what
+    sequence parallelism saves over tensor parallelism alone is what the estimate says."""
+    from neox.plan.memory import block_activation_bytes
+    from tests.memory_helpers import saved_activation_bytes
+
+    batch = 2
+    ids = torch.randint(0, VOCAB, (batch, SEQ), generator=torch.Generator().manual_seed(5))
+    for name in ("A", "B", "C"):
+        cfg = ModelConfig(**MODELS[name])
+        saved = {}
+        for sp in (False, True):
+            model = build_model(cfg, VOCAB, seed=3)
+            groups = ProcessGroups(Topology(tp=world), sequence_parallel=sp)
+            saved[sp] = saved_activation_bytes(apply_tensor_parallel(model, groups, cfg), ids)
+        for module in model.modules():
+            if isinstance(module, ColumnParallelLinear):
+                module.sequence_parallel = False  # F.linear on the gathered input, as before
+        gathered = saved_activation_bytes(model, ids)
+        per_norm = batch * (SEQ - SEQ // world) * cfg.hidden_size * 4
+        assert gathered - saved[True] == cfg.num_layers * 2 * per_norm, (name, gathered, saved)
+        estimate = {
+            sp: block_activation_bytes(cfg, "global", SEQ, batch, 4, tp=world, sp=sp)
+            for sp in (False, True)
+        }
+        want = cfg.num_layers * (estimate[False] - estimate[True])
+        assert saved[False] - saved[True] == want, (name, saved, estimate)
 
 
 def check_sequence_ranks(rank: int, world: int, models: list[str]) -> None:
     """Everything the in-process tests cannot do, on one set of ranks."""
     check_sequence_mappings(rank, world)
     check_compiled_block(rank, world)
+    check_saved_chunks(rank, world)
     for name in models:
         check_model_grads(rank, world, name)

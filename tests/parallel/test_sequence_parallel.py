@@ -18,7 +18,8 @@ from tests.train_helpers import SHORT_RUN, losses, make_dataset, run_here, write
 @pytest.mark.slow
 def test_collectives_and_gradients_on_two_ranks():
     """The three sequence collectives equal their definitions and their backward is their
-    adjoint; a block makes one collective per region and compiles without a graph break; a
+    adjoint; a block makes the collectives the design says and compiles without a graph
+    break; the column-parallel linears save this rank's chunk of their input; a
     GPT-NeoX (learned positions, tied head), a Pythia-style (parallel residual,
     biases) and a Llama-style model (RMSNorm, SwiGLU, GQA, rotary, untied head) give the plain
     model's loss and gradients at tp 2, the norms' and row-parallel biases' included (each
@@ -81,8 +82,9 @@ def test_it_turns_partition_activations_off():
 
 
 def test_estimate_counts_a_chunk_between_the_linears():
-    """At tp 2 the norms', dropout's and block inputs' activations halve; the linears' gathered
-    inputs, the attention and MLP shards do not; the dry run's layout line says so."""
+    """At tp 2 the norms', dropout's, block inputs' and column-parallel linears' saved inputs
+    halve; the attention and MLP shards do not; the dry run's layout line says so (the rank
+    test checks the bytes saved against a real block's)."""
     from neox.plan.memory import estimate_memory, training_shape
     from neox.plan.report import estimate_report
 
