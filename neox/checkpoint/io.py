@@ -7,7 +7,7 @@ import errno
 import logging
 import random
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Optional
 
@@ -403,17 +403,12 @@ def save_in_background(
     # Host copies the step may not touch (neox.checkpoint.host_staging); cut by name below.
     pieces, scalars = engine.plain_pieces()
     layout, state = engine.layout(), copy.deepcopy(state)
-    mp_rank, dp_rank = engine.parallel_rank()
+    engine_ranks = (rank, *engine.parallel_rank())
     save_dir, tag = staging.parent, staging.name.removesuffix(STAGING_SUFFIX)
 
     def write() -> None:
         try:
-            known = write_pieces(staging, rank, pieces())
-            files = list(known)
-            if dp_rank == 0:
-                files += write_client_state(staging, mp_rank, state)
-            if rank == 0:
-                files += write_meta(staging, layout, scalars)
+            files, known = write_part(staging, pieces, scalars, layout, state, engine_ranks)
             kill_point("async_write", rank, iteration)
             async_save.mark_done(staging, rank, files, known)
             if rank == 0:
@@ -441,14 +436,29 @@ def save_plain_state(engine, staging: Path, client_state: dict[str, Any]) -> dic
     """This rank's part of the training state by plain name (neox.checkpoint.plain_state); the
     checksums computed as it was written (its tensors' files)."""
     pieces, scalars = engine.plain_pieces()  # every rank (collective under ZeRO-3)
-    rank = torch.distributed.get_rank()
-    mp_rank, dp_rank = engine.parallel_rank()
+    ranks = (torch.distributed.get_rank(), *engine.parallel_rank())
+    return write_part(staging, pieces, scalars, engine.layout(), client_state, ranks)[1]
+
+
+def write_part(
+    staging: Path,
+    pieces: Callable[[], list],
+    scalars: dict[str, Any],
+    layout: Layout,
+    client_state: dict[str, Any],
+    ranks: tuple[int, int, int],
+) -> tuple[list[Path], dict[Path, str]]:
+    """This rank's files of a save (ranks: global, model-parallel, data-parallel): its pieces,
+    the client state on data-parallel rank 0, the layout and scalars on rank 0. Returns the
+    files and the checksums taken as the pieces were written."""
+    rank, mp_rank, dp_rank = ranks
     known = write_pieces(staging, rank, pieces())
+    files = list(known)
     if dp_rank == 0:
-        write_client_state(staging, mp_rank, client_state)
+        files += write_client_state(staging, mp_rank, client_state)
     if rank == 0:
-        write_meta(staging, engine.layout(), scalars)
-    return known
+        files += write_meta(staging, layout, scalars)
+    return files, known
 
 
 def read_by_name(engine, step_dir: Path, finetune: bool) -> Optional[Layout]:
