@@ -84,7 +84,7 @@ def activation_checkpointing_section(cfg: NeoXConfig) -> dict[str, Any]:
         "profile": t.profile_backward,
     }
     section.update(cfg.deepspeed.activation_checkpointing or {})
-    if cfg.parallel.sequence_parallel and cfg.parallel.model_parallel_size > 1:
+    if cfg.parallel.splits_sequence:
         # Block inputs are already split by sequence (neox/parallel/activation_checkpointing.py).
         section["partition_activations"] = False
     return section
@@ -137,7 +137,7 @@ def build_ds_config(cfg: NeoXConfig, d: Derived) -> dict[str, Any]:
         if section is not None:
             out[name] = section
     out.update(ds.deepspeed_extra_args or {})
-    if cfg.parallel.sequence_parallel and d.tensor_parallel > 1 and d.pipe_parallel > 1:
+    if cfg.parallel.splits_sequence and d.pipe_parallel > 1:
         given = out.get("pipeline") or {}
         if clash := {k: v for k, v in given.items() if SEQUENCE_PARALLEL_PIPELINE.get(k, v) != v}:
             raise ConfigError(

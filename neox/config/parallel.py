@@ -37,7 +37,7 @@ class ParallelConfig(ConfigGroup):
 
     sequence_parallel: Annotated[
         bool,
-        Reads("neox/training/setup.py", "neox/plan/memory.py"),
+        Reads("neox/config/parallel.py"),
         Restricted(
             "With model_parallel_size > 1, needs seq_length divisible by it, and is not with "
             "context_parallel_size > 1, MoE (moe_num_experts > 1), LoRA (lora_rank > 0) or "
@@ -101,7 +101,7 @@ class ParallelConfig(ConfigGroup):
                 "loss reads whole sequences' log-probabilities on one rank; use "
                 "context_parallel_size 1"
             )
-        if self.sequence_parallel and self.model_parallel_size > 1:
+        if self.splits_sequence:
             self._check_sequence_parallel(train_impl, model, lora_rank)
 
     def _check_sequence_parallel(self, train_impl: str, model: ModelConfig, lora_rank: int) -> None:
@@ -127,6 +127,11 @@ class ParallelConfig(ConfigGroup):
                 raise ValueError(
                     f"{what} is not supported with {reason}; set sequence_parallel to false"
                 )
+
+    @property
+    def splits_sequence(self) -> bool:
+        """sequence_parallel in effect: asked for, and tensor parallelism to split over."""
+        return self.sequence_parallel and self.model_parallel_size > 1
 
     @property
     def pp(self) -> int:

@@ -238,7 +238,7 @@ def training_shape(
     zero = zero_section(cfg, derived.data_parallel * cp, zero_stage)
     t, spec = cfg.training, cfg.optimizer.optimizer
     tp, pp = derived.tensor_parallel, derived.pipe_parallel
-    sp = cfg.parallel.sequence_parallel and tp > 1  # it turns partition_activations off
+    sp = cfg.parallel.splits_sequence  # it turns partition_activations off
     compiled = torch_compile_enabled(t.torch_compile, device)
     pref = cfg.preference
     # DPO and RM run each pair's two answers as two rows, over full (eager) logits.

@@ -148,7 +148,7 @@ def estimate_report(
     ckpt = cfg.training.checkpoint_activations
     cp = f"cp {d.context_parallel} (a chunk of {m.seq_length // d.context_parallel} tokens each) x "
     tp = f"tp {d.tensor_parallel}"
-    if cfg.parallel.sequence_parallel and d.tensor_parallel > 1:
+    if cfg.parallel.splits_sequence:
         tp += f" (sequence parallel: {m.seq_length // d.tensor_parallel} tokens between layers)"
     lines = [
         f"layout: {d.world_size} GPU(s) = {tp} x pp {d.pipe_parallel} x "

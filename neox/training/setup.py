@@ -78,7 +78,7 @@ def build_run(cfg: NeoXConfig) -> Run:
             derived.data_parallel,
             derived.context_parallel,
         ),
-        sequence_parallel=cfg.parallel.sequence_parallel,
+        sequence_parallel=cfg.parallel.splits_sequence,
     )
     tr = cfg.training
 
