@@ -40,13 +40,20 @@ def _split_last(x: torch.Tensor, group: Any) -> torch.Tensor:
     return x.chunk(world, dim=-1)[rank].contiguous()
 
 
-def _gather_last(x: torch.Tensor, group: Any) -> torch.Tensor:
+def _gather(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+    """The ranks' x concatenated along `dim`."""
     if torch.compiler.is_compiling():
+        # Gathered along dim 0, then concatenated here: funcol's own gather along another dim
+        # calls a helper torch 2.11's dynamo refuses to trace (a graph break at every gather).
         stacked = funcol.all_gather_tensor(x.contiguous(), 0, group)  # ranks along dim 0
-        return torch.cat(stacked.chunk(_world(group), dim=0), dim=-1)
+        return torch.cat(stacked.chunk(_world(group), dim=0), dim=dim)
     parts = [torch.empty_like(x) for _ in range(_world(group))]
     dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts, dim=-1)
+    return torch.cat(parts, dim=dim)
+
+
+def _gather_last(x: torch.Tensor, group: Any) -> torch.Tensor:
+    return _gather(x, x.dim() - 1, group)
 
 
 def _seq_dim(x: torch.Tensor) -> int:
@@ -63,12 +70,7 @@ def _split_sequence(x: torch.Tensor, group: Any) -> torch.Tensor:
 
 
 def _gather_sequence(x: torch.Tensor, group: Any) -> torch.Tensor:
-    dim = _seq_dim(x)
-    if torch.compiler.is_compiling():
-        return funcol.all_gather_tensor(x.contiguous(), dim, group)
-    parts = [torch.empty_like(x) for _ in range(_world(group))]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts, dim=dim)
+    return _gather(x, _seq_dim(x), group)
 
 
 def _reduce_scatter_sequence(x: torch.Tensor, group: Any) -> torch.Tensor:
