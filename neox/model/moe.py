@@ -183,6 +183,22 @@ def _rows(x: torch.Tensor, row: torch.Tensor, dropping: bool) -> torch.Tensor:
     return x[row]
 
 
+def sum_choices(rows: torch.Tensor, weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """rows (k, N, C) -> their sum over the k choices, weighted by weights (N, k) if given,
+    accumulated in fp32 and returned in rows' dtype, as k - 1 adds of whole (N, C) slices.
+    Written as `.sum(0)`, inductor makes a reduction over a dim of k whose loads each touch k
+    rows; on an H200 those kernels ran at about a fifth of the memory bandwidth
+    (docs/benchmarks.md, MoE at micro batch 8 x 4). The adds fuse into one pointwise kernel,
+    each of whose loads reads along a row."""
+    total = None
+    for j in range(rows.shape[0]):
+        part = rows[j].float()
+        if weights is not None:
+            part = part * weights[:, j : j + 1]
+        total = part if total is None else total + part
+    return total.to(rows.dtype)
+
+
 # Both directions of the dispatch and of the combine are gathers: the scatter-adds autograd
 # would make of an index (atomics on GPUs, k of them into each token's row, summed in bf16 in
 # no fixed order) become gathers and a sum over the k choices (fp32 accumulation, one order).
@@ -200,7 +216,7 @@ class _Dispatch(torch.autograd.Function):
     def backward(ctx, grad):
         (row,) = ctx.saved_tensors
         copies = _rows(grad, row, ctx.dropping).view(-1, ctx.n, grad.shape[-1])  # (k, N, C)
-        return copies.sum(0), None, None, None
+        return sum_choices(copies), None, None, None
 
 
 class _Combine(torch.autograd.Function):
@@ -285,7 +301,7 @@ class MoE(nn.Module):
         else:
             out = self.dispatch(self.experts, routed, kept)
         combined = _Combine.apply(out, order, row, dropping).view(self.top_k, n, -1)  # (k, N, C)
-        y = (combined * weights.t().unsqueeze(-1)).sum(0)
+        y = sum_choices(combined, weights)
         if self.shared_experts is not None:
             shared = self.shared_experts(tokens)
             if self.shared_expert_gate is not None:

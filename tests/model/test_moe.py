@@ -363,3 +363,16 @@ def test_narrow_ids_sort_in_the_same_stable_order(n, dtype):
     narrow = narrow_ids(ids, n)
     assert narrow.dtype == dtype
     assert torch.equal(torch.argsort(narrow, stable=True), torch.argsort(ids, stable=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sum_choices_is_the_weighted_sum_over_k_in_the_rows_dtype(dtype):
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randn(8, 5, 6, generator=g).to(dtype)
+    weights = torch.rand(5, 8, generator=g).to(dtype)
+    want = (rows.double() * weights.t().unsqueeze(-1).double()).sum(0)
+    got = moe_module.sum_choices(rows, weights)
+    assert got.dtype == dtype
+    tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=8e-3, atol=8e-3)
+    torch.testing.assert_close(got.double(), want, **tol)
+    torch.testing.assert_close(moe_module.sum_choices(rows).double(), rows.double().sum(0), **tol)
