@@ -69,7 +69,8 @@ class ParallelConfig(ConfigGroup):
     hold the same input. Off at model_parallel_size 1, as in Megatron (one rank's chunk would be
     the whole sequence), so a config that sets it for its tensor-parallel layouts also runs on
     one GPU. A memory lever, not a speed one: at Pythia-1.4B, TP=2 on two H200s of one node, it
-    trained at 0.71x the tokens/s of TP alone (docs/parallelism.md)."""
+    trained at 49.9k tokens/s against 60-70k for TP alone in the same day's other calls
+    (docs/parallelism.md)."""
 
     distributed_backend: Annotated[
         Literal["nccl", "gloo", "mpi"], Reads("neox/parallel/distributed.py")
