@@ -127,7 +127,7 @@ def run_mode(configs: list[Path], out: Path, mode: str, args: argparse.Namespace
     records = [json.loads(x) for x in (here / "logs" / "metrics.jsonl").read_text().splitlines()]
     saves = {r["step"]: r["save_time_s"] for r in records if r["split"] == "save"}
     # The part of each stall spent waiting for the previous save's background write.
-    waits = [r.get("save_wait_s", 0.0) for r in records if r["split"] == "save"]
+    waits = {r["step"]: r.get("save_wait_s", 0.0) for r in records if r["split"] == "save"}
     # Each step's own time as the loop measured it (`step_time_s`), not the gap between two
     # records: the loop writes a record a step late (it reads the loss without waiting), and
     # flushes it before a save, so record gaps put parts of the neighbouring steps in.
@@ -148,7 +148,11 @@ def run_mode(configs: list[Path], out: Path, mode: str, args: argparse.Namespace
         "stall_mean_s": mean(list(saves.values())),
         "stall_max_s": max(saves.values()) if saves else None,
         "stalls_s": [round(saves[k], 3) for k in sorted(saves)],
-        "wait_mean_s": mean(waits),
+        "wait_mean_s": mean(list(waits.values())),
+        "waits_s": [round(waits[k], 3) for k in sorted(saves)],
+        # What a save itself costs the step (issue 35's bound): its stall less the wait for an
+        # earlier write, which a save interval longer than a write never pays.
+        "own_stall_max_s": max(saves[k] - waits[k] for k in saves) if saves else None,
         "step_after_save_s": mean(after),
         "step_other_s": mean(other),
         "wall_s": wall,
@@ -192,6 +196,13 @@ def main(argv: list[str] | None = None) -> None:
     if len(results) == 2 and results[0]["stall_mean_s"] and results[1]["stall_mean_s"]:
         ratio = results[0]["stall_mean_s"] / results[1]["stall_mean_s"]
         print(f"async_save stalls training {ratio:.1f}x less than a synchronous save")
+    for record in results:
+        if record["own_stall_max_s"] is not None and record["step_other_s"]:
+            print(
+                f"{record['mode']}: a save's own stall {record['own_stall_max_s']:.2f} s at most "
+                f"(less waits for earlier writes {record['waits_s']}), "
+                f"one step {record['step_other_s']:.2f} s"
+            )
 
 
 if __name__ == "__main__":

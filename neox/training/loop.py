@@ -288,6 +288,13 @@ def save(run: Run, iteration: int, writer: MetricsWriter) -> None:
     # the step for that wait, not for the copy.
     wait_for_saves()
     waited = time.perf_counter() - tick
+    if waited >= 1.0:
+        log.warning(
+            "the checkpoint at iteration %d waited %.1f s for the previous one's background "
+            "write: saves come closer together than a write takes (raise checkpoint_factor)",
+            iteration,
+            waited,
+        )
     state = {"consumed_train_samples": iteration * run.derived.global_batch, **run.counters}
     if run.objective is not None:
         state.update(run.objective.checkpoint_state())  # the reference weights, for a resume
