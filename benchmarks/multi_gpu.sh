@@ -19,8 +19,9 @@
 #   eight    --plan 8gpu on an 8-GPU kind: 6.9B TP2 x PP2 x DP2, configs/20B.yml unchanged
 #   moe1     benchmarks/moe_throughput.py --plan 1gpu --profile (issue 37; one GPU is enough):
 #            OLMoE-1B-7B at 8 layers against a dense model of its active FLOPs and HF + compile
-#   moe4     the same --plan 4gpu: one GPU against EP=4 and DP=4
-#   context  issue 38: pytest -m multigpu tests/parallel/test_context.py (CP=4 equality), the
+#   moe4     one GPU against EP=4 at micro batch 8 x 4, profiled
+#   context  issue 38: profiles of 1.4B at 32k and 128k on CP=4 (attention against all-to-all)
+#   context-all  pytest -m multigpu tests/parallel/test_context.py (CP=4 equality), the
 #            long-context plan without recompute (1.4B 32k one GPU vs CP=4, 128k CP=4), and a
 #            profile of 1.4B 32k at CP=4
 #   survive  issue 35: the layout-free resume matrix at 4 GPU ranks (pytest -m multigpu
@@ -32,7 +33,7 @@
 # tokenizer (data/20B_tokenizer.json).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?usage: benchmarks/multi_gpu.sh tier1|tier2|tier3|speed1|speed2|speed3|profile|eight|moe1|moe4|context|survive|stall4}
+part=${1:?usage: benchmarks/multi_gpu.sh tier1|tier2|tier3|speed1|speed2|speed3|profile|eight|moe1|moe4|context|context-all|survive|stall4}
 out=runs/multi_gpu/$part
 mkdir -p "$out"
 pack() {
@@ -84,8 +85,15 @@ case $part in
       --timeout 240 ;;
   eight) bench --plan 8gpu --iters 8 --first 4 --timeout 280 ;;
   moe1) moe --plan 1gpu ;;
-  moe4) moe --plan 4gpu ;;
+  # At the micro batch of the last measured ratios (8 x 4,096 tokens, 4 a step), where one GPU
+  # is at 0.81x the dense model: EP=4's scaling and its profile (all-to-all against the rest).
+  moe4) moe --runs moe1 ep4 --micro-batch 8 --accum 4 --iters 8 --first 4 ;;
+  # The equality (CP=4; 2 passed on 4 x H200) and the speed plan ran on 2026-11-28; what is left
+  # is the profile that splits the step into attention kernel and exposed all-to-all.
   context)
+    bench --models 1-4B-32k-keep 1-4B-128k-keep --runs cp4 --profile --iters 6 --first 3 \
+      --timeout 150 ;;
+  context-all)
     tier tests/parallel/test_context.py || true
     bench --plan long-context-keep --iters 8 --first 4 --timeout 150 || true
     bench --models 1-4B-32k-keep --runs cp4 --profile --iters 6 --first 3 --timeout 150 ;;
