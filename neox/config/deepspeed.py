@@ -11,12 +11,20 @@ class DeepSpeedConfig(ConfigGroup):
     """DeepSpeed's own config sections and gpt-neox's shorthands for them."""
 
     zero_optimization: Annotated[
-        Optional[dict[str, Any]], Reads("neox/config/ds_config.py", "neox/config/deepspeed.py")
+        Optional[dict[str, Any]],
+        Reads(
+            "neox/config/ds_config.py", "neox/config/deepspeed.py", "neox/training/flat_engine.py"
+        ),
     ] = None
     """DeepSpeed ZeRO section, e.g. {"stage": 1, "overlap_comm": true}. At stage 3, where unset
     and DeepCompile is off, neox's transformer blocks are ZeRO-3 leaf modules (`leaf_module: {classes:
     [neox.model.block.Block]}`): a block's weights are gathered at once, and its compiled graph
-    is not broken by a hook per submodule."""
+    is not broken by a hook per submodule. neox's flat engine (data parallelism alone) reads
+    `overlap_comm` (default false) and `reduce_bucket_size` (default 500,000,000 elements): with
+    overlap_comm, gradients are all-reduced in buckets of at most reduce_bucket_size elements
+    during the backward of a step's last micro batch instead of reduce-scattered after it
+    (neox/training/grad_buckets.py); not with fp32_allreduce or a communication_data_type other
+    than the gradients' own, where they are reduced after the backward."""
 
     zero_stage: Annotated[Optional[int], Reads("neox/config/deepspeed.py")] = Field(
         None, ge=0, le=3

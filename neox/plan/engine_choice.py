@@ -20,11 +20,12 @@ from neox.config.schema import NeoXConfig
 FLAT_OPTIMIZERS = ("adam", "adamw")
 
 # DeepSpeed config keys the flat engine honours as DeepSpeed's engine does (batch sizes,
-# clipping, precision, ZeRO stage 0-1, comm dtype, the steps_per_print and wall_clock_breakdown
-# logs), or that act outside the engine (activation_checkpointing: neox/parallel applies it to
-# the model; zero_allow_untested_optimizer: neox's own flag for DeepSpeed's check). Any other
-# key, or one of these set as only DeepSpeed implements it, runs on DeepSpeed's engine
-# (`_flat_misses`); tests/training/test_engine_keys.py holds every key to its engine.
+# clipping, precision, ZeRO stage 0-1 and overlap_comm, comm dtype, the steps_per_print and
+# wall_clock_breakdown logs), or that act outside the engine (activation_checkpointing:
+# neox/parallel applies it to the model; zero_allow_untested_optimizer: neox's own flag for
+# DeepSpeed's check). Any other key, or one of these set as only DeepSpeed implements it,
+# runs on DeepSpeed's engine (`_flat_misses`); tests/training/test_engine_keys.py holds every
+# key to its engine.
 FLAT_KEYS = (
     *("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"),
     *("gradient_clipping", "steps_per_print", "bf16", "fp16", "zero_optimization"),
@@ -33,13 +34,17 @@ FLAT_KEYS = (
     *("wall_clock_breakdown", "dump_state", "amp", "checkpoint"),
     *("flops_profiler", "comms_logger", "csv_monitor", "autotuning", "elasticity"),
 )
-# zero_optimization keys that change nothing in the flat engine: it does one reduce-scatter and
-# one all-gather per parameter group (so no buckets, nothing to overlap, gradients always
-# contiguous), and DeepSpeed itself ignores the stage3_* keys below stage 3.
+# zero_optimization keys the flat engine reads: the stage, and overlap_comm with its
+# reduce_bucket_size (gradients reduced in buckets during the backward, `overlaps_reduction`).
+FLAT_ZERO_KEYS = ("stage", "overlap_comm", "reduce_bucket_size")
+# zero_optimization keys that change nothing in the flat engine: it does one all-gather per
+# parameter group, its gradients are always contiguous (views into one buffer), and DeepSpeed
+# itself ignores the stage3_* keys below stage 3.
 FLAT_ZERO_NO_OPS = (
-    *("stage", "reduce_bucket_size", "allgather_bucket_size", "overlap_comm"),
-    *("contiguous_gradients", "reduce_scatter", "allgather_partitions"),
+    *("allgather_bucket_size", "allgather_partitions", "contiguous_gradients", "reduce_scatter"),
 )
+# DeepSpeed's default reduce_bucket_size (deepspeed/runtime/zero/config.py), in elements.
+REDUCE_BUCKET_SIZE = 500_000_000
 # Sections that do something only when enabled; off, neither engine acts on them.
 ENABLED_SECTIONS = ("flops_profiler", "comms_logger", "csv_monitor")
 # Sections neither engine can run from a neox launch: refused by name when enabled.
@@ -123,7 +128,8 @@ def _flat_misses(ds_config: dict[str, Any], precision: str) -> Optional[str]:
                 return f"data_types.grad_accum_dtype={accum} (the flat engine accumulates in {precision})"
         if key == "zero_optimization":
             for name in value:
-                if name not in FLAT_ZERO_NO_OPS and not name.startswith("stage3_"):
+                known = name in FLAT_ZERO_KEYS or name in FLAT_ZERO_NO_OPS
+                if not known and not name.startswith("stage3_"):
                     return f"zero_optimization.{name}"
     return None
 
@@ -212,6 +218,42 @@ def one_pass_adamw(adamw: bool, amsgrad: bool, maximize: bool, device_type: str)
     """Whether the flat engine steps with neox.kernels.adamw (one Triton pass over the bf16
     gradient) rather than torch's fused AdamW on an fp32 copy: plain AdamW on a GPU."""
     return device_type == "cuda" and adamw and not (amsgrad or maximize)
+
+
+def overlaps_reduction(
+    overlap_comm: bool, comm_dtype: Optional[str], precision: str, gradient_ranks: int
+) -> Optional[str]:
+    """Why the flat engine reduces gradients after the backward rather than in buckets during
+    it (None: it overlaps). Buckets are all-reduced in place in the gradient buffer, so only in
+    the gradients' own dtype; one rank has nothing to reduce.
+
+    Args:
+        comm_dtype: communication_data_type (or "fp32" for fp32_allreduce); None: the gradients'.
+        precision: the gradients' dtype ("bf16" or "fp32").
+        gradient_ranks: the ranks gradients are reduced over (data x context parallel).
+    """
+    if not overlap_comm:
+        return "overlap_comm off"
+    if gradient_ranks == 1:
+        return "one data-parallel rank"
+    if comm_dtype not in (None, precision):
+        return f"communication in {comm_dtype}, not the gradients' {precision}"
+    return None
+
+
+def describe_reduction(ds_config: dict[str, Any], gradient_ranks: int) -> str:
+    """How the flat engine reduces a run's gradients, in words, from the DeepSpeed config (the
+    keys FlatSettings.of reads)."""
+    zero = ds_config.get("zero_optimization", {})
+    precision = "bf16" if ds_config.get("bf16", {}).get("enabled") else "fp32"
+    comm = ds_config.get("communication_data_type")
+    comm = comm or ("fp32" if ds_config.get("fp32_allreduce") else None)
+    overlap = bool(zero.get("overlap_comm", False))
+    why_not = overlaps_reduction(overlap, comm, precision, gradient_ranks)
+    if why_not is not None:
+        return f"reduce-scattered after the backward ({why_not})"
+    size = int(zero.get("reduce_bucket_size", REDUCE_BUCKET_SIZE))
+    return f"all-reduced during the backward in buckets of up to {size:,} elements (overlap_comm)"
 
 
 def torch_compile_enabled(setting: Optional[bool], device_type: str) -> bool:

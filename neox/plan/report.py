@@ -9,8 +9,9 @@ import dataclasses
 from typing import Optional
 
 from neox.config.derived import Derived, padded_vocab
+from neox.config.ds_config import build_ds_config
 from neox.config.schema import NeoXConfig
-from neox.plan.engine_choice import engine_for, torch_compile_enabled
+from neox.plan.engine_choice import describe_reduction, engine_for, torch_compile_enabled
 from neox.plan.estimate import (
     active_parameters,
     all_to_all_bytes,
@@ -76,7 +77,8 @@ def memory_by_stage(
 
 
 def describe_engines(cfg: NeoXConfig, derived: Derived, vocab_size: int) -> str:
-    """One line: the engine each ZeRO column assumes and how the loss runs on a GPU."""
+    """One line: the engine each ZeRO column assumes, how the loss runs on a GPU and, where the
+    flat engine reduces gradients over ranks, when."""
     shapes = [training_shape(cfg, derived, vocab_size, zero_stage=s) for s in range(4)]
     by_engine: dict[str, list[str]] = {}
     for shape in shapes:
@@ -95,7 +97,11 @@ def describe_engines(cfg: NeoXConfig, derived: Derived, vocab_size: int) -> str:
         "chunked": f"chunked, {cfg.model.lm_loss_chunk_size} tokens at a time",
         "eager": "eager, fp32 log-softmax over the logits",
     }
-    return f"engine: {engines}; loss: {words[shapes[0].loss]}"
+    line = f"engine: {engines}; loss: {words[shapes[0].loss]}"
+    gradient_ranks = derived.data_parallel * derived.context_parallel
+    if choice.engine == "flat" and gradient_ranks > 1:
+        line += f"; gradients: {describe_reduction(build_ds_config(cfg, derived), gradient_ranks)}"
+    return line
 
 
 def tokens_per_second(

@@ -9,7 +9,8 @@ buffer (each data-parallel rank owns one contiguous partition, as in ZeRO-1), th
 gradient norm (all-reduced), one AdamW pass over the partition (neox.kernels.adamw on GPU: the
 clipping factor and the skip of a non-finite step applied inside, the bf16 weights written in
 the same pass; torch's fused AdamW elsewhere), and one all-gather of the updated bf16 weights.
-No host sync, no per-tensor launches.
+No host sync, no per-tensor launches. With overlap_comm (below) the reduce-scatter gives way
+to bucketed all-reduces during the backward.
 
 The semantics are DeepSpeed's ZeRO-1: bf16 parameters with fp32 master weights partitioned over
 the data-parallel ranks (fp32 runs train the parameters themselves), the loss divided by the
@@ -24,9 +25,14 @@ it honours as DeepSpeed's engine does (the rest send a run to DeepSpeed's, see
 neox.plan.engine_choice.FLAT_KEYS): gradient_clipping; fp32_allreduce and
 communication_data_type (the dtype gradients are reduced in); data_types.grad_accum_dtype when
 it is the training precision; steps_per_print (a `step=, lr=` debug line) and wall_clock_breakdown
-(fwd/bwd/step times, DeepSpeed's timers, read at those steps only). ZeRO's bucket sizes,
-overlap_comm, contiguous_gradients and reduce_scatter change nothing here: each group's
-gradients are one buffer, reduced by one collective.
+(fwd/bwd/step times, DeepSpeed's timers, read at those steps only); zero_optimization's
+overlap_comm and reduce_bucket_size: the gradients are then reduced in buckets during the
+backward of a step's last micro batch, each an all-reduce in place, launched in one order on
+every rank (neox/training/grad_buckets.py), where the step's reduce-scatter waited for the whole
+backward; the partitions, the norm, AdamW and the all-gather are the same. Only in the
+gradients' own dtype and across ranks (neox.plan.engine_choice.overlaps_reduction says why
+not). allgather_bucket_size, contiguous_gradients and reduce_scatter change nothing here: the
+weights are gathered by one collective a group, the gradients are one buffer.
 """
 
 from __future__ import annotations
@@ -44,8 +50,9 @@ from torch import nn
 
 from neox.checkpoint.host_staging import HostStaging
 from neox.data.batch import Batch
-from neox.plan.engine_choice import one_pass_adamw
+from neox.plan.engine_choice import REDUCE_BUCKET_SIZE, one_pass_adamw, overlaps_reduction
 from neox.training.engine import LossFn, StepResult, forward_loss, take, weigh_micro_batches
+from neox.training.grad_buckets import GradBuckets
 
 if TYPE_CHECKING:
     from neox.config import Derived, NeoXConfig
@@ -80,14 +87,24 @@ class FlatSettings:
     """A `step=, lr=` debug line (and the wall-clock times) every this many steps; 0: never."""
     wall_clock_breakdown: bool = False
     """Time forward, backward and step with DeepSpeed's timers, logged at steps_per_print."""
+    overlap_comm: bool = False
+    """Reduce the gradients in buckets during the backward of a step's last micro batch
+    (zero_optimization.overlap_comm; neox/training/grad_buckets.py)."""
+    reduce_bucket_size: int = REDUCE_BUCKET_SIZE
+    """Elements of a bucket under overlap_comm, at most (zero_optimization.reduce_bucket_size)."""
 
     @classmethod
     def of(cls, cfg: NeoXConfig, derived: Derived) -> FlatSettings:
         """The settings of a validated config, as DeepSpeed's engine reads the same keys
         (neox.config.ds_config builds its JSON from them): communication_data_type, else fp32
         with fp32_allreduce; deepspeed_extra_args, which DeepSpeed's JSON takes last, win."""
+        from neox.config.ds_config import zero_section
+
         t, p, lg = cfg.training, cfg.precision, cfg.logging
         extra = cfg.deepspeed.deepspeed_extra_args or {}
+        zero = extra.get("zero_optimization")
+        if zero is None:
+            zero = zero_section(cfg, derived.data_parallel * derived.context_parallel)
         comm = p.communication_data_type or ("fp32" if p.fp32_allreduce else None)
         if "communication_data_type" in extra or "fp32_allreduce" in extra:
             comm = extra.get("communication_data_type") or (
@@ -99,10 +116,12 @@ class FlatSettings:
             grad_accum=derived.grad_accum,
             clip=float(extra.get("gradient_clipping", clip) or 0.0),
             bf16=derived.precision == "bf16",
-            zero_stage=int((extra.get("zero_optimization") or {}).get("stage", derived.zero_stage)),
+            zero_stage=int(zero.get("stage", derived.zero_stage)),
             comm_dtype=comm,
             steps_per_print=int(extra.get("steps_per_print", lg.steps_per_print) or 0),
             wall_clock_breakdown=bool(extra.get("wall_clock_breakdown", lg.wall_clock_breakdown)),
+            overlap_comm=bool(zero.get("overlap_comm", False)),
+            reduce_bucket_size=int(zero.get("reduce_bucket_size", REDUCE_BUCKET_SIZE)),
         )
 
 
@@ -221,6 +240,7 @@ class FlatEngine:
         )
         for group in self.optimizer.param_groups:
             group["fused"] = True  # one launch per group; grad_scale and found_inf are honoured
+        self.buckets = self._buckets(settings, model)
         device = self.groups[0].flat.device
         self.one_pass = self.bf16 and _one_pass_ok(self.optimizer, device)
         self.global_steps = 0
@@ -234,6 +254,22 @@ class FlatEngine:
         self._trained: Optional[torch.Tensor] = None  # the last step's global count
         self.device = device
         self.staging = HostStaging()  # checkpoints' host copies, reused save to save
+
+    def _buckets(self, settings: FlatSettings, model: nn.Module) -> Optional[GradBuckets]:
+        """overlap_comm's buckets, or None where the gradients are reduced at the step."""
+        precision = "bf16" if self.bf16 else "fp32"
+        dp = self.dp
+        why_not = overlaps_reduction(settings.overlap_comm, settings.comm_dtype, precision, dp)
+        if why_not is not None:
+            log.debug("flat engine: gradients reduced after the backward (%s)", why_not)
+            return None
+        positions = {id(p): i for i, p in enumerate(model.parameters())}
+        size = settings.reduce_bucket_size
+        buckets = GradBuckets(
+            self.groups, positions, size, self.dp_group, self.is_gradient_accumulation_boundary
+        )
+        log.debug("flat engine: gradients reduced during the backward, %s", buckets.describe())
+        return buckets
 
     # -- forward, backward, step --------------------------------------------------------------
 
@@ -310,8 +346,12 @@ class FlatEngine:
 
     @torch.no_grad()
     def _optimizer_step(self) -> None:
+        in_buckets = self.buckets.groups if self.buckets is not None else []
+        if self.buckets is not None:
+            self.buckets.finish()
         for g in self.groups:
-            g.reduce_gradients(self.dp_group, self.comm_dtype)
+            if not any(g is b for b in in_buckets):
+                g.reduce_gradients(self.dp_group, self.comm_dtype)
         # The partitions hold gradient sums over the ranks: the norm of the gradient is the
         # all-reduced sum of squares, square-rooted, over the divisor: dp for mean losses, the
         # step's global trained-token count (over the accumulation steps, which backward

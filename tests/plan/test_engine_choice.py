@@ -12,6 +12,7 @@ from neox.plan.engine_choice import (
     engine_for,
     flat_engine_unsupported,
     loss_path,
+    overlaps_reduction,
 )
 from tests.training.test_flat_engine import rank  # noqa: F401  (one gloo rank, a fixture)
 
@@ -38,7 +39,7 @@ CASES = [
     (ds(stage=3), "adamw", 1, 1, "ZeRO-3 (gradient or weight partitioning)"),
     (ds(offload_optimizer={"device": "cpu"}), "adamw", 1, 1, "ZeRO offload"),
     (ds(), "sgd", 1, 1, "optimizer sgd"),
-    (ds(reduce_bucket_size=10), "adamw", 2, 1, None),  # one collective per group: no buckets
+    (ds(reduce_bucket_size=10, overlap_comm=True), "adamw", 2, 1, None),  # read: buckets
     (ds(round_robin_gradients=True), "adamw", 2, 1, "zero_optimization.round_robin_gradients"),
     ({**ds(), "wall_clock_breakdown": True}, "adamw", 1, 1, None),
     ({**ds(), "prescale_gradients": True}, "adamw", 1, 1, "prescale_gradients: true"),
@@ -64,6 +65,48 @@ def test_zero3_at_one_rank_says_it_partitions_nothing(zero, dp, mp, noted):
     choice = choose_engine(ds(stage=3, **zero), "adamw", dp, mp)
     assert (ZERO3_ONE_RANK_NOTE in choice.describe()) is noted
     assert choose_engine(ds(stage=1), "adamw", 1, 1).note is None
+
+
+@pytest.mark.parametrize(
+    "overlap,comm,precision,ranks,why_not",
+    [
+        (True, None, "bf16", 2, None),
+        (True, "bf16", "bf16", 4, None),
+        (True, "fp32", "fp32", 2, None),
+        (False, None, "bf16", 2, "overlap_comm off"),
+        (True, None, "bf16", 1, "one data-parallel rank"),
+        (True, "fp32", "bf16", 2, "communication in fp32, not the gradients' bf16"),
+    ],
+)
+def test_the_flat_engine_overlaps_its_reduction_only_in_the_gradients_dtype(
+    overlap, comm, precision, ranks, why_not
+):
+    assert overlaps_reduction(overlap, comm, precision, ranks) == why_not
+
+
+def test_the_engine_line_says_when_gradients_are_reduced():
+    """Across ranks, the dry run's engine line says whether the flat engine reduces gradients
+    during the backward (overlap_comm) or after it, and why; on one rank it says nothing."""
+    from neox.plan.report import describe_engines
+
+    def line(world, **overrides):
+        cfg = load_dict({**TINY, "precision": "bfloat16", **overrides})
+        return describe_engines(cfg, derive(cfg, world, 64), 64)
+
+    overlap = {"zero_optimization": {"stage": 1, "overlap_comm": True}}
+    assert line(2, **overlap).endswith(
+        "; gradients: all-reduced during the backward in buckets of up to 500,000,000 elements "
+        "(overlap_comm)"
+    )
+    assert line(2, zero_reduce_bucket_size=1000, **overlap).endswith(
+        "up to 1,000 elements (overlap_comm)"
+    )
+    assert line(2).endswith("; gradients: reduce-scattered after the backward (overlap_comm off)")
+    assert line(2, fp32_allreduce=True, **overlap).endswith(
+        "after the backward (communication in fp32, not the gradients' bf16)"
+    )
+    assert "gradients:" not in line(1, **overlap)
+    assert "gradients:" not in line(2, model_parallel_size=2, **overlap)  # DeepSpeed's engine
 
 
 # Config overrides, world size, the engine and the optimizer class the ranks must build.

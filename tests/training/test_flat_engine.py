@@ -272,7 +272,8 @@ def test_consolidate_reads_its_checkpoint(model, rank, tmp_path):
 
 def test_settings_are_those_deepspeed_reads_of_the_same_config():
     """FlatSettings.of reads neox's config as DeepSpeed's JSON, built from it, says: the alias
-    clip_grad, fp32_allreduce, communication_data_type, deepspeed_extra_args last."""
+    clip_grad, fp32_allreduce, communication_data_type, overlap_comm and reduce_bucket_size (or
+    the zero_reduce_bucket_size shorthand), deepspeed_extra_args last."""
     from neox.config import build_ds_config, derive, load_dict
 
     base = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16)
@@ -282,21 +283,27 @@ def test_settings_are_those_deepspeed_reads_of_the_same_config():
         dict(bf16={"enabled": True}, fp32_allreduce=True, steps_per_print=7),
         dict(communication_data_type="bf16", precision="bfloat16", wall_clock_breakdown=True),
         dict(deepspeed_extra_args={"gradient_clipping": 0.25, "communication_data_type": "fp16"}),
+        dict(zero_optimization={"stage": 1, "overlap_comm": True, "reduce_bucket_size": 10**4}),
+        dict(zero_optimization={"stage": 0, "overlap_comm": True}, zero_reduce_bucket_size=99),
+        dict(deepspeed_extra_args={"zero_optimization": {"stage": 1, "overlap_comm": True}}),
     ]
     for case in cases:
         cfg = load_dict({**base, **case})
         derived = derive(cfg, 2, 64)
         ds, settings = build_ds_config(cfg, derived), FlatSettings.of(cfg, derived)
         comm = ds.get("communication_data_type") or ("fp32" if ds.get("fp32_allreduce") else None)
+        zero = ds["zero_optimization"]
         assert settings == FlatSettings(
             micro_batch=ds["train_micro_batch_size_per_gpu"],
             grad_accum=ds["gradient_accumulation_steps"],
             clip=ds["gradient_clipping"],
             bf16=bool(ds.get("bf16", {}).get("enabled")),
-            zero_stage=ds["zero_optimization"]["stage"],
+            zero_stage=zero["stage"],
             comm_dtype=comm,
             steps_per_print=ds["steps_per_print"],
             wall_clock_breakdown=ds["wall_clock_breakdown"],
+            overlap_comm=zero.get("overlap_comm", False),
+            reduce_bucket_size=zero.get("reduce_bucket_size", 500_000_000),
         ), case
 
 
