@@ -24,6 +24,9 @@
 #   context-all  pytest -m multigpu tests/parallel/test_context.py (CP=4 equality), the
 #            long-context plan without recompute (1.4B 32k one GPU vs CP=4, 128k CP=4), and a
 #            profile of 1.4B 32k at CP=4
+#   overlap-dp / overlap-cp  issues 34, 38: the flat engine's gradients reduced after the
+#            backward, in 500M-element buckets during it (the Pythia file's overlap_comm), and in
+#            50M-element buckets: 1.4B one GPU against DP=4, and 1.4B at 32k against CP=4
 #   survive  issue 35: the layout-free resume matrix at 4 GPU ranks (pytest -m multigpu
 #            tests/checkpoint/test_resume_any_layout.py -k four_gpus)
 #   stall4   issue 35: the async-save stall at 6.9B on 4 GPUs (benchmarks/stall-6-9b-dp4.yml)
@@ -33,7 +36,7 @@
 # tokenizer (data/20B_tokenizer.json).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?usage: benchmarks/multi_gpu.sh tier1|tier2|tier3|speed1|speed2|speed3|profile|eight|moe1|moe4|context|context-all|survive|stall4}
+part=${1:?usage: benchmarks/multi_gpu.sh tier1|tier2|tier3|speed1|speed2|speed3|profile|eight|moe1|moe4|context|context-all|overlap-dp|overlap-cp|survive|stall4}
 out=runs/multi_gpu/$part
 mkdir -p "$out"
 pack() {
@@ -97,6 +100,12 @@ case $part in
     tier tests/parallel/test_context.py || true
     bench --plan long-context-keep --iters 8 --first 4 --timeout 150 || true
     bench --models 1-4B-32k-keep --runs cp4 --profile --iters 6 --first 3 --timeout 150 ;;
+  overlap-dp)
+    bench --models 1-4B --runs 1gpu dp4_no_overlap dp4 dp4_bucket50m --iters 16 --first 8 \
+      --timeout 180 ;;
+  overlap-cp)
+    bench --models 1-4B-32k-keep --runs 1gpu cp4_no_overlap cp4 cp4_bucket50m --iters 8 \
+      --first 4 --timeout 150 ;;
   # Nine launches of ~45 s (four saves, four resumes, the one-GPU reference): the part alone
   # fills most of a call. The 1.4B stall on one GPU is measured (docs/benchmarks.md):
   #   CUDA_VISIBLE_DEVICES=0 stall configs/pythia/1-4B.yml benchmarks/stall-1-4b.yml \

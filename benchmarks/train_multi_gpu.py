@@ -209,6 +209,27 @@ RUNS: dict[str, dict[str, Any]] = {
     # Context parallelism (issue 38): each sequence over 4 ranks, or 2 beside TP=2.
     "cp4": {"num_gpus": 4, **DP_ONLY, "context_parallel_size": 4},
     "cp2": {"num_gpus": 2, **DP_ONLY, "context_parallel_size": 2},  # the exchange on 2 GPUs
+    # The flat engine's gradient reduction (issues 34, 38): dp4 and cp4 take the Pythia file's
+    # overlap_comm: true (buckets of 500M elements during the backward); beside them, the
+    # reduce-scatter after the backward and buckets of 50M elements.
+    "dp4_no_overlap": {"num_gpus": 4, **DP_ONLY, "zero_optimization": {"overlap_comm": False}},
+    "dp4_bucket50m": {
+        "num_gpus": 4,
+        **DP_ONLY,
+        "zero_optimization": {"overlap_comm": True, "reduce_bucket_size": 50_000_000},
+    },
+    "cp4_no_overlap": {
+        "num_gpus": 4,
+        **DP_ONLY,
+        "context_parallel_size": 4,
+        "zero_optimization": {"overlap_comm": False},
+    },
+    "cp4_bucket50m": {
+        "num_gpus": 4,
+        **DP_ONLY,
+        "context_parallel_size": 4,
+        "zero_optimization": {"overlap_comm": True, "reduce_bucket_size": 50_000_000},
+    },
     "tp2_cp2": {
         "num_gpus": 4,
         "model_parallel_size": 2,
@@ -269,6 +290,11 @@ PLANS = {
         ("1-4B-128k", "cp4"),
         ("llama3-8B-32k", "tp2_cp2"),
         ("llama3-8B-32k", "cp4"),
+    ],
+    # overlap_comm's A/B (run as two commands: multi_gpu.sh overlap-dp, overlap-cp).
+    "overlap": [
+        *[("1-4B", r) for r in ("1gpu", "dp4_no_overlap", "dp4", "dp4_bucket50m")],
+        *[("1-4B-32k-keep", r) for r in ("1gpu", "cp4_no_overlap", "cp4", "cp4_bucket50m")],
     ],
     # Without recompute where the memory allows it (CP=4 always; one GPU on an H200, not an
     # H100: this plan is not in the H100 fit test).
@@ -494,9 +520,11 @@ def targets(by: dict[tuple[str, str], dict[str, Any]]) -> list[str]:
     """Issue 34's and issue 10's speed targets, for the runs present."""
     tps = lambda m, r: by[(m, r)]["tokens_per_s"] if (m, r) in by else None  # noqa: E731
     out = []
-    if tps("1-4B", "dp4") and tps("1-4B", "1gpu"):
-        ratio = tps("1-4B", "dp4") / tps("1-4B", "1gpu")
-        out.append(f"1-4B: DP=4 / one GPU = {ratio:.2f}x (target >= 3.85x)")
+    for dp4 in ("dp4_no_overlap", "dp4", "dp4_bucket50m"):  # the last two: overlap_comm
+        if tps("1-4B", dp4) and tps("1-4B", "1gpu"):
+            ratio = tps("1-4B", dp4) / tps("1-4B", "1gpu")
+            name = "DP=4" + (f" ({dp4})" if dp4 != "dp4" else "")
+            out.append(f"1-4B: {name} / one GPU = {ratio:.2f}x (target >= 3.85x)")
     mfu = {r: by[("6-9B", r)]["mfu"] for m, r in by if m == "6-9B" and by[(m, r)]["mfu"]}
     four = {r: v for r, v in mfu.items() if RUNS[r]["num_gpus"] == 4 and "fp8" not in RUNS[r]}
     if four:
@@ -533,12 +561,13 @@ def long_context_targets(by: dict[tuple[str, str], dict[str, Any]]) -> list[str]
     out = []
     ones = {m: r for (m, run), r in by.items() if m.startswith("1-4B-32k") and run == "1gpu"}
     for (model, run), cp in by.items():
-        if model.startswith("1-4B-32k") and run in ("cp2", "cp4"):
-            n = int(run[2:])
+        if model.startswith("1-4B-32k") and run.startswith(("cp2", "cp4")):
+            n = int(run[2])
             for base, one in ones.items():
                 ratio = cp["tokens_per_s"] / n / one["tokens_per_s"]
                 goal = " (target >= 0.9x)" if n == 4 else ""
-                out.append(f"{model} CP={n} per-GPU tokens/s / {base} one GPU = {ratio:.2f}x{goal}")
+                name = f"CP={n}" + run[3:].replace("_", " ")  # cp4_no_overlap: "CP=4 no overlap"
+                out.append(f"{model} {name} per-GPU tokens/s / {base} one GPU = {ratio:.2f}x{goal}")
     for model, run in by:
         if model.startswith(("1-4B-128k", "llama3-8B-32k")) and by[(model, run)]["mfu"]:
             mfu = by[(model, run)]["mfu"] * causal_share(model)

@@ -48,11 +48,8 @@ PLANNED = [(m, r) for plan in ("4gpu", "8gpu", "long-context") for m, r in BENCH
 H100_GIB = 79.6  # what torch reports of an 80 GB H100
 
 
-@pytest.mark.parametrize("model,run", PLANNED, ids=[f"{m}-{r}" for m, r in PLANNED])
-def test_four_and_eight_gpu_runs_dry_run_and_fit_an_h100(model, run, tmp_path, capsys, monkeypatch):
-    """The exact overlays of --plan 4gpu / 8gpu pass deepy.py's dry run (on num_gpus planned
-    GPUs, as on the device), with the layout asked and an estimate under an H100's memory, so
-    the first GPU call only has to run them."""
+def dry_run(model, run, tmp_path, capsys, monkeypatch) -> str:
+    """deepy.py --dry-run's output for the run's exact overlay on num_gpus planned GPUs."""
     import argparse
     import sys
 
@@ -68,7 +65,15 @@ def test_four_and_eight_gpu_runs_dry_run_and_fit_an_h100(model, run, tmp_path, c
     )
     overlay = BENCH.run_config(args, model, run, tmp_path, tmp_path / "tokens")
     assert deepy.main(["train.py", BENCH.MODELS[model][0], str(overlay), "--dry-run"]) == 0
-    out = capsys.readouterr().out
+    return capsys.readouterr().out
+
+
+@pytest.mark.parametrize("model,run", PLANNED, ids=[f"{m}-{r}" for m, r in PLANNED])
+def test_four_and_eight_gpu_runs_dry_run_and_fit_an_h100(model, run, tmp_path, capsys, monkeypatch):
+    """The exact overlays of --plan 4gpu / 8gpu pass deepy.py's dry run (on num_gpus planned
+    GPUs, as on the device), with the layout asked and an estimate under an H100's memory, so
+    the first GPU call only has to run them."""
+    out = dry_run(model, run, tmp_path, capsys, monkeypatch)
     keys = BENCH.RUNS[run]
     tp, pp = keys.get("model_parallel_size", 1), keys.get("pipe_parallel_size", 1)
     if run == "stock8":  # configs/20B.yml's own layout
@@ -81,3 +86,24 @@ def test_four_and_eight_gpu_runs_dry_run_and_fit_an_h100(model, run, tmp_path, c
     total = next(line for line in out.splitlines() if line.startswith("total incl. CUDA"))
     column = next(i for i, name in enumerate(header) if name.endswith("*"))
     assert float(total.split()[4 + column]) < H100_GIB, f"{model} {run}: {total}"
+
+
+# How the flat engine reduces gradients in the overlap plan's runs (the dry run's engine line),
+# by the run's name after dp4 / cp4.
+DURING = "all-reduced during the backward in buckets of up to"
+REDUCTION = {
+    "_no_overlap": "reduce-scattered after the backward (overlap_comm off)",
+    "": f"{DURING} 500,000,000 elements (overlap_comm)",
+    "_bucket50m": f"{DURING} 50,000,000 elements (overlap_comm)",
+}
+OVERLAP_RUNS = [(m, r) for m, r in BENCH.PLANS["overlap"] if r != "1gpu"]
+
+
+@pytest.mark.parametrize("model,run", OVERLAP_RUNS, ids=[f"{m}-{r}" for m, r in OVERLAP_RUNS])
+def test_overlap_runs_reduce_gradients_as_named(model, run, tmp_path, capsys, monkeypatch):
+    """dp4 and cp4 keep the Pythia file's overlap_comm (their overlays set no ZeRO section);
+    the A/B runs merge theirs over it: all on the flat engine."""
+    out = dry_run(model, run, tmp_path, capsys, monkeypatch)
+    engine = next(line for line in out.splitlines() if line.startswith("engine:"))
+    assert engine.startswith("engine: neox's flat engine at ZeRO 0, 1")
+    assert engine.endswith(f"; gradients: {REDUCTION[run[3:]]}")

@@ -128,10 +128,15 @@ PACKED = {
     # Plain causal sequences; neox's flat engine (ZeRO-1).
     False: {},
 }
-# Beside cp alone, on 4 ranks: data parallelism (plain) or tensor parallelism (packed, where
-# each tensor-parallel rank's one kv head is replicated over the context-parallel ranks).
+# Beside cp alone, on 4 ranks: data parallelism (plain; the flat engine's gradients reduced in
+# buckets during the backward, overlap_comm) or tensor parallelism (packed, where each
+# tensor-parallel rank's one kv head is replicated over the context-parallel ranks).
+OVERLAP = {"stage": 1, "overlap_comm": True, "reduce_bucket_size": 2000}
 COMPOSED = {
-    False: ("cp2_dp2", {"num_gpus": 4, "gradient_accumulation_steps": 1}),
+    False: (
+        "cp2_dp2",
+        {"num_gpus": 4, "gradient_accumulation_steps": 1, "zero_optimization": OVERLAP},
+    ),
     True: ("tp2_cp2", {"num_gpus": 4, "model_parallel_size": 2}),
 }
 
