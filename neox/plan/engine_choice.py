@@ -241,9 +241,9 @@ def overlaps_reduction(
     return None
 
 
-def describe_reduction(ds_config: dict[str, Any], gradient_ranks: int) -> str:
+def describe_reduction(ds_config: dict[str, Any], gradient_ranks: int, parameters: int) -> str:
     """How the flat engine reduces a run's gradients, in words, from the DeepSpeed config (the
-    keys FlatSettings.of reads)."""
+    keys FlatSettings.of reads) and the model's parameter count."""
     zero = ds_config.get("zero_optimization", {})
     precision = "bf16" if ds_config.get("bf16", {}).get("enabled") else "fp32"
     comm = ds_config.get("communication_data_type")
@@ -253,6 +253,8 @@ def describe_reduction(ds_config: dict[str, Any], gradient_ranks: int) -> str:
     if why_not is not None:
         return f"reduce-scattered after the backward ({why_not})"
     size = int(zero.get("reduce_bucket_size", REDUCE_BUCKET_SIZE))
+    if parameters <= size:  # neox/training/grad_buckets.py: nothing to hide one bucket behind
+        return f"reduce-scattered after the backward (the model fits one bucket of {size:,})"
     return f"all-reduced during the backward in buckets of up to {size:,} elements (overlap_comm)"
 
 

@@ -22,7 +22,8 @@ where each comes from:
   optimizer owns: all parameters at DeepSpeed's stage 0, 1/dp from stage 1 on and always in
   the flat engine.
 - buffers: ZeRO's gradient buckets (reduce_bucket_size elements, two when overlap_comm at
-  stage 1/2), alive during backward. None in the flat engine.
+  stage 1/2), alive during backward. None in the flat engine (its overlap_comm buckets are
+  slices of its gradient buffer).
 - gathered params: ZeRO-3's parameters gathered whole for compute: one block plus
   stage3_prefetch_bucket_size (at most stage3_max_live_parameters, at least the largest tensor).
 - step transient: the fp32 flat gradient the optimizer steps on (FP16_Optimizer: the full

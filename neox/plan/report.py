@@ -100,7 +100,9 @@ def describe_engines(cfg: NeoXConfig, derived: Derived, vocab_size: int) -> str:
     line = f"engine: {engines}; loss: {words[shapes[0].loss]}"
     gradient_ranks = derived.data_parallel * derived.context_parallel
     if choice.engine == "flat" and gradient_ranks > 1:
-        line += f"; gradients: {describe_reduction(build_ds_config(cfg, derived), gradient_ranks)}"
+        ds_config = build_ds_config(cfg, derived)
+        n = count_parameters(cfg.model, vocab_size)
+        line += f"; gradients: {describe_reduction(ds_config, gradient_ranks, n)}"
     return line
 
 

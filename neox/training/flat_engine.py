@@ -268,6 +268,9 @@ class FlatEngine:
         buckets = GradBuckets(
             self.groups, positions, size, self.dp_group, self.is_gradient_accumulation_boundary
         )
+        if not buckets.buckets:
+            log.debug("flat engine: gradients reduced after the backward (each group one bucket)")
+            return None
         log.debug("flat engine: gradients reduced during the backward, %s", buckets.describe())
         return buckets
 

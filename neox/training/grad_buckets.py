@@ -163,5 +163,5 @@ class GradBuckets:
 
     def describe(self) -> str:
         """The buckets in words, for the engine's log line."""
-        sizes = [b.grad.numel() for b in self.buckets] or [0]
+        sizes = [b.grad.numel() for b in self.buckets]
         return f"{len(self.buckets)} buckets of {min(sizes):,}-{max(sizes):,} elements"

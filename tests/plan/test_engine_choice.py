@@ -94,7 +94,12 @@ def test_the_engine_line_says_when_gradients_are_reduced():
         return describe_engines(cfg, derive(cfg, world, 64), 64)
 
     overlap = {"zero_optimization": {"stage": 1, "overlap_comm": True}}
-    assert line(2, **overlap).endswith(
+    assert line(2, **overlap).endswith(  # TINY's 15k parameters
+        "; gradients: reduce-scattered after the backward (the model fits one bucket of "
+        "500,000,000)"
+    )
+    big = dict(overlap, num_layers=24, hidden_size=2048, num_attention_heads=16)
+    assert line(2, **big).endswith(
         "; gradients: all-reduced during the backward in buckets of up to 500,000,000 elements "
         "(overlap_comm)"
     )
