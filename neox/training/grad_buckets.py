@@ -21,7 +21,7 @@ checkpoints are cut by) cut through buckets, so a reduce-scatter of a bucket wou
 them. One `reduce` per owner of a bucket's pieces (DeepSpeed ZeRO-2's way) would move a
 reduce-scatter's bytes, but as a collective per partition a bucket touches, each with its own
 root, and leave the other ranks' slices half reduced; one all-reduce moves twice a
-reduce-scatter's bytes, behind the backward, and only the last bucket's is exposed. A group
+reduce-scatter's bytes, behind the backward, and only the last launched is exposed. A group
 that fits in one bucket has nothing to hide its collective behind (its bucket completes with the
 backward): it keeps the reduce-scatter at the step (FlatGroup.reduce_gradients), as do all
 groups where overlaps_reduction says no (overlap_comm off, one rank, another comm dtype).
@@ -40,11 +40,10 @@ if TYPE_CHECKING:
     from neox.training.flat_engine import FlatGroup
 
 
-def bucket_bounds(sizes: Sequence[int], padded: int, bucket_size: int) -> list[tuple[int, int]]:
+def bucket_bounds(sizes: Sequence[int], bucket_size: int) -> list[tuple[int, int]]:
     """Each bucket's parameters as index ranges [first, end) into `sizes` (a group's parameters
     in buffer order), in buffer order: runs of whole parameters of at most bucket_size elements
-    (a larger one alone), cut from the end; `padded` (the buffer's length) only checks sizes."""
-    assert sum(sizes) <= padded
+    (a larger one alone), cut from the end."""
     bounds: list[tuple[int, int]] = []
     end, held = len(sizes), 0
     for i in range(len(sizes) - 1, -1, -1):
@@ -95,7 +94,7 @@ class GradBuckets:
         self.groups: list[FlatGroup] = []  # those reduced here; the rest at the step
         buckets: list[Bucket] = []
         for g in groups:
-            bounds = bucket_bounds([p.numel() for p in g.params], g.grad.numel(), bucket_size)
+            bounds = bucket_bounds([p.numel() for p in g.params], bucket_size)
             if len(bounds) < 2:
                 continue
             self.groups.append(g)

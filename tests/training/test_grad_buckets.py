@@ -17,11 +17,11 @@ VOCAB = 64
 
 
 def test_buckets_are_runs_of_whole_parameters_cut_from_the_end():
-    assert bucket_bounds([5, 3, 4, 2], 16, 6) == [(0, 1), (1, 2), (2, 4)]
-    assert bucket_bounds([5, 3, 4, 2], 16, 100) == [(0, 4)]
+    assert bucket_bounds([5, 3, 4, 2], 6) == [(0, 1), (1, 2), (2, 4)]
+    assert bucket_bounds([5, 3, 4, 2], 100) == [(0, 4)]
     # A parameter larger than a bucket is a bucket alone; the first bucket holds what is left.
-    assert bucket_bounds([2, 2, 9, 1, 1], 16, 4) == [(0, 2), (2, 3), (3, 5)]
-    assert bucket_bounds([7], 8, 1) == [(0, 1)]
+    assert bucket_bounds([2, 2, 9, 1, 1], 4) == [(0, 2), (2, 3), (3, 5)]
+    assert bucket_bounds([7], 1) == [(0, 1)]
 
 
 class Stack(nn.Module):
