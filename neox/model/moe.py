@@ -108,6 +108,7 @@ class GroupedExperts(nn.Module):
     def __init__(self, cfg: ModelConfig, ffn: int) -> None:
         super().__init__()
         e, h = cfg.moe_num_experts, cfg.hidden_size
+        self.num_experts = e  # the weights' shapes are empty where ZeRO-3 partitions them
         self.act = activation_act(cfg)
         self.dense_h_to_4h = nn.Parameter(torch.empty(e, ffn, h))
         self.gate = nn.Parameter(torch.empty(e, ffn, h)) if cfg.shape.gated_mlp else None
@@ -209,13 +210,15 @@ class _Dispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tokens, token, row, dropping):
         ctx.save_for_backward(row)
-        ctx.dropping, ctx.n = dropping, tokens.shape[0]
+        n = tokens.shape[0]
+        # k: copies per token; stated, since a view of no tokens cannot infer it.
+        ctx.dropping, ctx.n, ctx.k = dropping, n, row.numel() // n if n else 1
         return tokens[token]
 
     @staticmethod
     def backward(ctx, grad):
         (row,) = ctx.saved_tensors
-        copies = _rows(grad, row, ctx.dropping).view(-1, ctx.n, grad.shape[-1])  # (k, N, C)
+        copies = _rows(grad, row, ctx.dropping).view(ctx.k, ctx.n, grad.shape[-1])  # (k, N, C)
         return sum_choices(copies), None, None, None
 
 
@@ -254,8 +257,9 @@ class MoE(nn.Module):
         )
         self.min_capacity = cfg.moe_min_capacity
         self.stats: Optional[RouterStats] = None
-        # experts(x, counts) -> outputs; expert parallelism (neox/parallel/expert.py) puts an
-        # all-to-all dispatch here that runs each expert on its rank.
+        # Expert parallelism (neox/parallel/expert.py) puts its all-to-all dispatch here:
+        # dispatch(experts, tokens (N, C), expert ids (N, k), weights (N, k), keep (N, k) or
+        # None) -> sum over each token's kept choices of weight x expert output (N, C).
         self.dispatch: Optional[Callable[..., torch.Tensor]] = None
 
     def capacity(self, tokens: int) -> Optional[int]:
@@ -270,20 +274,41 @@ class MoE(nn.Module):
         """x (B, T, C) -> (B, T, C); the router's losses and load are left in self.stats."""
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])  # (N, C)
-        n, e = tokens.shape[0], self.num_experts
         weights, experts, scores, logits = self.router(tokens)  # (N, k) each
         # Choice-major order (all first choices, then all second ones), stable by token, so
         # capacity drops later choices and later tokens first (DeepSpeed-MoE's order).
         flat = experts.t().reshape(-1)  # (k N,)
-        order = torch.argsort(narrow_ids(flat, e), stable=True)
         # A count of fixed shape (E,): bincount's output shape depends on the data, which
         # breaks a compiled block's graph at every MoE layer.
-        counts = torch.zeros(e, dtype=torch.long, device=flat.device)
+        counts = torch.zeros(self.num_experts, dtype=torch.long, device=flat.device)
         counts.scatter_add_(0, flat, torch.ones_like(flat))  # (E,)
-        kept = counts
+        y, kept = self._route(tokens, weights, experts, flat, counts)
+        if self.shared_experts is not None:
+            shared = self.shared_experts(tokens)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(tokens)) * shared
+            y = y + shared
+        self.stats = self._stats(scores, logits, counts, kept)
+        return y.view(shape)
+
+    def _route(
+        self,
+        tokens: torch.Tensor,
+        weights: torch.Tensor,
+        experts: torch.Tensor,
+        flat: torch.Tensor,
+        counts: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sum over each token's choices of weight x expert output (N, C), and the
+        assignments each expert kept (E,)."""
+        n, e = tokens.shape[0], self.num_experts
         cap = self.capacity(n)
+        if self.dispatch is not None and cap is None:  # dropless: no expert order needed here
+            return self.dispatch(self.experts, tokens, experts, weights, None), counts
+        order = torch.argsort(narrow_ids(flat, e), stable=True)
+        kept = counts
         m = order.numel()  # k N
-        position = torch.arange(m, device=x.device)
+        position = torch.arange(m, device=tokens.device)
         if cap is not None:
             slot = position - (counts.cumsum(0) - counts)[flat[order]]  # within its expert
             # The assignments within capacity first (by expert, as before), the dropped ones
@@ -295,20 +320,13 @@ class MoE(nn.Module):
         dropping = cap is not None
         # Each assignment's row in expert order (k N,): order's inverse, m where dropped.
         row = torch.empty_like(flat).scatter_(0, order, position)
+        if self.dispatch is not None:
+            keep = (row < m).view(self.top_k, n).t()  # (N, k)
+            return self.dispatch(self.experts, tokens, experts, weights, keep), kept
         routed = _Dispatch.apply(tokens, order % n, row, dropping)  # (k N, C), by expert
-        if self.dispatch is None:
-            out = self.experts(routed, kept)
-        else:
-            out = self.dispatch(self.experts, routed, kept)
+        out = self.experts(routed, kept)
         combined = _Combine.apply(out, order, row, dropping).view(self.top_k, n, -1)  # (k, N, C)
-        y = sum_choices(combined, weights)
-        if self.shared_experts is not None:
-            shared = self.shared_experts(tokens)
-            if self.shared_expert_gate is not None:
-                shared = torch.sigmoid(self.shared_expert_gate(tokens)) * shared
-            y = y + shared
-        self.stats = self._stats(scores, logits, counts, kept)
-        return y.view(shape)
+        return sum_choices(combined, weights), kept
 
     def _stats(
         self, scores: torch.Tensor, logits: torch.Tensor, counts: torch.Tensor, kept: torch.Tensor

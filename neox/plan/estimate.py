@@ -8,6 +8,8 @@ persistent (unpartitioned) small tensors.
 
 from __future__ import annotations
 
+import math
+
 from neox.config.model import ModelConfig
 from neox.plan.attention_path import layer_window
 
@@ -220,9 +222,20 @@ def expert_parameters(cfg: ModelConfig, ep: int = 1) -> int:
     return experts * sum(moe_layers(cfg)) // ep
 
 
+def expected_ranks(cfg: ModelConfig, ep: int) -> float:
+    """Ranks of an expert-parallel group of `ep` that a token's top-k choices reach, on average
+    under uniform routing (k distinct experts of E, E / ep on each rank): ep (1 - q), q being
+    the chance that none of the k lands on a given rank, C(E - E/ep, k) / C(E, k)."""
+    e, k = cfg.moe_num_experts, cfg.moe_top_k
+    return ep * (1 - math.comb(e - e // ep, k) / math.comb(e, k))
+
+
 def all_to_all_bytes(cfg: ModelConfig, tokens: int, ep: int, element_bytes: int) -> int:
-    """Bytes one rank sends in all-to-alls per step: per MoE layer, each of its `tokens` x top_k
-    assignments goes out and back (dispatch and combine), forward and backward, except the
-    1 / ep that stay on the rank."""
-    per_layer = 4 * tokens * cfg.moe_top_k * cfg.hidden_size * element_bytes
-    return per_layer * sum(moe_layers(cfg)) * (ep - 1) // ep
+    """Bytes one rank sends in all-to-alls per step: per MoE layer, each of its `tokens` goes
+    once to every rank its choices reach and comes back summed (neox/parallel/expert.py), out
+    and back, forward and backward, less the rows that stay on the rank:
+    4 x tokens x (ep - 1) / ep x expected_ranks x hidden x element_bytes per layer (the
+    choices' metadata, ~10 bytes each, is left out)."""
+    rows = tokens * expected_ranks(cfg, ep) * (ep - 1) / ep
+    per_layer = 4 * rows * cfg.hidden_size * element_bytes
+    return round(per_layer * sum(moe_layers(cfg)))
