@@ -31,13 +31,19 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
-if TYPE_CHECKING:
-    from neox.training.flat_engine import FlatGroup
+
+class FlatGroup(Protocol):
+    """What the buckets read of the flat engine's FlatGroup (neox/training/flat_engine.py),
+    named here so that the engine's module imports this one and not the other way round."""
+
+    params: list[torch.nn.Parameter]
+    offsets: list[int]
+    grad: torch.Tensor
 
 
 def bucket_bounds(sizes: Sequence[int], bucket_size: int) -> list[tuple[int, int]]:
