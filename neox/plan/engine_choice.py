@@ -220,6 +220,14 @@ def one_pass_adamw(adamw: bool, amsgrad: bool, maximize: bool, device_type: str)
     return device_type == "cuda" and adamw and not (amsgrad or maximize)
 
 
+def comm_dtype(ds_config: dict[str, Any]) -> Optional[str]:
+    """The dtype gradients are reduced in, as DeepSpeed reads its JSON: communication_data_type,
+    else fp32 with fp32_allreduce; None: the gradients' own."""
+    return ds_config.get("communication_data_type") or (
+        "fp32" if ds_config.get("fp32_allreduce") else None
+    )
+
+
 def overlaps_reduction(
     overlap_comm: bool, comm_dtype: Optional[str], precision: str, gradient_ranks: int
 ) -> Optional[str]:
@@ -246,10 +254,8 @@ def describe_reduction(ds_config: dict[str, Any], gradient_ranks: int, parameter
     keys FlatSettings.of reads) and the model's parameter count."""
     zero = ds_config.get("zero_optimization", {})
     precision = "bf16" if ds_config.get("bf16", {}).get("enabled") else "fp32"
-    comm = ds_config.get("communication_data_type")
-    comm = comm or ("fp32" if ds_config.get("fp32_allreduce") else None)
     overlap = bool(zero.get("overlap_comm", False))
-    why_not = overlaps_reduction(overlap, comm, precision, gradient_ranks)
+    why_not = overlaps_reduction(overlap, comm_dtype(ds_config), precision, gradient_ranks)
     if why_not is not None:
         return f"reduce-scattered after the backward ({why_not})"
     size = int(zero.get("reduce_bucket_size", REDUCE_BUCKET_SIZE))

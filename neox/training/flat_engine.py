@@ -50,7 +50,12 @@ from torch import nn
 
 from neox.checkpoint.host_staging import HostStaging
 from neox.data.batch import Batch
-from neox.plan.engine_choice import REDUCE_BUCKET_SIZE, one_pass_adamw, overlaps_reduction
+from neox.plan.engine_choice import (
+    REDUCE_BUCKET_SIZE,
+    comm_dtype,
+    one_pass_adamw,
+    overlaps_reduction,
+)
 from neox.training.engine import LossFn, StepResult, forward_loss, take, weigh_micro_batches
 from neox.training.grad_buckets import GradBuckets
 
@@ -95,31 +100,22 @@ class FlatSettings:
 
     @classmethod
     def of(cls, cfg: NeoXConfig, derived: Derived) -> FlatSettings:
-        """The settings of a validated config, as DeepSpeed's engine reads the same keys
-        (neox.config.ds_config builds its JSON from them): communication_data_type, else fp32
-        with fp32_allreduce; deepspeed_extra_args, which DeepSpeed's JSON takes last, win."""
-        from neox.config.ds_config import zero_section
+        """The settings of a validated config as DeepSpeed's engine reads them: from the JSON
+        neox.config.ds_config builds (deepspeed_extra_args taken last), so the two engines
+        cannot read a key differently."""
+        from neox.config.ds_config import build_ds_config
 
-        t, p, lg = cfg.training, cfg.precision, cfg.logging
-        extra = cfg.deepspeed.deepspeed_extra_args or {}
-        zero = extra.get("zero_optimization")
-        if zero is None:
-            zero = zero_section(cfg, derived.data_parallel * derived.context_parallel)
-        comm = p.communication_data_type or ("fp32" if p.fp32_allreduce else None)
-        if "communication_data_type" in extra or "fp32_allreduce" in extra:
-            comm = extra.get("communication_data_type") or (
-                "fp32" if extra.get("fp32_allreduce", p.fp32_allreduce) else None
-            )
-        clip = t.clip_grad if t.clip_grad is not None else t.gradient_clipping
+        ds = build_ds_config(cfg, derived)
+        zero = ds["zero_optimization"]
         return cls(
             micro_batch=derived.micro_batch,
             grad_accum=derived.grad_accum,
-            clip=float(extra.get("gradient_clipping", clip) or 0.0),
+            clip=float(ds.get("gradient_clipping") or 0.0),
             bf16=derived.precision == "bf16",
             zero_stage=int(zero.get("stage", derived.zero_stage)),
-            comm_dtype=comm,
-            steps_per_print=int(extra.get("steps_per_print", lg.steps_per_print) or 0),
-            wall_clock_breakdown=bool(extra.get("wall_clock_breakdown", lg.wall_clock_breakdown)),
+            comm_dtype=comm_dtype(ds),
+            steps_per_print=int(ds.get("steps_per_print") or 0),
+            wall_clock_breakdown=bool(ds.get("wall_clock_breakdown")),
             overlap_comm=bool(zero.get("overlap_comm", False)),
             reduce_bucket_size=int(zero.get("reduce_bucket_size", REDUCE_BUCKET_SIZE)),
         )
