@@ -26,15 +26,13 @@ class LoggingConfig(ConfigGroup):
     log_interval: Annotated[int, Reads("neox/training/loop.py")] = Field(10, ge=1, le=MAX_COUNT)
     """Log training metrics every N iterations (>= 1)."""
 
-    steps_per_print: Annotated[
-        int, Reads("neox/config/ds_config.py", "neox/training/flat_engine.py")
-    ] = Field(10, ge=1, le=MAX_COUNT)
+    steps_per_print: Annotated[int, Reads("neox/config/ds_config.py")] = Field(
+        10, ge=1, le=MAX_COUNT
+    )
     """DeepSpeed's own progress print interval (on the flat engine its `step=, lr=` line shows at
     log_level debug: the log_interval line gives both)."""
 
-    wall_clock_breakdown: Annotated[
-        bool, Reads("neox/config/ds_config.py", "neox/training/flat_engine.py")
-    ] = False
+    wall_clock_breakdown: Annotated[bool, Reads("neox/config/ds_config.py")] = False
     """DeepSpeed timing of forward/backward/step."""
 
     log_grad_norm: Annotated[bool, Reads("neox/training/loop.py")] = True

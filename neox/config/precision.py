@@ -29,14 +29,10 @@ class PrecisionConfig(ConfigGroup):
     amp: Annotated[Optional[dict[str, Any]], Reads("neox/config/ds_config.py")] = None
     """DeepSpeed amp section (passed through)."""
 
-    fp32_allreduce: Annotated[
-        bool, Reads("neox/config/ds_config.py", "neox/training/flat_engine.py")
-    ] = False
+    fp32_allreduce: Annotated[bool, Reads("neox/config/ds_config.py")] = False
     """All-reduce gradients in fp32."""
 
-    communication_data_type: Annotated[
-        Optional[str], Reads("neox/config/ds_config.py", "neox/training/flat_engine.py")
-    ] = None
+    communication_data_type: Annotated[Optional[str], Reads("neox/config/ds_config.py")] = None
     """DeepSpeed communication data type (passed through)."""
 
     dynamic_loss_scale: Annotated[Optional[bool], Reads("neox/config/ds_config.py")] = None

@@ -83,14 +83,10 @@ class TrainingConfig(ConfigGroup):
     do_test: Annotated[bool, Reads("neox/training/loop.py")] = True
     """Evaluate on the test set at the end (gpt-neox key)."""
 
-    gradient_clipping: Annotated[
-        float, Reads("neox/config/ds_config.py", "neox/training/flat_engine.py")
-    ] = Field(1.0, ge=0)
+    gradient_clipping: Annotated[float, Reads("neox/config/ds_config.py")] = Field(1.0, ge=0)
     """Clip the global gradient norm to this (0: off; DeepSpeed key)."""
 
-    clip_grad: Annotated[
-        Optional[float], Reads("neox/config/ds_config.py", "neox/training/flat_engine.py")
-    ] = Field(None, ge=0)
+    clip_grad: Annotated[Optional[float], Reads("neox/config/ds_config.py")] = Field(None, ge=0)
     """gpt-neox alias of gradient_clipping."""
 
     torch_compile: Annotated[
