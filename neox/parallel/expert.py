@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from neox.model.moe import GroupedExperts, MoE, _Combine, _Dispatch, narrow_ids, sum_choices
+from neox.model.moe import GroupedExperts, MoE, _Dispatch, _rows, narrow_ids, sum_choices
 from neox.parallel.topology import ProcessGroups
 
 
@@ -44,6 +44,38 @@ def all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group: Any) ->
     return _AllToAll.apply(x, send, recv, group)
 
 
+class _RowSum(torch.autograd.Function):
+    """rows (M, C), weights (M,) or None -> out (R, C), out[r] = the fp32 sum of weights[m] x
+    rows[m] over the rows m of `owner` r, found through `cell` (kk, R): the kk rows of each r,
+    M (a zero row) where it has fewer.
+
+    Backward gathers each row's gradient from its owner (and, weighted, each weight's as a dot
+    product) instead of autograd's way through the (kk, R, C) table: that one materialised the
+    table's gradient, ~3.7x the rows with EP=4 at top-8, and took 10.9 ms a layer on an H200
+    (docs/benchmarks.md, EP=4 on 2026-11-28 evening)."""
+
+    @staticmethod
+    def forward(ctx, rows, weights, owner, cell):
+        kk, r = cell.shape
+        table = _rows(rows, cell.reshape(-1), True).view(kk, r, rows.shape[-1])
+        w = None
+        if weights is not None:
+            w = torch.cat([weights, weights.new_zeros(1)])[cell].t()  # (R, kk)
+        ctx.save_for_backward(rows, weights, owner)
+        return sum_choices(table, w)
+
+    @staticmethod
+    def backward(ctx, grad):
+        rows, weights, owner = ctx.saved_tensors
+        g = grad[owner]  # (M, C)
+        if weights is None:
+            return g, None, None, None
+        g = g.float()
+        grad_rows = (g * weights.float()[:, None]).to(rows.dtype)
+        grad_weights = (g * rows.float()).sum(-1).to(weights.dtype)
+        return grad_rows, grad_weights, None, None
+
+
 class ExpertDispatch:
     """MoE.dispatch under expert parallelism: rank r of the group runs experts
     [r E/ep, (r+1) E/ep) for the tokens of every rank in the group.
@@ -53,8 +85,8 @@ class ExpertDispatch:
     sends its row's place in what the rank receives, its local expert and its router weight.
     The expert rank gathers a row per choice, runs the grouped GEMM sorted by expert, weighs
     each output and sums a row's choices in fp32, and sends one row back per (token, rank); the
-    token's rank sums those. Every gather's backward is a gather and a sum (moe.py's _Dispatch
-    and _Combine): no scatter-add, so the sums are deterministic. The counts are the one
+    token's rank sums those. Every gather's backward is a gather and a sum (moe.py's _Dispatch,
+    _RowSum here): no scatter-add, so the sums are deterministic. The counts are the one
     device-to-host copy of a layer's forward (all_to_all_single takes its split sizes on the
     host); backward has none.
     """
@@ -121,8 +153,7 @@ class ExpertDispatch:
 
         out = self._run(experts, arrived, meta_in, w, k, local)
         back = all_to_all(out, recv, send, self.group)  # (rows, C)
-        parts = _Combine.apply(back, position, row_of, True).view(ep, n, tokens.shape[1])
-        return sum_choices(parts)
+        return _RowSum.apply(back, None, position % n, row_of.view(ep, n))
 
     def _run(
         self,
@@ -152,11 +183,10 @@ class ExpertDispatch:
         # cell -> the choice's place in expert order; picks (a zero row) where empty.
         cell = torch.full((kk * r,), picks, dtype=torch.long, device=device)
         cell = cell.scatter_(0, sorted_at, torch.arange(picks, device=device))
-        x = _Dispatch.apply(arrived, row[order], cell, True)  # (picks, C) by expert
+        owner = row[order]
+        x = _Dispatch.apply(arrived, owner, cell, True)  # (picks, C) by expert
         out = experts(x, counts, first=self.rank * local)
-        outs = _Combine.apply(out, sorted_at, cell, True).view(kk, r, arrived.shape[1])
-        w = torch.cat([weights.gather(0, order), weights.new_zeros(1)]).gather(0, cell)
-        return sum_choices(outs, w.view(kk, r).t())
+        return _RowSum.apply(out, weights.gather(0, order), owner, cell.view(kk, r))
 
 
 def expert_group_ranks(groups: ProcessGroups, ep: int) -> list[list[int]]:
