@@ -382,6 +382,12 @@ def profile_parts(trace: Path) -> dict[str, Any]:
     return out
 
 
+def _logged_steps(metrics: Path) -> int:
+    """The last train step a run's metrics.jsonl logged (0: none)."""
+    steps = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    return max((r["step"] for r in steps if r.get("split") == "train"), default=0)
+
+
 def measure(args, run: str, work: Path, data: Path) -> dict[str, Any]:
     if RUNS[run] is None:
         return measure_hf(args)
@@ -391,9 +397,11 @@ def measure(args, run: str, work: Path, data: Path) -> dict[str, Any]:
     rec: dict[str, Any] = {"run": run, "exit_code": code, "wall_s": seconds}
     rec["accum"] = accumulation(args)
     metrics = work / run / "metrics.jsonl"
-    if code == 0 and metrics.is_file():
-        # Profiled steps run slower: timed are those before them.
-        rec |= summarize(metrics, args.first, args.iters - 2 if args.profile else None)
+    last = args.iters - 2 if args.profile else args.iters  # profiled steps run slower
+    if metrics.is_file() and _logged_steps(metrics) >= last:
+        rec |= summarize(metrics, args.first, last)
+        if code != 0:  # e.g. the time limit reached while the profiler wrote its traces
+            rec["ended_after_timed_steps"] = True
     else:
         rec["error"] = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
     traces = sorted((work / run / "profile").glob("rank0_*.trace.json"))
@@ -429,6 +437,8 @@ def print_table(records: list[dict[str, Any]]) -> None:
             error = r.get("error", "").strip().splitlines()[-1:] or ["see its log"]
             print(f"{r['run']:>8} failed (exit {r['exit_code']}): {error[0]}")
             continue
+        if r.get("ended_after_timed_steps"):
+            print(f"{r['run']:>8}: exit {r['exit_code']} after its timed steps (below)")
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "-"
         mem = f"{r['peak_mem_gb']:.1f}" if r.get("peak_mem_gb") is not None else "-"
         print(

@@ -185,3 +185,31 @@ def test_tiny_runs_every_path(tmp_path):
         assert line in r.stdout
     assert records["hf1"]["mfu"] > 0  # on TINY's nominal peak, as the neox runs' log
     assert "ep4 profile, of" in r.stdout
+
+
+def test_a_run_cut_after_its_timed_steps_keeps_them(tmp_path, monkeypatch):
+    """A launch that hit its time limit while the profiler wrote its traces (exit 124 after
+    step 8) keeps the speed of its timed steps, said to have ended late; one cut before them
+    is a failure with its log's tail."""
+    args = argparse.Namespace(**{**vars(device_args()), "iters": 8, "first": 4, "profile": True})
+    monkeypatch.setattr(bench, "run_config", lambda *a: tmp_path / "overlay.yml")
+    monkeypatch.setattr(bench, "launch", lambda *a: (124, 150.0, 0))
+    (tmp_path / "ep4.log").write_text("SIGTERM received\n")
+    (tmp_path / "ep4").mkdir()
+    metrics = tmp_path / "ep4" / "metrics.jsonl"
+
+    def log_steps(last: int) -> None:
+        lines = [
+            {"step": s, "split": "train", "loss": 11.0, "tokens_per_s": 1000.0 * s,
+             "step_time_s": 1.0 / s, "mfu": 0.3, "tflops_per_gpu": 300.0}
+            for s in range(1, last + 1)
+        ]  # fmt: skip
+        metrics.write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+    log_steps(8)
+    rec = bench.measure(args, "ep4", tmp_path, tmp_path / "tokens")
+    assert rec["exit_code"] == 124 and rec["ended_after_timed_steps"]
+    assert rec["steps"] == "4-6" and rec["tokens_per_s"] == pytest.approx(5000.0)
+    log_steps(5)
+    rec = bench.measure(args, "ep4", tmp_path, tmp_path / "tokens")
+    assert "tokens_per_s" not in rec and "SIGTERM" in rec["error"]
