@@ -60,6 +60,7 @@ from benchmarks.train_multi_gpu import (  # noqa: E402
 from benchmarks.train_multi_gpu import (  # noqa: E402
     free_port,
     launch,
+    logged_steps,
     summarize,
     write_random_tokens,
 )
@@ -382,12 +383,6 @@ def profile_parts(trace: Path) -> dict[str, Any]:
     return out
 
 
-def _logged_steps(metrics: Path) -> int:
-    """The last train step a run's metrics.jsonl logged (0: none)."""
-    steps = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    return max((r["step"] for r in steps if r.get("split") == "train"), default=0)
-
-
 def measure(args, run: str, work: Path, data: Path) -> dict[str, Any]:
     if RUNS[run] is None:
         return measure_hf(args)
@@ -398,7 +393,7 @@ def measure(args, run: str, work: Path, data: Path) -> dict[str, Any]:
     rec["accum"] = accumulation(args)
     metrics = work / run / "metrics.jsonl"
     last = args.iters - 2 if args.profile else args.iters  # profiled steps run slower
-    if metrics.is_file() and _logged_steps(metrics) >= last:
+    if metrics.is_file() and logged_steps(metrics) >= last:
         rec |= summarize(metrics, args.first, last)
         if code != 0:  # e.g. the time limit reached while the profiler wrote its traces
             rec["ended_after_timed_steps"] = True

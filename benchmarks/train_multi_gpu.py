@@ -435,6 +435,12 @@ def tree_rss(root: int) -> int:
     return sum(rss.get(pid, 0) for pid in tree)
 
 
+def logged_steps(metrics: Path) -> int:
+    """The last train step a run's metrics.jsonl logged (0: none)."""
+    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    return max((r["step"] for r in records if r.get("split") == "train"), default=0)
+
+
 def summarize(metrics_file: Path, first: int, last: int | None = None) -> dict[str, Any]:
     """Mean speed of the train records of steps `first` to `last` (default: the end), and the
     peak memory logged."""
@@ -470,8 +476,10 @@ def measure(args, model: str, run: str, work: Path, data: Path) -> dict[str, Any
     rec["host_peak_rss_gb"] = host_peak / 2**30  # every process of the launch, summed
     rec |= {"micro_batch": args.micro_batch or MICRO_BATCH[model], "config": RUNS[run]}
     metrics = work / f"{model}_{run}" / "metrics.jsonl"
-    if code == 0 and metrics.is_file():
+    if metrics.is_file() and logged_steps(metrics) >= args.iters:
         rec |= summarize(metrics, args.first)
+        if code != 0:  # e.g. the time limit reached while the profiler wrote its traces
+            rec["ended_after_timed_steps"] = True
     else:
         tail = log.read_text(errors="replace").splitlines()[-15:] if log.is_file() else []
         rec["error"] = "\n".join(tail)
