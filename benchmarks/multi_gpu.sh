@@ -20,7 +20,8 @@
 #   moe1     benchmarks/moe_throughput.py --plan 1gpu --profile (issue 37; one GPU is enough):
 #            OLMoE-1B-7B at 8 layers against a dense model of its active FLOPs and HF + compile
 #   moe4     one GPU against EP=4 at micro batch 8 x 4, profiled
-#   context  issue 38: profiles of 1.4B at 32k and 128k on CP=4 (attention against all-to-all)
+#   context  issue 38: the all-to-all alone at 4 ranks (benchmarks/all_to_all_bandwidth.py), then
+#            profiles of 1.4B at 32k and 128k on CP=4 (attention against all-to-all)
 #   context-all  pytest -m multigpu tests/parallel/test_context.py (CP=4 equality), the
 #            long-context plan without recompute (1.4B 32k one GPU vs CP=4, 128k CP=4), and a
 #            profile of 1.4B 32k at CP=4
@@ -46,7 +47,7 @@ pack() {
     -delete 2>/dev/null || true
   if [ -n "${OUT:-}" ]; then
     tar czf "$OUT/$part.tgz" -C runs/multi_gpu "$part"
-    for f in table.txt pytest.txt stall.txt device.txt; do
+    for f in table.txt pytest.txt stall.txt a2a.txt; do
       [ -f "$out/$f" ] && cp "$out/$f" "$OUT/$part.$f"
     done
   fi
@@ -94,6 +95,7 @@ case $part in
   # The equality (CP=4; 2 passed on 4 x H200) and the speed plan ran on 2026-11-28; what is left
   # is the profile that splits the step into attention kernel and exposed all-to-all.
   context)
+    torchrun --nproc-per-node 4 benchmarks/all_to_all_bandwidth.py 2>&1 | tee "$out/a2a.txt"
     bench --models 1-4B-32k-keep 1-4B-128k-keep --runs cp4 --profile --iters 6 --first 3 \
       --timeout 150 ;;
   context-all)
