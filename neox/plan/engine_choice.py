@@ -228,6 +228,15 @@ def comm_dtype(ds_config: dict[str, Any]) -> Optional[str]:
     )
 
 
+def bucketing(ds_config: dict[str, Any]) -> tuple[bool, int]:
+    """zero_optimization's overlap_comm and reduce_bucket_size as DeepSpeed's JSON holds them,
+    with DeepSpeed's defaults (off; REDUCE_BUCKET_SIZE elements)."""
+    zero = ds_config.get("zero_optimization") or {}
+    return bool(zero.get("overlap_comm", False)), int(
+        zero.get("reduce_bucket_size", REDUCE_BUCKET_SIZE)
+    )
+
+
 def overlaps_reduction(
     overlap_comm: bool, comm_dtype: Optional[str], precision: str, gradient_ranks: int
 ) -> Optional[str]:
@@ -252,13 +261,11 @@ def overlaps_reduction(
 def describe_reduction(ds_config: dict[str, Any], gradient_ranks: int, parameters: int) -> str:
     """How the flat engine reduces a run's gradients, in words, from the DeepSpeed config (the
     keys FlatSettings.of reads) and the model's parameter count."""
-    zero = ds_config.get("zero_optimization", {})
     precision = "bf16" if ds_config.get("bf16", {}).get("enabled") else "fp32"
-    overlap = bool(zero.get("overlap_comm", False))
+    overlap, size = bucketing(ds_config)
     why_not = overlaps_reduction(overlap, comm_dtype(ds_config), precision, gradient_ranks)
     if why_not is not None:
         return f"reduce-scattered after the backward ({why_not})"
-    size = int(zero.get("reduce_bucket_size", REDUCE_BUCKET_SIZE))
     if parameters <= size:  # neox/training/grad_buckets.py: nothing to hide one bucket behind
         return f"reduce-scattered after the backward (the model fits one bucket of {size:,})"
     return f"all-reduced during the backward in buckets of up to {size:,} elements (overlap_comm)"

@@ -52,6 +52,7 @@ from neox.checkpoint.host_staging import HostStaging
 from neox.data.batch import Batch
 from neox.plan.engine_choice import (
     REDUCE_BUCKET_SIZE,
+    bucketing,
     comm_dtype,
     one_pass_adamw,
     overlaps_reduction,
@@ -106,18 +107,18 @@ class FlatSettings:
         from neox.config.ds_config import build_ds_config
 
         ds = build_ds_config(cfg, derived)
-        zero = ds["zero_optimization"]
+        overlap_comm, reduce_bucket_size = bucketing(ds)
         return cls(
             micro_batch=derived.micro_batch,
             grad_accum=derived.grad_accum,
             clip=float(ds.get("gradient_clipping") or 0.0),
             bf16=derived.precision == "bf16",
-            zero_stage=int(zero.get("stage", derived.zero_stage)),
+            zero_stage=int(ds["zero_optimization"].get("stage", derived.zero_stage)),
             comm_dtype=comm_dtype(ds),
             steps_per_print=int(ds.get("steps_per_print") or 0),
             wall_clock_breakdown=bool(ds.get("wall_clock_breakdown")),
-            overlap_comm=bool(zero.get("overlap_comm", False)),
-            reduce_bucket_size=int(zero.get("reduce_bucket_size", REDUCE_BUCKET_SIZE)),
+            overlap_comm=overlap_comm,
+            reduce_bucket_size=reduce_bucket_size,
         )
 
 
@@ -345,11 +346,12 @@ class FlatEngine:
 
     @torch.no_grad()
     def _optimizer_step(self) -> None:
-        in_buckets = self.buckets.groups if self.buckets is not None else []
+        bucketed: list = []  # groups whose buckets reduced them during the backward
         if self.buckets is not None:
             self.buckets.finish()
+            bucketed = self.buckets.groups
         for g in self.groups:
-            if not any(g is b for b in in_buckets):
+            if not any(g is b for b in bucketed):
                 g.reduce_gradients(self.dp_group, self.comm_dtype)
         # The partitions hold gradient sums over the ranks: the norm of the gradient is the
         # all-reduced sum of squares, square-rooted, over the divisor: dp for mean losses, the
