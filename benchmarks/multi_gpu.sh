@@ -13,7 +13,7 @@
 #            TP4; 20B at 12 layers TP2 x PP2 (ratios within this one command)
 #   speed2   6.9B TP2 x DP2 bf16 vs FP8, DP=4 ZeRO-1 vs ZeRO-3 (activation checkpointing)
 #   speed3   without recompute, 16 sequences a GPU a step: 6.9B DP=4 (ZeRO-1, micro batch 2 x 8;
-#            ZeRO-3, 4 x 4), 20B at 12 layers TP2 x PP2 at 4 x 16
+#            ZeRO-3, 4 x 4; FP8 at DP=4 2 x 8), 20B at 12 layers TP2 x PP2 at 4 x 16
 #   profile  torch.profiler of the last two steps of 6.9B and 20B-12L at TP2 x PP2: where the
 #            time goes (rank*.ops.txt: NCCL all-reduce / p2p, optimizer, compute)
 #   eight    --plan 8gpu on an 8-GPU kind: 6.9B TP2 x PP2 x DP2, configs/20B.yml unchanged
@@ -82,7 +82,7 @@ case $part in
   speed1) bench --plan 4gpu --runs 1gpu dp4 tp2_pp2 tp4 --iters 16 --first 8 --timeout 240 ;;
   speed2) bench --plan 4gpu --runs tp2_dp2 tp2_dp2_fp8 dp4_ckpt dp4_zero3_ckpt \
             --iters 16 --first 8 --timeout 240 ;;
-  speed3) bench --plan 4gpu --runs dp4_accum8 dp4_zero3_accum4 tp2_pp2_accum16 --iters 12 \
+  speed3) bench --plan 4gpu --runs dp4_accum8 dp4_accum8_fp8 dp4_zero3_accum4 tp2_pp2_accum16 --iters 12 \
             --first 6 --timeout 240 ;;
   profile)
     bench --plan 4gpu --models 6-9B 20B-12L --runs tp2_pp2 --iters 10 --first 6 --profile \
