@@ -6,10 +6,14 @@ which backend torch picks by default and what each one costs.
     python benchmarks/sdpa_backends.py                # on a GPU: 160M, 410M and 1.4B shapes
     python benchmarks/sdpa_backends.py --shapes 1-4B --micro-batch 1 --seq 8192 32768
     python benchmarks/sdpa_backends.py --tiny         # CPU smoke run (the math backend)
+    python benchmarks/sdpa_backends.py --shapes 1-4B --micro-batch 1 --seq 32768 131072 \
+        --context-parallel 1 2 4                      # one rank's attention under CP=1, 2, 4
 
 Prints one JSON line per (shape, backend): milliseconds, TFLOPS of causal attention (half the
 4*b*h*s*s*d of full attention, backward counted as 2.5x the forward) and, for the default, the
-attention kernels it launched.
+attention kernels it launched. With --context-parallel N, each row is what one rank of CP=N
+runs (neox/parallel/context.py): heads / N over the whole sequence, q, k and v split from one
+contiguous (batch, 3 heads / N, seq, head size) buffer as the exchange leaves them.
 """
 
 from __future__ import annotations
@@ -67,17 +71,28 @@ def attention_kernels(step, device: torch.device) -> list[str]:
     return sorted({e.name[:70] for e in prof.events() if any(w in e.name.lower() for w in words)})
 
 
-def bench(name: str, b: int, h: int, d: int, s: int, args, device, dtype) -> None:
-    qkv = torch.randn(b, s, h, 3, d, device=device, dtype=dtype, requires_grad=True)
+def bench(name: str, b: int, h: int, d: int, s: int, args, device, dtype, cp: int = 0) -> None:
+    """cp 0: the one-GPU layout (strided views of a fused QKV projection); cp >= 1: one rank
+    of the Ulysses exchange at that size."""
+    if cp:
+        h //= cp
+        qkv = torch.randn(b, 3 * h, s, d, device=device, dtype=dtype, requires_grad=True)
+    else:
+        qkv = torch.randn(b, s, h, 3, d, device=device, dtype=dtype, requires_grad=True)
     grad = torch.randn(b, h, s, d, device=device, dtype=dtype)
 
     def step():
-        q, k, v = (qkv[:, :, :, i].transpose(1, 2) for i in range(3))
+        if cp:
+            q, k, v = qkv.split(h, dim=1)
+        else:
+            q, k, v = (qkv[:, :, :, i].transpose(1, 2) for i in range(3))
         F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
 
     flops = 4 * b * h * s * s * d * 0.5 * 3.5
     for backend in ["default", *args.backends]:
         record = {"shape": name, "b": b, "heads": h, "head_size": d, "seq": s, "backend": backend}
+        if cp:
+            record["context_parallel"] = cp
         try:
             if backend == "default":
                 ms = time_ms(step, args.warmup, args.iters, device)
@@ -102,6 +117,13 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--json", default=None, help="append one JSON record per row here")
     p.add_argument("--tiny", action="store_true", help="tiny shapes on CPU (math backend)")
+    p.add_argument(
+        "--context-parallel",
+        type=int,
+        nargs="+",
+        default=[0],
+        help="one CP rank's heads and layout at each size (0: the one-GPU layout)",
+    )
     args = p.parse_args()
     if args.tiny:
         device, dtype = torch.device("cpu"), torch.float32
@@ -116,8 +138,9 @@ def main() -> None:
             b, h, d = SHAPES[name]
             b = args.micro_batch or b
             if args.tiny:
-                b, h, d, seq = 2, 2, 8, 32
-            bench(name, b, h, d, seq, args, device, dtype)
+                b, h, d, seq = 2, 4, 8, 32
+            for cp in args.context_parallel:
+                bench(name, b, h, d, seq, args, device, dtype, cp)
 
 
 if __name__ == "__main__":
