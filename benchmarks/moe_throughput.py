@@ -31,6 +31,14 @@ active parameters + attention, neox.plan.estimate.train_flops_per_token), the me
 steps --first..--iters (with --profile, up to the profiled two). The table prints the issue's ratios: moe1/dense1 MFU (>= 0.8),
 moe1/hf1 tokens/s (>= 2), ep4 per-GPU tokens/s / moe1 (>= 0.85), and the estimate's counts
 (total and active parameters, expert memory per rank, all-to-all bytes per step).
+Schedule: the timed steps are the first ones of a run whose learning rate warms up over
+--warmup-iters steps (gpt-neox's `warmup` fraction of lr_decay_iters), as a real run's first
+steps are. With --warmup-iters 0 the schedule is compressed into the run (the file's full 4e-4
+at step 1, cosine to the end): on random tokens the router then collapses within 3-5 steps
+(docs/benchmarks.md, 2026-11-28 late: each layer's busiest EP=4 rank took 1.6-1.7x the mean
+load), which EP measures as ranks waiting for the busiest one and one GPU does not see. The
+table's `load` column states the routing of the timed steps: the mean over steps and layers of
+the busiest of 4 expert groups' (EP=4's ranks') share of the load over the mean share.
 --profile: neox's `profile` keys over the last two steps; the ops of the rank 0 trace summed
 into router (softmax, top-k), dispatch (sort, bincount, gather/scatter/index), grouped GEMM,
 all-to-all and the rest, as a share of the profiled device (on CPU: host) time.
@@ -134,7 +142,9 @@ def accumulation(args) -> int:
 
 def run_keys(args, run: str) -> dict[str, Any]:
     """The overlay's keys of a neox run."""
-    keys = {**OVERLAY, "train_iters": args.iters, "lr_decay_iters": args.iters}
+    keys = {**OVERLAY, "train_iters": args.iters, "lr_decay_iters": args.iters, "warmup": 0.0}
+    if args.warmup_iters:
+        keys |= {"lr_decay_iters": 100 * args.warmup_iters, "warmup": 0.01}
     keys["gradient_accumulation_steps"] = accumulation(args)
     if args.micro_batch:
         keys["train_micro_batch_size_per_gpu"] = args.micro_batch
@@ -383,6 +393,30 @@ def profile_parts(trace: Path) -> dict[str, Any]:
     return out
 
 
+def rank_load(metrics: Path, first: int, last: int, ranks: int = 4) -> float | None:
+    """Mean over logged steps first..last and MoE layers of max / mean of the load (the logged
+    `moe/<layer>/load/<expert>` fractions) summed over `ranks` groups of consecutive experts:
+    1.0 when every EP rank would compute the same rows, 4.0 when one computes them all."""
+    ratios = []
+    for line in metrics.read_text().splitlines():
+        row = json.loads(line)
+        if not first <= row.get("step", 0) <= last:
+            continue
+        layers: dict[str, dict[int, float]] = {}
+        for key, value in row.items():
+            m = re.fullmatch(r"moe/(\d+)/load/(\d+)", key)
+            if m:
+                layers.setdefault(m[1], {})[int(m[2])] = value
+        for loads in layers.values():
+            experts = len(loads)
+            if experts % ranks or not sum(loads.values()):
+                continue
+            size = experts // ranks
+            shares = [sum(loads[e] for e in range(g * size, (g + 1) * size)) for g in range(ranks)]
+            ratios.append(max(shares) / (sum(shares) / ranks))
+    return sum(ratios) / len(ratios) if ratios else None
+
+
 def measure(args, run: str, work: Path, data: Path) -> dict[str, Any]:
     if RUNS[run] is None:
         return measure_hf(args)
@@ -395,6 +429,7 @@ def measure(args, run: str, work: Path, data: Path) -> dict[str, Any]:
     last = args.iters - 2 if args.profile else args.iters  # profiled steps run slower
     if metrics.is_file() and logged_steps(metrics) >= last:
         rec |= summarize(metrics, args.first, last)
+        rec["load"] = rank_load(metrics, args.first, last)
         if code != 0:  # e.g. the time limit reached while the profiler wrote its traces
             rec["ended_after_timed_steps"] = True
     else:
@@ -425,7 +460,7 @@ def print_table(records: list[dict[str, Any]]) -> None:
     print(
         f"{'run':>8} {'gpus':>4} {'accum':>5} {'tok/s':>9} {'ms/step':>8} {'TFLOPS/gpu':>10} "
         f"{'MFU':>6} {'peak GB':>8} {'total M':>8} {'active M':>8} {'experts GiB':>11} "
-        f"{'a2a GiB':>7}"
+        f"{'a2a GiB':>7} {'load':>5}"
     )
     for r in records:
         if "tokens_per_s" not in r:
@@ -436,11 +471,13 @@ def print_table(records: list[dict[str, Any]]) -> None:
             print(f"{r['run']:>8}: exit {r['exit_code']} after its timed steps (below)")
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "-"
         mem = f"{r['peak_mem_gb']:.1f}" if r.get("peak_mem_gb") is not None else "-"
+        load = f"{r['load']:.2f}" if r.get("load") else "-"
         print(
             f"{r['run']:>8} {r['num_gpus']:>4} {r['accum']:>5} {r['tokens_per_s']:>9.0f} "
             f"{r['step_ms']:>8.1f} {r['tflops_per_gpu'] or 0:>10.1f} {mfu:>6} {mem:>8} "
             f"{r['total_params'] / 1e6:>8.1f} {r['active_params'] / 1e6:>8.1f} "
-            f"{r['expert_weight_gib_per_rank']:>11.2f} {r['all_to_all_gib_per_step']:>7.2f}"
+            f"{r['expert_weight_gib_per_rank']:>11.2f} {r['all_to_all_gib_per_step']:>7.2f} "
+            f"{load:>5}"
         )
     for r in records:
         if "profile" in r:
@@ -472,6 +509,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hf-experts", default=None, help="hf1's experts_implementation")
     p.add_argument("--profile", action="store_true", help="router/dispatch op table (above)")
     p.add_argument("--timeout", type=float, default=480, help="seconds per launch")
+    p.add_argument(
+        "--warmup-iters",
+        type=int,
+        default=1000,
+        help="the lr warms up over this many steps (0: the schedule compressed into the run)",
+    )
     p.add_argument("--work-dir", default=None, help="keep configs, logs and metrics here")
     p.add_argument("--json", default=None, help="append one JSON record per run here")
     p.add_argument("--tiny", action="store_true", help="tiny shape on CPU ranks: a smoke test")

@@ -25,6 +25,7 @@ def device_args() -> argparse.Namespace:
         vocab_file=None,
         tiny=False,
         profile=False,
+        warmup_iters=1000,
     )
 
 
@@ -213,3 +214,29 @@ def test_a_run_cut_after_its_timed_steps_keeps_them(tmp_path, monkeypatch):
     log_steps(5)
     rec = bench.measure(args, "ep4", tmp_path, tmp_path / "tokens")
     assert "tokens_per_s" not in rec and "SIGTERM" in rec["error"]
+
+
+def test_timed_steps_lie_in_the_warmup_unless_told_otherwise():
+    from neox.config import derive, load_config
+
+    for warmup, lr_at_last in ((1000, 20 * 4e-4 / 1000), (0, None)):
+        args = argparse.Namespace(**{**vars(device_args()), "warmup_iters": warmup})
+        keys = bench.run_keys(args, "ep4") | {"data_path": None}
+        cfg = load_config([str(bench.MODEL_FILE)], overrides=keys).config
+        d = derive(cfg, 4, 50277)
+        assert d.warmup_iters == warmup  # 0: full lr from step 1, as before
+        if lr_at_last:  # the 20th of 20 steps is still far below the file's 4e-4
+            assert d.lr_decay_iters > args.iters and lr_at_last < 1e-5
+
+
+def test_rank_load_is_the_busiest_expert_groups_share_over_the_mean(tmp_path):
+    """Two layers of 8 experts at step 2: one balanced (1.0), one whose first two experts take
+    everything (4.0 over 4 groups): mean 2.5; steps outside first..last are left out."""
+    even = {f"moe/0/load/{e}": 1 / 8 for e in range(8)}
+    hot = {f"moe/1/load/{e}": (0.5 if e < 2 else 0.0) for e in range(8)}
+    rows = [{"step": 1, **{k: 0.0 for k in even}, "moe/0/load/0": 1.0}, {"step": 2, **even, **hot}]
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert bench.rank_load(metrics, 2, 2) == pytest.approx(2.5)
+    assert bench.rank_load(metrics, 1, 1) == pytest.approx(4.0)
+    assert bench.rank_load(metrics, 3, 4) is None
