@@ -77,16 +77,14 @@ def bench(name: str, b: int, h: int, d: int, s: int, args, device, dtype, cp: in
     if cp:
         h //= cp
         qkv = torch.randn(b, 3 * h, s, d, device=device, dtype=dtype, requires_grad=True)
+        views = lambda: qkv.split(h, dim=1)  # noqa: E731
     else:
         qkv = torch.randn(b, s, h, 3, d, device=device, dtype=dtype, requires_grad=True)
+        views = lambda: (qkv[:, :, :, i].transpose(1, 2) for i in range(3))  # noqa: E731
     grad = torch.randn(b, h, s, d, device=device, dtype=dtype)
 
     def step():
-        if cp:
-            q, k, v = qkv.split(h, dim=1)
-        else:
-            q, k, v = (qkv[:, :, :, i].transpose(1, 2) for i in range(3))
-        F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
+        F.scaled_dot_product_attention(*views(), is_causal=True).backward(grad)
 
     flops = 4 * b * h * s * s * d * 0.5 * 3.5
     for backend in ["default", *args.backends]:
