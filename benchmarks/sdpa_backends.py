@@ -30,8 +30,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 from benchmarks.common import emit  # noqa: E402
 
-# name: (micro batch, heads, head size) of configs/pythia/<name>.yml at seq 2048.
-SHAPES = {"160M": (16, 12, 64), "410M": (8, 16, 64), "1-4B": (4, 16, 128)}
+# name: (micro batch, heads, head size) of configs/pythia/<name>.yml at seq 2048, and of
+# configs/20B.yml (head size 96) at the micro batch of its 4-GPU speed runs.
+SHAPES = {"160M": (16, 12, 64), "410M": (8, 16, 64), "1-4B": (4, 16, 128), "6-9B": (4, 32, 128)}
+SHAPES |= {"20B": (4, 64, 96)}
 BACKENDS = {
     "flash": SDPBackend.FLASH_ATTENTION,
     "cudnn": SDPBackend.CUDNN_ATTENTION,

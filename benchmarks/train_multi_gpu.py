@@ -53,6 +53,7 @@ from neox.data.indexed import IndexedDatasetBuilder  # noqa: E402
 
 # Model -> micro batch per GPU (issue 11's one-GPU shapes; fits an 80 GB H100).
 MICRO_BATCH = {"410M": 8, "1-4B": 4, "2-8B": 4, "6-9B": 4, "20B-12L": 2, "20B": 4}
+MICRO_BATCH |= {"6-9B-8L": 4, "20B-4L": 4}
 # Long context (issue 38): one sequence a micro batch.
 MICRO_BATCH |= {"1-4B-32k": 1, "1-4B-128k": 1, "llama3-8B-32k": 1}
 MICRO_BATCH |= {"1-4B-32k-keep": 1, "1-4B-128k-keep": 1}
@@ -68,6 +69,16 @@ def long_context(seq: int, **keys: Any) -> dict[str, Any]:
 MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     m: (f"configs/pythia/{m}.yml", {}) for m in ("410M", "1-4B", "2-8B", "6-9B")
 } | {"20B-12L": ("configs/20B.yml", {"num_layers": 12}), "20B": ("configs/20B.yml", {})}
+ONE_GPU = {"model_parallel_size": 1, "pipe_parallel_size": 1}
+# One-GPU slices at full width (layers cut to fit weights and Adam states in one GPU): what a
+# block of each shape runs at with no parallelism at all, the ceiling of its 4-GPU layouts.
+MODELS |= {
+    "6-9B-8L": (
+        "configs/pythia/6-9B.yml",
+        {"num_layers": 8, "attention_config": [[["flash"], 8]], **ONE_GPU},
+    )
+}
+MODELS |= {"20B-4L": ("configs/20B.yml", {"num_layers": 4, **ONE_GPU})}
 MODELS |= {
     # One H200 trains 1.4B at 32k with these (README, "Long context"); CP=4 gets the same keys.
     "1-4B-32k": ("configs/pythia/1-4B.yml", long_context(32768, activation_memory_budget=0.75)),
