@@ -168,13 +168,19 @@ PACKED = {
     False: {},
 }
 # Beside cp alone, on 4 ranks: data parallelism (plain; the flat engine's gradients reduced in
-# buckets during the backward, overlap_comm) or tensor parallelism (packed, where each
-# tensor-parallel rank's one kv head is replicated over the context-parallel ranks).
+# buckets during the backward, overlap_comm; the exchange in 2 head groups of one head) or
+# tensor parallelism (packed, where each tensor-parallel rank's one kv head is replicated over
+# the context-parallel ranks).
 OVERLAP = {"stage": 1, "overlap_comm": True, "reduce_bucket_size": 2000}
 COMPOSED = {
     False: (
         "cp2_dp2",
-        {"num_gpus": 4, "gradient_accumulation_steps": 1, "zero_optimization": OVERLAP},
+        {
+            "num_gpus": 4,
+            "gradient_accumulation_steps": 1,
+            "zero_optimization": OVERLAP,
+            "context_parallel_chunks": 2,
+        },
     ),
     True: ("tp2_cp2", {"num_gpus": 4, "model_parallel_size": 2}),
 }
@@ -208,7 +214,7 @@ def _losses(tmp: Path, name: str, device: str, keys: dict) -> dict[int, float]:
 @pytest.mark.parametrize("device, cp", DEVICES)
 def test_train_losses_equal_one_rank(tmp_path, device, cp, packed):
     """Per-step losses at context_parallel_size cp (and, on 2 CPU ranks or 4 GPUs, cp 2 beside
-    dp 2 or tp 2) equal one rank's within 1e-4 (fp32)."""
+    dp 2, its exchange in 2 head groups, or beside tp 2) equal one rank's within 1e-4 (fp32)."""
     make_dataset(tmp_path / "data" / "chars", docs=120)
     keys = PACKED[packed]
     one = _losses(tmp_path, "one", device, keys)
