@@ -144,8 +144,9 @@ def context_parallel_path(
         f"{heads // cp} query heads and {kv_note} over the whole sequence"
     )
     if chunks > 1:
+        group = heads // cp // chunks
         line += (
-            f"; the exchange in {chunks} groups of {heads // cp // chunks} query heads, each "
+            f"; the exchange in {chunks} groups of {group} query head{'s' * (group > 1)}, each "
             f"group's kernel between its own q, k, v transfer and its output's"
         )
     return line

@@ -119,6 +119,6 @@ def test_cp_chunk_runs_name_their_head_groups(model, run, tmp_path, capsys, monk
     out = dry_run(model, run, tmp_path, capsys, monkeypatch)
     assert "layout: 4 GPU(s) = tp 1 x pp 1 x cp 4" in out
     chunks = BENCH.RUNS[run].get("context_parallel_chunks", 1)
-    grouped = f"the exchange in {chunks} groups of {4 // chunks} query heads"
+    grouped = f"the exchange in {chunks} groups of {4 // chunks} query head"
     attention = [line for line in out.splitlines() if "context parallel over 4 ranks" in line]
     assert attention and all((grouped in line) == (chunks > 1) for line in attention), out
