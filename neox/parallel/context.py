@@ -11,6 +11,11 @@ exact and every rank does the same work, so no causal load balancing is needed. 
 heads: (heads per tensor-parallel rank) must divide by cp, checked with the config; key/value
 heads that do not divide are replicated to one per query head before the exchange.
 
+context_parallel_chunks = G > 1 cuts a rank's heads into G groups exchanged apart
+(`UlyssesExchange.attend_in_groups`): each all-to-all is started and waited for at different
+points, so that group g+1's q, k, v and group g's output travel during group g's kernel, and the
+gradients' in the same way during the backward.
+
 Positions and the document mask are computed from the full sequence before it is cut
 (`context_chunk`), so rotary and reset_position_ids use global positions. Gradients: the cp ranks
 hold the same weights, so the engines reduce gradients over data x context (ProcessGroups'
