@@ -205,6 +205,7 @@ def main(argv: list[str]) -> int:
                 packed=cfg.data.reset_attention_mask,
                 tp=derived.tensor_parallel,
                 cp=derived.context_parallel,
+                chunks=cfg.parallel.context_parallel_chunks,
             )
         except ValueError as e:  # e.g. `local` layers without a window: the model would refuse
             problems.append(str(e))

@@ -249,6 +249,20 @@ RUNS: dict[str, dict[str, Any]] = {
         "context_parallel_size": 4,
         "zero_optimization": {"overlap_comm": True, "reduce_bucket_size": 50_000_000},
     },
+    # CP's exchange in head groups that overlap the attention kernel (issue 38): 2 or 4 groups
+    # of 1.4B's 4 heads a rank, against cp4's one exchange each way.
+    "cp4_chunks2": {
+        "num_gpus": 4,
+        **DP_ONLY,
+        "context_parallel_size": 4,
+        "context_parallel_chunks": 2,
+    },
+    "cp4_chunks4": {
+        "num_gpus": 4,
+        **DP_ONLY,
+        "context_parallel_size": 4,
+        "context_parallel_chunks": 4,
+    },
     "tp2_cp2": {
         "num_gpus": 4,
         "model_parallel_size": 2,
@@ -316,6 +330,8 @@ PLANS = {
         *[("1-4B", r) for r in ("1gpu", "dp4_no_overlap", "dp4", "dp4_bucket50m")],
         *[("1-4B-32k-keep", r) for r in ("1gpu", "cp4_no_overlap", "cp4", "cp4_bucket50m")],
     ],
+    # context_parallel_chunks' A/B (multi_gpu.sh cp-chunks).
+    "cp-chunks": [("1-4B-32k-keep", r) for r in ("1gpu", "cp4", "cp4_chunks2", "cp4_chunks4")],
     # Without recompute where the memory allows it (CP=4 always; one GPU on an H200, not an
     # H100: this plan is not in the H100 fit test).
     "long-context-keep": [

@@ -35,6 +35,18 @@ class ParallelConfig(ConfigGroup):
     that do not divide are replicated. Not with pipe_parallel_size > 1 or train_impl other than
     normal (refused by name)."""
 
+    context_parallel_chunks: Annotated[
+        int, Reads("neox/config/parallel.py", "neox/training/setup.py", "deepy.py")
+    ] = Field(1, ge=1, le=MAX_RANKS)
+    """Head groups of context parallelism's exchange (issue 38; opt-in until measured on 4
+    GPUs). At 1 one all-to-all carries a layer's q, k and v and one its output, both exposed.
+    At G > 1 each rank's heads are cut into G groups whose all-to-alls are started and waited
+    for apart: every group's q, k, v leave before the first group's kernel, and a group's
+    output leaves while the next group's kernel runs (backward the same in reverse; compiled
+    blocks get inductor's comm-reordering passes). Needs (num_attention_heads /
+    model_parallel_size / context_parallel_size) divisible by it; read only at
+    context_parallel_size > 1, so a config that sets it for its CP layouts runs on one GPU too."""
+
     sequence_parallel: Annotated[
         bool,
         Reads("neox/config/parallel.py"),
@@ -94,8 +106,9 @@ class ParallelConfig(ConfigGroup):
         model: ModelConfig,
         lora_rank: int = 0,
     ) -> None:
-        """context_parallel_size against the objective, sequence_parallel against the model and
-        the other features (run when a NeoXConfig is validated)."""
+        """context_parallel_size against the objective, its chunks against the heads,
+        sequence_parallel against the model and the other features (run when a NeoXConfig is
+        validated)."""
         cp = self.context_parallel_size
         if cp > 1 and train_impl != "normal":
             raise ValueError(
@@ -103,8 +116,25 @@ class ParallelConfig(ConfigGroup):
                 "loss reads whole sequences' log-probabilities on one rank; use "
                 "context_parallel_size 1"
             )
+        if cp > 1:
+            self._check_context_chunks(model)
         if self.splits_sequence:
             self._check_sequence_parallel(train_impl, model, lora_rank)
+
+    def _check_context_chunks(self, model: ModelConfig) -> None:
+        """context_parallel_chunks: whole heads in every group of a rank's share."""
+        chunks, heads = self.context_parallel_chunks, model.num_attention_heads
+        tp, cp = self.model_parallel_size, self.context_parallel_size
+        if chunks == 1 or heads % (tp * cp):
+            return  # nothing to cut, or check_model_split names the layout's own problem
+        per_rank = heads // tp // cp
+        if per_rank % chunks:
+            raise ValueError(
+                f"context_parallel_chunks={chunks} does not divide the {per_rank} heads each rank "
+                f"attends with (num_attention_heads={heads} / model_parallel_size={tp} / "
+                f"context_parallel_size={cp}); each group needs whole heads: use "
+                f"context_parallel_chunks {divisors(per_rank)}"
+            )
 
     def _check_sequence_parallel(self, train_impl: str, model: ModelConfig, lora_rank: int) -> None:
         tp, T = self.model_parallel_size, model.seq_length

@@ -133,34 +133,51 @@ class Attention(nn.Module):
         if kv_cache is not None:
             k, v = kv_cache.update(k, v)  # (B, nkv, S, hs)
             slots = kv_cache.query_slots()  # where the queries sit among the S keys
-        if self.context_parallel is not None:
-            q, k, v = self.context_parallel.scatter_heads(q, k, v)  # (B, nh/cp, T*cp, hs)
-        group = q.shape[1] // k.shape[1]
-        if group > 1:
-            # Query head h reads kv head h // (nh / nkv): the grouping of the fused layout.
-            k = k.repeat_interleave(group, dim=1)  # (B, nh, T, hs)
-            v = v.repeat_interleave(group, dim=1)
         impl = self.kernel(x.device, attention_mask)
         if kv_cache is not None:
             impl = "flash"  # queries are not the last T keys: only SDPA's explicit mask fits
             if T == 1 and slots is not None and kv_cache.owner.attention_reductions:
                 impl = "one_query"
-        blocks = attention_mask is None or isinstance(attention_mask, DocumentMask)
-        if impl == "one_query":
-            y = self._attend_one_query(q, k, v, attention_mask, slots)
-        elif impl == "flex" and blocks and slots is None:
-            y = self._attend_flex(q, k, v, attention_mask)
-        else:
-            if isinstance(attention_mask, DocumentMask):
+        cp = self.context_parallel
+        if cp is not None and cp.chunks > 1:
+            # The exchange in head groups, each group's kernel between its transfers
+            # (context_parallel_chunks): the kernel runs once a group, the mask is built once.
+            blocks = attention_mask is None or isinstance(attention_mask, DocumentMask)
+            if isinstance(attention_mask, DocumentMask) and not (impl == "flex" and blocks):
                 attention_mask = attention_mask.dense()  # (B, 1, T, T), or None: plain causal
-            if impl in ("flash", "flex"):  # flex given a padding mask: SDPA takes it
-                y = self._attend_sdpa(q, k, v, attention_mask, slots)
-            else:
-                y = self._attend_scores(q, k, v, attention_mask, fused=impl == "triton")
-        if self.context_parallel is not None:
-            y = self.context_parallel.gather_heads(y)  # (B, nh, T, hs): this rank's chunk
+
+            def attend(q, k, v, heads: slice) -> torch.Tensor:
+                slopes = None if self.alibi_slopes is None else self.alibi_slopes[heads]
+                return self._attend(q, k, v, impl, attention_mask, slots, slopes)
+
+            y = cp.attend_in_groups(q, k, v, attend)  # (B, nh, T, hs): this rank's chunk
+        else:
+            if cp is not None:
+                q, k, v = cp.scatter_heads(q, k, v)  # (B, nh/cp, T*cp, hs)
+            y = self._attend(q, k, v, impl, attention_mask, slots, self.alibi_slopes)
+            if cp is not None:
+                y = cp.gather_heads(y)  # (B, nh, T, hs): this rank's chunk
         y = y.transpose(1, 2).reshape(B, T, nh * hs)  # (B, T, nh*hs)
         return self.dense(y)
+
+    def _attend(self, q, k, v, impl: str, attention_mask, slots, slopes) -> torch.Tensor:
+        """The kernel `impl` on q (B, nh, T, hs), k and v (B, nkv, S, hs) -> (B, nh, T, hs);
+        slopes: ALiBi's of these heads (None: the layer's own)."""
+        group = q.shape[1] // k.shape[1]
+        if group > 1:
+            # Query head h reads kv head h // (nh / nkv): the grouping of the fused layout.
+            k = k.repeat_interleave(group, dim=1)  # (B, nh, T, hs)
+            v = v.repeat_interleave(group, dim=1)
+        blocks = attention_mask is None or isinstance(attention_mask, DocumentMask)
+        if impl == "one_query":
+            return self._attend_one_query(q, k, v, attention_mask, slots, slopes)
+        if impl == "flex" and blocks and slots is None:
+            return self._attend_flex(q, k, v, attention_mask, slopes)
+        if isinstance(attention_mask, DocumentMask):
+            attention_mask = attention_mask.dense()  # (B, 1, T, T), or None: plain causal
+        if impl in ("flash", "flex"):  # flex given a padding mask: SDPA takes it
+            return self._attend_sdpa(q, k, v, attention_mask, slots, slopes)
+        return self._attend_scores(q, k, v, attention_mask, slopes, fused=impl == "triton")
 
     def kernel(self, device: torch.device, attention_mask: object = None) -> str:
         """The attention_impl this layer runs on `device` for this kind of attention_mask."""
@@ -171,7 +188,7 @@ class Attention(nn.Module):
         )
         return self.impl_cuda_packed if packed else self.impl_cuda
 
-    def _attend_flex(self, q, k, v, attention_mask: Optional[DocumentMask]):
+    def _attend_flex(self, q, k, v, attention_mask: Optional[DocumentMask], slopes=None):
         """FlexAttention over the tiles the block mask allows (causal, window, document), with
         ALiBi's bias added inside the kernel."""
         masks = {} if attention_mask is None else attention_mask.block_masks
@@ -179,9 +196,9 @@ class Attention(nn.Module):
         if block_mask is None:  # not built by the model's forward (e.g. a pipeline stage)
             block_mask = _late_block_mask(attention_mask, q.shape[-2], self.window, q.device)
         score_mod = None
-        if self.alibi_slopes is not None:
-            slopes = torch.tensor(self.alibi_slopes, device=q.device, dtype=torch.float32)
-            score_mod = alibi_score_mod(slopes)
+        slopes = self.alibi_slopes if slopes is None else slopes
+        if slopes is not None:
+            score_mod = alibi_score_mod(torch.tensor(slopes, device=q.device, dtype=torch.float32))
         return flex_attention(q, k, v, block_mask, self.scale, score_mod)
 
     def _bias(
@@ -190,23 +207,26 @@ class Attention(nn.Module):
         k: torch.Tensor,
         attention_mask: Optional[torch.Tensor],
         slots: Optional[torch.Tensor] = None,
+        slopes: Optional[list[float]] = None,
     ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
         """(allowed mask or None when plain causal suffices, ALiBi bias (nh, T, S) or None).
-        slots: the queries' key indices when they are not the last T keys (cached decoding)."""
+        slots: the queries' key indices when they are not the last T keys (cached decoding);
+        slopes: ALiBi's of q's heads (default the layer's)."""
         T, S = q.shape[-2], k.shape[-2]
         plain = self.window is None and attention_mask is None and slots is None
         allowed = None
         if not plain:
             allowed = allowed_mask(T, S, q.device, self.window, attention_mask, slots)
         bias = None
-        if self.alibi_slopes is not None:
-            bias = alibi_bias(self.alibi_slopes, T, S, q.device, torch.float32)
+        slopes = self.alibi_slopes if slopes is None else slopes
+        if slopes is not None:
+            bias = alibi_bias(slopes, T, S, q.device, torch.float32)
         return allowed, bias
 
-    def _attend_sdpa(self, q, k, v, attention_mask, slots=None):
+    def _attend_sdpa(self, q, k, v, attention_mask, slots=None, slopes=None):
         """torch SDPA: causal flag alone when possible, else an explicit additive mask."""
         dropout = self.dropout if self.training else 0.0
-        allowed, bias = self._bias(q, k, attention_mask, slots)
+        allowed, bias = self._bias(q, k, attention_mask, slots, slopes)
         if allowed is None and bias is None:
             return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
         if allowed is None:
@@ -219,12 +239,12 @@ class Attention(nn.Module):
             q, k, v, attn_mask=mask, dropout_p=dropout, scale=self.scale
         )
 
-    def _attend_one_query(self, q, k, v, attention_mask, slots):
+    def _attend_one_query(self, q, k, v, attention_mask, slots, slopes=None):
         """One query per row against the cached keys, written out in fp32 (rounded once at the
         end): in a compiled decode step inductor turns both products into reductions over the
         head dim and the slots (neox.inference.decode_compile), where SDPA's kernel is tiled
         for long queries."""
-        allowed, bias = self._bias(q, k, attention_mask, slots)
+        allowed, bias = self._bias(q, k, attention_mask, slots, slopes)
         scores = (q.float() @ k.float().transpose(-2, -1)) * self.scale  # (B, nh, 1, S)
         if bias is not None:
             scores = scores + bias
@@ -232,9 +252,9 @@ class Attention(nn.Module):
             scores = scores.masked_fill(~allowed, float("-inf"))
         return (scores.softmax(-1) @ v.float()).to(q.dtype)
 
-    def _attend_scores(self, q, k, v, attention_mask, fused: bool):
+    def _attend_scores(self, q, k, v, attention_mask, slopes=None, *, fused: bool):
         """Materialised scores, then the Triton fused softmax (fused) or the torch reference."""
-        allowed, bias = self._bias(q, k, attention_mask)
+        allowed, bias = self._bias(q, k, attention_mask, slopes=slopes)
         scores = q @ k.transpose(-2, -1)  # (B, nh, T, T)
         scale = self.scale
         if bias is not None:

@@ -45,11 +45,13 @@ def parallelize(
     pipe_partition_method: str = "type:Block",
     device: Any = "cpu",
     float8: Optional[Float8Spec] = None,
+    context_parallel_chunks: int = 1,
 ) -> nn.Module:
     """The GPTNeoX for this rank: plain with tp applied when pp = 1, else a PipelineModule.
 
     Seeds the RNG streams (seed_parallel_rng). `float8` (the resolved fp8 section) converts the
-    chosen linears to float8 compute after tp. torch_compile compiles every block, keeping
+    chosen linears to float8 compute after tp. `context_parallel_chunks`: the head groups of
+    context parallelism's exchange (neox/parallel/context.py). torch_compile compiles every block, keeping
     `activation_memory_budget` of each block's activations for backward. Weights equal the tp=1, pp=1 model's for the
     same seed, whatever the layout; no rank materialises more than its own shard.
     """
@@ -81,7 +83,7 @@ def parallelize(
     model = build_model(model_cfg, vocab_size, seed, device="meta")
     apply_tensor_parallel(model, groups, model_cfg, copy_weights=False)
     init_tensor_parallel(model, model_cfg, seed, groups, device=device)
-    apply_context_parallel(model, groups)
+    apply_context_parallel(model, groups, context_parallel_chunks)
     if groups.get_tensor_model_parallel_world_size() > 1:
         use_tensor_parallel_rng(model)
     if model_cfg.moe_expert_parallel_size > 1:
@@ -89,7 +91,11 @@ def parallelize(
     apply_float8(model, float8, model_cfg.num_layers, device)
     if torch_compile:
         # Before checkpointing, which then recomputes through the compiled forward.
-        compile_blocks(model, torch_compile_backend, device, activation_memory_budget)
+        # The grouped exchange's collectives overlap only where inductor keeps them apart.
+        overlap = groups.get_context_parallel_world_size() > 1 and context_parallel_chunks > 1
+        compile_blocks(
+            model, torch_compile_backend, device, activation_memory_budget, overlap_comms=overlap
+        )
     if checkpoint_activations:
         checkpoint_blocks(model.layers, checkpoint_num_layers)
     _register_head_weight(model)
@@ -101,6 +107,7 @@ def compile_blocks(
     backend: str = "inductor",
     device: Any = None,
     activation_memory_budget: float = 1.0,
+    overlap_comms: bool = False,
 ) -> nn.Module:
     """torch.compile each Block's forward in place: one graph per block (the same code for every
     layer, so one compilation serves them all), names and state dict keys unchanged. Rotary
@@ -109,6 +116,11 @@ def compile_blocks(
     activation_memory_budget < 1: AOTAutograd's partitioner keeps that fraction of each graph's
     activations and recomputes the rest in backward, cheapest FLOPs per byte first. It is a
     process-wide torch setting, read when a graph first compiles (one model per process here).
+
+    overlap_comms (context_parallel_chunks > 1): inductor's passes that start each collective as
+    early and wait for it as late as its data allows, per block's compilation. Without them
+    inductor kept the grouped exchange's forward order but, in the backward, waited for each
+    gradient's exchange right after starting it (seen on CPU ranks, torch 2.13).
     """
     import torch._dynamo.config as dynamo_config
     import torch._functorch.config as functorch_config
@@ -120,9 +132,15 @@ def compile_blocks(
     # dynamo), each block needs its own entry, and past the recompile limit (8) the rest ran
     # eagerly: 16 of Pythia-1.4B's 24 blocks.
     dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, blocks + 8)
+    options = None
+    if overlap_comms and backend == "inductor":
+        options = {
+            "reorder_for_compute_comm_overlap": True,
+            "reorder_for_compute_comm_overlap_passes": ["sink_waits", "raise_comms"],
+        }
     for module in model.modules():
         if isinstance(module, Block):
-            module.forward = torch.compile(module.forward, backend=backend)
+            module.forward = torch.compile(module.forward, backend=backend, options=options)
         if isinstance(module, RotaryEmbedding) and device is not None:
             module.prepare(torch.device(device))
     plain_loss = isinstance(model, GPTNeoX) and model.lm_loss is lm_loss

@@ -126,32 +126,47 @@ def layer_window(cfg: ModelConfig, layer_type: str) -> Optional[int]:
     return cfg.sliding_window_width
 
 
-def context_parallel_path(cfg: ModelConfig, tp: int = 1, cp: int = 1) -> Optional[str]:
+def context_parallel_path(
+    cfg: ModelConfig, tp: int = 1, cp: int = 1, chunks: int = 1
+) -> Optional[str]:
     """How attention runs when each sequence is split over `cp` ranks (None at cp = 1): the
-    collective around the kernel and the heads each rank attends with over the whole sequence
-    (neox/parallel/context.py)."""
+    collective around the kernel, in `chunks` head groups (context_parallel_chunks), and the
+    heads each rank attends with over the whole sequence (neox/parallel/context.py)."""
     if cp == 1:
         return None
     heads, kv = cfg.num_attention_heads // tp, cfg.shape.kv_heads // tp
     kv_note = f"{kv // cp} kv heads"
     if kv % cp:
         kv_note = f"{heads // cp} kv heads (the {kv} kv heads replicated, one per query head)"
-    return (
+    line = (
         f"context parallel over {cp} ranks: Ulysses all-to-all of q, k, v before the kernel and "
         f"of its output after it, over the context-parallel group; each rank attends with "
         f"{heads // cp} query heads and {kv_note} over the whole sequence"
     )
+    if chunks > 1:
+        group = heads // cp // chunks
+        line += (
+            f"; the exchange in {chunks} groups of {group} query head{'s' * (group > 1)}, each "
+            f"group's kernel between its own q, k, v transfer and its output's"
+        )
+    return line
 
 
 def describe_attention_paths(
-    cfg: ModelConfig, cpu_ranks: bool = False, packed: bool = False, tp: int = 1, cp: int = 1
+    cfg: ModelConfig,
+    cpu_ranks: bool = False,
+    packed: bool = False,
+    tp: int = 1,
+    cp: int = 1,
+    chunks: int = 1,
 ) -> list[str]:
     """One line per layer type, in order of first appearance: count, kernel on GPU ranks, why,
     what else the layer adds (window, ALiBi), the CPU kernel if `cpu_ranks` and it differs, and
-    under context parallelism (`cp` ranks, `tp` tensor-parallel) its collective.
+    under context parallelism (`cp` ranks, `tp` tensor-parallel, `chunks` head groups) its
+    collective.
     `packed`: documents are packed with reset_attention_mask."""
     lines = []
-    exchange = context_parallel_path(cfg, tp, cp)
+    exchange = context_parallel_path(cfg, tp, cp, chunks)
     for layer_type, count in Counter(cfg.shape.layer_types).items():
         path = select_attention_path(cfg, layer_type, "cuda", packed)
         extras = []

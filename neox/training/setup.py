@@ -97,6 +97,7 @@ def build_run(cfg: NeoXConfig) -> Run:
             pipe_partition_method=cfg.parallel.pipe_partition_method,
             device=device,
             float8=cfg.float8.resolved(),
+            context_parallel_chunks=cfg.parallel.context_parallel_chunks,
         )
 
     model = build_model(checkpointing=True)

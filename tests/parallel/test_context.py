@@ -16,7 +16,13 @@ from neox.config.errors import ConfigError
 from neox.data.batch import build_batch
 from neox.parallel.context import context_chunk
 from neox.parallel.topology import Topology
-from tests.parallel.context_helpers import CASES, check_case, check_compiled_block
+from tests.parallel.context_helpers import (
+    CASES,
+    CHUNKED,
+    check_case,
+    check_compiled_block,
+    check_overlapped_order,
+)
 from tests.parallel.rank_helpers import run_ranks
 from tests.train_helpers import SHORT_RUN, losses, make_dataset, run_deepy, run_here, write_config
 
@@ -89,24 +95,57 @@ def test_preference_objectives_are_refused():
         )
 
 
-def _check_cases(rank: int, world: int, names: list[str]) -> None:
-    for name in names:
-        check_case(rank, world, name)
+@pytest.mark.parametrize(
+    "keys, message",
+    [
+        ({"context_parallel_chunks": 3}, "context_parallel_chunks=3 does not divide the 4 heads"),
+        ({"context_parallel_chunks": 4, "model_parallel_size": 2}, "model_parallel_size=2 / "),
+        ({"context_parallel_chunks": 0}, "context_parallel_chunks"),
+    ],
+)
+def test_head_groups_that_cut_heads_are_refused_by_name(keys, message):
+    with pytest.raises(ConfigError, match=message) as e:
+        _config(context_parallel_size=2, **keys)
+    if keys["context_parallel_chunks"]:
+        assert "context_parallel_size=2" in str(e.value)
+        assert "use context_parallel_chunks 1" in str(e.value)
+
+
+def test_head_groups_are_read_only_under_context_parallelism():
+    """A config that sets context_parallel_chunks for its CP layouts also runs without CP."""
+    d = derive(_config(context_parallel_chunks=3), 1, 256)
+    assert d.context_parallel == 1
+
+
+def _check_cases(rank: int, world: int, cases: list[tuple[str, int, dict]]) -> None:
+    for name, chunks, keys in cases:
+        check_case(rank, world, name, chunks, keys)
 
 
 @pytest.mark.slow
 def test_ulysses_gives_the_one_process_loss_and_gradients():
     """Two gloo ranks, every case of context_helpers.CASES (packed documents with GQA and a
     sliding window, MQA with replicated kv heads and ALiBi, scaled rotary with a masked SFT
-    prompt, plain): loss and every gradient equal the whole batch's in one process."""
-    run_ranks(_check_cases, 2, list(CASES))
+    prompt, plain): loss and every gradient equal the whole batch's in one process; with the
+    exchange in 2, 3 and 4 head groups (context_helpers.CHUNKED) they also equal one group's."""
+    run_ranks(_check_cases, 2, [(name, 1, {}) for name in CASES] + CHUNKED)
 
 
 @pytest.mark.slow
 def test_compiled_block_traces_the_exchange():
     """Two gloo ranks: a compiled transformer block has no graph break at the all-to-all,
-    matches the eager block, and a layer makes two all-to-alls each way (context_helpers)."""
+    matches the eager block, and a layer makes two all-to-alls each way (context_helpers), or
+    four in two head groups, whose AOTAutograd graphs keep the overlapped order."""
     run_ranks(check_compiled_block, 2)
+
+
+@pytest.mark.slow
+def test_head_groups_overlap_the_kernel():
+    """Two gloo ranks, a block's exchange in 2 head groups: the second group's q, k, v leave
+    before the first group's kernel and the first group's output before the second's kernel,
+    each waited for after that kernel; the backward mirrors it; eagerly and in the code
+    inductor generates with compile_blocks' comm-reordering passes (context_helpers)."""
+    run_ranks(check_overlapped_order, 2)
 
 
 # ---- train.py end to end: CP ranks against one rank on the same global batch ----
@@ -129,13 +168,19 @@ PACKED = {
     False: {},
 }
 # Beside cp alone, on 4 ranks: data parallelism (plain; the flat engine's gradients reduced in
-# buckets during the backward, overlap_comm) or tensor parallelism (packed, where each
-# tensor-parallel rank's one kv head is replicated over the context-parallel ranks).
+# buckets during the backward, overlap_comm; the exchange in 2 head groups of one head) or
+# tensor parallelism (packed, where each tensor-parallel rank's one kv head is replicated over
+# the context-parallel ranks).
 OVERLAP = {"stage": 1, "overlap_comm": True, "reduce_bucket_size": 2000}
 COMPOSED = {
     False: (
         "cp2_dp2",
-        {"num_gpus": 4, "gradient_accumulation_steps": 1, "zero_optimization": OVERLAP},
+        {
+            "num_gpus": 4,
+            "gradient_accumulation_steps": 1,
+            "zero_optimization": OVERLAP,
+            "context_parallel_chunks": 2,
+        },
     ),
     True: ("tp2_cp2", {"num_gpus": 4, "model_parallel_size": 2}),
 }
@@ -169,7 +214,7 @@ def _losses(tmp: Path, name: str, device: str, keys: dict) -> dict[int, float]:
 @pytest.mark.parametrize("device, cp", DEVICES)
 def test_train_losses_equal_one_rank(tmp_path, device, cp, packed):
     """Per-step losses at context_parallel_size cp (and, on 2 CPU ranks or 4 GPUs, cp 2 beside
-    dp 2 or tp 2) equal one rank's within 1e-4 (fp32)."""
+    dp 2, its exchange in 2 head groups, or beside tp 2) equal one rank's within 1e-4 (fp32)."""
     make_dataset(tmp_path / "data" / "chars", docs=120)
     keys = PACKED[packed]
     one = _losses(tmp_path, "one", device, keys)
@@ -211,3 +256,9 @@ def test_dry_run_names_each_layers_collective():
     assert "context parallel" not in plain
     assert "context parallel over 2 ranks: Ulysses all-to-all" in line
     assert "2 query heads and 2 kv heads (the 1 kv heads replicated" in line
+    assert "groups" not in line
+    (grouped,) = describe_attention_paths(cfg, cp=2, chunks=2)
+    assert grouped.endswith(
+        "the exchange in 2 groups of 2 query heads, each group's kernel "
+        "between its own q, k, v transfer and its output's"
+    )
