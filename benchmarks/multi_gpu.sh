@@ -33,6 +33,8 @@
 #   cp-chunks  issue 38: CP's exchange in head groups that overlap the attention kernel
 #            (context_parallel_chunks 2 and 4) against one exchange each way: 1.4B at 32k, one
 #            GPU against CP=4 (measured 363.7 ms a step in 1 group; ~345-353 ms predicted in more)
+#   cp-accum  issue 38: the same at 8 sequences a step (the gradient reduction and optimizer
+#            step shared by 8 micro batches): one GPU against CP=4 in 1 and 2 head groups
 #   survive  issue 35: the layout-free resume matrix at 4 GPU ranks (pytest -m multigpu
 #            tests/checkpoint/test_resume_any_layout.py -k four_gpus)
 #   stall4   issue 35: the async-save stall at 6.9B on 4 GPUs (benchmarks/stall-6-9b-dp4.yml)
@@ -42,7 +44,7 @@
 # tokenizer (data/20B_tokenizer.json).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?usage: benchmarks/multi_gpu.sh tier1|tier2|tier3|tier-rest|speed1|speed2|speed3|profile|eight|moe1|moe4|context|context-all|overlap-dp|overlap-cp|cp-chunks|survive|stall4}
+part=${1:?usage: benchmarks/multi_gpu.sh tier1|tier2|tier3|tier-rest|speed1|speed2|speed3|profile|eight|moe1|moe4|context|context-all|overlap-dp|overlap-cp|cp-chunks|cp-accum|survive|stall4}
 out=runs/multi_gpu/$part
 mkdir -p "$out"
 pack() {
@@ -118,6 +120,8 @@ case $part in
   cp-chunks)
     bench --models 1-4B-32k-keep --runs 1gpu cp4 cp4_chunks2 cp4_chunks4 --iters 8 --first 4 \
       --timeout 150 ;;
+  cp-accum)
+    bench --plan cp-accum --iters 6 --first 3 --timeout 170 ;;
   # Nine launches of ~45 s (four saves, four resumes, the one-GPU reference): the part alone
   # fills most of a call. The 1.4B stall on one GPU is measured (docs/benchmarks.md):
   #   CUDA_VISIBLE_DEVICES=0 stall configs/pythia/1-4B.yml benchmarks/stall-1-4b.yml \

@@ -263,6 +263,21 @@ RUNS: dict[str, dict[str, Any]] = {
         "context_parallel_size": 4,
         "context_parallel_chunks": 4,
     },
+    # 8 micro batches a step (issue 38): the gradient reduction and the optimizer step, which
+    # cp4 pays for every 32k-token sequence, paid once per 8; beside 1gpu_accum8.
+    "cp4_accum8": {
+        "num_gpus": 4,
+        **DP_ONLY,
+        "context_parallel_size": 4,
+        "gradient_accumulation_steps": 8,
+    },
+    "cp4_chunks2_accum8": {
+        "num_gpus": 4,
+        **DP_ONLY,
+        "context_parallel_size": 4,
+        "context_parallel_chunks": 2,
+        "gradient_accumulation_steps": 8,
+    },
     "tp2_cp2": {
         "num_gpus": 4,
         "model_parallel_size": 2,
@@ -332,6 +347,7 @@ PLANS = {
     ],
     # context_parallel_chunks' A/B (multi_gpu.sh cp-chunks).
     "cp-chunks": [("1-4B-32k-keep", r) for r in ("1gpu", "cp4", "cp4_chunks2", "cp4_chunks4")],
+    "cp-accum": [("1-4B-32k-keep", r) for r in ("1gpu_accum8", "cp4_accum8", "cp4_chunks2_accum8")],
     # Without recompute where the memory allows it (CP=4 always; one GPU on an H200, not an
     # H100: this plan is not in the H100 fit test).
     "long-context-keep": [

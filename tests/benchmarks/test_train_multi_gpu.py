@@ -109,15 +109,20 @@ def test_overlap_runs_reduce_gradients_as_named(model, run, tmp_path, capsys, mo
     assert engine.endswith(f"; gradients: {REDUCTION[run[3:]]}")
 
 
-CHUNK_RUNS = [(m, r) for m, r in BENCH.PLANS["cp-chunks"] if r != "1gpu"]
+CHUNK_RUNS = [
+    (m, r) for p in ("cp-chunks", "cp-accum") for m, r in BENCH.PLANS[p] if r.startswith("cp4")
+]
 
 
 @pytest.mark.parametrize("model,run", CHUNK_RUNS, ids=[f"{m}-{r}" for m, r in CHUNK_RUNS])
 def test_cp_chunk_runs_name_their_head_groups(model, run, tmp_path, capsys, monkeypatch):
-    """multi_gpu.sh cp-chunks: cp4 and its runs in head groups pass the dry run at CP=4, each
+    """multi_gpu.sh cp-chunks and cp-accum: cp4 and its runs in head groups (and at 8 micro
+    batches a step) pass the dry run at CP=4 with the accumulation asked, each
     layer's attention line naming the exchange's groups (1.4B: 4 heads a rank)."""
     out = dry_run(model, run, tmp_path, capsys, monkeypatch)
     assert "layout: 4 GPU(s) = tp 1 x pp 1 x cp 4" in out
+    accumulation = BENCH.RUNS[run].get("gradient_accumulation_steps", 1)
+    assert f"accumulation {accumulation}," in out
     chunks = BENCH.RUNS[run].get("context_parallel_chunks", 1)
     grouped = f"the exchange in {chunks} groups of {4 // chunks} query head"
     attention = [line for line in out.splitlines() if "context parallel over 4 ranks" in line]
