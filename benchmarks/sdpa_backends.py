@@ -109,7 +109,7 @@ def bench(name: str, b: int, h: int, d: int, s: int, args, device, dtype, cp: in
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--shapes", nargs="+", default=["160M", "410M", "1-4B"], choices=list(SHAPES))
     p.add_argument("--backends", nargs="+", default=["flash", "cudnn", "efficient"])
     p.add_argument("--seq", type=int, nargs="+", default=[2048])
     p.add_argument("--micro-batch", type=int, default=None, help="in place of the shape's")
