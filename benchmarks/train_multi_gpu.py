@@ -40,7 +40,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import yaml
@@ -53,7 +53,7 @@ from neox.data.indexed import IndexedDatasetBuilder  # noqa: E402
 
 # Model -> micro batch per GPU (issue 11's one-GPU shapes; fits an 80 GB H100).
 MICRO_BATCH = {"410M": 8, "1-4B": 4, "2-8B": 4, "6-9B": 4, "20B-12L": 2, "20B": 4}
-MICRO_BATCH |= {"6-9B-8L": 4, "20B-4L": 4}
+MICRO_BATCH |= {"6-9B-8L": 4, "20B-4L": 4, "20B-8L": 2}
 # Long context (issue 38): one sequence a micro batch.
 MICRO_BATCH |= {"1-4B-32k": 1, "1-4B-128k": 1, "llama3-8B-32k": 1}
 MICRO_BATCH |= {"1-4B-32k-keep": 1, "1-4B-128k-keep": 1}
@@ -79,6 +79,8 @@ MODELS |= {
     )
 }
 MODELS |= {"20B-4L": ("configs/20B.yml", {"num_layers": 4, **ONE_GPU})}
+# 4 blocks a stage at PP=2 (the 12-layer cut has 6), and still one GPU's weights and Adam states.
+MODELS |= {"20B-8L": ("configs/20B.yml", {"num_layers": 8, **ONE_GPU})}
 MODELS |= {
     # One H200 trains 1.4B at 32k with these (README, "Long context"); CP=4 gets the same keys.
     "1-4B-32k": ("configs/pythia/1-4B.yml", long_context(32768, activation_memory_budget=0.75)),
@@ -132,6 +134,10 @@ RUNS: dict[str, dict[str, Any]] = {
         "torch_compile_backend": "aot_eager",
     },
     "pp2": {"num_gpus": 2, "pipe_parallel_size": 2, "gradient_accumulation_steps": 4},
+    # 20B's layout costs one at a time (issue 34): PP=2 alone and TP=2 alone against one GPU, at
+    # the 33.5% run's micro batch 2 x 8 (`multi_gpu.sh split20b`).
+    "pp2_accum8": {"num_gpus": 2, "pipe_parallel_size": 2, "gradient_accumulation_steps": 8},
+    "tp2_accum8": {"num_gpus": 2, "model_parallel_size": 2, "gradient_accumulation_steps": 8},
     "dp2_zero3": {"num_gpus": 2, "zero_optimization": {"stage": 3}},
     # The same at 8 micro batches a step, where ZeRO-3's per-micro-batch work hides behind
     # longer micro batches (one rank: 0.93x the flat engine at micro batch 8 x 8).
@@ -347,6 +353,7 @@ PLANS = {
     ],
     # context_parallel_chunks' A/B (multi_gpu.sh cp-chunks).
     "cp-chunks": [("1-4B-32k-keep", r) for r in ("1gpu", "cp4", "cp4_chunks2", "cp4_chunks4")],
+    "split20b": [("20B-8L", r) for r in ("1gpu_accum8", "pp2_accum8", "tp2_accum8")],
     "cp-accum": [("1-4B-32k-keep", r) for r in ("1gpu_accum8", "cp4_accum8", "cp4_chunks2_accum8")],
     # Without recompute where the memory allows it (CP=4 always; one GPU on an H200, not an
     # H100: this plan is not in the H100 fit test).
@@ -520,6 +527,14 @@ def summarize(metrics_file: Path, first: int, last: int | None = None) -> dict[s
     return out
 
 
+def timed_last(args) -> Optional[int]:
+    """The last step averaged: the end, or under --profile the step before the two profiled
+    ones (the profiler slows them), where steps from --first remain."""
+    if getattr(args, "profile", False) and args.iters - 2 >= args.first:
+        return args.iters - 2
+    return None
+
+
 def measure(args, model: str, run: str, work: Path, data: Path) -> dict[str, Any]:
     overlay = run_config(args, model, run, work, data)
     log = work / f"{model}_{run}.log"
@@ -529,7 +544,7 @@ def measure(args, model: str, run: str, work: Path, data: Path) -> dict[str, Any
     rec |= {"micro_batch": args.micro_batch or MICRO_BATCH[model], "config": RUNS[run]}
     metrics = work / f"{model}_{run}" / "metrics.jsonl"
     if metrics.is_file() and logged_steps(metrics) >= args.iters:
-        rec |= summarize(metrics, args.first)
+        rec |= summarize(metrics, args.first, timed_last(args))
         if code != 0:  # e.g. the time limit reached while the profiler wrote its traces
             rec["ended_after_timed_steps"] = True
     else:

@@ -68,6 +68,14 @@ def dry_run(model, run, tmp_path, capsys, monkeypatch) -> str:
     return capsys.readouterr().out
 
 
+def estimate_gib(out: str) -> float:
+    """The dry run's estimated GiB a GPU at the ZeRO stage it runs (the column marked *)."""
+    header = next(line for line in out.splitlines() if "ZeRO-0" in line).split()
+    total = next(line for line in out.splitlines() if line.startswith("total incl. CUDA"))
+    column = next(i for i, name in enumerate(header) if name.endswith("*"))
+    return float(total.split()[4 + column])
+
+
 @pytest.mark.parametrize("model,run", PLANNED, ids=[f"{m}-{r}" for m, r in PLANNED])
 def test_four_and_eight_gpu_runs_dry_run_and_fit_an_h100(model, run, tmp_path, capsys, monkeypatch):
     """The exact overlays of --plan 4gpu / 8gpu pass deepy.py's dry run (on num_gpus planned
@@ -82,10 +90,7 @@ def test_four_and_eight_gpu_runs_dry_run_and_fit_an_h100(model, run, tmp_path, c
     chunk = f"cp {cp} (a chunk of {32768 * (4 if '128k' in model else 1) // cp} tokens each) x "
     layout = f"tp {tp} x pp {pp} x {chunk if cp > 1 else ''}dp {gpus // tp // pp // cp};"
     assert f"layout: {gpus} GPU(s) = {layout}" in out
-    header = next(line for line in out.splitlines() if "ZeRO-0" in line).split()
-    total = next(line for line in out.splitlines() if line.startswith("total incl. CUDA"))
-    column = next(i for i, name in enumerate(header) if name.endswith("*"))
-    assert float(total.split()[4 + column]) < H100_GIB, f"{model} {run}: {total}"
+    assert estimate_gib(out) < H100_GIB, f"{model} {run}: {estimate_gib(out)} GiB"
 
 
 # How the flat engine reduces gradients in the overlap plan's runs (the dry run's engine line),
@@ -127,3 +132,29 @@ def test_cp_chunk_runs_name_their_head_groups(model, run, tmp_path, capsys, monk
     grouped = f"the exchange in {chunks} groups of {4 // chunks} query head"
     attention = [line for line in out.splitlines() if "context parallel over 4 ranks" in line]
     assert attention and all((grouped in line) == (chunks > 1) for line in attention), out
+
+
+def test_profiled_steps_stay_out_of_the_mean():
+    """--profile slows the last two steps: the mean ends before them where timed steps remain."""
+    import argparse
+
+    def last(iters, first, profile):
+        return BENCH.timed_last(argparse.Namespace(iters=iters, first=first, profile=profile))
+
+    assert last(12, 6, False) is None
+    assert last(12, 6, True) == 10
+    assert last(8, 7, True) is None  # nothing left before the profiled steps: all are kept
+
+
+SPLIT = BENCH.PLANS["split20b"]
+
+
+@pytest.mark.parametrize("model,run", SPLIT, ids=[f"{m}-{r}" for m, r in SPLIT])
+def test_split20b_runs_ask_one_layout_cost_each(model, run, tmp_path, capsys, monkeypatch):
+    """multi_gpu.sh split20b: configs/20B.yml at 8 layers on one GPU, PP=2 alone, TP=2 alone,
+    each at the 33.5% run's micro batch 2 x 8, under an H200's memory by the estimate."""
+    out = dry_run(model, run, tmp_path, capsys, monkeypatch)
+    keys = BENCH.RUNS[run]
+    tp, pp = keys.get("model_parallel_size", 1), keys.get("pipe_parallel_size", 1)
+    assert f"= tp {tp} x pp {pp} x dp 1; micro batch 2 x seq 2048, accumulation 8" in out
+    assert estimate_gib(out) < 139, f"{model} {run}: {estimate_gib(out)} GiB"
