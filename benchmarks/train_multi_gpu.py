@@ -154,6 +154,8 @@ RUNS: dict[str, dict[str, Any]] = {
     # The optimizer step amortised over 8 micro batches (Pythia-1.4B's own batch is 1,024
     # sequences: 256 micro batches of 4 on one GPU).
     "1gpu_accum8": {"num_gpus": 1, "gradient_accumulation_steps": 8},
+    # FP8 as dp4_accum8_fp8 runs it, on one GPU (a slice's block-level ratio to bf16).
+    "1gpu_accum8_fp8": {"num_gpus": 1, "gradient_accumulation_steps": 8, "fp8": FP8_ALL},
     "1gpu_eager": {"num_gpus": 1, "torch_compile": False},
     # DeepSpeed's engine at one GPU (TP=1, ZeRO-1) in place of the flat engine, compiled blocks.
     "1gpu_ds_engine": {"num_gpus": 1, "flat_engine": False},
@@ -314,12 +316,14 @@ ONE_GPU_EXTRA = (
     "1gpu_seed2",
     "1gpu_fp8",
     "1gpu_accum8",
+    "1gpu_accum8_fp8",
     "1gpu_eager",
     "1gpu_zero3",
     "1gpu_zero3_accum8",
     "1gpu_zero3_offload",
 )
 TWO_GPU_EXTRA = ("dp2_zero3", "dp2_accum8", "dp2_zero3_accum8", "tp2_sp_compile")
+TWO_GPU_EXTRA += ("pp2_accum8", "tp2_accum8")
 DIAGNOSTIC = ("tp2_compile_aot_eager",)
 # Issue 34's 4-GPU table and issue 10's 8-GPU targets, in order (--plan 4gpu / 8gpu).
 PLANS = {

@@ -158,3 +158,18 @@ def test_split20b_runs_ask_one_layout_cost_each(model, run, tmp_path, capsys, mo
     tp, pp = keys.get("model_parallel_size", 1), keys.get("pipe_parallel_size", 1)
     assert f"= tp {tp} x pp {pp} x dp 1; micro batch 2 x seq 2048, accumulation 8" in out
     assert estimate_gib(out) < 139, f"{model} {run}: {estimate_gib(out)} GiB"
+
+
+def test_the_default_table_stays_the_two_gpu_one():
+    """A run added for a named plan must not join the default 2-GPU table unasked (extra runs
+    are listed in the benchmark's *_EXTRA tuples)."""
+    assert {r for _, r in BENCH.DEFAULT_PLAN} == {
+        "1gpu",
+        "dp2",
+        "tp2",
+        "tp2_compile",
+        "pp2",
+        "dp2_zero3",
+        "1gpu_ds_engine",
+        "1gpu_ds_engine_accum8",
+    }
