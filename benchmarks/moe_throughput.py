@@ -62,6 +62,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import common  # noqa: E402
+from benchmarks.timeline import rank_timelines, timeline_lines  # noqa: E402
 from benchmarks.train_multi_gpu import (  # noqa: E402
     OVERLAY as LAUNCH_OVERLAY,
 )
@@ -437,6 +438,8 @@ def measure(args, run: str, work: Path, data: Path) -> dict[str, Any]:
     traces = sorted((work / run / "profile").glob("rank0_*.trace.json"))
     if args.profile and traces:
         rec["profile"] = profile_parts(traces[-1])
+        # Every rank's busy, exposed all-to-all and idle time: a rank waiting for the busiest.
+        rec["timeline"] = rank_timelines(work / run / "profile")
     return rec
 
 
@@ -487,6 +490,8 @@ def print_table(records: list[dict[str, Any]]) -> None:
                 for part, _ in OP_PARTS
             )
             print(f"{r['run']} profile, of {p['total_ms']:.1f} ms a step: {shares}")
+        for line in timeline_lines(r["run"], r.get("timeline", {})):
+            print(line)
     for line in targets({r["run"]: r for r in records if "tokens_per_s" in r}):
         print(line)
 

@@ -49,6 +49,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import common  # noqa: E402
+from benchmarks.timeline import rank_timelines, timeline_lines  # noqa: E402
 from neox.data.indexed import IndexedDatasetBuilder  # noqa: E402
 
 # Model -> micro batch per GPU (issue 11's one-GPU shapes; fits an 80 GB H100).
@@ -554,6 +555,8 @@ def measure(args, model: str, run: str, work: Path, data: Path) -> dict[str, Any
     else:
         tail = log.read_text(errors="replace").splitlines()[-15:] if log.is_file() else []
         rec["error"] = "\n".join(tail)
+    if getattr(args, "profile", False):  # each rank's device time: busy, exposed comm, idle
+        rec["timeline"] = rank_timelines(work / f"{model}_{run}" / "profile")
     return rec
 
 
@@ -593,6 +596,9 @@ def print_table(records: list[dict[str, Any]]) -> None:
             )
     for line in targets(by):
         print(line)
+    for r in records:
+        for line in timeline_lines(f"{r['model']} {r['run']}", r.get("timeline", {})):
+            print(line)
 
 
 def targets(by: dict[tuple[str, str], dict[str, Any]]) -> list[str]:
