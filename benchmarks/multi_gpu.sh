@@ -124,8 +124,7 @@ case $part in
     bench --models 1-4B-32k-keep --runs 1gpu cp4_no_overlap cp4 cp4_bucket50m --iters 8 \
       --first 4 --timeout 150 ;;
   cp-chunks)
-    bench --models 1-4B-32k-keep --runs 1gpu cp4 cp4_chunks2 cp4_chunks4 --iters 8 --first 4 \
-      --timeout 150 ;;
+    bench --plan cp-chunks --iters 8 --first 4 --timeout 150 ;;
   cp-accum)
     bench --plan cp-accum --iters 6 --first 3 --timeout 170 ;;
   # Nine launches of ~45 s (four saves, four resumes, the one-GPU reference): the part alone

@@ -70,18 +70,19 @@ def long_context(seq: int, **keys: Any) -> dict[str, Any]:
 MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     m: (f"configs/pythia/{m}.yml", {}) for m in ("410M", "1-4B", "2-8B", "6-9B")
 } | {"20B-12L": ("configs/20B.yml", {"num_layers": 12}), "20B": ("configs/20B.yml", {})}
-ONE_GPU = {"model_parallel_size": 1, "pipe_parallel_size": 1}
+# TP = PP = 1: the DP runs' layout (configs/pythia/6-9B.yml and configs/20B.yml set TP and PP).
+DP_ONLY = {"model_parallel_size": 1, "pipe_parallel_size": 1}
 # One-GPU slices at full width (layers cut to fit weights and Adam states in one GPU): what a
-# block of each shape runs at with no parallelism at all, the ceiling of its 4-GPU layouts.
+# block of each shape runs at with no parallelism at all, the ceiling of its 4-GPU layouts;
+# 20B-8L has 4 blocks a stage at PP=2 (the 12-layer cut has 6).
 MODELS |= {
     "6-9B-8L": (
         "configs/pythia/6-9B.yml",
-        {"num_layers": 8, "attention_config": [[["flash"], 8]], **ONE_GPU},
-    )
+        {"num_layers": 8, "attention_config": [[["flash"], 8]], **DP_ONLY},
+    ),
+    "20B-4L": ("configs/20B.yml", {"num_layers": 4, **DP_ONLY}),
+    "20B-8L": ("configs/20B.yml", {"num_layers": 8, **DP_ONLY}),
 }
-MODELS |= {"20B-4L": ("configs/20B.yml", {"num_layers": 4, **ONE_GPU})}
-# 4 blocks a stage at PP=2 (the 12-layer cut has 6), and still one GPU's weights and Adam states.
-MODELS |= {"20B-8L": ("configs/20B.yml", {"num_layers": 8, **ONE_GPU})}
 MODELS |= {
     # One H200 trains 1.4B at 32k with these (README, "Long context"); CP=4 gets the same keys.
     "1-4B-32k": ("configs/pythia/1-4B.yml", long_context(32768, activation_memory_budget=0.75)),
@@ -104,7 +105,6 @@ MODELS |= {
     ),
 }
 
-DP_ONLY = {"model_parallel_size": 1, "pipe_parallel_size": 1}
 FP8_ALL = {
     "enabled": True,
     "skip_first_layers": 0,
@@ -113,6 +113,8 @@ FP8_ALL = {
     "fast_accum_backward": True,
 }
 
+# Each sequence over 4 ranks (issue 38), the base of the cp4 runs.
+CP4 = {"num_gpus": 4, **DP_ONLY, "context_parallel_size": 4}
 # Run name -> config keys on top of the model's file and OVERLAY.
 RUNS: dict[str, dict[str, Any]] = {
     "1gpu": {"num_gpus": 1},
@@ -235,7 +237,7 @@ RUNS: dict[str, dict[str, Any]] = {
         "fp8": FP8_ALL,
     },
     # Context parallelism (issue 38): each sequence over 4 ranks, or 2 beside TP=2.
-    "cp4": {"num_gpus": 4, **DP_ONLY, "context_parallel_size": 4},
+    "cp4": CP4,
     "cp2": {"num_gpus": 2, **DP_ONLY, "context_parallel_size": 2},  # the exchange on 2 GPUs
     # The flat engine's gradient reduction (issues 34, 38): dp4 and cp4 take the Pythia file's
     # overlap_comm: true (buckets of 500M elements during the backward); beside them, the
@@ -246,47 +248,19 @@ RUNS: dict[str, dict[str, Any]] = {
         **DP_ONLY,
         "zero_optimization": {"overlap_comm": True, "reduce_bucket_size": 50_000_000},
     },
-    "cp4_no_overlap": {
-        "num_gpus": 4,
-        **DP_ONLY,
-        "context_parallel_size": 4,
-        "zero_optimization": {"overlap_comm": False},
-    },
+    "cp4_no_overlap": {**CP4, "zero_optimization": {"overlap_comm": False}},
     "cp4_bucket50m": {
-        "num_gpus": 4,
-        **DP_ONLY,
-        "context_parallel_size": 4,
+        **CP4,
         "zero_optimization": {"overlap_comm": True, "reduce_bucket_size": 50_000_000},
     },
     # CP's exchange in head groups that overlap the attention kernel (issue 38): 2 or 4 groups
     # of 1.4B's 4 heads a rank, against cp4's one exchange each way.
-    "cp4_chunks2": {
-        "num_gpus": 4,
-        **DP_ONLY,
-        "context_parallel_size": 4,
-        "context_parallel_chunks": 2,
-    },
-    "cp4_chunks4": {
-        "num_gpus": 4,
-        **DP_ONLY,
-        "context_parallel_size": 4,
-        "context_parallel_chunks": 4,
-    },
+    "cp4_chunks2": {**CP4, "context_parallel_chunks": 2},
+    "cp4_chunks4": {**CP4, "context_parallel_chunks": 4},
     # 8 micro batches a step (issue 38): the gradient reduction and the optimizer step, which
     # cp4 pays for every 32k-token sequence, paid once per 8; beside 1gpu_accum8.
-    "cp4_accum8": {
-        "num_gpus": 4,
-        **DP_ONLY,
-        "context_parallel_size": 4,
-        "gradient_accumulation_steps": 8,
-    },
-    "cp4_chunks2_accum8": {
-        "num_gpus": 4,
-        **DP_ONLY,
-        "context_parallel_size": 4,
-        "context_parallel_chunks": 2,
-        "gradient_accumulation_steps": 8,
-    },
+    "cp4_accum8": {**CP4, "gradient_accumulation_steps": 8},
+    "cp4_chunks2_accum8": {**CP4, "context_parallel_chunks": 2, "gradient_accumulation_steps": 8},
     "tp2_cp2": {
         "num_gpus": 4,
         "model_parallel_size": 2,

@@ -142,8 +142,7 @@ class Attention(nn.Module):
         if cp is not None and cp.chunks > 1:
             # The exchange in head groups, each group's kernel between its transfers
             # (context_parallel_chunks): the kernel runs once a group, the mask is built once.
-            blocks = attention_mask is None or isinstance(attention_mask, DocumentMask)
-            if isinstance(attention_mask, DocumentMask) and not (impl == "flex" and blocks):
+            if isinstance(attention_mask, DocumentMask) and impl != "flex":
                 attention_mask = attention_mask.dense()  # (B, 1, T, T), or None: plain causal
 
             def attend(q, k, v, heads: slice) -> torch.Tensor:

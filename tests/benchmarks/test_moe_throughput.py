@@ -226,8 +226,7 @@ def test_timed_steps_lie_in_the_warmup_unless_told_otherwise():
         d = derive(cfg, 4, 50277)
         assert d.warmup_iters == warmup  # 0: full lr from step 1, as before
         if warmup:  # the last timed step is still far below the file's 4e-4
-            lr = d.lr
-            assert d.lr_decay_iters > args.iters and lr * args.iters / d.warmup_iters < 1e-5
+            assert d.lr_decay_iters > args.iters and d.lr * args.iters / d.warmup_iters < 1e-5
 
 
 def test_rank_load_is_the_busiest_expert_groups_share_over_the_mean(tmp_path):
