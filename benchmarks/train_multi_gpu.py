@@ -115,6 +115,8 @@ FP8_ALL = {
 
 # Each sequence over 4 ranks (issue 38), the base of the cp4 runs.
 CP4 = {"num_gpus": 4, **DP_ONLY, "context_parallel_size": 4}
+# DeepSpeed's throughput timer off (its start and stop synchronise the device).
+UNTIMED = {"deepspeed_extra_args": {"timers": {"throughput": {"enabled": False}}}}
 # Run name -> config keys on top of the model's file and OVERLAY.
 RUNS: dict[str, dict[str, Any]] = {
     "1gpu": {"num_gpus": 1},
@@ -167,12 +169,28 @@ RUNS: dict[str, dict[str, Any]] = {
         "flat_engine": False,
         "gradient_accumulation_steps": 8,
     },
+    # The same without DeepSpeed's throughput timer, which synchronises the device at every
+    # forward and every engine.step() (neox passes no dataloader to deepspeed.initialize).
+    "1gpu_ds_engine_untimed": {"num_gpus": 1, "flat_engine": False, **UNTIMED},
+    "1gpu_ds_engine_accum8_untimed": {
+        "num_gpus": 1,
+        "flat_engine": False,
+        "gradient_accumulation_steps": 8,
+        **UNTIMED,
+    },
     # ZeRO-3 at one rank (neox's ZeRO-3 defaults) beside 1gpu and 1gpu_accum8: speed and losses.
     "1gpu_zero3": {"num_gpus": 1, "zero_optimization": {"stage": 3}},
     "1gpu_zero3_accum8": {
         "num_gpus": 1,
         "zero_optimization": {"stage": 3},
         "gradient_accumulation_steps": 8,
+    },
+    "1gpu_zero3_untimed": {"num_gpus": 1, "zero_optimization": {"stage": 3}, **UNTIMED},
+    "1gpu_zero3_accum8_untimed": {
+        "num_gpus": 1,
+        "zero_optimization": {"stage": 3},
+        "gradient_accumulation_steps": 8,
+        **UNTIMED,
     },
     # Four GPUs (issue 34). Pipelines get 8 micro batches a step so the bubble is 1/9 of it
     # (1F1B: (pp - 1) / (m + pp - 1) at pp=2).
