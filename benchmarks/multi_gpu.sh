@@ -21,6 +21,9 @@
 #   split20b 20B's layout costs one at a time (2 GPUs are enough): configs/20B.yml at 8 layers on
 #            one GPU, at PP=2 (DeepSpeed's PipelineEngine) and at TP=2, micro batch 2 x 8, then a
 #            profile of the PP=2 run
+#   pipe-sends  issue 34: 20B at 12 layers, TP2 x PP2, DeepSpeed's partitioned pipeline sends
+#            against whole ones (pipe_partitioned / grad_partitioned false)
+#   zero3-mb8  issue 34: 6.9B DP4 ZeRO-1 at 2 x 8 against ZeRO-3 at 4 x 4 and at 8 x 2 (H200s)
 #   eight    --plan 8gpu on an 8-GPU kind: 6.9B TP2 x PP2 x DP2, configs/20B.yml unchanged
 #   moe1     benchmarks/moe_throughput.py --plan 1gpu --profile (issue 37; one GPU is enough):
 #            OLMoE-1B-7B at 8 layers against a dense model of its active FLOPs and HF + compile
@@ -47,7 +50,7 @@
 # tokenizer (data/20B_tokenizer.json).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?usage: benchmarks/multi_gpu.sh tier1|tier2|tier3|tier-rest|speed1|speed2|speed3|profile|split20b|eight|moe1|moe4|context|context-all|overlap-dp|overlap-cp|cp-chunks|cp-accum|survive|stall4}
+part=${1:?usage: benchmarks/multi_gpu.sh tier1|tier2|tier3|tier-rest|speed1|speed2|speed3|profile|split20b|pipe-sends|zero3-mb8|eight|moe1|moe4|context|context-all|overlap-dp|overlap-cp|cp-chunks|cp-accum|survive|stall4}
 out=runs/multi_gpu/$part
 mkdir -p "$out"
 pack() {
@@ -102,6 +105,8 @@ case $part in
   split20b)
     bench --plan split20b --iters 12 --first 6 --timeout 200
     bench --models 20B-8L --runs pp2_accum8 --profile --iters 10 --first 5 --timeout 200 ;;
+  pipe-sends) bench --plan pipe-sends --iters 12 --first 6 --timeout 200 ;;
+  zero3-mb8) bench --plan zero3-mb8 --iters 10 --first 5 --timeout 190 ;;
   eight) bench --plan 8gpu --iters 8 --first 4 --timeout 280 ;;
   moe1) moe --plan 1gpu ;;
   # At the micro batch of the last measured ratios (8 x 4,096 tokens, 4 a step), where one GPU

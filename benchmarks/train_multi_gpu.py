@@ -226,6 +226,27 @@ RUNS: dict[str, dict[str, Any]] = {
         "zero_optimization": {"stage": 3},
         "gradient_accumulation_steps": 4,
     },
+    # DeepSpeed's pipeline sends whole activations and gradients instead of a 1/tp slice each
+    # that the next stage all-gathers (its pipe_partitioned / grad_partitioned, on by default
+    # under TP): no all-gather and no host sync of the slice's metadata a micro batch.
+    "tp2_pp2_whole_sends": {
+        "num_gpus": 4,
+        "model_parallel_size": 2,
+        "pipe_parallel_size": 2,
+        "gradient_accumulation_steps": 8,
+        "deepspeed_extra_args": {
+            "pipeline": {"pipe_partitioned": False, "grad_partitioned": False}
+        },
+    },
+    # ZeRO-3 at a step of 16 sequences a GPU as 8 x 2: its per-micro-batch gathers and
+    # reduce-scatter paid twice a step instead of 4 times (~100 GiB by the estimate: an H200).
+    "dp4_zero3_mb8": {
+        "num_gpus": 4,
+        **DP_ONLY,
+        "zero_optimization": {"stage": 3},
+        "train_micro_batch_size_per_gpu": 8,
+        "gradient_accumulation_steps": 2,
+    },
     "tp2_pp2_accum16": {
         "num_gpus": 4,
         "model_parallel_size": 2,
@@ -314,6 +335,10 @@ ONE_GPU_EXTRA = (
     "1gpu_zero3",
     "1gpu_zero3_accum8",
     "1gpu_zero3_offload",
+    "1gpu_ds_engine_untimed",
+    "1gpu_ds_engine_accum8_untimed",
+    "1gpu_zero3_untimed",
+    "1gpu_zero3_accum8_untimed",
 )
 TWO_GPU_EXTRA = ("dp2_zero3", "dp2_accum8", "dp2_zero3_accum8", "tp2_sp_compile")
 TWO_GPU_EXTRA += ("pp2_accum8", "tp2_accum8")
@@ -351,6 +376,10 @@ PLANS = {
     # context_parallel_chunks' A/B (multi_gpu.sh cp-chunks).
     "cp-chunks": [("1-4B-32k-keep", r) for r in ("1gpu", "cp4", "cp4_chunks2", "cp4_chunks4")],
     "split20b": [("20B-8L", r) for r in ("1gpu_accum8", "pp2_accum8", "tp2_accum8")],
+    # The pipeline's partitioned sends against whole ones at 20B-12L (multi_gpu.sh pipe-sends).
+    "pipe-sends": [("20B-12L", r) for r in ("tp2_pp2", "tp2_pp2_whole_sends")],
+    # ZeRO-3 at micro batch 8 x 2 beside 4 x 4 (multi_gpu.sh zero3-mb8; an H200's memory).
+    "zero3-mb8": [("6-9B", r) for r in ("dp4_accum8", "dp4_zero3_accum4", "dp4_zero3_mb8")],
     "cp-accum": [("1-4B-32k-keep", r) for r in ("1gpu_accum8", "cp4_accum8", "cp4_chunks2_accum8")],
     # Without recompute where the memory allows it (CP=4 always; one GPU on an H200, not an
     # H100: this plan is not in the H100 fit test).

@@ -173,3 +173,23 @@ def test_the_default_table_stays_the_two_gpu_one():
         "1gpu_ds_engine",
         "1gpu_ds_engine_accum8",
     }
+
+
+H200_PLANS = [(m, r) for p in ("pipe-sends", "zero3-mb8") for m, r in BENCH.PLANS[p]]
+
+
+@pytest.mark.parametrize("model,run", H200_PLANS, ids=[f"{m}-{r}" for m, r in H200_PLANS])
+def test_pipe_sends_and_zero3_mb8_runs_dry_run_on_an_h200(
+    model, run, tmp_path, capsys, monkeypatch
+):
+    """multi_gpu.sh pipe-sends and zero3-mb8: each run's layout and micro batch as named, DeepSpeed
+    given whole pipeline sends where asked, and an estimate under an H200's memory."""
+    out = dry_run(model, run, tmp_path, capsys, monkeypatch)
+    keys = BENCH.RUNS[run]
+    tp, pp = keys.get("model_parallel_size", 1), keys.get("pipe_parallel_size", 1)
+    micro = keys.get("train_micro_batch_size_per_gpu", BENCH.MICRO_BATCH[model])
+    accumulation = keys["gradient_accumulation_steps"]
+    layout = f"tp {tp} x pp {pp} x dp {4 // tp // pp}; micro batch {micro} x seq 2048, "
+    assert f"layout: 4 GPU(s) = {layout}accumulation {accumulation}," in out
+    assert ('"pipe_partitioned": false' in out) == run.endswith("whole_sends")
+    assert estimate_gib(out) < 139, f"{model} {run}: {estimate_gib(out)} GiB"
