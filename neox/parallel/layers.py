@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from neox.parallel.mappings import (
+    all_reduce_max,
     copy_to_tensor_parallel,
     gather_from_tensor_parallel,
     reduce_from_tensor_parallel,
@@ -240,47 +241,6 @@ def vocab_parallel_logits(
     return F.linear(copy_to_tensor_parallel(hidden, group), weight_shard)
 
 
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """loss = log sum_v exp(z_v) - z_target, with z split over ranks by vocab; logits never gathered.
-
-    Three all-reduces of (B, T) tensors: the max (for stability), the target logit (held by one
-    rank), the sum of exponentials. dL/dz_i = softmax(z)_i - onehot(target)_i, computed locally.
-    """
-
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, group: Any) -> torch.Tensor:
-        rank, world = _rank_world(group)
-        per_rank = logits.shape[-1]
-        start = rank * per_rank
-        z = logits.float()
-        z_max = z.max(dim=-1).values
-        dist.all_reduce(z_max, op=dist.ReduceOp.MAX, group=group)
-        z = z - z_max.unsqueeze(-1)
-
-        local = target - start
-        outside = (local < 0) | (local >= per_rank)
-        local = local.masked_fill(outside, 0)
-        z_target = z.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
-        dist.all_reduce(z_target, group=group)
-
-        exp = z.exp()
-        sum_exp = exp.sum(dim=-1)
-        dist.all_reduce(sum_exp, group=group)
-
-        softmax = exp / sum_exp.unsqueeze(-1)
-        ctx.save_for_backward(softmax, local, outside)
-        ctx.in_dtype = logits.dtype
-        return sum_exp.log() - z_target
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        softmax, local, outside = ctx.saved_tensors
-        g = softmax.clone()
-        # Subtract the one-hot only on the rank that holds the target column.
-        g.scatter_add_(-1, local.unsqueeze(-1), -(~outside).to(g.dtype).unsqueeze(-1))
-        return (g * grad.unsqueeze(-1)).to(ctx.in_dtype), None, None
-
-
 def vocab_parallel_cross_entropy(
     logits: torch.Tensor, target: torch.Tensor, group: Any
 ) -> torch.Tensor:
@@ -292,4 +252,32 @@ def vocab_parallel_cross_entropy(
         return F.cross_entropy(
             logits.float().flatten(0, -2), target.flatten(), reduction="none"
         ).view_as(target)
-    return _VocabParallelCrossEntropy.apply(logits, target, group)
+    return sharded_cross_entropy(logits, target, group)
+
+
+def sharded_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group: Any) -> torch.Tensor:
+    """loss = m + log sum_r exp(lse_r - m) - z_target, where lse_r = log sum_v exp(z_v) over rank
+    r's vocab shard and m = max_r lse_r; the logits are never gathered. The vocab-parallel math
+    on any group, one rank included (benchmarks time it so).
+
+    Plain ops and traceable collectives, so torch.compile fuses the fp32 cast, max, exp and sum
+    with the backward autograd derives. Three all-reduces of (B, T) tensors: the max m (no
+    gradient: the loss does not depend on it), the target logit (held by one rank, 0 elsewhere)
+    and the sum of exponentials. Both sums' backward is the identity, so autograd gives
+    dL/dz_i = softmax(z)_i - onehot(target)_i from local values alone.
+
+    Each shard's own logsumexp comes before the max's all-reduce, and the target logit is read
+    from the same fp32 z: written otherwise (the max of the logits all-reduced between the cast
+    and the exp, or the target read from the logits), AOTAutograd's partitioner (torch 2.13)
+    saved an fp32 (tokens x vocab) tensor for backward instead of the logits.
+    """
+    per_rank = logits.shape[-1]
+    local = target - dist.get_rank(group=group) * per_rank
+    outside = (local < 0) | (local >= per_rank)
+    z = logits.float()
+    held = z.gather(-1, local.masked_fill(outside, 0).unsqueeze(-1)).squeeze(-1)
+    z_target = reduce_from_tensor_parallel(held.masked_fill(outside, 0.0), group)
+    lse = torch.logsumexp(z, dim=-1)
+    m = all_reduce_max(lse, group)
+    sum_exp = reduce_from_tensor_parallel((lse - m).exp(), group)
+    return m + sum_exp.log() - z_target

@@ -32,6 +32,19 @@ def _all_reduce(x: torch.Tensor, group: Any) -> torch.Tensor:
     return x
 
 
+def all_reduce_max(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """Elementwise max over the ranks of x, outside autograd (a softmax's stabilising shift,
+    whose gradient is zero)."""
+    x = x.detach()
+    if _world(group) == 1:
+        return x
+    if torch.compiler.is_compiling():
+        return funcol.all_reduce(x.contiguous(), "max", group)
+    x = x.contiguous().clone()
+    dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group)
+    return x
+
+
 def _split_last(x: torch.Tensor, group: Any) -> torch.Tensor:
     world = _world(group)
     if x.shape[-1] % world:
