@@ -17,7 +17,7 @@ from neox.model.transforms.float8 import apply_float8
 from neox.parallel.activation_checkpointing import checkpoint_blocks, configure_checkpointing
 from neox.parallel.context import apply_context_parallel
 from neox.parallel.expert import apply_expert_parallel
-from neox.parallel.pipeline import to_pipeline
+from neox.parallel.pipeline import head_into_loss, to_pipeline
 from neox.parallel.tensor import (
     apply_tensor_parallel,
     init_tensor_parallel,
@@ -112,6 +112,8 @@ def compile_blocks(
     """torch.compile each Block's forward in place: one graph per block (the same code for every
     layer, so one compilation serves them all), names and state dict keys unchanged. Rotary
     tables are built on `device` first, so the graphs read them instead of recomputing them.
+    The loss compiles with the output layer: the model's `loss`, or on a pipeline's last stage
+    its loss_fn, into which head_into_loss moves the head.
 
     activation_memory_budget < 1: AOTAutograd's partitioner keeps that fraction of each graph's
     activations and recomputes the rest in backward, cheapest FLOPs per byte first. It is a
@@ -143,13 +145,19 @@ def compile_blocks(
             module.forward = torch.compile(module.forward, backend=backend, options=options)
         if isinstance(module, RotaryEmbedding) and device is not None:
             module.prepare(torch.device(device))
-    plain_loss = isinstance(model, GPTNeoX) and model.lm_loss is lm_loss
-    if plain_loss and not model.cfg.lm_loss_chunk_size:
-        # Final norm, output layer and cross-entropy as one graph: the fp32 cast, log-softmax
-        # and its gradient fuse instead of each passing over (tokens x vocab) logits. The
-        # vocab-parallel loss (tensor parallelism) holds collectives and the chunked one its own
-        # autograd function: both stay eager.
-        model.loss = torch.compile(model.loss, backend=backend)
+    # Final norm, output layer and cross-entropy as one graph: the fp32 cast, the softmax's
+    # max, exp and sum and their gradient fuse instead of each passing over the (tokens x
+    # vocab) logits, and no fp32 softmax is saved for backward. The vocab-parallel loss (tensor
+    # parallelism) too: its collectives are traceable. On a pipeline's last stage this runs on
+    # every micro batch's critical path. The chunked loss, its own autograd function, stays eager.
+    if isinstance(model, GPTNeoX):
+        if not (model.cfg.lm_loss_chunk_size and model.lm_loss is lm_loss):
+            model.loss = torch.compile(model.loss, backend=backend)
+        return model
+    from deepspeed.pipe import PipelineModule
+
+    if isinstance(model, PipelineModule) and head_into_loss(model):
+        model.loss_fn = torch.compile(model.loss_fn, backend=backend)
     return model
 
 

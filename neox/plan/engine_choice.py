@@ -280,18 +280,14 @@ def torch_compile_enabled(setting: Optional[bool], device_type: str) -> bool:
     return device_type == "cuda"
 
 
-def loss_path(
-    torch_compile: bool, tensor_parallel: int, pipe_parallel: int, chunk_size: int
-) -> str:
+def loss_path(torch_compile: bool, chunk_size: int) -> str:
     """How the training loss runs, as neox/parallel/build.py compile_blocks and neox/model/gpt.py
-    decide: "chunked" (lm_loss_chunk_size), "compiled" (final norm, output layer and loss as one
-    torch.compile graph: the plain model's own loss) or "eager" (the vocab-parallel loss of
-    tensor parallelism and the pipeline's loss stay eager)."""
+    decide: "chunked" (lm_loss_chunk_size), "compiled" (output layer and loss as one
+    torch.compile graph: the model's own loss, vocab-parallel under tensor parallelism, or a
+    pipeline's last stage's loss_fn) or "eager" (torch_compile off)."""
     if chunk_size:
         return "chunked"
-    if torch_compile and tensor_parallel == 1 and pipe_parallel == 1:
-        return "compiled"
-    return "eager"
+    return "compiled" if torch_compile else "eager"
 
 
 def engine_for(cfg: NeoXConfig, derived: Derived, zero_stage: Optional[int] = None) -> EngineChoice:

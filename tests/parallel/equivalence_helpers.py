@@ -67,6 +67,12 @@ CASES = {
     "tp2_sp_zero2": dict(model="B", tp=2, pp=1, dp=1, zero=2, sp=True),
     "tp2_sp_llama_compiled": dict(model="C", tp=2, pp=1, dp=1, zero=1, sp=True, compile=True),
     "tp2_pp2_sp": dict(model="C", tp=2, pp=2, dp=1, zero=1, checkpoint=True, sp=True),
+    # Compiled, the loss with the head as one graph: the plain tp model's (tied head), and the
+    # last pipeline stage's loss_fn with the head moved into it (tied: the embedding's weight;
+    # untied under sequence parallelism: the head saving its chunk).
+    "tp2_compiled": dict(model="A", tp=2, pp=1, dp=1, zero=1, compile=True),
+    "pp2_compiled": dict(model="A", tp=1, pp=2, dp=1, zero=1, compile=True),
+    "tp2_pp2_sp_compiled": dict(model="C", tp=2, pp=2, dp=1, zero=1, sp=True, compile=True),
     "tp2_dp2_zero1_sp": dict(model="B", tp=2, pp=1, dp=2, zero=1, sp=True),
 }
 

@@ -32,12 +32,13 @@ def _check(out_dir, names):
 def test_two_rank_layouts_match_dense(tmp_path):
     names = ["tp2", "pp2", "dp2_zero1", "dp2_zero2", "dp2_zero3"]
     names += ["tp2_sp", "tp2_sp_zero2", "tp2_sp_llama_zero3", "tp2_sp_llama_compiled"]
+    names += ["tp2_compiled", "pp2_compiled"]
     run_ranks(run_cases, 2, names, str(tmp_path))
     _check(tmp_path, names)
 
 
 @pytest.mark.slow
 def test_four_rank_layouts_match_dense(tmp_path):
-    names = ["tp2_pp2", "tp2_dp2_zero1", "tp2_pp2_sp", "tp2_dp2_zero1_sp"]
+    names = ["tp2_pp2", "tp2_dp2_zero1", "tp2_pp2_sp", "tp2_dp2_zero1_sp", "tp2_pp2_sp_compiled"]
     run_ranks(run_cases, 4, names, str(tmp_path))
     _check(tmp_path, names)

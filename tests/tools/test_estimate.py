@@ -121,6 +121,7 @@ def test_engine_line_says_why_deepspeed_runs():
     )
     tp2 = line(2, model_parallel_size=2)
     assert "(the flat engine does not cover tensor or pipeline parallelism)" in tp2
-    assert tp2.endswith("loss: eager, fp32 log-softmax over the logits")  # vocab-parallel loss
+    # The vocab-parallel loss, compiled with the output layer (torch_compile on a GPU).
+    assert tp2.endswith("loss: compiled with the output layer (torch_compile), bf16 logits")
     one_rank = line(1)  # ZeRO-2 without a second rank to partition over: still the flat engine
     assert one_rank.startswith("engine: neox's flat engine at ZeRO 0, 1, 2; DeepSpeed's at ZeRO 3")
