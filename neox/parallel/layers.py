@@ -61,6 +61,29 @@ def _param(shape: tuple[int, ...], device: Any, dtype: Any) -> nn.Parameter:
     return nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
 
 
+class _ReplicatedShare(torch.autograd.Function):
+    """Forward: x / world. Backward: identity (see replicated_share)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, world: int) -> torch.Tensor:
+        return x / world
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+def replicated_share(x: torch.Tensor, world: int) -> torch.Tensor:
+    """This rank's share x / world of a tensor x that every rank holds (a bias, an adapter's
+    output), added to partial sums that the caller all-reduces: the shares sum to x.
+
+    The gradient passes through whole, not divided by world: the all-reduce's backward hands
+    every rank all of dL/dsum, the same on each, and a replicated x must get on every rank its
+    whole gradient (the sum of the ranks' 1/world), as in the unsplit model.
+    """
+    return x if world == 1 else _ReplicatedShare.apply(x, world)
+
+
 class ColumnParallelLinear(nn.Module):
     """Y = XA + b with A split by columns, A = [A_1 ... A_p]: rank i computes Y_i = X A_i + b_i.
 
@@ -130,6 +153,9 @@ class RowParallelLinear(nn.Module):
     With sequence_parallel they are reduce-scattered along the sequence instead: each rank keeps
     the sum for its 1/p of the tokens, so the bias sees only those (its gradient is partial,
     summed over the tp ranks by apply_tensor_parallel's hooks: `tp_partial_grads`).
+    With parallel_output (not with sequence_parallel) nothing is reduced: rank i returns its share
+    Y_i = X_i A_i + b/p of Y (sum_i Y_i = Y) and the caller all-reduces it, after adding other
+    shares (a parallel-residual block reduces its two branches at once: apply_tensor_parallel).
     """
 
     PARTITION_DIMS = {"weight": 1}
@@ -145,11 +171,13 @@ class RowParallelLinear(nn.Module):
         device: Any = None,
         dtype: Optional[torch.dtype] = None,
         sequence_parallel: bool = False,
+        parallel_output: bool = False,
     ) -> None:
         super().__init__()
         self.group = group
         self.rank, self.world = _rank_world(group)
         self.sequence_parallel = sequence_parallel
+        self.parallel_output = parallel_output
         if in_features % self.world:
             raise ValueError(f"in_features={in_features} is not divisible by tp={self.world}")
         self.in_features, self.out_features = in_features, out_features
@@ -172,12 +200,15 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel(x, self.group)
+        y = self.linear(x, self.weight)  # X_i A_i
+        if self.parallel_output:
+            return y if self.bias is None else y + replicated_share(self.bias, self.world)
         reduce = (
             reduce_scatter_to_sequence_parallel
             if self.sequence_parallel
             else reduce_from_tensor_parallel
         )
-        y = reduce(self.linear(x, self.weight), self.group)
+        y = reduce(y, self.group)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:

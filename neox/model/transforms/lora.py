@@ -13,6 +13,9 @@ share and the output equals the tp=1 one:
   the backward, so A's gradient is the full one on every rank.
 - row-parallel W (input columns split, x arrives split): A split by columns like W, i.e. A is
   row-parallel (its partial products are all-reduced into the full r-vector), B replicated.
+  Where W returns this rank's share of its output for the block to all-reduce (a parallel-residual
+  block under tensor parallelism: RowParallelLinear.parallel_output), the adapter's output, whole
+  on every rank, joins it as a share too (replicated_share), so the block's sum is still right.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from torch import nn
 
 from neox.config.lora import LoraConfig
 from neox.model.init import parameter_seed
-from neox.parallel.layers import ColumnParallelLinear, RowParallelLinear, shard
+from neox.parallel.layers import ColumnParallelLinear, RowParallelLinear, replicated_share, shard
 from neox.parallel.tensor import _plan_kind
 
 # neox module name (lora_target_modules, after aliases) -> its path inside a block.
@@ -103,7 +106,10 @@ class LoRAForward:
         y = super().forward(x if x.dtype == w.dtype else x.to(w.dtype))
         if y.dtype != x.dtype:
             y = y.to(x.dtype)
-        return y + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.lora_scale
+        delta = self.lora_B(self.lora_A(self.lora_dropout(x))) * self.lora_scale
+        if getattr(self, "parallel_output", False):
+            delta = replicated_share(delta, self.world)
+        return y + delta
 
 
 _LORA_CLASSES: dict[type, type] = {}
