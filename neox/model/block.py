@@ -45,6 +45,12 @@ class Block(nn.Module):
             h1 = ln1(x)
             h2 = h1 if ln2 is ln1 else ln2(x)
             attn = self.attention(h1, position_ids, attention_mask, kv_cache)
-            return x + drop(attn) + drop(self.mlp(h2))
+            return self.add_branches(x, drop(attn), drop(self.mlp(h2)))
         x = x + drop(self.attention(ln1(x), position_ids, attention_mask, kv_cache))
         return x + drop(self.mlp(ln2(x)))
+
+    def add_branches(self, x: torch.Tensor, attn: torch.Tensor, mlp: torch.Tensor) -> torch.Tensor:
+        """The parallel residual's sum. Tensor parallelism replaces it on an instance whose
+        branches return each rank's share of their outputs, to all-reduce both at once
+        (neox/parallel/tensor.py)."""
+        return x + attn + mlp

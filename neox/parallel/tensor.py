@@ -14,6 +14,10 @@ MLP, head) all-gathers its output, whose backward reduce-scatters; the column-pa
 (and the head) reading it save only this rank's chunk (sequence_linear.py). The parameters used on a
 chunk of the tokens (norm weights and biases, row-parallel biases) get their gradients summed
 over the tp ranks by a hook. The weights are those of the model without it.
+
+Without sequence parallelism a parallel-residual block (gpt_j_residual) all-reduces once, as
+gpt-neox does: x + drop(attn) + drop(mlp) is linear in the two row-parallel outputs, so each
+returns this rank's share unreduced and the block reduces their sum (`_reduce_branches_once`).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from neox.config.model import ModelConfig
 from neox.model.block import Block
 from neox.model.init import init_parameter
 from neox.model.loss import masked_mean
+from neox.model.mlp import MLP
 from neox.parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -43,6 +48,7 @@ from neox.parallel.layers import (
 from neox.parallel.mappings import (
     copy_to_tensor_parallel,
     gather_from_sequence_parallel,
+    reduce_from_tensor_parallel,
     scatter_to_sequence_parallel,
 )
 from neox.parallel.sequence_linear import mark_gathered, sequence_parallel_linear
@@ -140,6 +146,10 @@ def apply_tensor_parallel(
             _shard_attention(module, rank, tp)
     if sequence_parallel:
         _shard_sequence(model, group)
+    else:
+        for module in model.modules():
+            if isinstance(module, Block):
+                _reduce_branches_once(module, group)
 
     # The head reads embed_in.weight (tied) or embed_out.weight as F.linear(norm(x), W): with
     # W split by vocab rows the hidden state enters every rank, so its gradient is the sum
@@ -170,6 +180,36 @@ def _shard_attention(attn: nn.Module, rank: int, tp: int) -> None:
     if slopes is not None:
         n = attn.num_heads
         attn.alibi_slopes = list(slopes)[rank * n : (rank + 1) * n]
+
+
+def _reduce_branches_once(block: Block, group: Any) -> None:
+    """One all-reduce for a parallel-residual block's two row-parallel outputs instead of one
+    each: attention.dense and mlp.dense_4h_to_h return this rank's share (X_i A_i + b/tp) and the
+    block adds x to the all-reduced sum of the dropped shares,
+        x + reduce(drop(a_i + b_a/tp) + drop(m_i + b_m/tp)) = x + drop(a + b_a) + drop(m + b_m),
+    exact at any hidden_dropout: dropout is linear for a fixed mask, and the hidden dropout of a
+    whole (not sequence-chunked) tensor draws the same mask on every tp rank (the default
+    generator, equal over tp ranks; use_tensor_parallel_rng forks only attention's). Backward,
+    the reduce passes each share the whole output gradient, as the two reduces did.
+
+    Not for a mixture-of-experts MLP (no row-parallel output) nor under sequence parallelism,
+    whose row-parallel layers reduce-scatter (apply_tensor_parallel does not call this there).
+    A LoRA adapter on either layer adds its output as a share too (neox/model/transforms/lora.py).
+    """
+    if not block.parallel_residual or not isinstance(block.mlp, MLP):
+        return
+    rows = (block.attention.dense, block.mlp.dense_4h_to_h)
+    if not all(isinstance(m, RowParallelLinear) for m in rows):
+        return
+    for row in rows:
+        row.parallel_output = True
+    block.add_branches = functools.partial(_add_reduced, group)
+
+
+def _add_reduced(
+    group: Any, x: torch.Tensor, attn: torch.Tensor, mlp: torch.Tensor
+) -> torch.Tensor:
+    return x + reduce_from_tensor_parallel(attn + mlp, group)
 
 
 def _shard_sequence(model: nn.Module, group: Any) -> None:

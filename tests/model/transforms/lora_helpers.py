@@ -12,7 +12,7 @@ from neox.parallel.topology import ProcessGroups, Topology
 from neox.plan.estimate import lora_block_parameters
 
 VOCAB = 64
-CFG = ModelConfig(
+KEYS = dict(
     num_layers=2,
     hidden_size=32,
     num_attention_heads=4,
@@ -21,6 +21,7 @@ CFG = ModelConfig(
     activation="swiglu",
     intermediate_size=96,
 )
+CFG = ModelConfig(**KEYS)
 LORA = LoraConfig(
     lora_rank=4,
     lora_alpha=8.0,
@@ -57,22 +58,26 @@ def _loss_and_grads(model, tp: int, rank: int):
     return loss.detach(), grads
 
 
-def check_lora_tp(rank: int, world: int) -> None:
+def check_lora_tp(rank: int, world: int, parallel_residual: bool = False) -> None:
+    cfg = ModelConfig(**KEYS, gpt_j_residual=parallel_residual)
     groups = ProcessGroups(Topology(world, 1, 1))
-    model = parallelize(CFG, VOCAB, groups, seed=7)
+    model = parallelize(cfg, VOCAB, groups, seed=7)
     apply_lora(model, LORA, groups, seed=7)
+    # A parallel-residual block reduces its branches once: the row-parallel adapters' outputs
+    # join the branches' shares (neox/model/transforms/lora.py).
+    assert all(b.mlp.dense_4h_to_h.parallel_output == parallel_residual for b in model.layers)
     # The planner's count of this rank's adapter elements (its memory estimate) is the real one.
     adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    per_block = lora_block_parameters(CFG, LORA.lora_rank, LORA.lora_target_modules, world)
-    assert adapters == CFG.num_layers * per_block
+    per_block = lora_block_parameters(cfg, LORA.lora_rank, LORA.lora_target_modules, world)
+    assert adapters == cfg.num_layers * per_block
     loss, grads = _loss_and_grads(model, world, rank)
 
-    dense = build_model(CFG, VOCAB, seed=7)
+    dense = build_model(cfg, VOCAB, seed=7)
     apply_lora(dense, LORA, None, seed=7)
     want_loss, want = _loss_and_grads(dense, 1, 0)
 
     torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
-    assert grads.keys() == want.keys() and len(grads) == 2 * 5 * CFG.num_layers
+    assert grads.keys() == want.keys() and len(grads) == 2 * 5 * cfg.num_layers
     for name, grad in grads.items():
         dim = lora_partition_dim(name)
         expected = want[name] if dim is None else shard(want[name], dim, rank, world)

@@ -11,10 +11,12 @@ from tests.model.transforms.lora_helpers import CFG, LORA, VOCAB, check_lora_tp
 from tests.parallel.rank_helpers import run_ranks
 
 
-def test_lora_at_tp2_equals_tp1():
+@pytest.mark.parametrize("parallel_residual", [False, True])
+def test_lora_at_tp2_equals_tp1(parallel_residual):
     """Loss and every adapter gradient (each rank's shard of it) at tp=2 equal tp=1's, with
-    adapters on column- (qkv, gate, h_to_4h) and row-parallel (dense, 4h_to_h) linears."""
-    run_ranks(check_lora_tp, 2)
+    adapters on column- (qkv, gate, h_to_4h) and row-parallel (dense, 4h_to_h) linears; with
+    the parallel residual too, whose blocks all-reduce both branches once."""
+    run_ranks(check_lora_tp, 2, parallel_residual)
 
 
 def test_adapters_start_as_the_base_and_merge_exactly():
