@@ -61,27 +61,18 @@ def _param(shape: tuple[int, ...], device: Any, dtype: Any) -> nn.Parameter:
     return nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
 
 
-class _ReplicatedShare(torch.autograd.Function):
-    """Forward: x / world. Backward: identity (see replicated_share)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, world: int) -> torch.Tensor:
-        return x / world
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad, None
-
-
 def replicated_share(x: torch.Tensor, world: int) -> torch.Tensor:
     """This rank's share x / world of a tensor x that every rank holds (a bias, an adapter's
     output), added to partial sums that the caller all-reduces: the shares sum to x.
 
     The gradient passes through whole, not divided by world: the all-reduce's backward hands
     every rank all of dL/dsum, the same on each, and a replicated x must get on every rank its
-    whole gradient (the sum of the ranks' 1/world), as in the unsplit model.
+    whole gradient (the sum of the ranks' 1/world), as in the unsplit model. Written as plain
+    ops (x less the detached rest), which any dynamo traces, rather than an autograd.Function.
     """
-    return x if world == 1 else _ReplicatedShare.apply(x, world)
+    if world == 1:
+        return x
+    return x - x.detach() * ((world - 1) / world)
 
 
 class ColumnParallelLinear(nn.Module):
