@@ -24,6 +24,7 @@
 #   pipe-sends  issue 34: 20B at 12 layers, TP2 x PP2, DeepSpeed's partitioned pipeline sends
 #            against whole ones (pipe_partitioned / grad_partitioned false)
 #   zero3-mb8  issue 34: 6.9B DP4 ZeRO-1 at 2 x 8 against ZeRO-3 at 4 x 4 and at 8 x 2 (H200s)
+#   cpu-ranks  tests/parallel on the image's torch and CPUs (gloo ranks; one GPU kind is enough)
 #   eight    --plan 8gpu on an 8-GPU kind: 6.9B TP2 x PP2 x DP2, configs/20B.yml unchanged
 #   moe1     benchmarks/moe_throughput.py --plan 1gpu --profile (issue 37; one GPU is enough):
 #            OLMoE-1B-7B at 8 layers against a dense model of its active FLOPs and HF + compile
@@ -50,7 +51,7 @@
 # tokenizer (data/20B_tokenizer.json).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?usage: benchmarks/multi_gpu.sh tier1|tier2|tier3|tier-rest|speed1|speed2|speed3|profile|split20b|pipe-sends|zero3-mb8|eight|moe1|moe4|context|context-all|overlap-dp|overlap-cp|cp-chunks|cp-accum|survive|stall4}
+part=${1:?usage: benchmarks/multi_gpu.sh tier1|tier2|tier3|tier-rest|speed1|speed2|speed3|profile|split20b|pipe-sends|zero3-mb8|eight|moe1|moe4|context|context-all|overlap-dp|overlap-cp|cp-chunks|cp-accum|survive|stall4|cpu-ranks}
 out=runs/multi_gpu/$part
 mkdir -p "$out"
 pack() {
@@ -137,6 +138,13 @@ case $part in
   #   CUDA_VISIBLE_DEVICES=0 stall configs/pythia/1-4B.yml benchmarks/stall-1-4b.yml \
   #     --save-interval 6 --train-iters 12
   survive) tier tests/checkpoint/test_resume_any_layout.py -k four_gpus ;;
+  # The parallel tests on the image's torch (2.11) and its CPUs, gloo ranks, no GPU: CI runs torch
+  # 2.13, which traced right a compiled pipeline loss that 2.11 trained wrong (2026-11-29).
+  # 8 workers where pytest-xdist is carried (fetch_wheels.sh pytest-xdist execnet).
+  cpu-ranks)
+    workers=$(python -c "import xdist" 2>/dev/null && echo "-n 8" || true)
+    CUDA_VISIBLE_DEVICES= python -m pytest -q -p no:cacheprovider -m "not gpu and not multigpu" \
+      $workers tests/parallel 2>&1 | tee "$out/pytest.txt" ;;
   # Both modes in one command (~10 s steps, ~100 s start, a 97 GB write): saves 3 steps apart;
   # the second one may wait for the first's write, which each save's save_wait_s tells apart.
   stall4) stall configs/pythia/6-9B.yml benchmarks/stall-6-9b-dp4.yml --save-interval 3 \
