@@ -115,6 +115,13 @@ FP8_ALL = {
 
 # Each sequence over 4 ranks (issue 38), the base of the cp4 runs.
 CP4 = {"num_gpus": 4, **DP_ONLY, "context_parallel_size": 4}
+# TP2 x PP2 at 8 micro batches a step, the base of the tp2_pp2 runs.
+TP2_PP2 = {
+    "num_gpus": 4,
+    "model_parallel_size": 2,
+    "pipe_parallel_size": 2,
+    "gradient_accumulation_steps": 8,
+}
 # DeepSpeed's throughput timer off (its start and stop synchronise the device).
 UNTIMED = {"deepspeed_extra_args": {"timers": {"throughput": {"enabled": False}}}}
 # Run name -> config keys on top of the model's file and OVERLAY.
@@ -169,28 +176,12 @@ RUNS: dict[str, dict[str, Any]] = {
         "flat_engine": False,
         "gradient_accumulation_steps": 8,
     },
-    # The same without DeepSpeed's throughput timer, which synchronises the device at every
-    # forward and every engine.step() (neox passes no dataloader to deepspeed.initialize).
-    "1gpu_ds_engine_untimed": {"num_gpus": 1, "flat_engine": False, **UNTIMED},
-    "1gpu_ds_engine_accum8_untimed": {
-        "num_gpus": 1,
-        "flat_engine": False,
-        "gradient_accumulation_steps": 8,
-        **UNTIMED,
-    },
     # ZeRO-3 at one rank (neox's ZeRO-3 defaults) beside 1gpu and 1gpu_accum8: speed and losses.
     "1gpu_zero3": {"num_gpus": 1, "zero_optimization": {"stage": 3}},
     "1gpu_zero3_accum8": {
         "num_gpus": 1,
         "zero_optimization": {"stage": 3},
         "gradient_accumulation_steps": 8,
-    },
-    "1gpu_zero3_untimed": {"num_gpus": 1, "zero_optimization": {"stage": 3}, **UNTIMED},
-    "1gpu_zero3_accum8_untimed": {
-        "num_gpus": 1,
-        "zero_optimization": {"stage": 3},
-        "gradient_accumulation_steps": 8,
-        **UNTIMED,
     },
     # Four GPUs (issue 34). Pipelines get 8 micro batches a step so the bubble is 1/9 of it
     # (1F1B: (pp - 1) / (m + pp - 1) at pp=2).
@@ -204,12 +195,7 @@ RUNS: dict[str, dict[str, Any]] = {
         "zero_optimization": {"stage": 3},
         "checkpoint_activations": True,
     },
-    "tp2_pp2": {
-        "num_gpus": 4,
-        "model_parallel_size": 2,
-        "pipe_parallel_size": 2,
-        "gradient_accumulation_steps": 8,
-    },
+    "tp2_pp2": TP2_PP2,
     # Without recompute at a step of 16 sequences a GPU: DP=4 at micro batch 2 (69 GiB by the
     # estimate at 6.9B: an H100 holds it), ZeRO-3 at 4 (72 GiB), and TP2 x PP2 at micro batch 4 x 16
     # (the bubble 1/17 of the step, 38 GiB at 20B-12L). Each leaves the per-step work (gradient
@@ -230,10 +216,7 @@ RUNS: dict[str, dict[str, Any]] = {
     # that the next stage all-gathers (its pipe_partitioned / grad_partitioned, on by default
     # under TP): no all-gather and no host sync of the slice's metadata a micro batch.
     "tp2_pp2_whole_sends": {
-        "num_gpus": 4,
-        "model_parallel_size": 2,
-        "pipe_parallel_size": 2,
-        "gradient_accumulation_steps": 8,
+        **TP2_PP2,
         "deepspeed_extra_args": {
             "pipeline": {"pipe_partitioned": False, "grad_partitioned": False}
         },
@@ -326,6 +309,14 @@ RUNS: dict[str, dict[str, Any]] = {
         "checkpoint_activations": True,
     },
 }
+# DeepSpeed's engine and ZeRO-3 at one rank without DeepSpeed's throughput timer, which
+# synchronises the device at every forward and every engine.step() (neox passes no dataloader
+# to deepspeed.initialize).
+UNTIMED_RUNS = tuple(
+    f"{r}_untimed"
+    for r in ("1gpu_ds_engine", "1gpu_ds_engine_accum8", "1gpu_zero3", "1gpu_zero3_accum8")
+)
+RUNS |= {name: {**RUNS[name.removesuffix("_untimed")], **UNTIMED} for name in UNTIMED_RUNS}
 ONE_GPU_EXTRA = (
     "1gpu_seed2",
     "1gpu_fp8",
@@ -335,10 +326,7 @@ ONE_GPU_EXTRA = (
     "1gpu_zero3",
     "1gpu_zero3_accum8",
     "1gpu_zero3_offload",
-    "1gpu_ds_engine_untimed",
-    "1gpu_ds_engine_accum8_untimed",
-    "1gpu_zero3_untimed",
-    "1gpu_zero3_accum8_untimed",
+    *UNTIMED_RUNS,
 )
 TWO_GPU_EXTRA = ("dp2_zero3", "dp2_accum8", "dp2_zero3_accum8", "tp2_sp_compile")
 TWO_GPU_EXTRA += ("pp2_accum8", "tp2_accum8")

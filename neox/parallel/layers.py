@@ -162,13 +162,12 @@ class RowParallelLinear(nn.Module):
         device: Any = None,
         dtype: Optional[torch.dtype] = None,
         sequence_parallel: bool = False,
-        parallel_output: bool = False,
     ) -> None:
         super().__init__()
         self.group = group
         self.rank, self.world = _rank_world(group)
         self.sequence_parallel = sequence_parallel
-        self.parallel_output = parallel_output
+        self.parallel_output = False  # set by apply_tensor_parallel (_reduce_branches_once)
         if in_features % self.world:
             raise ValueError(f"in_features={in_features} is not divisible by tp={self.world}")
         self.in_features, self.out_features = in_features, out_features
