@@ -39,6 +39,7 @@ from neox.plan.report import (
     fit_refusal,
     fit_warning,
     host_refusal,
+    recompute_note,
 )
 
 # gpt-neox's deepy.py flags that set a config key (flag -> key).
@@ -159,14 +160,17 @@ def host_memory_problem(cfg, derived, plan) -> str | None:
     return host_refusal(cfg, derived, vocab, ranks, host, "this machine has available")
 
 
-def warn_if_too_big(cfg, derived) -> None:
-    """Warn, before a GPU launch, when the memory estimate exceeds the GPUs this machine has."""
+def memory_notes(cfg, derived) -> None:
+    """Before a GPU launch: warn when the memory estimate exceeds this machine's GPUs, or note
+    that activation checkpointing is on where the run fits without it."""
     gpu_bytes = local_gpu_bytes()
     if gpu_bytes is None:
         return
-    warning = fit_warning(cfg, derived, estimate_vocab(cfg, derived)[0], gpu_bytes)
-    if warning:
+    vocab = estimate_vocab(cfg, derived)[0]
+    if warning := fit_warning(cfg, derived, vocab, gpu_bytes):
         print(f"deepy: warning: {warning}", file=sys.stderr)
+    elif note := recompute_note(cfg, derived, vocab, gpu_bytes):
+        print(f"deepy: note: {note}", file=sys.stderr)
 
 
 def main(argv: list[str]) -> int:
@@ -257,7 +261,7 @@ def main(argv: list[str]) -> int:
         print(plan.command)
         return 0
     if not plan.cpu:
-        warn_if_too_big(cfg, derived)
+        memory_notes(cfg, derived)
     written = Path(args.script).name == "train.py" and cfg.logging.log_dir
     # What `latest` was when a stop signal came: only a save completed after it is claimed.
     at_stop: list = []

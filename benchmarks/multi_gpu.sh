@@ -21,6 +21,10 @@
 #   split20b 20B's layout costs one at a time (2 GPUs are enough): configs/20B.yml at 8 layers on
 #            one GPU, at PP=2 (DeepSpeed's PipelineEngine) and at TP=2, micro batch 2 x 8, then a
 #            profile of the PP=2 run
+#   keys20b  issue 34: 20B at 12 layers, TP2 x PP2, micro batch 2 x 8, as the benchmark runs it
+#            (bf16, no recompute), with recompute, with recompute and per-layer sync, and with
+#            configs/20B.yml's own fp16, recompute and sync (the issue's 33.5% run);
+#            keys20b-1gpu the same on one GPU at 4 layers (one GPU kind is enough)
 #   pipe-sends  issue 34: 20B at 12 layers, TP2 x PP2, DeepSpeed's partitioned pipeline sends
 #            against whole ones (pipe_partitioned / grad_partitioned false)
 #   zero3-mb8  issue 34: 6.9B DP4 ZeRO-1 at 2 x 8 against ZeRO-3 at 4 x 4 and at 8 x 2 (H200s)
@@ -51,7 +55,7 @@
 # tokenizer (data/20B_tokenizer.json).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?usage: benchmarks/multi_gpu.sh tier1|tier2|tier3|tier-rest|speed1|speed2|speed3|profile|split20b|pipe-sends|zero3-mb8|eight|moe1|moe4|context|context-all|overlap-dp|overlap-cp|cp-chunks|cp-accum|survive|stall4|cpu-ranks}
+part=${1:?usage: benchmarks/multi_gpu.sh tier1|tier2|tier3|tier-rest|speed1|speed2|speed3|profile|split20b|keys20b|keys20b-1gpu|pipe-sends|zero3-mb8|eight|moe1|moe4|context|context-all|overlap-dp|overlap-cp|cp-chunks|cp-accum|survive|stall4|cpu-ranks}
 out=runs/multi_gpu/$part
 mkdir -p "$out"
 pack() {
@@ -106,6 +110,8 @@ case $part in
   split20b)
     bench --plan split20b --iters 12 --first 6 --timeout 200
     bench --models 20B-8L --runs pp2_accum8 --profile --iters 10 --first 5 --timeout 200 ;;
+  keys20b) bench --plan keys20b --iters 12 --first 6 --timeout 200 ;;
+  keys20b-1gpu) bench --plan keys20b-1gpu --micro-batch 2 --iters 10 --first 5 --timeout 200 ;;
   pipe-sends) bench --plan pipe-sends --iters 12 --first 6 --timeout 200 ;;
   zero3-mb8) bench --plan zero3-mb8 --iters 10 --first 5 --timeout 190 ;;
   eight) bench --plan 8gpu --iters 8 --first 4 --timeout 280 ;;

@@ -309,6 +309,21 @@ RUNS: dict[str, dict[str, Any]] = {
         "checkpoint_activations": True,
     },
 }
+# The config file's own precision, activation checkpointing and per-layer sync (MODEL_KEYS, which
+# OVERLAY otherwise replaces) at the run's layout and batch: configs/20B.yml's fp16, recompute and
+# synchronize_each_layer, as issue 34's 33.5% run had them (`multi_gpu.sh keys20b`); beside them,
+# recompute alone and recompute with the sync, in OVERLAY's bf16.
+FILE_KEY_RUNS = ("1gpu_ds_engine_accum8_file", "tp2_pp2_file")
+RUNS |= {
+    "1gpu_ds_engine_accum8_file": RUNS["1gpu_ds_engine_accum8"],
+    "tp2_pp2_file": TP2_PP2,
+    "1gpu_ds_engine_accum8_ckpt": {**RUNS["1gpu_ds_engine_accum8"], "checkpoint_activations": True},
+    "tp2_pp2_ckpt": {**TP2_PP2, "checkpoint_activations": True},
+}
+RUNS |= {
+    f"{r}_sync": {**RUNS[r], "synchronize_each_layer": True}
+    for r in ("1gpu_ds_engine_accum8_ckpt", "tp2_pp2_ckpt")
+}
 # DeepSpeed's engine and ZeRO-3 at one rank without DeepSpeed's throughput timer, which
 # synchronises the device at every forward and every engine.step() (neox passes no dataloader
 # to deepspeed.initialize).
@@ -327,6 +342,7 @@ ONE_GPU_EXTRA = (
     "1gpu_zero3_accum8",
     "1gpu_zero3_offload",
     *UNTIMED_RUNS,
+    *(f"1gpu_ds_engine_accum8{r}" for r in ("_ckpt", "_ckpt_sync", "_file")),
 )
 TWO_GPU_EXTRA = ("dp2_zero3", "dp2_accum8", "dp2_zero3_accum8", "tp2_sp_compile")
 TWO_GPU_EXTRA += ("pp2_accum8", "tp2_accum8")
@@ -364,6 +380,14 @@ PLANS = {
     # context_parallel_chunks' A/B (multi_gpu.sh cp-chunks).
     "cp-chunks": [("1-4B-32k-keep", r) for r in ("1gpu", "cp4", "cp4_chunks2", "cp4_chunks4")],
     "split20b": [("20B-8L", r) for r in ("1gpu_accum8", "pp2_accum8", "tp2_accum8")],
+    # configs/20B.yml's own keys against the benchmark's (multi_gpu.sh keys20b): on one GPU at
+    # 4 layers, and at 12 layers TP2 x PP2 as in issue 34's 33.5% run.
+    "keys20b-1gpu": [
+        ("20B-4L", f"1gpu_ds_engine_accum8{s}") for s in ("", "_ckpt", "_ckpt_sync", "_file")
+    ],
+    "keys20b": [
+        ("20B-12L", r) for r in ("tp2_pp2", "tp2_pp2_ckpt", "tp2_pp2_ckpt_sync", "tp2_pp2_file")
+    ],
     # The pipeline's partitioned sends against whole ones at 20B-12L (multi_gpu.sh pipe-sends).
     "pipe-sends": [("20B-12L", r) for r in ("tp2_pp2", "tp2_pp2_whole_sends")],
     # ZeRO-3 at micro batch 8 x 2 beside 4 x 4 (multi_gpu.sh zero3-mb8; an H200's memory).
@@ -430,10 +454,14 @@ def write_random_tokens(prefix: Path, vocab: int, tokens: int, seed: int = 0) ->
 def run_config(args, model: str, run: str, work: Path, data: Path) -> Path:
     """The overlay file of one run under `work`."""
     cfg = {**OVERLAY, "train_micro_batch_size_per_gpu": args.micro_batch or MICRO_BATCH[model]}
-    if run in STOCK:  # the file's own precision, checkpointing, batch and timers
+    if run in STOCK + FILE_KEY_RUNS:  # the file's own precision, checkpointing and timers
+        micro = cfg["train_micro_batch_size_per_gpu"]
         cfg = {k: v for k, v in OVERLAY.items() if k not in MODEL_KEYS or k in ("save", "load")}
         cfg["tensorboard_dir"] = None
-        cfg.pop("gradient_accumulation_steps")
+        if run in STOCK:  # and its batch
+            cfg.pop("gradient_accumulation_steps")
+        else:
+            cfg["train_micro_batch_size_per_gpu"] = micro
     cfg |= {"train_iters": args.iters, "lr_decay_iters": args.iters, "data_path": str(data)}
     cfg |= {"log_dir": str(work / f"{model}_{run}"), "master_port": free_port()}
     if args.vocab_file:

@@ -66,6 +66,24 @@ def test_dry_run_of_20b_with_local_setup(dry_run):
     assert "tokens/s" in estimate
 
 
+def test_a_gpu_launch_notes_recompute_the_gpu_does_not_need(monkeypatch, capsys):
+    """Before a GPU launch deepy.py reads the GPU's memory: configs/20B.yml cut to 12 layers at
+    TP2 x PP2 keeps the file's checkpoint_activations, which an 80 GB GPU does not need; a 16 GB
+    one gets the fit warning instead."""
+    monkeypatch.syspath_prepend(str(ROOT))
+    import deepy
+    from neox.config import derive, load_config
+
+    cut = {"num_layers": 12, "pipe_parallel_size": 2, "train_micro_batch_size_per_gpu": 2}
+    cfg = load_config([str(ROOT / "configs/20B.yml")], overrides=cut).config
+    derived = derive(cfg, 4, 50277)
+    for gib, expected in ((80, "deepy: note: checkpoint_activations is on"), (16, "warning")):
+        monkeypatch.setattr(deepy, "local_gpu_bytes", lambda gib=gib: gib * 2**30)
+        deepy.memory_notes(cfg, derived)
+        err = capsys.readouterr().err
+        assert expected in err and err.count("deepy: ") == 1, err
+
+
 def test_verbose_sets_log_level_debug(dry_run):
     r = dry_run("train.py", "configs/tiny.yml", "--verbose")
     assert r.returncode == 0, r.stderr

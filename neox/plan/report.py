@@ -220,6 +220,32 @@ def fit_warning(
     )
 
 
+# checkpoint_activations is worth its recompute only where the run would not fit without it: the
+# estimate without it must leave this share of the GPU free before neox suggests turning it off.
+RECOMPUTE_HEADROOM = 0.85
+
+
+def recompute_note(
+    cfg: NeoXConfig, derived: Derived, vocab_size: int, gpu_bytes: int
+) -> Optional[str]:
+    """A note when checkpoint_activations is on but the run fits without it (RECOMPUTE_HEADROOM),
+    else None. gpt-neox's configs/20B.yml turns it on for 44 layers over 8 GPUs; cut to fewer
+    layers or run on larger GPUs, it recomputes every block's forward for memory nobody needs."""
+    shape: TrainingShape = training_shape(cfg, derived, vocab_size)
+    if not shape.checkpoint_activations:
+        return None
+    without = dataclasses.replace(shape, checkpoint_activations=False)
+    need = estimate_memory(cfg.model, without).total
+    if need > RECOMPUTE_HEADROOM * gpu_bytes:
+        return None
+    return (
+        f"checkpoint_activations is on, but the estimate without it ({need / GiB:.1f} GiB) fits "
+        f"this GPU's {gpu_bytes / GiB:.1f} GiB: checkpoint_activations: false skips recomputing "
+        "every block's forward (1.24x the tokens/s for configs/20B.yml at 4 layers on one H200, "
+        "docs/benchmarks.md)"
+    )
+
+
 # An estimate this many times over the memory a rank has is a mistake (a typo in seq_length,
 # batch or width), not a tight fit the estimate may have over-counted.
 FIT_MARGIN = 2.0

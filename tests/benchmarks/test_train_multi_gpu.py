@@ -48,7 +48,7 @@ PLANNED = [(m, r) for plan in ("4gpu", "8gpu", "long-context") for m, r in BENCH
 H100_GIB = 79.6  # what torch reports of an 80 GB H100
 
 
-def dry_run(model, run, tmp_path, capsys, monkeypatch) -> str:
+def dry_run(model, run, tmp_path, capsys, monkeypatch, micro_batch=None) -> str:
     """deepy.py --dry-run's output for the run's exact overlay on num_gpus planned GPUs."""
     import argparse
     import sys
@@ -61,7 +61,7 @@ def dry_run(model, run, tmp_path, capsys, monkeypatch) -> str:
     import deepy
 
     args = argparse.Namespace(
-        micro_batch=None, iters=20, vocab_file=None, seq_length=None, tiny=False
+        micro_batch=micro_batch, iters=20, vocab_file=None, seq_length=None, tiny=False
     )
     overlay = BENCH.run_config(args, model, run, tmp_path, tmp_path / "tokens")
     assert deepy.main(["train.py", BENCH.MODELS[model][0], str(overlay), "--dry-run"]) == 0
@@ -193,3 +193,22 @@ def test_pipe_sends_and_zero3_mb8_runs_dry_run_on_an_h200(
     assert f"layout: 4 GPU(s) = {layout}accumulation {accumulation}," in out
     assert ('"pipe_partitioned": false' in out) == run.endswith("whole_sends")
     assert estimate_gib(out) < 139, f"{model} {run}: {estimate_gib(out)} GiB"
+
+
+KEYS20B = [(m, r) for p in ("keys20b-1gpu", "keys20b") for m, r in BENCH.PLANS[p]]
+
+
+@pytest.mark.parametrize("model,run", KEYS20B, ids=[f"{m}-{r}" for m, r in KEYS20B])
+def test_keys20b_runs_take_the_files_keys_where_named(model, run, tmp_path, capsys, monkeypatch):
+    """multi_gpu.sh keys20b: at micro batch 2 x 8, the `_file` runs keep configs/20B.yml's fp16,
+    recompute and per-layer sync (issue 34's 33.5% run), `_ckpt` adds recompute to the
+    benchmark's bf16 and `_sync` the sync; the plain run has none of them."""
+    out = dry_run(model, run, tmp_path, capsys, monkeypatch, micro_batch=2)
+    file_keys = run.endswith("_file")
+    precision = "fp16" if file_keys else "bf16"
+    assert f"micro batch 2 x seq 2048, accumulation 8, {precision};" in out
+    recompute = file_keys or "_ckpt" in run
+    assert f"activation checkpointing {'on' if recompute else 'off'})" in out
+    sync = file_keys or run.endswith("_sync")
+    assert f'"synchronize_checkpoint_boundary": {str(sync).lower()},' in out
+    assert estimate_gib(out) < 79.6, f"{model} {run}: {estimate_gib(out)} GiB"

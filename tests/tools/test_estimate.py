@@ -8,7 +8,7 @@ from pathlib import Path
 from neox.config import derive, load_config
 from neox.plan.estimate import train_flops_per_token
 from neox.plan.memory import GiB, estimate_memory, training_shape
-from neox.plan.report import fit_warning, tokens_per_second
+from neox.plan.report import fit_warning, recompute_note, tokens_per_second
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -85,6 +85,24 @@ def test_fit_warning_names_the_fixes():
     ).config
     warning = fit_warning(budget, derive(budget, 8, 50277), 50304, GiB)
     assert "activation_memory_budget" not in warning and "checkpoint_activations: true" in warning
+
+
+def test_recompute_note_only_where_the_run_fits_without_checkpointing():
+    """configs/20B.yml cut to 12 layers at TP2 x PP2 (issue 34's run) needs ~31.5 GiB a GPU
+    without recompute: noted on an 80 GB GPU, not on a 32 GB one, and never when the file's
+    checkpoint_activations is off."""
+    cut = {"num_layers": 12, "pipe_parallel_size": 2, "train_micro_batch_size_per_gpu": 2}
+    cfg = load_config([str(ROOT / "configs/20B.yml")], overrides=cut).config
+    derived = derive(cfg, 4, 50277)
+    off = cfg.model_copy(
+        update={"training": cfg.training.model_copy(update={"checkpoint_activations": False})}
+    )
+    need = estimate_memory(cfg.model, training_shape(off, derived, 50432)).total
+    note = recompute_note(cfg, derived, 50432, 80 * GiB)
+    assert note is not None and f"({need / GiB:.1f} GiB)" in note and "80.0 GiB" in note
+    assert "checkpoint_activations: false" in note
+    assert recompute_note(cfg, derived, 50432, 32 * GiB) is None  # 31.5 > 0.85 x 32
+    assert recompute_note(off, derived, 50432, 80 * GiB) is None
 
 
 def test_bf16_report_names_the_flat_engine_and_compiled_loss(tmp_path):
