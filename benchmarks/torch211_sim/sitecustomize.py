@@ -14,9 +14,10 @@ torch/_dynamo/variables/higher_order_ops.py as it is imported. Example (the repo
 
 tests/training/test_torch211_tracing.py runs the ZeRO-3 and TP/PP loss tests this way in CI.
 The whole suite under it (2026-11-26): one failure, tests/parallel/test_tp_layers.py's check of
-a bare compiled functional all-reduce, whose wait_tensor returns an alias the simulation keeps;
-on two H200 with the real torch 2.11 the same all-reduce trained TP=2 with eager's losses, so
-there the simulation is stricter than 2.11.
+a bare compiled functional all-reduce, whose wait_tensor returns an alias the simulation keeps.
+The real torch 2.11 fails it too where dynamo's graph runs without AOTAutograd (the device's
+CPU ranks, 2026-11-29): neox/parallel/mappings.py's `fresh` copies such results since, and the
+check runs under the simulation in CI.
 """
 
 import importlib.abc

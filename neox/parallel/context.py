@@ -42,6 +42,7 @@ from torch import nn
 
 from neox.data.batch import Batch
 from neox.model.attention import Attention
+from neox.parallel.mappings import fresh
 
 
 def _all_to_all(x: torch.Tensor, group: Any) -> torch.Tensor:
@@ -62,7 +63,7 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:
         ctx.group = group
-        return _all_to_all(x, group)
+        return fresh(_all_to_all(x, group))
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
@@ -117,7 +118,7 @@ class _WaitAllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y: torch.Tensor, group: Any, name: str, pending: Optional[_Pending]):
         ctx.group, ctx.name, ctx.pending = group, name, pending
-        return _finish(y, pending)
+        return fresh(_finish(y, pending))
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):

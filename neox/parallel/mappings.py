@@ -9,6 +9,9 @@ Inside a torch.compile'd graph the collectives are the functional (out-of-place)
 would trace the in-place `dist.all_reduce` as a copy_ into the tensor the forward returns, and
 torch 2.11 then routes that autograd.Function's gradient to the wrong slot (pytorch issue
 180642): a tp=2 run with torch_compile trained on wrong gradients from its first step on.
+A forward that returns a functional collective's result returns a copy of it (`fresh`): the
+wait that result passes through counts as such a write too, and torch 2.11's backends that run
+dynamo's graph without AOTAutograd (`torch_compile_backend: eager`) misrouted its gradient.
 """
 
 from __future__ import annotations
@@ -30,6 +33,12 @@ def _all_reduce(x: torch.Tensor, group: Any) -> torch.Tensor:
     x = x.contiguous().clone()  # collectives write in place; never into autograd's saved input
     dist.all_reduce(x, group=group)
     return x
+
+
+def fresh(y: torch.Tensor) -> torch.Tensor:
+    """y, as an autograd.Function's forward returns a collective's result: compiled, a copy
+    (see the module's docstring; inductor fuses it into the consumer), else y itself."""
+    return y.clone() if torch.compiler.is_compiling() else y
 
 
 def all_reduce_max(x: torch.Tensor, group: Any) -> torch.Tensor:
@@ -118,7 +127,7 @@ class _ReduceFromTensorParallel(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:
-        return _all_reduce(x, group)
+        return fresh(_all_reduce(x, group))
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
@@ -172,7 +181,7 @@ class _ReduceScatterToSequenceParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:
         ctx.group = group
-        return _reduce_scatter_sequence(x, group)
+        return fresh(_reduce_scatter_sequence(x, group))
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:

@@ -133,7 +133,8 @@ def check_compiled_block(rank: int, world: int) -> None:
     equal the eager block's, and a layer's eager forward and backward each make two all-to-alls
     (q, k, v packed; the output), 2 G in G head groups: MHA, GQA with kv heads divisible by cp
     sending only those, and MQA with its kv heads replicated. In 2 groups AOTAutograd's forward
-    and backward graphs keep the overlapped order (assert_overlapped)."""
+    and backward graphs keep the overlapped order (assert_overlapped). Dynamo's graph run alone
+    (no AOTAutograd) gives the same output and gradients too."""
     torch.manual_seed(0)
     calls: list[torch.Size] = []  # the received buffer's shape, per eager all-to-all
     collective = dist.all_to_all_single
@@ -196,6 +197,13 @@ def check_compiled_block(rank: int, world: int) -> None:
         if chunks > 1:
             assert_overlapped(graphs["forward"], "AOTAutograd forward")
             assert_overlapped(graphs["backward"], "AOTAutograd backward")
+        if kv == 4:  # dynamo's graph alone (torch_compile_backend: eager), see mappings.fresh
+            torch._dynamo.reset()
+            x_graph = x.clone().requires_grad_()
+            got = torch.compile(block, backend="eager")(x_graph, position_ids=positions)
+            got.square().sum().backward()
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(x_graph.grad, x_eager.grad, rtol=1e-5, atol=1e-6)
 
 
 # ---- the overlapped order of the exchange in head groups ----

@@ -14,8 +14,11 @@ from neox.parallel.layers import (
 )
 from neox.parallel.mappings import (
     copy_to_tensor_parallel,
+    gather_from_sequence_parallel,
     gather_from_tensor_parallel,
     reduce_from_tensor_parallel,
+    reduce_scatter_to_sequence_parallel,
+    scatter_to_sequence_parallel,
     scatter_to_tensor_parallel,
 )
 from neox.parallel.topology import Topology
@@ -134,11 +137,14 @@ def _check_rng(groups) -> None:
 
 
 def _check_compiled_mappings(rank: int, world: int, group) -> None:
-    """Compiled, each mapping gives eager's values and gradients, and no graph dynamo or
-    AOTAutograd traces (the autograd.Functions' forwards and backwards included) mutates a
-    tensor in place. torch 2.11 misroutes the gradient of a Function whose forward returns a
-    tensor written in place (pytorch issue 180642): dynamo traced the in-place all-reduce as
-    such a write, and a tp=2 run with torch_compile learned from wrong gradients on GPUs."""
+    """Compiled, each mapping (tensor and sequence parallel) gives eager's values and gradients,
+    under dynamo's graph alone (as `torch_compile_backend: eager` runs it) and through
+    AOTAutograd, and no graph dynamo or AOTAutograd traces (the autograd.Functions' forwards and
+    backwards included) mutates a tensor in place. torch 2.11 misroutes the gradient of a
+    Function whose forward returns a tensor written in place (pytorch issue 180642): dynamo
+    traced the in-place all-reduce as such a write, and a tp=2 run with torch_compile learned
+    from wrong gradients on GPUs; the functional collective's wait counts too (the reduce's
+    gradient, dynamo's graph alone, torch 2.11, 2026-11-29)."""
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.aot_autograd import make_boxed_func
 
@@ -152,29 +158,36 @@ def _check_compiled_mappings(rank: int, world: int, group) -> None:
         graphs.append(gm)
         return make_boxed_func(gm.forward)
 
+    # Mapping -> the output's shape for an x of (2, 2 world, 4).
+    t = 2 * world
     fns = {
-        "reduce": reduce_from_tensor_parallel,
-        "copy": copy_to_tensor_parallel,
-        "gather": gather_from_tensor_parallel,
+        "reduce": (reduce_from_tensor_parallel, (2, t, 4)),
+        "copy": (copy_to_tensor_parallel, (2, t, 4)),
+        "gather": (gather_from_tensor_parallel, (2, t, 4 * world)),
+        "reduce_scatter_sequence": (reduce_scatter_to_sequence_parallel, (2, 2, 4)),
+        "gather_sequence": (gather_from_sequence_parallel, (2, t * world, 4)),
+        "scatter_sequence": (scatter_to_sequence_parallel, (2, 2, 4)),
     }
     torch.manual_seed(0)  # the same x on every rank, a different output gradient on each
-    x = torch.randn(2, 3, 4)
-    for name, mapping in fns.items():
+    x = torch.randn(2, t, 4)
+    for name, (mapping, out_shape) in fns.items():
 
         def fn(t, mapping=mapping):
             return mapping(t * 2, group) * 3
 
-        grad_out = torch.randn(2, 3, 4 * world if name == "gather" else 4) * (rank + 1)
+        grad_out = torch.randn(out_shape) * (rank + 1)
         x_eager = x.clone().requires_grad_()
         want = fn(x_eager)
         want.backward(grad_out)
-        for backend in (dynamo_graph, aot_autograd(fw_compiler=aot_graph, bw_compiler=aot_graph)):
+        aot = aot_autograd(fw_compiler=aot_graph, bw_compiler=aot_graph)
+        for backend in (dynamo_graph, "eager", aot):
             torch._dynamo.reset()
             x_compiled = x.clone().requires_grad_()
             got = torch.compile(fn, backend=backend, fullgraph=True)(x_compiled)
             got.backward(grad_out)
-            torch.testing.assert_close(got, want, **TOL, msg=f"{name}: forward")
-            torch.testing.assert_close(x_compiled.grad, x_eager.grad, **TOL, msg=f"{name}: grad")
+            what = f"{name}, backend {getattr(backend, '__name__', backend)}"
+            torch.testing.assert_close(got, want, **TOL, msg=f"{what}: forward")
+            torch.testing.assert_close(x_compiled.grad, x_eager.grad, **TOL, msg=f"{what}: grad")
     in_place = [
         node.format_node()
         for gm in graphs
