@@ -17,7 +17,7 @@ from neox.model.transforms.float8 import apply_float8
 from neox.parallel.activation_checkpointing import checkpoint_blocks, configure_checkpointing
 from neox.parallel.context import apply_context_parallel
 from neox.parallel.expert import apply_expert_parallel
-from neox.parallel.pipeline import to_pipeline
+from neox.parallel.pipeline import head_into_loss, to_pipeline
 from neox.parallel.tensor import (
     apply_tensor_parallel,
     init_tensor_parallel,
@@ -112,7 +112,8 @@ def compile_blocks(
     """torch.compile each Block's forward in place: one graph per block (the same code for every
     layer, so one compilation serves them all), names and state dict keys unchanged. Rotary
     tables are built on `device` first, so the graphs read them instead of recomputing them.
-    The plain model's `loss` (output layer and loss) compiles too; a pipeline's loss_fn does not.
+    The loss compiles with the output layer: the model's `loss`, or on a pipeline's last stage
+    its loss_fn, into which head_into_loss moves the head.
 
     activation_memory_budget < 1: AOTAutograd's partitioner keeps that fraction of each graph's
     activations and recomputes the rest in backward, cheapest FLOPs per byte first. It is a
@@ -147,16 +148,16 @@ def compile_blocks(
     # Final norm, output layer and cross-entropy as one graph: the fp32 cast, the softmax's
     # max, exp and sum and their gradient fuse instead of each passing over the (tokens x
     # vocab) logits, and no fp32 softmax is saved for backward. The vocab-parallel loss (tensor
-    # parallelism) too: its collectives are traceable. The chunked loss, its own autograd
-    # function, stays eager.
-    # A pipeline's loss_fn stays eager: compiled, with or without the head's matmul inside,
-    # torch 2.11 (the GPU image's) trained a PP=2 model wrong from the second step on
-    # (tests/parallel/test_equivalence.py's pp2_compiled on its CPU ranks, 2026-11-29; torch 2.13
-    # trained right), and the same case with eager loss right.
-    if isinstance(model, GPTNeoX) and not (
-        model.cfg.lm_loss_chunk_size and model.lm_loss is lm_loss
-    ):
-        model.loss = torch.compile(model.loss, backend=backend)
+    # parallelism) too: its collectives are traceable. On a pipeline's last stage this runs on
+    # every micro batch's critical path. The chunked loss, its own autograd function, stays eager.
+    if isinstance(model, GPTNeoX):
+        if not (model.cfg.lm_loss_chunk_size and model.lm_loss is lm_loss):
+            model.loss = torch.compile(model.loss, backend=backend)
+        return model
+    from deepspeed.pipe import PipelineModule
+
+    if isinstance(model, PipelineModule) and head_into_loss(model):
+        model.loss_fn = torch.compile(model.loss_fn, backend=backend)
     return model
 
 

@@ -152,6 +152,35 @@ def pipeline_loss_fn(groups: ProcessGroups) -> Callable[[torch.Tensor, Any], tor
     return loss_fn
 
 
+def head_into_loss(pipe: nn.Module) -> bool:
+    """On the last stage, move the head out of the layers into loss_fn: the stage's forward ends
+    at the final norm and loss_fn(hidden, labels) runs the output layer and the loss, one
+    function that torch.compile traces as one graph (compile_blocks). The same loss and
+    gradients; only the stage's own output changes (hidden states, not logits). False, and
+    nothing changed, on the other stages."""
+    if pipe.stage_id != pipe.num_stages - 1:
+        return False
+    head, loss_of_logits = pipe.forward_funcs[-1], pipe.loss_fn
+    if isinstance(head, nn.Module):
+        # OutputPipe stays among the layers: DeepSpeed saves and loads the weights of the
+        # modules there (a function in its place would drop the head from checkpoints).
+        logits_of = head.forward
+        head.forward = _final_hidden
+    else:  # the tied head, partial(tied_head, module): its weight is saved with the embedding
+        logits_of = head
+        pipe.forward_funcs[-1] = _final_hidden
+
+    def loss_fn(hidden: torch.Tensor, labels: Any) -> torch.Tensor:
+        return loss_of_logits(logits_of(hidden), labels)
+
+    pipe.loss_fn = loss_fn
+    return True
+
+
+def _final_hidden(hidden: torch.Tensor) -> torch.Tensor:
+    return hidden
+
+
 def _pipeline_class() -> type:
     from deepspeed.pipe import LayerSpec, PipelineModule
 

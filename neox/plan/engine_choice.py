@@ -280,14 +280,14 @@ def torch_compile_enabled(setting: Optional[bool], device_type: str) -> bool:
     return device_type == "cuda"
 
 
-def loss_path(torch_compile: bool, pipe_parallel: int, chunk_size: int) -> str:
+def loss_path(torch_compile: bool, chunk_size: int) -> str:
     """How the training loss runs, as neox/parallel/build.py compile_blocks and neox/model/gpt.py
     decide: "chunked" (lm_loss_chunk_size), "compiled" (output layer and loss as one
-    torch.compile graph: the model's own loss, vocab-parallel under tensor parallelism) or
-    "eager" (torch_compile off, or a pipeline's loss_fn, which compile_blocks leaves eager)."""
+    torch.compile graph: the model's own loss, vocab-parallel under tensor parallelism, or a
+    pipeline's last stage's loss_fn) or "eager" (torch_compile off)."""
     if chunk_size:
         return "chunked"
-    return "compiled" if torch_compile and pipe_parallel == 1 else "eager"
+    return "compiled" if torch_compile else "eager"
 
 
 def engine_for(cfg: NeoXConfig, derived: Derived, zero_stage: Optional[int] = None) -> EngineChoice:

@@ -37,8 +37,8 @@ where each comes from:
 - logits: the loss's peak on the last stage (`logits_bytes`), by how it runs
   (neox.plan.engine_choice.loss_path). Eager: fp32; at the start of backward the saved
   log-softmax, its gradient and the gradient of the logits coexist (LOSS_BYTES_PER_LOGIT per
-  logit). Compiled (torch_compile, the GPU default, without pipeline parallelism;
-  vocab-parallel under tensor parallelism): the logits in the compute dtype are all the graph saves,
+  logit). Compiled (torch_compile, the GPU default; vocab-parallel under tensor parallelism,
+  on a pipeline the last stage's): the logits in the compute dtype are all the graph saves,
   and its backward writes their gradient into the same buffer (AOTAutograd donates saved
   buffers to the backward graph), next to the gradients of the head weight and of the hidden
   states. Chunked (lm_loss_chunk_size): one chunk's fp32 softmax and its gradient, and the fp32
@@ -265,7 +265,7 @@ def training_shape(
         partition_activations=t.partition_activations and not sp,
         activation_memory_budget=t.activation_memory_budget if compiled else 1.0,
         engine=engine_for(cfg, derived, zero_stage).engine,
-        loss="eager" if preference else loss_path(compiled, pp, cfg.model.lm_loss_chunk_size),
+        loss="eager" if preference else loss_path(compiled, cfg.model.lm_loss_chunk_size),
         loss_chunk=0 if preference else cfg.model.lm_loss_chunk_size,
         pinned_host=device == "cuda",
         lora_parameters=lora_parameter_count(cfg, tp),

@@ -173,10 +173,16 @@ def run_cases(rank: int, world: int, names: list[str], out_dir: str) -> None:
     from neox.parallel.distributed import start_deepspeed_comm
 
     start_deepspeed_comm("gloo")
+    linear = torch.nn.functional.linear
     for name in names:
         case = CASES[name]
         assert case["tp"] * case["pp"] * case["dp"] == world, name
         losses = _run_case(case)
+        # Each case as in its own train.py process: DeepSpeed's ZeRO-3 replaces F.linear with its
+        # autograd Function for the rest of the process, which torch 2.11 traced wrongly in the
+        # compiled blocks of the cases after it (pp2_compiled, docs/benchmarks.md, 2026-11-29).
+        torch.nn.functional.linear = linear
+        torch._dynamo.reset()
         if rank == 0:
             Path(out_dir, f"{name}.json").write_text(json.dumps(losses))
 

@@ -105,8 +105,9 @@ def test_every_block_compiles_when_each_needs_its_own_graph(monkeypatch):
 
 
 @pytest.mark.slow
-def test_compiled_pipeline_keeps_its_loss_eager():
-    """Blocks compile, a pipeline's loss_fn does not (tests/parallel/vocab_loss_helpers.py)."""
+def test_compiled_pipeline_runs_its_head_inside_the_loss():
+    """The last stage's head moves into its compiled loss_fn: the same loss and gradients, the
+    same layers saved in checkpoints (tests/parallel/vocab_loss_helpers.py)."""
     from tests.parallel.rank_helpers import run_ranks
     from tests.parallel.vocab_loss_helpers import check_compiled_pipeline_loss
 

@@ -161,6 +161,5 @@ def test_loss_path_is_what_compile_blocks_compiles(chunk):
     model = build_model(ModelConfig(**TINY, lm_loss_chunk_size=chunk), 64, seed=0)
     compile_blocks(model, backend="eager")  # torch.compile wraps lazily: nothing compiles here
     compiled = "loss" in vars(model)  # the compiled loss replaces the bound method
-    assert loss_path(True, 1, chunk) == ("compiled" if compiled else "chunked")
-    assert loss_path(False, 1, 0) == "eager"
-    assert loss_path(True, 2, 0) == "eager"  # a pipeline's loss_fn stays eager
+    assert loss_path(True, chunk) == ("compiled" if compiled else "chunked")
+    assert loss_path(False, 0) == "eager"
