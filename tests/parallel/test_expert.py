@@ -143,8 +143,11 @@ def _compiled_matches_eager(rank: int, world: int) -> None:
             y = run(xi)
             loss = y.square().sum() + layer.aux_loss()
             results.append([y, *torch.autograd.grad(loss, [xi, *layer.parameters()])])
+        # atol: fp32 sums of ~100 terms in another order; torch 2.11's decompositions (the
+        # device image's CPU ranks) differed by 2.9e-6 at a gradient near zero. A misrouted
+        # token or gradient differs by O(1).
         for got, want in zip(results[1], results[0]):
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     # On the GPU path (grouped GEMM: bf16; its forward runs on CPU too) the dispatch's one
     # device-to-host copy, the counts' split sizes, is the only graph break.
     moe_module.grouped_mm_runs = lambda x: True  # this rank's process only
