@@ -220,8 +220,8 @@ def fit_warning(
     )
 
 
-# checkpoint_activations is worth its recompute only where the run would not fit without it: the
-# estimate without it must leave this share of the GPU free before neox suggests turning it off.
+# checkpoint_activations is worth its recompute only where the run would not fit without it:
+# neox suggests turning it off when the estimate without it fits in this share of the GPU.
 RECOMPUTE_HEADROOM = 0.85
 
 
@@ -230,7 +230,7 @@ def recompute_note(
 ) -> Optional[str]:
     """A note when checkpoint_activations is on but the run fits without it (RECOMPUTE_HEADROOM),
     else None. gpt-neox's configs/20B.yml turns it on for 44 layers over 8 GPUs; cut to fewer
-    layers or run on larger GPUs, it recomputes every block's forward for memory nobody needs."""
+    layers or on larger GPUs, it recomputes every block's forward to save memory the run has."""
     shape: TrainingShape = training_shape(cfg, derived, vocab_size)
     if not shape.checkpoint_activations:
         return None
