@@ -231,9 +231,7 @@ RUNS: dict[str, dict[str, Any]] = {
         "gradient_accumulation_steps": 2,
     },
     "tp2_pp2_accum16": {
-        "num_gpus": 4,
-        "model_parallel_size": 2,
-        "pipe_parallel_size": 2,
+        **TP2_PP2,
         "train_micro_batch_size_per_gpu": 4,
         "gradient_accumulation_steps": 16,
     },
@@ -313,17 +311,13 @@ RUNS: dict[str, dict[str, Any]] = {
 # OVERLAY otherwise replaces) at the run's layout and batch: configs/20B.yml's fp16, recompute and
 # synchronize_each_layer, as issue 34's 33.5% run had them (`multi_gpu.sh keys20b`); beside them,
 # recompute alone and recompute with the sync, in OVERLAY's bf16.
-FILE_KEY_RUNS = ("1gpu_ds_engine_accum8_file", "tp2_pp2_file")
-RUNS |= {
-    "1gpu_ds_engine_accum8_file": RUNS["1gpu_ds_engine_accum8"],
-    "tp2_pp2_file": TP2_PP2,
-    "1gpu_ds_engine_accum8_ckpt": {**RUNS["1gpu_ds_engine_accum8"], "checkpoint_activations": True},
-    "tp2_pp2_ckpt": {**TP2_PP2, "checkpoint_activations": True},
-}
-RUNS |= {
-    f"{r}_sync": {**RUNS[r], "synchronize_each_layer": True}
-    for r in ("1gpu_ds_engine_accum8_ckpt", "tp2_pp2_ckpt")
-}
+KEY_SUFFIXES = ("", "_ckpt", "_ckpt_sync", "_file")
+KEY_BASES = ("1gpu_ds_engine_accum8", "tp2_pp2")
+FILE_KEY_RUNS = tuple(f"{base}_file" for base in KEY_BASES)
+for base in KEY_BASES:
+    RUNS[f"{base}_ckpt"] = {**RUNS[base], "checkpoint_activations": True}
+    RUNS[f"{base}_ckpt_sync"] = {**RUNS[f"{base}_ckpt"], "synchronize_each_layer": True}
+    RUNS[f"{base}_file"] = RUNS[base]
 # DeepSpeed's engine and ZeRO-3 at one rank without DeepSpeed's throughput timer, which
 # synchronises the device at every forward and every engine.step() (neox passes no dataloader
 # to deepspeed.initialize).
@@ -342,7 +336,7 @@ ONE_GPU_EXTRA = (
     "1gpu_zero3_accum8",
     "1gpu_zero3_offload",
     *UNTIMED_RUNS,
-    *(f"1gpu_ds_engine_accum8{r}" for r in ("_ckpt", "_ckpt_sync", "_file")),
+    *(f"1gpu_ds_engine_accum8{s}" for s in KEY_SUFFIXES[1:]),
 )
 TWO_GPU_EXTRA = ("dp2_zero3", "dp2_accum8", "dp2_zero3_accum8", "tp2_sp_compile")
 TWO_GPU_EXTRA += ("pp2_accum8", "tp2_accum8")
@@ -382,12 +376,8 @@ PLANS = {
     "split20b": [("20B-8L", r) for r in ("1gpu_accum8", "pp2_accum8", "tp2_accum8")],
     # configs/20B.yml's own keys against the benchmark's (multi_gpu.sh keys20b): on one GPU at
     # 4 layers, and at 12 layers TP2 x PP2 as in issue 34's 33.5% run.
-    "keys20b-1gpu": [
-        ("20B-4L", f"1gpu_ds_engine_accum8{s}") for s in ("", "_ckpt", "_ckpt_sync", "_file")
-    ],
-    "keys20b": [
-        ("20B-12L", r) for r in ("tp2_pp2", "tp2_pp2_ckpt", "tp2_pp2_ckpt_sync", "tp2_pp2_file")
-    ],
+    "keys20b-1gpu": [("20B-4L", f"1gpu_ds_engine_accum8{s}") for s in KEY_SUFFIXES],
+    "keys20b": [("20B-12L", f"tp2_pp2{s}") for s in KEY_SUFFIXES],
     # The pipeline's partitioned sends against whole ones at 20B-12L (multi_gpu.sh pipe-sends).
     "pipe-sends": [("20B-12L", r) for r in ("tp2_pp2", "tp2_pp2_whole_sends")],
     # ZeRO-3 at micro batch 8 x 2 beside 4 x 4 (multi_gpu.sh zero3-mb8; an H200's memory).

@@ -50,7 +50,7 @@ def _all_to_all(x: torch.Tensor, group: Any) -> torch.Tensor:
     x = x.contiguous()  # a no-op for the packed buffers; a gradient may come strided
     if torch.compiler.is_compiling():
         # Functional (out-of-place) collective: traced into the compiled graph, no break.
-        return funcol.wait_tensor(funcol.all_to_all_single(x, None, None, group))
+        return fresh(funcol.wait_tensor(funcol.all_to_all_single(x, None, None, group)))
     recv = torch.empty_like(x)
     dist.all_to_all_single(recv, x, group=group)
     return recv
@@ -63,7 +63,7 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:
         ctx.group = group
-        return fresh(_all_to_all(x, group))
+        return _all_to_all(x, group)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
@@ -92,7 +92,7 @@ def _start(x: torch.Tensor, group: Any, name: str, pending: Optional[_Pending]) 
 def _finish(y: torch.Tensor, pending: Optional[_Pending]) -> torch.Tensor:
     """Wait for the exchange _start began (y: its result)."""
     if torch.compiler.is_compiling():
-        return torch.ops._c10d_functional.wait_tensor(y)
+        return fresh(torch.ops._c10d_functional.wait_tensor(y))
     pending.work.wait()
     return y
 
@@ -118,7 +118,7 @@ class _WaitAllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y: torch.Tensor, group: Any, name: str, pending: Optional[_Pending]):
         ctx.group, ctx.name, ctx.pending = group, name, pending
-        return fresh(_finish(y, pending))
+        return _finish(y, pending)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):

@@ -9,9 +9,10 @@ Inside a torch.compile'd graph the collectives are the functional (out-of-place)
 would trace the in-place `dist.all_reduce` as a copy_ into the tensor the forward returns, and
 torch 2.11 then routes that autograd.Function's gradient to the wrong slot (pytorch issue
 180642): a tp=2 run with torch_compile trained on wrong gradients from its first step on.
-A forward that returns a functional collective's result returns a copy of it (`fresh`): the
-wait that result passes through counts as such a write too, and torch 2.11's backends that run
-dynamo's graph without AOTAutograd (`torch_compile_backend: eager`) misrouted its gradient.
+A traced collective's result comes back as a copy (`fresh`): the wait it passes through counts
+as such a write too, and where an autograd.Function's forward returned it, torch 2.11's backends
+that run dynamo's graph without AOTAutograd (`torch_compile_backend: eager`) misrouted its
+gradient.
 """
 
 from __future__ import annotations
@@ -27,31 +28,25 @@ def _world(group: Any) -> int:
     return dist.get_world_size(group=group)
 
 
-def _all_reduce(x: torch.Tensor, group: Any) -> torch.Tensor:
-    if torch.compiler.is_compiling():
-        return funcol.all_reduce(x.contiguous(), "sum", group)
-    x = x.contiguous().clone()  # collectives write in place; never into autograd's saved input
-    dist.all_reduce(x, group=group)
-    return x
-
-
 def fresh(y: torch.Tensor) -> torch.Tensor:
-    """y, as an autograd.Function's forward returns a collective's result: compiled, a copy
-    (see the module's docstring; inductor fuses it into the consumer), else y itself."""
-    return y.clone() if torch.compiler.is_compiling() else y
+    """A traced collective's waited result as a tensor of its own (see the module's docstring;
+    inductor fuses the copy into the consumer)."""
+    return y.clone()
+
+
+def _all_reduce(x: torch.Tensor, group: Any, op: str = "sum") -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        return fresh(funcol.all_reduce(x.contiguous(), op, group))
+    x = x.contiguous().clone()  # collectives write in place; never into autograd's saved input
+    dist.all_reduce(x, op=getattr(dist.ReduceOp, op.upper()), group=group)
+    return x
 
 
 def all_reduce_max(x: torch.Tensor, group: Any) -> torch.Tensor:
     """Elementwise max over the ranks of x, outside autograd (a softmax's stabilising shift,
     whose gradient is zero)."""
     x = x.detach()
-    if _world(group) == 1:
-        return x
-    if torch.compiler.is_compiling():
-        return funcol.all_reduce(x.contiguous(), "max", group)
-    x = x.contiguous().clone()
-    dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group)
-    return x
+    return x if _world(group) == 1 else _all_reduce(x, group, "max")
 
 
 def _split_last(x: torch.Tensor, group: Any) -> torch.Tensor:
@@ -102,7 +97,7 @@ def _reduce_scatter_sequence(x: torch.Tensor, group: Any) -> torch.Tensor:
             f"sequence of {x.shape[dim]} tokens is not divisible by tensor-parallel size {world}"
         )
     if torch.compiler.is_compiling():
-        return funcol.reduce_scatter_tensor(x.contiguous(), "sum", dim, group)
+        return fresh(funcol.reduce_scatter_tensor(x.contiguous(), "sum", dim, group))
     parts = [p.contiguous() for p in x.chunk(world, dim=dim)]
     out = torch.empty_like(parts[0])
     dist.reduce_scatter(out, parts, group=group)
@@ -127,7 +122,7 @@ class _ReduceFromTensorParallel(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:
-        return fresh(_all_reduce(x, group))
+        return _all_reduce(x, group)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
@@ -181,7 +176,7 @@ class _ReduceScatterToSequenceParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:
         ctx.group = group
-        return fresh(_reduce_scatter_sequence(x, group))
+        return _reduce_scatter_sequence(x, group)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
