@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
+import torch
 import yaml
 
 from neox.data.indexed import IndexedDatasetBuilder
@@ -20,6 +22,10 @@ from tests.parallel.rank_helpers import RANKS
 from tests.port_helpers import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
+
+# For tests marked `gpu` that launch two ranks (one GPU each); tests/conftest.py skips `gpu`
+# without CUDA and `multigpu` below 4 GPUs, this the rest on a one-GPU machine.
+TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 
 # A 5-step run that neither saves nor evaluates: for comparing losses across layouts.
 SHORT_RUN = dict(

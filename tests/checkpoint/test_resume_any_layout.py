@@ -10,12 +10,11 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from neox.checkpoint.plain_state import PlainState
 from tests.layout_helpers import DP2
 from tests.layout_helpers import MODEL as LAYOUT_MODEL
-from tests.train_helpers import losses, make_dataset, run_deepy, train, write_config
+from tests.train_helpers import TWO_GPUS, losses, make_dataset, run_deepy, train, write_config
 
 # The layout matrix's tiny model (tests/layout_helpers.py) on the char tokenizer, saved at step 2
 # of 4.
@@ -132,7 +131,7 @@ def test_resume_at_another_layout_on_four_gpus(gpu_runs, saved, resumed):
 
 @pytest.mark.slow
 @pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@TWO_GPUS
 @pytest.mark.parametrize(
     "saved,resumed", TWO_GPU_CASES, ids=[f"{a}-to-{b}" for a, b in TWO_GPU_CASES]
 )

@@ -24,7 +24,15 @@ from tests.parallel.context_helpers import (
     check_overlapped_order,
 )
 from tests.parallel.rank_helpers import run_ranks
-from tests.train_helpers import SHORT_RUN, losses, make_dataset, run_deepy, run_here, write_config
+from tests.train_helpers import (
+    SHORT_RUN,
+    TWO_GPUS,
+    losses,
+    make_dataset,
+    run_deepy,
+    run_here,
+    write_config,
+)
 
 
 def test_chunks_keep_global_positions_and_whole_documents():
@@ -152,7 +160,7 @@ def test_head_groups_overlap_the_kernel():
 
 DEVICES = [
     pytest.param("cpu", 2, marks=pytest.mark.slow, id="cpu-cp2"),
-    pytest.param("cuda", 2, marks=[pytest.mark.gpu, pytest.mark.slow], id="cuda-cp2"),
+    pytest.param("cuda", 2, marks=[pytest.mark.gpu, TWO_GPUS, pytest.mark.slow], id="cuda-cp2"),
     pytest.param("cuda", 4, marks=[pytest.mark.multigpu, pytest.mark.slow], id="cuda-cp4"),
 ]
 PACKED = {

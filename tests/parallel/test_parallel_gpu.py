@@ -4,12 +4,10 @@ deepy.py match one GPU; fp16 and bf16 train."""
 import math
 
 import pytest
-import torch
 
-from tests.train_helpers import SHORT_RUN, losses, make_dataset, run_deepy, write_config
+from tests.train_helpers import SHORT_RUN, TWO_GPUS, losses, make_dataset, run_deepy, write_config
 
 pytestmark = pytest.mark.gpu  # skipped without CUDA (tests/conftest.py)
-two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 
 COMMON = dict(SHORT_RUN, distributed_backend="nccl")
 
@@ -20,7 +18,7 @@ def data(tmp_path):
     return tmp_path
 
 
-@two_gpus
+@TWO_GPUS
 def test_tensor_and_pipeline_parallel_match_one_gpu(data):
     runs = {
         "dense": dict(num_gpus=1, master_port=29661),

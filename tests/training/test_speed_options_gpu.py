@@ -3,12 +3,10 @@ defaults (the flat engine with its Triton AdamW, compiled blocks and loss), the 
 and compiled blocks under tensor parallelism (TP=2, 2 GPUs)."""
 
 import pytest
-import torch
 
-from tests.train_helpers import SHORT_RUN, losses, make_dataset, run_deepy, write_config
+from tests.train_helpers import SHORT_RUN, TWO_GPUS, losses, make_dataset, run_deepy, write_config
 
 pytestmark = pytest.mark.gpu  # skipped without CUDA (tests/conftest.py)
-two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 
 COMMON = dict(SHORT_RUN, distributed_backend="nccl", train_iters=10, num_gpus=1)
 EAGER_DEEPSPEED = dict(flat_engine=False, torch_compile=False)
@@ -43,7 +41,7 @@ def test_bf16_speed_options_follow_deepspeeds_eager_curve(data, bf16_reference, 
         assert got[step] == pytest.approx(ref[step], rel=2e-2), (step, got, ref)
 
 
-@two_gpus
+@TWO_GPUS
 def test_compiled_blocks_under_tensor_parallelism_follow_one_eager_gpu(data):
     ref = curve(data, "fp32_ref", **EAGER_DEEPSPEED)
     got = curve(data, "fp32_tp2_compiled", num_gpus=2, model_parallel_size=2, torch_compile=True)
