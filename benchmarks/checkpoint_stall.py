@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -109,10 +108,7 @@ def run_mode(configs: list[Path], out: Path, mode: str, args: argparse.Namespace
     (here / "overlay.yml").write_text(yaml.safe_dump(overlay))
     # The checkout first, keeping what the environment already puts on the path (a device
     # image's installed wheels, say).
-    env = dict(
-        os.environ,
-        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-    )
+    env = common.child_env()
     if args.tiny:
         env["DS_ACCELERATOR"] = "cpu"
     start = time.perf_counter()

@@ -1,8 +1,11 @@
 """What the training benchmarks share: the overlay on configs/pythia/<M>.yml (bf16, no
 recompute, nothing saved), the 2-layer CPU shape of their smoke runs, and how a result is
-reported, and how inductor options given on the command line are set."""
+reported, how inductor options given on the command line are set, and the environment of the
+`deepy.py` (or other) child a benchmark starts."""
 
 import json
+import os
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -49,3 +52,13 @@ def set_inductor_options(options: list[str]) -> None:
         for part in path:
             obj = getattr(obj, part)
         setattr(obj, last, json.loads(value.lower() if value in ("True", "False") else value))
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """This environment for a child: this checkout first on PYTHONPATH, then the caller's own
+    PYTHONPATH (the device image keeps its packages there: replacing it would hide them)."""
+    root = str(Path(__file__).resolve().parents[1])
+    parts = [root, *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
+    return dict(
+        os.environ, **extra, PYTHONPATH=os.pathsep.join(dict.fromkeys(p for p in parts if p))
+    )

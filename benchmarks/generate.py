@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
 import string
@@ -45,6 +44,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout, uninstalled
 
+from benchmarks import common  # noqa: E402
 from neox.checkpoint.writer import write_checkpoint  # noqa: E402
 from neox.config import load_config  # noqa: E402
 from neox.hf.mapping import hf_config_for, to_hf_state_dict  # noqa: E402
@@ -163,9 +163,7 @@ def run_neox(
     }
     batch_cfg = workdir / f"batch{name}.yml"
     batch_cfg.write_text(yaml.safe_dump(keys))
-    env = dict(
-        os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
-    )
+    env = common.child_env()
     if args.device == "cpu":
         env["DS_ACCELERATOR"] = "cpu"
     cmd = [

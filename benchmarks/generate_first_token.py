@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import shutil
 import statistics
@@ -36,6 +35,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks import common  # noqa: E402
 from benchmarks.generate import DTYPES, prompts_for, run_config, save_checkpoint  # noqa: E402
 
 FIRST_TOKEN = re.compile(r"first token ([\d.]+) s after this process started .*?batch ([\d.]+) s")
@@ -68,9 +68,7 @@ def launch(configs: list[Path], workdir: Path, name: str, keys: dict, caches: Pa
     cfg = workdir / f"{name}.yml"
     keys = {**keys, "sample_output_file": str(workdir / f"{name}.jsonl")}
     cfg.write_text(yaml.safe_dump(keys))
-    env = dict(
-        os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
-    )
+    env = common.child_env()
     env.update(
         TRITON_CACHE_DIR=str(caches / "triton"), TORCHINDUCTOR_CACHE_DIR=str(caches / "inductor")
     )

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import struct
 import subprocess
@@ -24,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import emit  # noqa: E402
+from benchmarks.common import child_env, emit  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -157,7 +156,7 @@ finally:
 
 def child_peak_rss(argv: list[str]) -> tuple[int, float]:
     """(peak RSS in bytes, seconds) of a child running the script argv[0] with argv[1:]."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = child_env()
     start = time.perf_counter()
     r = subprocess.run(
         [sys.executable, "-c", PEAK, *argv], env=env, cwd=ROOT, capture_output=True, text=True

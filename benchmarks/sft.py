@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -109,9 +108,7 @@ def build_dataset(text_file: Path, vocab_file: str, out: Path) -> tuple[Path, Pa
         cmd += ["--tokenizer-type", "HFTokenizer", "--vocab-file", vocab_file, "--workers", "1"]
         cmd += ["--mask-before-token", ",".join(map(str, delimiter_ids(vocab_file)))]
         cmd += ["--no-progress"]
-        env = dict(
-            os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
-        )
+        env = common.child_env()
         subprocess.run(cmd, check=True, cwd=ROOT, env=env)
     return text_prefix, label_prefix, label_stats(text_prefix, label_prefix)
 
@@ -162,9 +159,7 @@ def launch(args, overlay: Path, log: Path) -> tuple[int, float]:
     else:
         model = [ROOT / "configs" / "pythia" / f"{args.model}.yml"]
     cmd = [sys.executable, str(ROOT / "deepy.py"), "train.py", *map(str, model), str(overlay)]
-    env = dict(
-        os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
-    )
+    env = common.child_env()
     if args.tiny:
         env["DS_ACCELERATOR"] = "cpu"
     tick = time.perf_counter()

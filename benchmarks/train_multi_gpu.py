@@ -483,9 +483,7 @@ def launch(args, config: Path, overlay: Path, log: Path) -> tuple[int, float, in
     """`deepy.py train.py <config> <overlay>`, output to `log`; (exit code, seconds, peak host
     memory of the launch's processes)."""
     cmd = [sys.executable, str(ROOT / "deepy.py"), "train.py", str(config), str(overlay)]
-    env = dict(
-        os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
-    )
+    env = common.child_env()
     if args.tiny:
         env["DS_ACCELERATOR"] = "cpu"
     tick = time.perf_counter()

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import os
 import pstats
 import subprocess
 import sys
@@ -87,7 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"{'variant':>18} {'engine':>16} {'layers':>6} {'ms/step':>9} {'calls/step':>12} {'breaks':>7}"
     )
-    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=str(ROOT))
+    from benchmarks import common
+
+    env = common.child_env(DS_ACCELERATOR="cpu")
     for variant in args.variants:
         cmd = [sys.executable, __file__, "--one", variant, "--layers", str(args.layers)]
         cmd += ["--top", str(args.top)]

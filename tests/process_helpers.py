@@ -1,8 +1,21 @@
-"""Process state read from /proc, for tests that check what a run left running."""
+"""Process state read from /proc, for tests that check what a run left running, and the
+environment of the child processes tests start."""
 
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def child_env(*first: str, **extra: str) -> dict[str, str]:
+    """This environment for a child process: PYTHONPATH holds the `first` folders, this checkout,
+    then the caller's own PYTHONPATH (where an image such as the device's keeps its packages:
+    replacing it would hide them); `extra` variables set on top."""
+    parts = [*first, str(ROOT), *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
+    path = os.pathsep.join(dict.fromkeys(p for p in parts if p))
+    return dict(os.environ, **extra, PYTHONPATH=path)
 
 
 def alive(pid: int) -> bool:

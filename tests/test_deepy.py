@@ -5,7 +5,6 @@ tests/launcher/test_launch.py."""
 
 import json
 import logging
-import os
 import subprocess
 import sys
 import time
@@ -13,11 +12,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.process_helpers import child_env
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def deepy(*args, timeout=240, cwd=ROOT):
-    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=str(ROOT))
+    env = child_env(DS_ACCELERATOR="cpu")
     return subprocess.run(
         [sys.executable, str(ROOT / "deepy.py"), *map(str, args)],
         capture_output=True,

@@ -20,6 +20,7 @@ import yaml
 from neox.data.indexed import IndexedDatasetBuilder
 from tests.parallel.rank_helpers import RANKS
 from tests.port_helpers import free_port
+from tests.process_helpers import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -223,9 +224,7 @@ def losses(log_dir: Path, split: str = "train") -> dict[int, float]:
 def deepy_env(cpu: bool = True, **extra: str) -> dict[str, str]:
     """The environment of a deepy.py child: this checkout first on PYTHONPATH, CPU ranks (or,
     with cpu=False, GPU ranks: conftest.py's DS_ACCELERATOR=cpu is not passed on)."""
-    env = dict(
-        os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
-    )
+    env = child_env()
     if cpu:
         env["DS_ACCELERATOR"] = "cpu"
     elif env.get("DS_ACCELERATOR") == "cpu":

@@ -1,10 +1,11 @@
 """Running a benchmark script the way a user does: `python benchmarks/<name>.py ...` from the
 checkout, this checkout first on the path."""
 
-import os
 import subprocess
 import sys
 from pathlib import Path
+
+from tests.process_helpers import child_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -16,7 +17,7 @@ def run_benchmark(
     r = subprocess.run(
         [sys.executable, f"benchmarks/{script}", *map(str, args)],
         cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT), **env},
+        env=child_env(**env),
         capture_output=True,
         text=True,
         timeout=timeout,

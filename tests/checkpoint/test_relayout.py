@@ -2,7 +2,6 @@
 output resumes as the uninterrupted run goes on); a finetune run at another TP/PP starts from
 exactly the consolidated weights; weights-only checkpoints cannot be resumed."""
 
-import os
 import subprocess
 import sys
 
@@ -15,6 +14,7 @@ from neox.checkpoint.writer import WEIGHTS_ONLY
 from neox.model import lm_loss
 from tests.hf.test_hf_import import write_constant_dataset
 from tests.layout_helpers import LAYOUTS, MODEL
+from tests.process_helpers import child_env
 from tests.train_helpers import ROOT, losses, make_dataset, train, write_config
 
 pytestmark = pytest.mark.slow
@@ -105,7 +105,7 @@ def test_resuming_from_weights_only_is_refused(trained, bpe_tokenizer, tmp_path)
         num_gpus=1,
         load=str(tmp_path / "weights"),
     )
-    env = dict(os.environ, PYTHONPATH=str(ROOT), DS_ACCELERATOR="cpu")
+    env = child_env(DS_ACCELERATOR="cpu")
     r = subprocess.run(
         [sys.executable, str(ROOT / "deepy.py"), "train.py", str(run)],
         capture_output=True,

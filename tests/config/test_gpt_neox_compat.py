@@ -10,6 +10,7 @@ import pytest
 from neox.config import ConfigError, derive, load_config, load_dict
 from neox.config.ds_config import build_ds_config
 from neox.config.unsupported import FEATURE_OFF_DEFAULTS
+from tests.process_helpers import child_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -55,7 +56,7 @@ FORMER_TYPOS = {
 
 
 def deepy(*args, cwd=ROOT):
-    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=str(ROOT))
+    env = child_env(DS_ACCELERATOR="cpu")
     return subprocess.run(
         [sys.executable, str(ROOT / "deepy.py"), *map(str, args)],
         capture_output=True,
@@ -181,7 +182,7 @@ def test_every_gpt_neox_config_passes_or_is_refused_by_feature(tmp_path):
         capture_output=True,
         text=True,
         timeout=600,
-        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        env=child_env(),
     )
     assert r.returncode == 0, out.read_text() if out.exists() else r.stderr
     assert "0 fails" in out.read_text().splitlines()[0]

@@ -2,7 +2,6 @@
 node that ssh cannot reach stops the launch before any rank starts."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +10,7 @@ import pytest
 
 from tests.launcher.conftest import sshd  # noqa: F401  (the module's sshd fixture)
 from tests.port_helpers import free_port
+from tests.process_helpers import child_env
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -36,12 +36,7 @@ def launch(sshd, tmp_path: Path, hosts: str, **keys) -> subprocess.CompletedProc
     }
     cfg = tmp_path / "launch.yml"
     cfg.write_text("".join(f"{k}: {json.dumps(v)}\n" for k, v in flat.items()))
-    env = dict(
-        os.environ,
-        PDSH_SSH_ARGS_APPEND=sshd.ssh_args,
-        PYTHONPATH=str(ROOT),
-        NEOX_HOSTILE=HOSTILE,
-    )
+    env = child_env(PDSH_SSH_ARGS_APPEND=sshd.ssh_args, NEOX_HOSTILE=HOSTILE)
     return subprocess.run(
         [
             sys.executable,

@@ -21,7 +21,7 @@ from neox.data.indexed import IndexedDataset
 from neox.prep.preprocess import PreprocessConfig, TextEncoder, WorkerDiedError
 from neox.prep.preprocess import preprocess as run_preprocess
 from neox.prep.tool import run_preprocess as run_tool
-from tests.process_helpers import alive
+from tests.process_helpers import alive, child_env
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow  # each case starts deepy.py or preprocess_data.py
@@ -43,7 +43,7 @@ def preprocess(inp: Path, prefix: Path, *extra: str, **popen) -> subprocess.Pope
         "--no-progress",
         *extra,
     ]
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = child_env()
     popen = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, **popen}
     return subprocess.Popen(cmd, env=env, text=True, **popen)
 

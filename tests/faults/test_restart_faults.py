@@ -5,7 +5,6 @@ restarted: tests/launcher/test_launchers_mpi_slurm.py (SIGTERM saves, openmpi an
 
 import atexit
 import functools
-import os
 import shutil
 import signal
 import subprocess
@@ -17,6 +16,7 @@ import pytest
 
 from tests.launcher.conftest import sshd  # noqa: F401  (the module's sshd fixture)
 from tests.launcher.test_deepy_multinode import two_node_training
+from tests.process_helpers import child_env
 from tests.train_helpers import (
     ROOT,
     deepy_env,
@@ -69,7 +69,7 @@ def fault(tmp_path: Path, name: str, sig: int, rank: int = 1) -> str:
     (folder / "sitecustomize.py").write_text(
         FAULT.format(rank=str(rank), signal=int(sig), latest=str(latest))
     )
-    return os.pathsep.join([str(folder), str(ROOT)])
+    return child_env(str(folder))["PYTHONPATH"]
 
 
 @functools.cache
@@ -146,7 +146,7 @@ def test_a_rank_that_dies_at_start_every_time_is_restarted_n_times_then_named(tm
     )
     make_dataset(tmp_path / "data" / "chars")
     cfg = write_config(tmp_path, "doomed", max_restarts=2, **RUN)
-    r = run_train(cfg, PYTHONPATH=str(inject))
+    r = run_train(cfg, PYTHONPATH=child_env(str(inject))["PYTHONPATH"])
     out = r.stdout + r.stderr
     assert r.returncode == 128 + signal.SIGKILL, out[-3000:]
     assert out.count("launching 2 rank(s)") == 3, out[-3000:]

@@ -17,6 +17,7 @@ from neox.config import load_dict
 from neox.hf.export import export_dtype, export_to_hf, shard_bytes
 from neox.hf.mapping import to_hf_state_dict
 from neox.model import build_model
+from tests.process_helpers import child_env
 from tests.train_helpers import ROOT
 
 KEYS = dict(
@@ -165,7 +166,7 @@ def test_peak_memory_stays_near_one_shard(tmp_path):
     del sd
     tiny = load_dict(dict(KEYS, num_layers=1, hidden_size=32, intermediate_size=96))
     write_checkpoint(build_model(tiny.model, 512, seed=1).state_dict(), tiny, tmp_path / "tiny")
-    env = dict(os.environ, PYTHONPATH=str(ROOT), MALLOC_MMAP_THRESHOLD_="16384")
+    env = child_env(MALLOC_MMAP_THRESHOLD_="16384")
     r = subprocess.run(
         [sys.executable, "-c", CHILD, str(tmp_path), "8MB"],
         env=env,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from neox.launcher.process import REPORT_PREFIX
 from tests.port_helpers import free_port
-from tests.process_helpers import alive
+from tests.process_helpers import alive, child_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -78,7 +78,7 @@ def agent_argv(
 
 
 def env() -> dict[str, str]:
-    return dict(os.environ, PYTHONPATH=str(ROOT), DS_ACCELERATOR="cpu")
+    return child_env(DS_ACCELERATOR="cpu")
 
 
 def wait_for(cond, timeout: float = 20.0) -> None:

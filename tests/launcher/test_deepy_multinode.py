@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.port_helpers import free_port
+from tests.process_helpers import child_env
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -37,7 +38,7 @@ def test_deepy_launches_over_pdsh_on_two_nodes(sshd, tmp_path):
             }.items()
         )
     )
-    env = dict(os.environ, PDSH_SSH_ARGS_APPEND=sshd.ssh_args, PYTHONPATH=str(ROOT))
+    env = child_env(PDSH_SSH_ARGS_APPEND=sshd.ssh_args)
     env.pop("DS_ACCELERATOR", None)  # the ranks must learn it from the environment deepy exports
     r = subprocess.run(
         [sys.executable, "deepy.py", "tests/deepy_probe_helpers.py", str(cfg)],

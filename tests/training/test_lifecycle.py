@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.process_helpers import wait_until_none
+from tests.process_helpers import child_env, wait_until_none
 from tests.train_helpers import (
     ROOT,
     losses,
@@ -126,7 +126,7 @@ def test_plot_metrics_writes_a_png(ref, tmp_path):
         cwd=ROOT,
         capture_output=True,
         text=True,
-        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        env=child_env(),
     )
     assert r.returncode == 0, r.stderr
     data = out.read_bytes()
@@ -250,7 +250,7 @@ def test_kill_after_rename_keeps_latest_on_a_complete_checkpoint(runs):
         cwd=ROOT,
         capture_output=True,
         text=True,
-        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        env=child_env(),
     )
     assert dry.returncode == 0 and "(checkpoint global_step3)" in dry.stdout
 
