@@ -24,8 +24,8 @@ from tests.process_helpers import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# For tests marked `gpu` that launch two ranks (one GPU each); tests/conftest.py skips `gpu`
-# without CUDA and `multigpu` below 4 GPUs, this the rest on a one-GPU machine.
+# For tests marked `gpu` that launch two ranks, one GPU each. tests/conftest.py skips `gpu`
+# tests without CUDA and `multigpu` ones below 4 GPUs; this mark skips these on one GPU.
 TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 
 # A 5-step run that neither saves nor evaluates: for comparing losses across layouts.
