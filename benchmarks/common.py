@@ -5,10 +5,11 @@ reported, how inductor options given on the command line are set, and the enviro
 
 import json
 import os
-from pathlib import Path
 from typing import Any, Optional
 
 import torch
+
+from neox.launcher.plan import neox_pythonpath
 
 OVERLAY: dict[str, Any] = {
     "bf16": {"enabled": True},
@@ -55,10 +56,7 @@ def set_inductor_options(options: list[str]) -> None:
 
 
 def child_env(**extra: str) -> dict[str, str]:
-    """This environment for a child: this checkout first on PYTHONPATH, then the caller's own
-    PYTHONPATH (the device image keeps its packages there: replacing it would hide them)."""
-    root = str(Path(__file__).resolve().parents[1])
-    parts = [root, *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
-    return dict(
-        os.environ, **extra, PYTHONPATH=os.pathsep.join(dict.fromkeys(p for p in parts if p))
-    )
+    """This environment for a child, `extra` variables set on top: PYTHONPATH as the launcher
+    gives its ranks (this checkout, then the caller's own: the device image keeps its packages
+    there, and replacing it would hide them)."""
+    return dict(os.environ, **extra, PYTHONPATH=neox_pythonpath(os.environ.get("PYTHONPATH", "")))

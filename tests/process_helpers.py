@@ -6,16 +6,15 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from neox.launcher.plan import neox_pythonpath
 
 
 def child_env(*first: str, **extra: str) -> dict[str, str]:
-    """This environment for a child process: PYTHONPATH holds the `first` folders, this checkout,
-    then the caller's own PYTHONPATH (where an image such as the device's keeps its packages:
-    replacing it would hide them); `extra` variables set on top."""
-    parts = [*first, str(ROOT), *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
-    path = os.pathsep.join(dict.fromkeys(p for p in parts if p))
-    return dict(os.environ, **extra, PYTHONPATH=path)
+    """This environment for a child process, `extra` variables set on top: PYTHONPATH as the
+    launcher gives its ranks (this checkout, then the caller's own, where an image such as the
+    device's keeps its packages), with the `first` folders before the caller's."""
+    existing = os.pathsep.join([*first, os.environ.get("PYTHONPATH", "")])
+    return dict(os.environ, **extra, PYTHONPATH=neox_pythonpath(existing))
 
 
 def alive(pid: int) -> bool:

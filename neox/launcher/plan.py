@@ -116,7 +116,7 @@ def build_launch(
     launch_id = uuid.uuid4().hex
     env = dict(environ)
     env[LAUNCH_ID_ENV] = launch_id
-    env["PYTHONPATH"] = _pythonpath(environ.get("PYTHONPATH", ""))
+    env["PYTHONPATH"] = neox_pythonpath(environ.get("PYTHONPATH", ""))
     if cpu:
         env["DS_ACCELERATOR"] = "cpu"
     env.pop("DS_ENV_FILE", None)  # read here (user_env_file_exports); no rank needs it
@@ -374,7 +374,9 @@ def _local_resources(
     return select_resources(pool, cfg.include, cfg.exclude, source="this machine")
 
 
-def _pythonpath(existing: str) -> str:
+def neox_pythonpath(existing: str) -> str:
+    """PYTHONPATH for a child that must import this neox: its checkout first, then `existing`
+    (where an environment may keep the packages neox needs), without repeats."""
     # neox's own checkout, so that the agent and the ranks import the neox that planned them.
     # Never the working directory (DeepSpeed's runner adds it): a sitecustomize.py there would
     # run in every process; the entry script's own folder is Python's sys.path[0] anyway.
