@@ -193,6 +193,11 @@ def build_launch(
     if launcher == "slurm":
         _check_same_slots(hosts)
     env.update({**user_exports, **exports})  # the launcher passes these, by name, to every node
+    if launcher == "openmpi":
+        # Open MPI 4.1's daemons map a copy of the hardware topology for MPI processes into the
+        # largest gap of their address space and, now and then, segfault writing it
+        # (docs/launcher.md). neox's agents never call MPI_Init, so nothing reads that copy.
+        env.setdefault("OMPI_MCA_rtc_hwloc_vmhole", "none")
     names = [*dict.fromkeys([*user_exports, *exports])]
     argv = _launcher_argv(cfg, launcher, hosts, names, cpu)
     argv += _agent_argv(cfg, hosts, None, master_addr, port, [script, *script_args], True, launcher)

@@ -164,6 +164,10 @@ def test_mpirun_and_srun_start_one_agent_per_node_and_name_the_exports(tmp_path)
     )
     assert args.tee and not args.control and args.script_args == ["--a"]
     assert plan.ssh_check  # mpirun goes over ssh; gpt-neox's no_ssh_check skips the check
+    # Open MPI's daemons keep no shared topology copy (their crash writing it) unless told to.
+    assert plan.env["OMPI_MCA_rtc_hwloc_vmhole"] == "none"
+    mine = dict(environ, OMPI_MCA_rtc_hwloc_vmhole="biggest")
+    assert build_launch(cfg, "t.py", [], environ=mine).env["OMPI_MCA_rtc_hwloc_vmhole"] == "biggest"
     assert not build_launch(
         cfg.model_copy(update={"no_ssh_check": True}), "t.py", [], environ=environ
     ).ssh_check
@@ -174,6 +178,7 @@ def test_mpirun_and_srun_start_one_agent_per_node_and_name_the_exports(tmp_path)
     assert hydra[:7] == ["mpirun", "-np", "2", "-ppn", "1", "-hosts", "node-a,node-b"]
     assert "MY_VAR" in hydra[hydra.index("-genvlist") + 1].split(",")
     assert args.node_rank_env == "MV2_COMM_WORLD_RANK,PMI_RANK"
+    assert "OMPI_MCA_rtc_hwloc_vmhole" not in mvapich.env
     slurm = cfg.model_copy(update={"launcher": "slurm", "num_gpus": 2})
     plan = build_launch(slurm, "t.py", [], cpu=True, environ=environ)
     srun, args = launched(plan)
