@@ -18,6 +18,7 @@ micro batch MICRO_BATCH of SEQ tokens per GPU, --accum micro batches a step):
            torch.compile, fused AdamW, SDPA) in a plain loop in this process, timed as
            benchmarks/train_throughput.py times HF: steps after warm-up, back to back
   ep4      4 GPUs, moe_expert_parallel_size 4 (16 experts a rank, all-to-all dispatch)
+  ep2      2 GPUs, moe_expert_parallel_size 2 (32 experts a rank): ep4 on a 2-GPU kind
   dp4_moe  4 GPUs, data parallel only (every rank runs all 64 experts)
 Accumulation: a step is --accum micro batches (default: STEP_TOKENS or more per GPU, 8 at
 the device shape), the config's gradient_accumulation_steps for neox's runs (the path users run)
@@ -38,7 +39,8 @@ at step 1, cosine to the end): on random tokens the router then collapses within
 (docs/benchmarks.md, 2026-11-28 late: each layer's busiest EP=4 rank took 1.6-1.7x the mean
 load), which EP measures as ranks waiting for the busiest one and one GPU does not see. The
 table's `load` column states the routing of the timed steps: the mean over steps and layers of
-the busiest of 4 expert groups' (EP=4's ranks') share of the load over the mean share.
+the busiest of 4 expert groups' (EP=4's ranks'; ep2: 2 groups) share of the load over the mean
+share.
 --profile: neox's `profile` keys over the last two steps; the ops of the rank 0 trace summed
 into router (softmax, top-k), dispatch (sort, bincount, gather/scatter/index), grouped GEMM,
 all-to-all and the rest, as a share of the profiled device (on CPU: host) time.
@@ -99,6 +101,8 @@ RUNS: dict[str, dict[str, Any] | None] = {
     },
     "hf1": None,
     "ep4": {"num_gpus": 4, "moe_expert_parallel_size": 4},
+    # The same dispatch on a 2-GPU kind (32 experts a rank): ep4's scaling at half the ranks.
+    "ep2": {"num_gpus": 2, "moe_expert_parallel_size": 2},
     "dp4_moe": {"num_gpus": 4, "moe_expert_parallel_size": 1},
 }
 PLANS = {"1gpu": ["moe1", "dense1", "hf1"], "4gpu": ["moe1", "ep4", "dp4_moe"]}
@@ -130,6 +134,8 @@ TINY_RUNS: dict[str, dict[str, Any]] = {
     "ep4": {"num_gpus": 2, "moe_expert_parallel_size": 2},
     "dp4_moe": {"num_gpus": 2, "moe_expert_parallel_size": 1},
 }
+# The expert groups whose load `load` compares: the run's EP ranks, or EP=4's where it has none.
+LOAD_GROUPS = {"ep2": 2}
 
 
 def accumulation(args) -> int:
@@ -430,7 +436,7 @@ def measure(args, run: str, work: Path, data: Path) -> dict[str, Any]:
     last = args.iters - 2 if args.profile else args.iters  # profiled steps run slower
     if metrics.is_file() and logged_steps(metrics) >= last:
         rec |= summarize(metrics, args.first, last)
-        rec["load"] = rank_load(metrics, args.first, last)
+        rec["load"] = rank_load(metrics, args.first, last, LOAD_GROUPS.get(run, 4))
         if code != 0:  # e.g. the time limit reached while the profiler wrote its traces
             rec["ended_after_timed_steps"] = True
     else:
@@ -452,7 +458,7 @@ def targets(by: dict[str, dict[str, Any]]) -> list[str]:
     if moe and hf:
         ratio = moe["tokens_per_s"] / hf["tokens_per_s"]
         out.append(f"moe1 / hf1 tokens/s = {ratio:.2f} (target >= 2)")
-    for run in ("ep4", "dp4_moe"):
+    for run in ("ep4", "ep2", "dp4_moe"):
         if moe and run in by:
             ratio = by[run]["tokens_per_s"] / by[run]["num_gpus"] / moe["tokens_per_s"]
             out.append(f"{run} per-GPU tokens/s / moe1 = {ratio:.2f} (target >= 0.85 for ep4)")

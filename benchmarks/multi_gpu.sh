@@ -49,13 +49,20 @@
 #   survive  issue 35: the layout-free resume matrix at 4 GPU ranks (pytest -m multigpu
 #            tests/checkpoint/test_resume_any_layout.py -k four_gpus)
 #   stall4   issue 35: the async-save stall at 6.9B on 4 GPUs (benchmarks/stall-6-9b-dp4.yml)
+# Parts for a 2-GPU kind (the 4-GPU parts' per-GPU work, their collectives over 2 ranks):
+#   tests2   pytest -m two_gpus: the GPU tests that need 2 GPUs (TP, PP, CP=2, resume across
+#            layouts, two "nodes" of one GPU each through mpirun)
+#   speed-2gpu  6.9B at DP=2 as speed3 runs it at DP=4: ZeRO-1 at 2 x 8 in bf16 and FP8, ZeRO-3
+#            at 4 x 4
+#   moe2     one GPU against EP=2 (ep2), as moe4 runs EP=4
+#   cp-chunks2  cp-chunks at CP=2: 1.4B at 32k, one GPU against CP=2 in 1, 2 and 4 head groups
 # Results (JSON lines, tables, pytest output, profiles) go under ./runs/multi_gpu/<part>; with
 # $OUT set (the device tool's output folder, which returns at most 8 files), the whole folder
 # comes back as $OUT/<part>.tgz beside its table and pytest output. VOCAB names the GPT-NeoX-20B
 # tokenizer (data/20B_tokenizer.json).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?usage: benchmarks/multi_gpu.sh tier1|tier2|tier3|tier-rest|speed1|speed2|speed3|profile|split20b|keys20b|keys20b-1gpu|pipe-sends|zero3-mb8|eight|moe1|moe4|context|context-all|overlap-dp|overlap-cp|cp-chunks|cp-accum|survive|stall4|cpu-ranks}
+part=${1:?usage: benchmarks/multi_gpu.sh tier1|tier2|tier3|tier-rest|speed1|speed2|speed3|profile|split20b|keys20b|keys20b-1gpu|pipe-sends|zero3-mb8|eight|moe1|moe4|context|context-all|overlap-dp|overlap-cp|cp-chunks|cp-accum|survive|stall4|cpu-ranks|tests2|speed-2gpu|moe2|cp-chunks2}
 out=runs/multi_gpu/$part
 mkdir -p "$out"
 pack() {
@@ -85,7 +92,8 @@ moe() {
     --json "$out/results.jsonl" --profile --timeout 280 "$@" 2>&1 | tee -a "$out/table.txt"
 }
 tier() {
-  python -m pytest -q -p no:cacheprovider -m multigpu -rs --junitxml "$out/junit.xml" "$@" \
+  python -m pytest -q -p no:cacheprovider -m "${tier_marker:-multigpu}" -rfs --tb=short \
+    --junitxml "$out/junit.xml" "$@" \
     2>&1 | tee "$out/pytest.txt"
 }
 stall() {
@@ -155,5 +163,10 @@ case $part in
   # the second one may wait for the first's write, which each save's save_wait_s tells apart.
   stall4) stall configs/pythia/6-9B.yml benchmarks/stall-6-9b-dp4.yml --save-interval 3 \
             --train-iters 6 ;;
+  tests2)
+    tier_marker=two_gpus tier tests ;;
+  speed-2gpu) bench --plan speed-2gpu --iters 12 --first 6 --timeout 200 ;;
+  moe2) moe --runs moe1 ep2 --micro-batch 8 --accum 4 --iters 8 --first 4 ;;
+  cp-chunks2) bench --plan cp-chunks2 --iters 8 --first 4 --timeout 150 ;;
   *) echo "unknown part $part" >&2; exit 2 ;;
 esac

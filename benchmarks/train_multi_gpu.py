@@ -115,6 +115,7 @@ FP8_ALL = {
 
 # Each sequence over 4 ranks (issue 38), the base of the cp4 runs.
 CP4 = {"num_gpus": 4, **DP_ONLY, "context_parallel_size": 4}
+CP2 = {"num_gpus": 2, **DP_ONLY, "context_parallel_size": 2}
 # TP2 x PP2 at 8 micro batches a step, the base of the tp2_pp2 runs.
 TP2_PP2 = {
     "num_gpus": 4,
@@ -151,6 +152,21 @@ RUNS: dict[str, dict[str, Any]] = {
     "pp2_accum8": {"num_gpus": 2, "pipe_parallel_size": 2, "gradient_accumulation_steps": 8},
     "tp2_accum8": {"num_gpus": 2, "model_parallel_size": 2, "gradient_accumulation_steps": 8},
     "dp2_zero3": {"num_gpus": 2, "zero_optimization": {"stage": 3}},
+    # dp4_accum8, dp4_accum8_fp8 and dp4_zero3_accum4 on a 2-GPU kind (multi_gpu.sh speed-2gpu):
+    # each GPU's work as at DP=4, the gradient reduction and ZeRO-3's gathers over 2 ranks
+    # (ZeRO-3 at 8 x 2 would take ~140 GiB here: half the shards of DP=4).
+    "dp2_mb2_accum8": {
+        "num_gpus": 2,
+        **DP_ONLY,
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 8,
+    },
+    "dp2_zero3_accum4": {
+        "num_gpus": 2,
+        **DP_ONLY,
+        "zero_optimization": {"stage": 3},
+        "gradient_accumulation_steps": 4,
+    },
     # The same at 8 micro batches a step, where ZeRO-3's per-micro-batch work hides behind
     # longer micro batches (one rank: 0.93x the flat engine at micro batch 8 x 8).
     "dp2_accum8": {"num_gpus": 2, "gradient_accumulation_steps": 8},
@@ -258,7 +274,10 @@ RUNS: dict[str, dict[str, Any]] = {
     },
     # Context parallelism (issue 38): each sequence over 4 ranks, or 2 beside TP=2.
     "cp4": CP4,
-    "cp2": {"num_gpus": 2, **DP_ONLY, "context_parallel_size": 2},  # the exchange on 2 GPUs
+    "cp2": CP2,  # the exchange on 2 GPUs
+    # cp4_chunks* on a 2-GPU kind: 8 heads a rank in 2 or 4 groups (multi_gpu.sh cp-chunks2).
+    "cp2_chunks2": {**CP2, "context_parallel_chunks": 2},
+    "cp2_chunks4": {**CP2, "context_parallel_chunks": 4},
     # The flat engine's gradient reduction (issues 34, 38): dp4 and cp4 take the Pythia file's
     # overlap_comm: true (buckets of 500M elements during the backward); beside them, the
     # reduce-scatter after the backward and buckets of 50M elements.
@@ -307,6 +326,7 @@ RUNS: dict[str, dict[str, Any]] = {
         "checkpoint_activations": True,
     },
 }
+RUNS["dp2_mb2_accum8_fp8"] = {**RUNS["dp2_mb2_accum8"], "fp8": FP8_ALL}
 # The config file's own precision, activation checkpointing and per-layer sync (MODEL_KEYS, which
 # OVERLAY otherwise replaces) at the run's layout and batch: configs/20B.yml's fp16, recompute and
 # synchronize_each_layer, as issue 34's 33.5% run had them (`multi_gpu.sh keys20b`); beside them,
@@ -339,7 +359,13 @@ ONE_GPU_EXTRA = (
     *(f"1gpu_ds_engine_accum8{s}" for s in KEY_SUFFIXES[1:]),
 )
 TWO_GPU_EXTRA = ("dp2_zero3", "dp2_accum8", "dp2_zero3_accum8", "tp2_sp_compile")
-TWO_GPU_EXTRA += ("pp2_accum8", "tp2_accum8")
+TWO_GPU_EXTRA += (
+    "pp2_accum8",
+    "tp2_accum8",
+    "dp2_mb2_accum8",
+    "dp2_mb2_accum8_fp8",
+    "dp2_zero3_accum4",
+)
 DIAGNOSTIC = ("tp2_compile_aot_eager",)
 # Issue 34's 4-GPU table and issue 10's 8-GPU targets, in order (--plan 4gpu / 8gpu).
 PLANS = {
@@ -382,6 +408,12 @@ PLANS = {
     "pipe-sends": [("20B-12L", r) for r in ("tp2_pp2", "tp2_pp2_whole_sends")],
     # ZeRO-3 at micro batch 8 x 2 beside 4 x 4 (multi_gpu.sh zero3-mb8; an H200's memory).
     "zero3-mb8": [("6-9B", r) for r in ("dp4_accum8", "dp4_zero3_accum4", "dp4_zero3_mb8")],
+    # speed3's 6.9B runs and cp-chunks at half the ranks, for a 2-GPU kind (multi_gpu.sh
+    # speed-2gpu, cp-chunks2): the per-GPU work of the 4-GPU runs, the collectives over 2.
+    "speed-2gpu": [
+        ("6-9B", r) for r in ("dp2_mb2_accum8", "dp2_mb2_accum8_fp8", "dp2_zero3_accum4")
+    ],
+    "cp-chunks2": [("1-4B-32k-keep", r) for r in ("1gpu", "cp2", "cp2_chunks2", "cp2_chunks4")],
     "cp-accum": [("1-4B-32k-keep", r) for r in ("1gpu_accum8", "cp4_accum8", "cp4_chunks2_accum8")],
     # Without recompute where the memory allows it (CP=4 always; one GPU on an H200, not an
     # H100: this plan is not in the H100 fit test).

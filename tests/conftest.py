@@ -23,14 +23,15 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """Tests marked `gpu` (run them alone with `pytest -m gpu`) are skipped without CUDA, those
-    marked `multigpu` (`pytest -m multigpu`) with fewer than 4 CUDA GPUs; the groups and order
-    for pytest-xdist workers are set first."""
+    marked `two_gpus` with fewer than 2 CUDA GPUs, `multigpu` (`pytest -m multigpu`) with fewer
+    than 4; the groups and order for pytest-xdist workers are set first."""
     group_for_xdist(items)
-    if torch.cuda.device_count() < 4:
-        few = pytest.mark.skip(reason="needs 4 CUDA GPUs")
-        for item in items:
-            if "multigpu" in item.keywords:
-                item.add_marker(few)
+    for mark, gpus in (("two_gpus", 2), ("multigpu", 4)):
+        if torch.cuda.device_count() < gpus:
+            few = pytest.mark.skip(reason=f"needs {gpus} CUDA GPUs")
+            for item in items:
+                if item.get_closest_marker(mark):
+                    item.add_marker(few)
     if torch.cuda.is_available():
         return
     no_gpu = pytest.mark.skip(reason="needs a CUDA GPU")

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 import yaml
 
 from neox.data.indexed import IndexedDatasetBuilder
@@ -25,8 +24,9 @@ from tests.process_helpers import child_env
 ROOT = Path(__file__).resolve().parents[1]
 
 # For tests marked `gpu` that launch two ranks, one GPU each. tests/conftest.py skips `gpu`
-# tests without CUDA and `multigpu` ones below 4 GPUs; this mark skips these on one GPU.
-TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+# tests without CUDA, these below 2 GPUs and `multigpu` ones below 4; `pytest -m two_gpus`
+# runs them alone (benchmarks/multi_gpu.sh tests2).
+TWO_GPUS = pytest.mark.two_gpus
 
 # A 5-step run that neither saves nor evaluates: for comparing losses across layouts.
 SHORT_RUN = dict(

@@ -70,6 +70,8 @@ def test_moe_and_dense_runs_log_the_same_active_flops():
     assert moe["total_params"] > 4 * moe["active_params"]  # 64 experts, 8 active
     assert ep4["expert_params_computed"] * 4 == moe["expert_params_held"]
     assert moe["all_to_all_gib_per_step"] == 0 < ep4["all_to_all_gib_per_step"]
+    ep2 = bench.plan_estimate(args, "ep2")  # the 2-GPU kind's run: 32 experts a rank
+    assert ep2["num_gpus"] == 2 and ep2["expert_params_computed"] * 2 == moe["expert_params_held"]
 
 
 def test_accumulation_is_the_same_for_every_run():
@@ -240,3 +242,5 @@ def test_rank_load_is_the_busiest_expert_groups_share_over_the_mean(tmp_path):
     assert bench.rank_load(metrics, 2, 2) == pytest.approx(2.5)
     assert bench.rank_load(metrics, 1, 1) == pytest.approx(4.0)
     assert bench.rank_load(metrics, 3, 4) is None
+    # Over 2 groups (ep2's ranks): the hot layer's first group takes it all, 2.0; mean 1.5.
+    assert bench.rank_load(metrics, 2, 2, ranks=2) == pytest.approx(1.5)

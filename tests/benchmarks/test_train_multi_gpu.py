@@ -115,22 +115,27 @@ def test_overlap_runs_reduce_gradients_as_named(model, run, tmp_path, capsys, mo
 
 
 CHUNK_RUNS = [
-    (m, r) for p in ("cp-chunks", "cp-accum") for m, r in BENCH.PLANS[p] if r.startswith("cp4")
+    (m, r)
+    for p in ("cp-chunks", "cp-accum", "cp-chunks2")
+    for m, r in BENCH.PLANS[p]
+    if r.startswith(("cp4", "cp2"))
 ]
 
 
 @pytest.mark.parametrize("model,run", CHUNK_RUNS, ids=[f"{m}-{r}" for m, r in CHUNK_RUNS])
 def test_cp_chunk_runs_name_their_head_groups(model, run, tmp_path, capsys, monkeypatch):
-    """multi_gpu.sh cp-chunks and cp-accum: cp4 and its runs in head groups (and at 8 micro
-    batches a step) pass the dry run at CP=4 with the accumulation asked, each
-    layer's attention line naming the exchange's groups (1.4B: 4 heads a rank)."""
+    """multi_gpu.sh cp-chunks, cp-accum and cp-chunks2: cp4 and cp2 and their runs in head
+    groups (and at 8 micro batches a step) pass the dry run at their CP size with the
+    accumulation asked, each layer's attention line naming the exchange's groups (1.4B's 16
+    heads: 4 a rank at CP=4, 8 at CP=2)."""
     out = dry_run(model, run, tmp_path, capsys, monkeypatch)
-    assert "layout: 4 GPU(s) = tp 1 x pp 1 x cp 4" in out
+    cp = BENCH.RUNS[run]["context_parallel_size"]
+    assert f"layout: {cp} GPU(s) = tp 1 x pp 1 x cp {cp}" in out
     accumulation = BENCH.RUNS[run].get("gradient_accumulation_steps", 1)
     assert f"accumulation {accumulation}," in out
     chunks = BENCH.RUNS[run].get("context_parallel_chunks", 1)
-    grouped = f"the exchange in {chunks} groups of {4 // chunks} query head"
-    attention = [line for line in out.splitlines() if "context parallel over 4 ranks" in line]
+    grouped = f"the exchange in {chunks} groups of {16 // cp // chunks} query head"
+    attention = [line for line in out.splitlines() if f"context parallel over {cp} ranks" in line]
     assert attention and all((grouped in line) == (chunks > 1) for line in attention), out
 
 
@@ -175,22 +180,22 @@ def test_the_default_table_stays_the_two_gpu_one():
     }
 
 
-H200_PLANS = [(m, r) for p in ("pipe-sends", "zero3-mb8") for m, r in BENCH.PLANS[p]]
+H200_PLANS = [(m, r) for p in ("pipe-sends", "zero3-mb8", "speed-2gpu") for m, r in BENCH.PLANS[p]]
 
 
 @pytest.mark.parametrize("model,run", H200_PLANS, ids=[f"{m}-{r}" for m, r in H200_PLANS])
-def test_pipe_sends_and_zero3_mb8_runs_dry_run_on_an_h200(
-    model, run, tmp_path, capsys, monkeypatch
-):
-    """multi_gpu.sh pipe-sends and zero3-mb8: each run's layout and micro batch as named, DeepSpeed
-    given whole pipeline sends where asked, and an estimate under an H200's memory."""
+def test_h200_only_runs_dry_run_on_an_h200(model, run, tmp_path, capsys, monkeypatch):
+    """multi_gpu.sh pipe-sends, zero3-mb8 and speed-2gpu: each run's layout and micro batch as
+    named, DeepSpeed given whole pipeline sends where asked, fp8 where asked, and an estimate
+    under an H200's memory."""
     out = dry_run(model, run, tmp_path, capsys, monkeypatch)
     keys = BENCH.RUNS[run]
+    gpus = keys["num_gpus"]
     tp, pp = keys.get("model_parallel_size", 1), keys.get("pipe_parallel_size", 1)
     micro = keys.get("train_micro_batch_size_per_gpu", BENCH.MICRO_BATCH[model])
     accumulation = keys["gradient_accumulation_steps"]
-    layout = f"tp {tp} x pp {pp} x dp {4 // tp // pp}; micro batch {micro} x seq 2048, "
-    assert f"layout: 4 GPU(s) = {layout}accumulation {accumulation}," in out
+    layout = f"tp {tp} x pp {pp} x dp {gpus // tp // pp}; micro batch {micro} x seq 2048, "
+    assert f"layout: {gpus} GPU(s) = {layout}accumulation {accumulation}," in out
     assert ('"pipe_partitioned": false' in out) == run.endswith("whole_sends")
     assert estimate_gib(out) < 139, f"{model} {run}: {estimate_gib(out)} GiB"
 

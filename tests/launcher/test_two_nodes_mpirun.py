@@ -2,8 +2,9 @@
 on an image without sshd: two names of this machine in /etc/hosts on loopback aliases
 (127.0.0.2, 127.0.0.3), a hostfile of those names with 2 slots each (launcher: openmpi refuses
 `include`), and Open MPI's remote-launch agent (`plm_rsh_agent`) replaced by a script that starts
-the "remote" daemon here, giving each name 2 of the GPUs through CUDA_VISIBLE_DEVICES. mpirun then starts one orted and one neox agent per name (checked with Open MPI
-4.1.4); the losses must equal the one-node run's."""
+the "remote" daemon here, giving each name its share of the GPUs through CUDA_VISIBLE_DEVICES.
+mpirun then starts one orted and one neox agent per name (checked with Open MPI 4.1.4); the
+losses must equal the one-node run's."""
 
 import os
 import shutil
@@ -12,7 +13,15 @@ from pathlib import Path
 import pytest
 
 from tests.port_helpers import free_port
-from tests.train_helpers import SHORT_RUN, losses, make_dataset, run_deepy, train, write_config
+from tests.train_helpers import (
+    SHORT_RUN,
+    TWO_GPUS,
+    losses,
+    make_dataset,
+    run_deepy,
+    train,
+    write_config,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -36,36 +45,50 @@ def node_names():
         HOSTS.write_text(before)
 
 
-def rsh_agent(tmp_path: Path) -> Path:
+def rsh_agent(tmp_path: Path, gpus: tuple[str, str] = ("0,1", "2,3")) -> Path:
     """plm_rsh_agent stand-in: log the host, drop it, run the orted command on this machine with
     that node's GPUs (the agent keeps a CUDA_VISIBLE_DEVICES it was started with)."""
     agent = tmp_path / "rsh_agent.sh"
     agent.write_text(
         f'#!/bin/sh\necho "$1" >> {tmp_path}/rsh.log\n'
-        'case "$1" in neox-node-a) export CUDA_VISIBLE_DEVICES=0,1;; '
-        "*) export CUDA_VISIBLE_DEVICES=2,3;; esac\n"
+        f'case "$1" in neox-node-a) export CUDA_VISIBLE_DEVICES={gpus[0]};; '
+        f"*) export CUDA_VISIBLE_DEVICES={gpus[1]};; esac\n"
         'shift\nexec sh -c "$*"\n'
     )
     agent.chmod(0o755)
     return agent
 
 
+# (ranks a node, TP size, each node's GPUs): two CPU ranks a node (CI); on a 4-GPU host 2 GPUs a
+# node at TP2 x DP2 (issue 34's layout); on a 2-GPU host one GPU a node, DP=2 across the "nodes".
+LAYOUTS = {
+    "cpu_ranks": (2, 2, ("0,1", "2,3")),
+    "gpus": (2, 2, ("0,1", "2,3")),
+    "gpus_one_each": (1, 1, ("0", "1")),
+}
+
+
 @pytest.mark.parametrize(
-    "cpu",
-    [True, pytest.param(False, marks=pytest.mark.multigpu)],
-    ids=["cpu_ranks", "gpus"],
+    "layout",
+    [
+        "cpu_ranks",
+        pytest.param("gpus", marks=pytest.mark.multigpu),
+        pytest.param("gpus_one_each", marks=[pytest.mark.gpu, TWO_GPUS]),
+    ],
 )
-def test_two_nodes_mpirun_match_one_node(node_names, cpu, tmp_path):
-    # fp32, TP2 x DP2, same reduction layout: the losses agree to rounding.
+def test_two_nodes_mpirun_match_one_node(node_names, layout, tmp_path):
+    slots, tp, gpus = LAYOUTS[layout]
+    cpu = layout == "cpu_ranks"
+    # fp32, the same reduction layout on one node and two: the losses agree to rounding.
     run = dict(
         SHORT_RUN,
-        model_parallel_size=2,
+        model_parallel_size=tp,
         distributed_backend="gloo" if cpu else "nccl",
         zero_optimization={},
         gradient_accumulation_steps=1,
     )
     make_dataset(tmp_path / "data" / "chars")
-    one = write_config(tmp_path, "one", num_gpus=4, **run)
+    one = write_config(tmp_path, "one", num_gpus=2 * slots, **run)
     if cpu:  # its CPU ranks started from this process (deepy.py on one node: tests/test_demo.py)
         train(one)
     else:
@@ -73,7 +96,7 @@ def test_two_nodes_mpirun_match_one_node(node_names, cpu, tmp_path):
 
     a, b = NODES
     hostfile = tmp_path / "hostfile"
-    hostfile.write_text(f"{a} slots=2\n{b} slots=2\n")
+    hostfile.write_text(f"{a} slots={slots}\n{b} slots={slots}\n")
     two = write_config(
         tmp_path,
         "two",
@@ -90,7 +113,7 @@ def test_two_nodes_mpirun_match_one_node(node_names, cpu, tmp_path):
         cpu=cpu,
         OMPI_ALLOW_RUN_AS_ROOT="1",
         OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-        OMPI_MCA_plm_rsh_agent=str(rsh_agent(tmp_path)),
+        OMPI_MCA_plm_rsh_agent=str(rsh_agent(tmp_path, gpus)),
         OMPI_MCA_oob_tcp_if_include="lo",
         OMPI_MCA_btl_tcp_if_include="lo",
     ).stdout
