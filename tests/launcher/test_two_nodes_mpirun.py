@@ -47,12 +47,17 @@ def node_names():
 
 def rsh_agent(tmp_path: Path, gpus: tuple[str, str] = ("0,1", "2,3")) -> Path:
     """plm_rsh_agent stand-in: log the host, drop it, run the orted command on this machine with
-    that node's GPUs (the agent keeps a CUDA_VISIBLE_DEVICES it was started with)."""
+    that node's GPUs (the agent keeps a CUDA_VISIBLE_DEVICES it was started with) and a session
+    directory of its own, as separate machines have: two daemons of one host name sharing
+    /tmp/ompi.<host>.<uid> race creating it ("mkdir ... File exists", 1 launch in 40 here)."""
+    for name in NODES:
+        (tmp_path / name).mkdir()
     agent = tmp_path / "rsh_agent.sh"
     agent.write_text(
         f'#!/bin/sh\necho "$1" >> {tmp_path}/rsh.log\n'
         f'case "$1" in neox-node-a) export CUDA_VISIBLE_DEVICES={gpus[0]};; '
         f"*) export CUDA_VISIBLE_DEVICES={gpus[1]};; esac\n"
+        f'export OMPI_MCA_orte_tmpdir_base="{tmp_path}/$1"\n'
         'shift\nexec sh -c "$*"\n'
     )
     agent.chmod(0o755)
