@@ -1,10 +1,10 @@
 """Two "nodes" on one host through mpirun (`launcher: openmpi`), the multi-node path that runs
 on an image without sshd: two names of this machine in /etc/hosts on loopback aliases
-(127.0.0.2, 127.0.0.3), a hostfile of those names with 2 slots each (launcher: openmpi refuses
-`include`), and Open MPI's remote-launch agent (`plm_rsh_agent`) replaced by a script that starts
-the "remote" daemon here, giving each name its share of the GPUs through CUDA_VISIBLE_DEVICES.
-mpirun then starts one orted and one neox agent per name (checked with Open MPI 4.1.4); the
-losses must equal the one-node run's."""
+(127.0.0.2, 127.0.0.3), a hostfile of those names with 2 slots each, or 1 on a 2-GPU host
+(launcher: openmpi refuses `include`), and Open MPI's remote-launch agent (`plm_rsh_agent`)
+replaced by a script that starts the "remote" daemon here, giving each name its share of the
+GPUs through CUDA_VISIBLE_DEVICES. mpirun then starts one orted and one neox agent per name
+(checked with Open MPI 4.1.4); the losses must equal the one-node run's."""
 
 import os
 import shutil
