@@ -134,8 +134,6 @@ TINY_RUNS: dict[str, dict[str, Any]] = {
     "ep4": {"num_gpus": 2, "moe_expert_parallel_size": 2},
     "dp4_moe": {"num_gpus": 2, "moe_expert_parallel_size": 1},
 }
-# The expert groups whose load `load` compares: the run's EP ranks, or EP=4's where it has none.
-LOAD_GROUPS = {"ep2": 2}
 
 
 def accumulation(args) -> int:
@@ -436,7 +434,9 @@ def measure(args, run: str, work: Path, data: Path) -> dict[str, Any]:
     last = args.iters - 2 if args.profile else args.iters  # profiled steps run slower
     if metrics.is_file() and logged_steps(metrics) >= last:
         rec |= summarize(metrics, args.first, last)
-        rec["load"] = rank_load(metrics, args.first, last, LOAD_GROUPS.get(run, 4))
+        # Over the run's EP ranks; over EP=4's where it has none (one GPU, data parallel only).
+        ep = RUNS[run].get("moe_expert_parallel_size", 1)
+        rec["load"] = rank_load(metrics, args.first, last, ep if ep > 1 else 4)
         if code != 0:  # e.g. the time limit reached while the profiler wrote its traces
             rec["ended_after_timed_steps"] = True
     else:

@@ -152,21 +152,6 @@ RUNS: dict[str, dict[str, Any]] = {
     "pp2_accum8": {"num_gpus": 2, "pipe_parallel_size": 2, "gradient_accumulation_steps": 8},
     "tp2_accum8": {"num_gpus": 2, "model_parallel_size": 2, "gradient_accumulation_steps": 8},
     "dp2_zero3": {"num_gpus": 2, "zero_optimization": {"stage": 3}},
-    # dp4_accum8, dp4_accum8_fp8 and dp4_zero3_accum4 on a 2-GPU kind (multi_gpu.sh speed-2gpu):
-    # each GPU's work as at DP=4, the gradient reduction and ZeRO-3's gathers over 2 ranks
-    # (ZeRO-3 at 8 x 2 would take ~140 GiB here: half the shards of DP=4).
-    "dp2_mb2_accum8": {
-        "num_gpus": 2,
-        **DP_ONLY,
-        "train_micro_batch_size_per_gpu": 2,
-        "gradient_accumulation_steps": 8,
-    },
-    "dp2_zero3_accum4": {
-        "num_gpus": 2,
-        **DP_ONLY,
-        "zero_optimization": {"stage": 3},
-        "gradient_accumulation_steps": 4,
-    },
     # The same at 8 micro batches a step, where ZeRO-3's per-micro-batch work hides behind
     # longer micro batches (one rank: 0.93x the flat engine at micro batch 8 x 8).
     "dp2_accum8": {"num_gpus": 2, "gradient_accumulation_steps": 8},
@@ -326,7 +311,15 @@ RUNS: dict[str, dict[str, Any]] = {
         "checkpoint_activations": True,
     },
 }
-RUNS["dp2_mb2_accum8_fp8"] = {**RUNS["dp2_mb2_accum8"], "fp8": FP8_ALL}
+# speed3's 6.9B runs on a 2-GPU kind (multi_gpu.sh speed-2gpu): each GPU's work as at DP=4, the
+# gradient reduction and ZeRO-3's gathers over 2 ranks (ZeRO-3 at 8 x 2 would take ~140 GiB
+# there: half the shards of DP=4).
+for four, two in (
+    ("dp4_accum8", "dp2_mb2_accum8"),
+    ("dp4_accum8_fp8", "dp2_mb2_accum8_fp8"),
+    ("dp4_zero3_accum4", "dp2_zero3_accum4"),
+):
+    RUNS[two] = {**RUNS[four], "num_gpus": 2}
 # The config file's own precision, activation checkpointing and per-layer sync (MODEL_KEYS, which
 # OVERLAY otherwise replaces) at the run's layout and batch: configs/20B.yml's fp16, recompute and
 # synchronize_each_layer, as issue 34's 33.5% run had them (`multi_gpu.sh keys20b`); beside them,

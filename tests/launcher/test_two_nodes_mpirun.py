@@ -45,7 +45,7 @@ def node_names():
         HOSTS.write_text(before)
 
 
-def rsh_agent(tmp_path: Path, gpus: tuple[str, str] = ("0,1", "2,3")) -> Path:
+def rsh_agent(tmp_path: Path, gpus: tuple[str, str]) -> Path:
     """plm_rsh_agent stand-in: log the host, drop it, run the orted command on this machine with
     that node's GPUs (the agent keeps a CUDA_VISIBLE_DEVICES it was started with) and a session
     directory of its own, as separate machines have: two daemons of one host name sharing
